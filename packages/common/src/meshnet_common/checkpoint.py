@@ -1,0 +1,267 @@
+"""Checkpoint index logic: which tensors a layer range needs, and which file holds each.
+
+A snapshot is an HF-layout folder holding ``config.json`` and either a single
+``model.safetensors`` or ``model.safetensors.index.json`` + shards. Tensors are always
+selected by *name* through the index: one layer often straddles two files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshnet_common.errors import ModelError, UnsupportedArchitecture
+from meshnet_common.layers import LayerRange
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# Files a node needs besides weights (those that exist are used).
+AUXILIARY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+@dataclass(frozen=True)
+class CheckpointNaming:
+    """How one model family names its tensors in a checkpoint."""
+
+    layer_prefix: str  # followed by "<i>."
+    head_prefixes: tuple[str, ...]  # embeddings (and learned positions)
+    tail_prefixes: tuple[str, ...]  # final norm and lm_head
+    tied_embedding: str  # the tensor lm_head reuses when embeddings are tied
+
+
+_DECODER = CheckpointNaming(
+    layer_prefix="model.layers.",
+    head_prefixes=("model.embed_tokens.",),
+    tail_prefixes=("model.norm.", "lm_head."),
+    tied_embedding="model.embed_tokens.weight",
+)
+_GPT2 = CheckpointNaming(
+    layer_prefix="transformer.h.",
+    head_prefixes=("transformer.wte.", "transformer.wpe."),
+    tail_prefixes=("transformer.ln_f.", "lm_head."),
+    tied_embedding="transformer.wte.weight",
+)
+
+# architecture (config.json "architectures"[0]) -> naming
+NAMING_BY_ARCHITECTURE: dict[str, CheckpointNaming] = {
+    "LlamaForCausalLM": _DECODER,
+    "MistralForCausalLM": _DECODER,
+    "Qwen2ForCausalLM": _DECODER,
+    "Qwen3ForCausalLM": _DECODER,
+    "GPT2LMHeadModel": _GPT2,
+}
+SUPPORTED_ARCHITECTURES = tuple(sorted(NAMING_BY_ARCHITECTURE))
+
+_SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's place in a checkpoint."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_config(snapshot: Path) -> dict:
+    """Read ``config.json``; raise ModelError naming the path when missing or corrupt."""
+    path = Path(snapshot) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ModelError(f"{path}: no config.json in snapshot") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: unreadable config ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ModelError(f"{path}: config must be a JSON object")
+    return config
+
+
+def architecture_of(config: dict, where: Path | str = "config.json") -> str:
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in NAMING_BY_ARCHITECTURE:
+        raise UnsupportedArchitecture(
+            f"{where}: unsupported architecture {arch!r}; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    return arch
+
+
+def num_layers_of(config: dict) -> int:
+    n = config.get("num_hidden_layers", config.get("n_layer"))
+    if not isinstance(n, int) or n <= 0:
+        raise ModelError("config has no positive num_hidden_layers / n_layer")
+    return n
+
+
+def _read_safetensors_header(path: Path) -> dict:
+    """Parse a safetensors header without touching tensor data."""
+    try:
+        with open(path, "rb") as fh:
+            raw_len = fh.read(8)
+            if len(raw_len) != 8:
+                raise ModelError(f"{path}: truncated safetensors file")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > 100 * 1024 * 1024:
+                raise ModelError(f"{path}: implausible safetensors header size {header_len}")
+            header = json.loads(fh.read(header_len))
+    except OSError as exc:
+        raise ModelError(f"{path}: unreadable weights file ({exc})") from exc
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}: corrupt safetensors header ({exc})") from exc
+    header.pop("__metadata__", None)
+    return header
+
+
+@dataclass
+class CheckpointIndex:
+    """Name -> file/shape/dtype map of every tensor in a snapshot, plus its config."""
+
+    root: Path
+    config: dict
+    architecture: str
+    num_layers: int
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def naming(self) -> CheckpointNaming:
+        return NAMING_BY_ARCHITECTURE[self.architecture]
+
+    @property
+    def tied_embeddings(self) -> bool:
+        if self.architecture == "GPT2LMHeadModel":
+            return True
+        return bool(self.config.get("tie_word_embeddings", False)) or "lm_head.weight" not in (
+            self.tensors
+        )
+
+    @classmethod
+    def load(cls, snapshot: Path | str) -> CheckpointIndex:
+        """Index a snapshot folder. Raises ModelError naming the path on any defect."""
+        root = Path(snapshot)
+        if not root.is_dir():
+            raise ModelError(f"{root}: not a directory")
+        config = read_config(root)
+        arch = architecture_of(config, root / "config.json")
+        num_layers = num_layers_of(config)
+        index_path = root / INDEX_FILE
+        files: Iterable[str]
+        if index_path.exists():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ModelError(f"{index_path}: corrupt checkpoint index ({exc})") from exc
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ModelError(f"{index_path}: empty or malformed weight_map")
+            files = sorted(set(weight_map.values()))
+        elif (root / SINGLE_FILE).exists():
+            weight_map = None
+            files = [SINGLE_FILE]
+        else:
+            raise ModelError(f"{root}: no {INDEX_FILE} or {SINGLE_FILE}")
+        tensors: dict[str, TensorInfo] = {}
+        for fname in files:
+            fpath = root / fname
+            if not fpath.resolve().is_relative_to(root.resolve()):
+                raise ModelError(f"{index_path}: file {fname!r} escapes the snapshot")
+            if not fpath.exists():
+                raise ModelError(f"{fpath}: listed in the index but missing")
+            for name, meta in _read_safetensors_header(fpath).items():
+                shape = tuple(int(d) for d in meta["shape"])
+                numel = 1
+                for d in shape:
+                    numel *= d
+                dtype = meta["dtype"]
+                tensors[name] = TensorInfo(
+                    name, fname, dtype, shape, numel * _SAFETENSORS_DTYPE_BYTES.get(dtype, 2)
+                )
+        if weight_map is not None:
+            missing = [n for n, f in weight_map.items() if tensors.get(n, None) is None]
+            if missing:
+                raise ModelError(f"{index_path}: tensors listed but absent from files: {missing[:3]}")
+        return cls(root=root, config=config, architecture=arch, num_layers=num_layers, tensors=tensors)
+
+    def layer_of(self, name: str) -> int | None:
+        """Decoder layer index a tensor belongs to, or None for non-layer tensors."""
+        prefix = self.naming.layer_prefix
+        if not name.startswith(prefix):
+            return None
+        match = re.match(r"(\d+)\.", name[len(prefix) :])
+        return int(match.group(1)) if match else None
+
+    def tensors_for(self, layers: LayerRange) -> list[str]:
+        """Names of every tensor a node serving ``layers`` must hold, in checkpoint order."""
+        layers.check_within(self.num_layers)
+        naming = self.naming
+        wanted: list[str] = []
+        for name in self.tensors:
+            layer = self.layer_of(name)
+            if layer is not None:
+                if layer in layers:
+                    wanted.append(name)
+            elif layers.is_head() and name.startswith(naming.head_prefixes):
+                wanted.append(name)
+            elif layers.is_tail(self.num_layers) and name.startswith(naming.tail_prefixes):
+                wanted.append(name)
+        if (
+            layers.is_tail(self.num_layers)
+            and self.tied_embeddings
+            and naming.tied_embedding in self.tensors
+            and naming.tied_embedding not in wanted
+        ):
+            wanted.append(naming.tied_embedding)
+        return wanted
+
+    def files_for(self, layers: LayerRange) -> list[str]:
+        """Weight files holding at least one tensor of ``layers``."""
+        return sorted({self.tensors[n].file for n in self.tensors_for(layers)})
+
+    def bytes_for(self, layers: LayerRange) -> int:
+        """Bytes of the checkpoint's tensors for ``layers`` (at the checkpoint's dtype)."""
+        return sum(self.tensors[n].nbytes for n in self.tensors_for(layers))
+
+    def numel_for(self, layers: LayerRange) -> int:
+        total = 0
+        for n in self.tensors_for(layers):
+            numel = 1
+            for d in self.tensors[n].shape:
+                numel *= d
+            total += numel
+        return total
+
+    def auxiliary_files(self) -> list[str]:
+        """Config/tokenizer/generation files present in the snapshot."""
+        return [f for f in AUXILIARY_FILES if (self.root / f).exists()]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def dtype(self) -> str:
+        """The dominant tensor dtype (by bytes), e.g. ``BF16``."""
+        by_dtype: dict[str, int] = {}
+        for t in self.tensors.values():
+            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+        return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "unknown"

@@ -1,0 +1,86 @@
+"""Domain errors shared by tracker and nodes; each maps to one HTTP status in one place."""
+
+from __future__ import annotations
+
+
+class MeshnetError(Exception):
+    """Base of meshnet's domain errors. ``status`` is the HTTP status the API answers with."""
+
+    status: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_openai(self) -> dict:
+        """OpenAI-style error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(MeshnetError):
+    """The caller sent something malformed or out of range (400)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(InvalidRequest):
+    """A body or tensor exceeds the configured limit (413)."""
+
+    status = 413
+
+
+class NotFound(MeshnetError):
+    """Unknown model, session or file (404)."""
+
+    status = 404
+    error_type = "not_found_error"
+
+
+class Conflict(MeshnetError):
+    """The request does not fit the current state, e.g. a wrong session position (409)."""
+
+    status = 409
+    error_type = "invalid_request_error"
+
+
+class CapacityExceeded(MeshnetError):
+    """Retryable refusal: a KV budget or concurrency limit is full (503)."""
+
+    status = 503
+    error_type = "server_overloaded"
+
+
+class ModelNotCovered(MeshnetError):
+    """No chain of serving nodes covers the model's layers (503)."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
+class ModelError(MeshnetError):
+    """A model snapshot is missing, corrupt or unsupported (operator-facing)."""
+
+    status = 500
+    error_type = "model_error"
+
+
+class UnsupportedArchitecture(ModelError):
+    """The model's architecture has no adapter."""
+
+
+class InsufficientMemory(MeshnetError):
+    """The shard does not fit the declared or available memory."""
+
+    status = 507
+    error_type = "insufficient_memory"

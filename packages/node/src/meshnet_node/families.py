@@ -1,0 +1,142 @@
+"""Model-family adapters: the only place that knows how each family names and calls things.
+
+Each supported architecture has one ``FamilyAdapter``: where the layer list, embeddings and
+final norm live in the HF module tree, whether it uses rotary embeddings, and how one
+decoder layer is called with a stage-local KV cache. The stage runs a per-layer loop with
+these adapters instead of the stock base-model forward, which breaks on trimmed layer lists
+(GPT-2 always adds learned positions; Qwen2 indexes ``layer_types`` with local indices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import (
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    PreTrainedConfig,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+from transformers.cache_utils import Cache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from meshnet_common.checkpoint import SUPPORTED_ARCHITECTURES
+from meshnet_common.errors import UnsupportedArchitecture
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+LayerCall = Callable[..., torch.Tensor]
+
+
+def _call_decoder_layer(layer, hidden, *, mask, position_ids, cache, position_embeddings):
+    # transformers 5.x: the keyword is `cache=`; decoder layers return a tensor.
+    return layer(
+        hidden,
+        attention_mask=mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
+        position_embeddings=position_embeddings,
+    )
+
+
+def _call_gpt2_block(layer, hidden, *, mask, position_ids, cache, position_embeddings):
+    # GPT-2 blocks take the cache positionally before the mask, and have no rotary.
+    return layer(hidden, cache, mask, use_cache=True, position_ids=position_ids)
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """How one architecture's modules are found and called."""
+
+    family: str
+    model_class: type[nn.Module]
+    base_attr: str  # attribute of the *ForCausalLM holding the base model
+    layers_attr: str
+    embed_attr: str
+    position_embed_attr: str | None  # learned absolute positions (GPT-2)
+    norm_attr: str
+    rotary: bool
+    call_layer: LayerCall
+
+    def layer_types(self, config: PreTrainedConfig) -> list[str]:
+        """Attention type of every global layer (full or sliding window)."""
+        n = config.num_hidden_layers
+        declared = getattr(config, "layer_types", None)
+        if declared:
+            return list(declared[:n])
+        if self.family == "mistral" and getattr(config, "sliding_window", None):
+            return [SLIDING] * n
+        return [FULL] * n
+
+
+ADAPTERS: dict[str, FamilyAdapter] = {
+    "LlamaForCausalLM": FamilyAdapter(
+        "llama", LlamaForCausalLM, "model", "layers", "embed_tokens", None, "norm", True,
+        _call_decoder_layer,
+    ),
+    "MistralForCausalLM": FamilyAdapter(
+        "mistral", MistralForCausalLM, "model", "layers", "embed_tokens", None, "norm", True,
+        _call_decoder_layer,
+    ),
+    "Qwen2ForCausalLM": FamilyAdapter(
+        "qwen2", Qwen2ForCausalLM, "model", "layers", "embed_tokens", None, "norm", True,
+        _call_decoder_layer,
+    ),
+    "Qwen3ForCausalLM": FamilyAdapter(
+        "qwen3", Qwen3ForCausalLM, "model", "layers", "embed_tokens", None, "norm", True,
+        _call_decoder_layer,
+    ),
+    "GPT2LMHeadModel": FamilyAdapter(
+        "gpt2", GPT2LMHeadModel, "transformer", "h", "wte", "wpe", "ln_f", False,
+        _call_gpt2_block,
+    ),
+}  # fmt: skip
+
+if set(ADAPTERS) != set(SUPPORTED_ARCHITECTURES):  # keep common's naming table in step
+    raise RuntimeError("family adapters and checkpoint naming disagree")
+
+
+def adapter_for(config: PreTrainedConfig) -> FamilyAdapter:
+    """The adapter for ``config``'s architecture, or UnsupportedArchitecture."""
+    archs = getattr(config, "architectures", None) or []
+    arch = archs[0] if archs else None
+    adapter = ADAPTERS.get(arch)
+    if adapter is None:
+        raise UnsupportedArchitecture(
+            f"unsupported architecture {arch!r}; supported: {', '.join(sorted(ADAPTERS))}"
+        )
+    return adapter
+
+
+def build_masks(
+    stage_config: PreTrainedConfig,
+    layer_types: list[str],
+    hidden: torch.Tensor,
+    cache: Cache,
+    position_ids: torch.Tensor,
+) -> dict[str, torch.Tensor | None]:
+    """One attention mask per attention type present in the stage.
+
+    Must run before the layers append this chunk to the cache: mask sizes come from the
+    cache's current length.
+    """
+    masks: dict[str, torch.Tensor | None] = {}
+    kwargs = dict(
+        config=stage_config,
+        inputs_embeds=hidden,
+        attention_mask=None,
+        cache=cache,
+        position_ids=position_ids,
+    )
+    if FULL in layer_types:
+        masks[FULL] = create_causal_mask(**kwargs)
+    if SLIDING in layer_types:
+        masks[SLIDING] = create_sliding_window_causal_mask(**kwargs)
+    return masks

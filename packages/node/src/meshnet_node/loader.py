@@ -1,0 +1,215 @@
+"""Load only a shard: build the model skeleton on meta, materialize just ``layers[start:end]``.
+
+The head also materializes token (and learned position) embeddings, the tail the final
+norm and ``lm_head`` — from the embedding tensor when embeddings are tied. Tensors are read
+by name through the checkpoint index, so layers that straddle files are handled.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PreTrainedConfig
+
+from meshnet_common.checkpoint import CheckpointIndex
+from meshnet_common.errors import ModelError
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+from meshnet_node.families import FamilyAdapter, adapter_for
+from meshnet_node.quantization import quantize_linears
+
+logger = logging.getLogger(__name__)
+
+
+class StageModules(nn.Module):
+    """The real modules of one shard; absent roles are None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed: nn.Module | None = None
+        self.position_embed: nn.Module | None = None
+        self.layers = nn.ModuleList()
+        self.norm: nn.Module | None = None
+        self.lm_head: nn.Module | None = None
+        self.rotary: nn.Module | None = None
+
+
+@dataclass
+class LoadedShard:
+    """A materialized layer range plus everything needed to run it."""
+
+    snapshot: Path
+    config: PreTrainedConfig  # the full model's config
+    stage_config: PreTrainedConfig  # config sliced to this stage's layers (for caches and masks)
+    adapter: FamilyAdapter
+    layers: LayerRange
+    num_layers: int
+    precision: Precision
+    device: torch.device
+    modules: StageModules
+    layer_types: list[str]  # attention type per local layer
+
+    @property
+    def is_head(self) -> bool:
+        return self.layers.is_head()
+
+    @property
+    def is_tail(self) -> bool:
+        return self.layers.is_tail(self.num_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(getattr(self.config, "hidden_size", getattr(self.config, "n_embd", 0)))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.modules.parameters())
+
+
+def _local_name(name: str, adapter: FamilyAdapter, index: CheckpointIndex, start: int) -> str:
+    """Map a checkpoint tensor name to its key in ``StageModules``."""
+    base = adapter.base_attr
+    layer = index.layer_of(name)
+    if layer is not None:
+        rest = name[len(index.naming.layer_prefix) :].split(".", 1)[1]
+        return f"layers.{layer - start}.{rest}"
+    for prefix, local in (
+        (f"{base}.{adapter.embed_attr}.", "embed."),
+        (f"{base}.{adapter.position_embed_attr}.", "position_embed."),
+        (f"{base}.{adapter.norm_attr}.", "norm."),
+        ("lm_head.", "lm_head."),
+    ):
+        if name.startswith(prefix):
+            return local + name[len(prefix) :]
+    raise ModelError(f"{index.root}: tensor {name!r} has no place in a stage")
+
+
+def stage_config_for(config: PreTrainedConfig, layers: LayerRange) -> PreTrainedConfig:
+    """The config a per-stage KV cache and mask need: only this stage's layers."""
+    stage = copy.deepcopy(config)
+    stage.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        stage.layer_types = list(config.layer_types[layers.start : layers.end])
+    if hasattr(stage, "max_window_layers"):
+        # Qwen2 derives layer_types from this on re-init; keep the slice authoritative.
+        stage.max_window_layers = max(0, config.max_window_layers - layers.start)
+    return stage
+
+
+def _read_tensors(
+    index: CheckpointIndex, names: list[str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        by_file[index.tensors[name].file].append(name)
+    out: dict[str, torch.Tensor] = {}
+    for fname, file_names in by_file.items():
+        with safe_open(str(index.root / fname), framework="pt", device="cpu") as fh:
+            for name in file_names:
+                tensor = fh.get_tensor(name)
+                # A copy detaches from the mmap'd file (it may be replaced) and casts.
+                out[name] = tensor.to(dtype=dtype, copy=True)
+    return out
+
+
+def _still_meta(module: nn.Module) -> list[str]:
+    names = [n for n, p in module.named_parameters() if p.is_meta]
+    names += [n for n, b in module.named_buffers() if b.is_meta]
+    return names
+
+
+def load_shard(
+    snapshot: Path | str,
+    layers: LayerRange,
+    precision: Precision = Precision.BFLOAT16,
+    device: str = "cpu",
+) -> LoadedShard:
+    """Materialize ``layers`` of the snapshot (plus head/tail extras) and nothing more."""
+    index = CheckpointIndex.load(snapshot)
+    layers.check_within(index.num_layers)
+    config = AutoConfig.from_pretrained(index.root)
+    adapter = adapter_for(config)
+    dtype = precision.compute_dtype
+    with torch.device("meta"):
+        full = adapter.model_class(config)
+    config = full.config  # carries the resolved attention implementation
+    base = getattr(full, adapter.base_attr)
+    modules = StageModules()
+    modules.layers = nn.ModuleList(list(getattr(base, adapter.layers_attr))[layers.start : layers.end])
+    for local_idx, layer in enumerate(modules.layers):
+        # The stage's KV cache has one slot per local layer: remap indices from global.
+        for sub in layer.modules():
+            if hasattr(sub, "layer_idx"):
+                sub.layer_idx = local_idx
+    is_head, is_tail = layers.is_head(), layers.is_tail(index.num_layers)
+    if is_head:
+        modules.embed = getattr(base, adapter.embed_attr)
+        if adapter.position_embed_attr:
+            modules.position_embed = getattr(base, adapter.position_embed_attr)
+    if is_tail:
+        modules.norm = getattr(base, adapter.norm_attr)
+        modules.lm_head = full.lm_head
+    rotary_cls = type(base.rotary_emb) if adapter.rotary else None
+    del full, base
+
+    names = index.tensors_for(layers)
+    tensors = _read_tensors(index, names, dtype)
+    state = {_local_name(n, adapter, index, layers.start): t for n, t in tensors.items()}
+    if is_tail and "lm_head.weight" not in state:
+        tied = index.naming.tied_embedding
+        if tied not in tensors:
+            raise ModelError(f"{index.root}: no lm_head.weight and no tied embedding {tied}")
+        state["lm_head.weight"] = tensors[tied]
+    expected = set(modules.state_dict().keys())
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    for key in unexpected:
+        state.pop(key)
+        if not key.startswith("embed.") and not key.startswith("position_embed."):
+            raise ModelError(f"{index.root}: checkpoint tensor {key!r} has no module in the stage")
+    modules.load_state_dict(state, strict=False, assign=True)
+    del state, tensors
+    if rotary_cls is not None:
+        # Built outside the meta context so inv_freq is real (and stays float32).
+        modules.rotary = rotary_cls(config=config)
+    if missing:
+        raise ModelError(f"{index.root}: checkpoint lacks tensors for {missing[:5]}")
+    quantize_linears(modules.layers, precision, device)
+    modules.to(device)
+    meta_left = _still_meta(modules)
+    if meta_left:
+        # Refuse to serve a half-materialized model (e.g. a checkpoint missing tensors).
+        raise ModelError(f"{index.root}: still on the meta device after loading: {meta_left[:5]}")
+    modules.eval().requires_grad_(False)
+    logger.info(
+        "loaded %s layers %s (%s, %.1f MiB of parameters)",
+        index.root.name, layers, precision.value,
+        sum(p.numel() * p.element_size() for p in modules.parameters()) / 2**20,
+    )  # fmt: skip
+    return LoadedShard(
+        snapshot=index.root,
+        config=config,
+        stage_config=stage_config_for(config, layers),
+        adapter=adapter,
+        layers=layers,
+        num_layers=index.num_layers,
+        precision=precision,
+        device=torch.device(device),
+        modules=modules,
+        layer_types=adapter.layer_types(config)[layers.start : layers.end],
+    )
+

@@ -1,0 +1,159 @@
+"""Per-session KV caches on one stage, with an idle timeout and a token budget."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache, PreTrainedConfig
+
+from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, NotFound
+from meshnet_node.sampling import Sampler, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_SESSION_ID_LEN = 128
+
+
+@dataclass
+class Session:
+    """One generation's state on one stage: its KV cache and how many tokens it holds."""
+
+    session_id: str
+    cache: DynamicCache
+    length: int = 0  # tokens already in the cache == position of the next token
+    sampler: Sampler | None = None  # tail only
+    last_used: float = field(default_factory=time.monotonic)
+    owner: str | None = None  # who opened it; steps from anyone else are refused
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def check_session_id(session_id: object) -> str:
+    """Session ids are short printable tokens chosen by the head."""
+    if (
+        not isinstance(session_id, str)
+        or not 0 < len(session_id) <= MAX_SESSION_ID_LEN
+        or not all(c.isalnum() or c in "-_." for c in session_id)
+    ):
+        raise InvalidRequest(
+            "session id must be 1-128 characters of [A-Za-z0-9._-]", param="session_id"
+        )
+    return session_id
+
+
+class SessionStore:
+    """All sessions of a stage. Thread-safe; enforces the KV token budget and idle expiry."""
+
+    def __init__(
+        self,
+        stage_config: PreTrainedConfig,
+        *,
+        kv_budget_tokens: int,
+        idle_timeout_s: float = 300.0,
+        max_sessions: int = 256,
+    ) -> None:
+        self._stage_config = stage_config
+        self.kv_budget_tokens = kv_budget_tokens
+        self.idle_timeout_s = idle_timeout_s
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._reserved_tokens = 0  # tokens promised to steps in flight
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def tokens_held(self) -> int:
+        with self._lock:
+            return sum(s.length for s in self._sessions.values())
+
+    def open(
+        self,
+        session_id: str,
+        *,
+        sampling: SamplingParams | None = None,
+        owner: str | None = None,
+    ) -> Session:
+        """Create a session; refuse (retryably) when the stage is full."""
+        check_session_id(session_id)
+        self.expire_idle()
+        with self._lock:
+            if session_id in self._sessions:
+                raise Conflict(f"session {session_id} already exists", param="session_id")
+            if len(self._sessions) >= self.max_sessions:
+                raise CapacityExceeded(
+                    f"stage holds {len(self._sessions)} sessions (limit {self.max_sessions}); "
+                    "retry later",
+                    code="too_many_sessions",
+                )
+            if self._used_tokens() >= self.kv_budget_tokens:
+                raise CapacityExceeded(
+                    f"KV budget of {self.kv_budget_tokens} tokens is full; retry later",
+                    code="kv_budget_full",
+                )
+            session = Session(
+                session_id=session_id,
+                cache=DynamicCache(config=self._stage_config),
+                sampler=Sampler(sampling) if sampling is not None else None,
+                owner=owner,
+            )
+            self._sessions[session_id] = session
+            return session
+
+    def get(self, session_id: str, *, owner: str | None = None) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"unknown session {session_id!r}", param="session_id")
+        if session.owner is not None and owner != session.owner:
+            raise NotFound(f"unknown session {session_id!r}", param="session_id")
+        return session
+
+    def close(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def _used_tokens(self) -> int:
+        return sum(s.length for s in self._sessions.values()) + self._reserved_tokens
+
+    def reserve(self, session: Session, position: int, num_tokens: int) -> None:
+        """Check a step before it runs: right position, and room in the KV budget."""
+        if position != session.length:
+            raise Conflict(
+                f"session {session.session_id} is at position {session.length}, "
+                f"step starts at {position}",
+                param="position",
+                code="wrong_position",
+            )
+        with self._lock:
+            if self._used_tokens() + num_tokens > self.kv_budget_tokens:
+                raise CapacityExceeded(
+                    f"KV budget of {self.kv_budget_tokens} tokens would be exceeded; retry later",
+                    code="kv_budget_full",
+                )
+            self._reserved_tokens += num_tokens
+
+    def commit(self, session: Session, num_tokens: int, *, ok: bool) -> None:
+        """Settle a reservation once the step finished (or failed)."""
+        with self._lock:
+            self._reserved_tokens -= num_tokens
+            if ok:
+                session.length += num_tokens
+                session.last_used = time.monotonic()
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Drop sessions idle longer than the timeout; returns their ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [
+                sid
+                for sid, s in self._sessions.items()
+                if now - s.last_used > self.idle_timeout_s and not s.lock.locked()
+            ]
+            for sid in stale:
+                del self._sessions[sid]
+        if stale:
+            logger.info("expired %d idle sessions", len(stale))
+        return stale

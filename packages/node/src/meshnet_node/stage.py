@@ -1,0 +1,191 @@
+"""Execute one stage (a loaded shard) for many sessions, one chunk or decode step at a time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from meshnet_common.errors import InvalidRequest
+from meshnet_node.families import build_masks
+from meshnet_node.loader import LoadedShard
+from meshnet_node.sampling import SampledToken, SamplingParams
+from meshnet_node.sessions import Session, SessionStore
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_TOKENS = 128
+_ACCEPTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass
+class StepOutput:
+    """What a stage produces: hidden states (head/middle) or last-token logits (tail)."""
+
+    hidden: torch.Tensor | None = None  # (1, T, H) in the stage's activation dtype
+    logits: torch.Tensor | None = None  # (V,) float32, tail only
+    token: SampledToken | None = None  # tail only, when the session samples
+
+
+class Stage:
+    """A loaded shard plus its sessions; ``step`` runs one chunk through the shard's layers."""
+
+    def __init__(
+        self,
+        shard: LoadedShard,
+        *,
+        max_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        kv_budget_tokens: int = 65536,
+        idle_timeout_s: float = 300.0,
+        max_sessions: int = 256,
+    ) -> None:
+        self.shard = shard
+        self.max_chunk_tokens = max_chunk_tokens
+        self.max_positions = int(
+            getattr(shard.config, "max_position_embeddings", 0)
+            or getattr(shard.config, "n_positions", 0)
+            or 1 << 20
+        )
+        self.sessions = SessionStore(
+            shard.stage_config,
+            kv_budget_tokens=kv_budget_tokens,
+            idle_timeout_s=idle_timeout_s,
+            max_sessions=max_sessions,
+        )
+
+    def open_session(
+        self,
+        session_id: str,
+        *,
+        sampling: SamplingParams | None = None,
+        owner: str | None = None,
+    ) -> Session:
+        if sampling is None and self.shard.is_tail:
+            sampling = SamplingParams()
+        return self.sessions.open(
+            session_id, sampling=sampling if self.shard.is_tail else None, owner=owner
+        )
+
+    def close_session(self, session_id: str) -> bool:
+        return self.sessions.close(session_id)
+
+    # -- validation -------------------------------------------------------------------------
+
+    def _check_inputs(
+        self, token_ids: torch.Tensor | None, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Validate a step's input and return it shaped (1, T) ids or (1, T, H) hidden."""
+        shard = self.shard
+        if shard.is_head:
+            if token_ids is None or hidden is not None:
+                raise InvalidRequest("the head stage takes token ids", param="token_ids")
+            if token_ids.dtype not in (torch.int64, torch.int32):
+                raise InvalidRequest(f"token ids must be integers, got {token_ids.dtype}")
+            ids = token_ids.reshape(1, -1).to(torch.int64)  # (1, T)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shard.vocab_size):
+                raise InvalidRequest(
+                    f"token ids must lie in [0, {shard.vocab_size})", param="token_ids"
+                )
+            tensor = ids
+        else:
+            if hidden is None or token_ids is not None:
+                raise InvalidRequest("this stage takes hidden states", param="hidden")
+            if hidden.dtype not in _ACCEPTED_HIDDEN_DTYPES:
+                raise InvalidRequest(
+                    f"hidden states must be bfloat16 or float32, got {hidden.dtype}",
+                    param="hidden",
+                )
+            if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != shard.hidden_size:
+                raise InvalidRequest(
+                    f"hidden states must have shape (1, T, {shard.hidden_size}), "
+                    f"got {tuple(hidden.shape)}",
+                    param="hidden",
+                )
+            if not torch.isfinite(hidden).all():
+                raise InvalidRequest("hidden states contain NaN or inf", param="hidden")
+            tensor = hidden
+        num_tokens = tensor.shape[1]
+        if not 0 < num_tokens <= self.max_chunk_tokens:
+            raise InvalidRequest(
+                f"a step carries 1..{self.max_chunk_tokens} tokens, got {num_tokens}",
+                param="num_tokens",
+            )
+        return tensor
+
+    # -- execution --------------------------------------------------------------------------
+
+    def step(
+        self,
+        session_id: str,
+        position: int,
+        *,
+        token_ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        owner: str | None = None,
+        sample: bool = True,
+    ) -> StepOutput:
+        """Run ``T`` tokens starting at absolute ``position`` through this stage.
+
+        Every check happens before any layer runs, so a rejected step leaves the session
+        exactly as it was.
+        """
+        session = self.sessions.get(session_id, owner=owner)
+        if not isinstance(position, int) or position < 0:
+            raise InvalidRequest("position must be a non-negative integer", param="position")
+        tensor = self._check_inputs(token_ids, hidden)
+        num_tokens = tensor.shape[1]
+        if position + num_tokens > self.max_positions:
+            raise InvalidRequest(
+                f"positions up to {position + num_tokens} exceed the model's context of "
+                f"{self.max_positions}",
+                param="position",
+            )
+        with session.lock:
+            self.sessions.reserve(session, position, num_tokens)
+            ok = False
+            try:
+                out = self._forward(session, position, tensor)
+                ok = True
+            except Exception:
+                # A failure inside the layers may have left a partial chunk in the cache.
+                logger.exception("step failed; dropping session %s", session_id)
+                self.sessions.close(session_id)
+                raise
+            finally:
+                self.sessions.commit(session, num_tokens, ok=ok)
+            if out.logits is not None and sample and session.sampler is not None:
+                out.token = session.sampler(out.logits)
+            return out
+
+    @torch.inference_mode()
+    def _forward(self, session: Session, position: int, inputs: torch.Tensor) -> StepOutput:
+        shard = self.shard
+        mods = shard.modules
+        device = shard.device
+        num_tokens = inputs.shape[1]
+        position_ids = torch.arange(position, position + num_tokens, device=device).unsqueeze(0)
+        if shard.is_head:
+            hidden = mods.embed(inputs.to(device))  # (1, T, H)
+            if mods.position_embed is not None:
+                hidden = hidden + mods.position_embed(position_ids)
+        else:
+            hidden = inputs.to(device=device, dtype=shard.activation_dtype)  # (1, T, H)
+        cache = session.cache
+        masks = build_masks(shard.stage_config, shard.layer_types, hidden, cache, position_ids)
+        rotary = mods.rotary(hidden, position_ids) if mods.rotary is not None else None
+        call = shard.adapter.call_layer
+        for layer, layer_type in zip(mods.layers, shard.layer_types, strict=True):
+            hidden = call(
+                layer,
+                hidden,
+                mask=masks[layer_type],
+                position_ids=position_ids,
+                cache=cache,
+                position_embeddings=rotary,
+            )
+        if not shard.is_tail:
+            return StepOutput(hidden=hidden.to(shard.activation_dtype))
+        last = mods.norm(hidden[:, -1:, :])  # (1, 1, H)
+        logits = mods.lm_head(last).float().reshape(-1)  # (V,)
+        return StepOutput(logits=logits)
