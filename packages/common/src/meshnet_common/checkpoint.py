@@ -12,7 +12,7 @@ import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from meshnet_common.errors import ModelError, UnsupportedArchitecture
 from meshnet_common.layers import LayerRange
@@ -183,7 +183,8 @@ class CheckpointIndex:
         tensors: dict[str, TensorInfo] = {}
         for fname in files:
             fpath = root / fname
-            if not fpath.resolve().is_relative_to(root.resolve()):
+            # Lexical check, not resolve(): hub-cache snapshot files are symlinks to ../../blobs.
+            if PurePosixPath(fname).is_absolute() or ".." in PurePosixPath(fname).parts:
                 raise ModelError(f"{index_path}: file {fname!r} escapes the snapshot")
             if not fpath.exists():
                 raise ModelError(f"{fpath}: listed in the index but missing")

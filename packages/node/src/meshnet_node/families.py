@@ -121,22 +121,24 @@ def build_masks(
     hidden: torch.Tensor,
     cache: Cache,
     position_ids: torch.Tensor,
+    first_layer: int = 0,
 ) -> dict[str, torch.Tensor | None]:
-    """One attention mask per attention type present in the stage.
+    """One attention mask per attention type among the stage's layers ``first_layer..``.
 
     Must run before the layers append this chunk to the cache: mask sizes come from the
-    cache's current length.
+    cache's current length, read from the first layer of each type that this session runs
+    (layers before ``first_layer`` are never run for it and their cache slots stay empty).
     """
     masks: dict[str, torch.Tensor | None] = {}
-    kwargs = dict(
-        config=stage_config,
-        inputs_embeds=hidden,
-        attention_mask=None,
-        cache=cache,
-        position_ids=position_ids,
-    )
-    if FULL in layer_types:
-        masks[FULL] = create_causal_mask(**kwargs)
-    if SLIDING in layer_types:
-        masks[SLIDING] = create_sliding_window_causal_mask(**kwargs)
+    for layer_type, make_mask in ((FULL, create_causal_mask), (SLIDING, create_sliding_window_causal_mask)):
+        local = [i for i in range(first_layer, len(layer_types)) if layer_types[i] == layer_type]
+        if local:
+            masks[layer_type] = make_mask(
+                config=stage_config,
+                inputs_embeds=hidden,
+                attention_mask=None,
+                cache=cache,
+                position_ids=position_ids,
+                layer_idx=local[0],
+            )
     return masks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from meshnet_common.errors import ModelError
 from meshnet_common.precision import Precision
 
 logger = logging.getLogger(__name__)
+
+# bitsandbytes warns on every int8 matmul that bf16 inputs are cast to fp16; that is expected.
+warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 
 NF4_CPU_BLOCK = 32  # bitsandbytes' CPU 4-bit kernel needs output widths divisible by this
 

@@ -27,6 +27,7 @@ class Session:
     sampler: Sampler | None = None  # tail only
     last_used: float = field(default_factory=time.monotonic)
     owner: str | None = None  # who opened it; steps from anyone else are refused
+    first_layer: int = 0  # local index of the first layer this session runs (overlapping hops)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -76,6 +77,7 @@ class SessionStore:
         *,
         sampling: SamplingParams | None = None,
         owner: str | None = None,
+        first_layer: int = 0,
     ) -> Session:
         """Create a session; refuse (retryably) when the stage is full."""
         check_session_id(session_id)
@@ -99,9 +101,14 @@ class SessionStore:
                 cache=DynamicCache(config=self._stage_config),
                 sampler=Sampler(sampling) if sampling is not None else None,
                 owner=owner,
+                first_layer=first_layer,
             )
             self._sessions[session_id] = session
             return session
+
+    def peek(self, session_id: str) -> Session | None:
+        """The session if it exists (no ownership check: for bookkeeping, not for steps)."""
+        return self._sessions.get(session_id)
 
     def get(self, session_id: str, *, owner: str | None = None) -> Session:
         session = self._sessions.get(session_id)

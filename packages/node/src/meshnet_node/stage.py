@@ -60,11 +60,25 @@ class Stage:
         *,
         sampling: SamplingParams | None = None,
         owner: str | None = None,
+        start_layer: int | None = None,
     ) -> Session:
+        """Open a session; ``start_layer`` (global) lets a chain enter mid-shard."""
+        layers = self.shard.layers
+        start_layer = layers.start if start_layer is None else start_layer
+        if not isinstance(start_layer, int) or start_layer not in layers:
+            raise InvalidRequest(
+                f"start layer {start_layer} is outside this stage's layers {layers}",
+                param="start_layer",
+            )
+        if start_layer != layers.start and self.shard.is_head:
+            raise InvalidRequest("a head stage runs from layer 0", param="start_layer")
         if sampling is None and self.shard.is_tail:
             sampling = SamplingParams()
         return self.sessions.open(
-            session_id, sampling=sampling if self.shard.is_tail else None, owner=owner
+            session_id,
+            sampling=sampling if self.shard.is_tail else None,
+            owner=owner,
+            first_layer=start_layer - layers.start,
         )
 
     def close_session(self, session_id: str) -> bool:
@@ -172,10 +186,13 @@ class Stage:
         else:
             hidden = inputs.to(device=device, dtype=shard.activation_dtype)  # (1, T, H)
         cache = session.cache
-        masks = build_masks(shard.stage_config, shard.layer_types, hidden, cache, position_ids)
+        first = session.first_layer
+        masks = build_masks(
+            shard.stage_config, shard.layer_types, hidden, cache, position_ids, first
+        )
         rotary = mods.rotary(hidden, position_ids) if mods.rotary is not None else None
         call = shard.adapter.call_layer
-        for layer, layer_type in zip(mods.layers, shard.layer_types, strict=True):
+        for layer, layer_type in zip(mods.layers[first:], shard.layer_types[first:], strict=True):
             hidden = call(
                 layer,
                 hidden,
@@ -187,5 +204,5 @@ class Stage:
         if not shard.is_tail:
             return StepOutput(hidden=hidden.to(shard.activation_dtype))
         last = mods.norm(hidden[:, -1:, :])  # (1, 1, H)
-        logits = mods.lm_head(last).float().reshape(-1)  # (V,)
+        logits = mods.lm_head(last).float().reshape(-1).cpu()  # (V,)
         return StepOutput(logits=logits)

@@ -1,0 +1,140 @@
+"""Internal messages between tracker and nodes: strict, frozen, versioned pydantic models.
+
+Layer ranges travel as ``shard_start`` / ``shard_end`` (half-open, see ``LayerRange``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+
+PROTOCOL_VERSION = 1
+
+NodeId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+ModelId = Annotated[str, Field(min_length=3, max_length=200, pattern=r"^[A-Za-z0-9._-]+/[A-Za-z0-9._-]+$")]  # fmt: skip
+Url = Annotated[str, Field(min_length=8, max_length=300, pattern=r"^https?://[^\s/]+(:\d+)?/?$")]
+
+# HTTP headers of a forward step (the body is one tensor frame, see meshnet_common.wire).
+H_SESSION = "x-meshnet-session"
+H_SESSION_KEY = "x-meshnet-session-key"  # binds a session to the chain that opened it
+H_POSITION = "x-meshnet-position"
+H_CHUNK = "x-meshnet-chunk"
+H_ROUTE = "x-meshnet-route"  # comma-separated URLs of the hops after this one
+H_OPEN = "x-meshnet-open"  # JSON SamplingSpec: open the session on every hop first
+H_SAMPLE = "x-meshnet-sample"  # "1": the tail samples this step's last token
+H_SWARM_TOKEN = "x-meshnet-swarm-token"
+
+
+class Strict(BaseModel):
+    """Base of internal messages: unknown fields are an error, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeState(StrEnum):
+    JOINING = "joining"
+    SERVING = "serving"
+    LEAVING = "leaving"
+
+
+class ShardSpec(Strict):
+    """A model and a half-open layer range of it."""
+
+    model_id: ModelId
+    shard_start: int = Field(ge=0)
+    shard_end: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ShardSpec:
+        if self.shard_end <= self.shard_start:
+            raise ValueError("shard_end must be greater than shard_start")
+        return self
+
+    @property
+    def layers(self) -> LayerRange:
+        return LayerRange(self.shard_start, self.shard_end)
+
+
+class NodeAnnouncement(Strict):
+    """What a node tells the tracker about itself when it registers."""
+
+    version: Literal[1] = PROTOCOL_VERSION
+    node_id: NodeId
+    url: Url
+    shard: ShardSpec
+    num_layers: int = Field(gt=0)
+    quantization: Precision
+    device: str = Field(max_length=32)
+    memory_declared_bytes: int = Field(ge=0)
+    memory_free_bytes: int = Field(ge=0)
+    state: NodeState = NodeState.SERVING
+
+
+class RegisterResponse(Strict):
+    node_id: NodeId
+    heartbeat_interval_s: float
+
+
+class Heartbeat(Strict):
+    """Periodic liveness and load report."""
+
+    node_id: NodeId
+    state: NodeState
+    active_sessions: int = Field(ge=0)
+    kv_tokens: int = Field(ge=0)
+    memory_free_bytes: int = Field(ge=0)
+    tokens_generated: int = Field(ge=0, default=0)
+
+
+class DirectiveKind(StrEnum):
+    LOAD_SHARD = "LOAD_SHARD"
+    DROP_SHARD = "DROP_SHARD"
+
+
+class Directive(Strict):
+    """A rebalance directive carried in a heartbeat reply."""
+
+    kind: DirectiveKind
+    shard: ShardSpec
+
+
+class HeartbeatResponse(Strict):
+    known: bool  # False: the tracker lost this node (e.g. it restarted) — register again
+    directives: tuple[Directive, ...] = ()
+
+
+class RouteHop(Strict):
+    node_id: NodeId
+    url: Url
+    shard_start: int
+    shard_end: int
+
+
+class RouteResponse(Strict):
+    model_id: ModelId
+    hops: tuple[RouteHop, ...]
+
+
+class SamplingSpec(Strict):
+    """Sampling parameters sent to the tail when a session opens."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: int = 0
+
+
+class StepResult(BaseModel):
+    """The tail's answer to a sampled step, relayed back along the chain to the head."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = Field(default_factory=list)

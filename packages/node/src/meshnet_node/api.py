@@ -1,0 +1,85 @@
+"""Node HTTP routes: health, the forward data path, sessions, and (on a head) OpenAI endpoints."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from meshnet_common.errors import ModelNotCovered
+from meshnet_common.protocol import H_ROUTE, H_SESSION_KEY
+from meshnet_node.http_utils import read_body
+from meshnet_node.openai_routes import handle_chat, handle_completions
+from meshnet_node.service import NodeService, parse_route, parse_step
+
+
+def _service(request: Request) -> NodeService:
+    return request.app.state.node
+
+
+def node_router() -> APIRouter:
+    """Routes every node serves (the tracker node mounts them too)."""
+    router = APIRouter()
+
+    @router.post("/v1/forward")
+    async def forward(request: Request):
+        service = _service(request)
+        body = await read_body(request, service.settings.max_body_bytes)
+        step = parse_step(request.headers, body, max_bytes=service.settings.max_body_bytes)
+        result = await service.handle_step(step)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @router.delete("/v1/sessions/{session_id}")
+    async def close_session(session_id: str, request: Request):
+        service = _service(request)
+        route = parse_route(request.headers.get(H_ROUTE))
+        await service.close_session(session_id, request.headers.get(H_SESSION_KEY), route)
+        return {"closed": session_id}
+
+    @router.get("/v1/node")
+    async def info(request: Request):
+        service = _service(request)
+        shard = service.stage.shard
+        return {
+            "model_id": service.model_id,
+            "shard_start": shard.layers.start,
+            "shard_end": shard.layers.end,
+            "num_layers": shard.num_layers,
+            "quantization": shard.precision.value,
+            "device": str(shard.device),
+            "active_sessions": len(service.stage.sessions),
+            "kv_tokens": service.stage.sessions.tokens_held,
+        }
+
+    return router
+
+
+def head_router() -> APIRouter:
+    """OpenAI endpoints of a head node; the route comes from the caller or the tracker."""
+    router = APIRouter()
+
+    async def route_from(request: Request):
+        raw = request.headers.get(H_ROUTE)
+        return parse_route(raw) if raw is not None else None
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle_completions(
+            request.app.state.openai, request, await route_from(request)
+        )
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle_chat(request.app.state.openai, request, await route_from(request))
+
+    @router.get("/v1/models")
+    async def models(request: Request):
+        serving = request.app.state.openai
+        return {
+            "object": "list",
+            "data": [{"id": serving.model_id, "object": "model", "owned_by": "meshnet"}],
+        }
+
+    return router
+
+
+__all__ = ["ModelNotCovered", "head_router", "node_router"]

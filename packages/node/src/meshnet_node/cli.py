@@ -1,0 +1,138 @@
+"""``meshnet-node``: serve one layer range of a model and join a swarm."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshnet_common.errors import MeshnetError
+from meshnet_common.layers import LayerRange
+from meshnet_common.models_dir import resolve_snapshot
+from meshnet_common.precision import Precision
+from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
+from meshnet_node.preflight import resolve_device
+from meshnet_node.settings import HopTimeouts, NodeSettings
+
+PROG = "meshnet-node"
+logger = logging.getLogger(__name__)
+
+
+def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) -> None:
+    """Flags shared by meshnet-node and the tracker node."""
+    parser.add_argument("--model-id", help="model id ORG/NAME")
+    parser.add_argument("--shard-start", type=int, help="first layer served (inclusive)")
+    parser.add_argument("--shard-end", type=int, help="end of the layer range (exclusive)")
+    parser.add_argument(
+        "--quantization",
+        default="bfloat16",
+        choices=[p.value for p in Precision],
+        help="weight precision (float32 for exactness checks on CPU)",
+    )
+    parser.add_argument("--memory-gb", type=float, help="memory this node offers (default: all)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--kv-budget-tokens", type=int, default=32768, help="KV tokens held, max")
+    parser.add_argument("--chunk-tokens", type=int, default=128, help="prefill chunk size")
+    parser.add_argument("--threads", type=int, help="torch compute threads")
+    parser.add_argument("--zstd-level", type=int, default=1, help="activation compression")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, help="per-hop connect (s)")
+    parser.add_argument(
+        "--chunk-timeout", type=float, default=120.0, help="per-hop prefill chunk timeout (s)"
+    )
+    parser.add_argument(
+        "--step-timeout", type=float, default=60.0, help="per-hop decode step timeout (s)"
+    )
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(prog=PROG, description="Serve a layer range of a model.")
+    parser.add_argument("--tracker", help="tracker URL, e.g. http://127.0.0.1:8080")
+    add_shard_flags(parser)
+    parser.add_argument("--model-path", help="local snapshot folder (holding config.json)")
+    parser.add_argument("--models-dir", help="models dir to find --model-id in")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
+    parser.add_argument("--advertise-url", help="URL other nodes use to reach this one")
+    parser.add_argument("--node-id", help="stable node id (default: random)")
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    return parser
+
+
+def shard_settings(args, *, model_path: Path, host: str, port: int, **extra) -> NodeSettings:
+    """NodeSettings from parsed shard flags (validates the range against the model)."""
+    try:
+        layers = LayerRange(args.shard_start, args.shard_end)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--shard-start/--shard-end: {exc}") from exc
+    return NodeSettings(
+        model_id=args.model_id,
+        model_path=model_path,
+        layers=layers,
+        host=host,
+        port=port,
+        quantization=Precision(args.quantization),
+        device=resolve_device(args.device),
+        memory_gb=args.memory_gb,
+        kv_budget_tokens=args.kv_budget_tokens,
+        chunk_tokens=args.chunk_tokens,
+        threads=args.threads,
+        zstd_level=args.zstd_level,
+        timeouts=HopTimeouts(args.connect_timeout, args.chunk_timeout, args.step_timeout),
+        **extra,
+    )
+
+
+def resolve_model_path(args) -> Path:
+    if args.model_path:
+        path = Path(args.model_path)
+        if not (path / "config.json").exists():
+            raise ValueError(f"--model-path {path}: no config.json there")
+        return path
+    if getattr(args, "models_dir", None):
+        return resolve_snapshot(args.models_dir, args.model_id)
+    raise ValueError(
+        "--model-path (or --models-dir) is required: fetching weights from the tracker "
+        "is not available yet"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    if not args.model_id or args.shard_start is None or args.shard_end is None:
+        fail(PROG, "--model-id, --shard-start and --shard-end are required (assignment by "
+                   "the tracker is not available yet)")  # fmt: skip
+    from meshnet_node.runtime import build_runtime, create_app
+    from meshnet_node.serve import check_port, free_port, run
+
+    try:
+        port = args.port or free_port(args.host)
+        check_port(args.host, port)
+        settings = shard_settings(
+            args,
+            model_path=resolve_model_path(args),
+            host=args.host,
+            port=port,
+            tracker_url=args.tracker,
+            advertise_url=args.advertise_url,
+            node_id=args.node_id,
+            heartbeat_interval_s=args.heartbeat_interval,
+        )
+        runtime = build_runtime(settings)
+    except (MeshnetError, ValueError, OSError) as exc:
+        fail(PROG, str(exc), code=1)
+    app = create_app(runtime)
+    shard = runtime.service.stage.shard
+    run(
+        app,
+        args.host,
+        port,
+        f"meshnet-node ready: {runtime.url} serving {args.model_id} layers {shard.layers} "
+        f"({shard.precision.value})",
+        log_level="warning",
+    )
+
+
+if __name__ == "__main__":
+    main()

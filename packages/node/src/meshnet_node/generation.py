@@ -1,0 +1,223 @@
+"""Head-side generation: tokenize, stream the prompt down the chain in chunks, decode.
+
+The head holds the first layers locally; every later hop is reached over HTTP through
+``NodeService.send``. Prefill is pipelined: chunk ``i`` travels downstream while the head
+computes chunk ``i + 1`` (nodes put early-arriving chunks back in order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from meshnet_common.protocol import SamplingSpec, StepResult
+from meshnet_node.sampling import SamplingParams
+from meshnet_node.service import NodeService
+from meshnet_node.stage import StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class GeneratedToken:
+    """One step of output: the token, the text it adds, and why generation ended (if it did)."""
+
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class TextAssembler:
+    """Turns token ids into text deltas, holding back partial UTF-8 and possible stop prefixes."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the final text already sent
+        self.text = ""
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; returns (text delta safe to emit, whether a stop string was hit)."""
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for stop in self.stop:
+            cut = text.find(stop)
+            if cut != -1:
+                self.text = text[:cut]
+                return self._flush_to(len(self.text)), True
+        self.text = text
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
+            return "", False
+        return self._flush_to(max(self.emitted, len(text) - self.holdback)), False
+
+    def finish(self) -> str:
+        text = self.text.rstrip("\ufffd")
+        return self._flush_to(len(text))
+
+    def _flush_to(self, end: int) -> str:
+        delta = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return delta
+
+
+def eos_ids(tokenizer, generation_config) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(int(i) for i in source)
+    return ids
+
+
+class HeadGenerator:
+    """Drives generation from a head stage through the hops of a route."""
+
+    def __init__(self, service: NodeService, tokenizer, generation_config=None) -> None:
+        if not service.stage.shard.is_head:
+            raise ValueError("only a head stage can drive generation")
+        self.service = service
+        self.tokenizer = tokenizer
+        self.eos = eos_ids(tokenizer, generation_config)
+
+    @property
+    def context_window(self) -> int:
+        return self.service.stage.max_positions
+
+    async def generate(
+        self, request: GenerationRequest, route: tuple[str, ...]
+    ) -> AsyncIterator[GeneratedToken]:
+        """Yield tokens until max_tokens, EOS or a stop string; frees sessions on every exit."""
+        service, stage = self.service, self.service.stage
+        if not route and not stage.shard.is_tail:
+            raise ValueError("a head that is not the tail needs a route")
+        session_id = uuid.uuid4().hex
+        key = secrets.token_hex(16)
+        stage.open_session(
+            session_id,
+            sampling=SamplingParams(**request.sampling.model_dump()),
+            owner=key,
+        )
+        assembler = TextAssembler(self.tokenizer, request.stop)
+        try:
+            result = await self._prefill(session_id, key, request, route)
+            position = len(request.prompt_ids)
+            for produced in range(1, request.max_tokens + 1):
+                token = int(result.token_id)
+                delta, hit_stop = assembler.add(token)
+                finish = None
+                if hit_stop or (token in self.eos and not request.ignore_eos):
+                    finish = "stop"
+                elif produced == request.max_tokens:
+                    finish = "length"
+                if finish is not None:
+                    delta += assembler.finish()
+                yield GeneratedToken(token, delta, result.logprob, result.top_logprobs, finish)
+                if finish is not None:
+                    return
+                result = await self._step(session_id, key, [token], position, route, 0, True)
+                position += 1
+        finally:
+            await self._close(session_id, key, route)
+
+    async def _prefill(
+        self, session_id: str, key: str, request: GenerationRequest, route: tuple[str, ...]
+    ) -> StepResult:
+        """Run the prompt in chunks; each chunk's send overlaps the next chunk's compute."""
+        chunk_tokens = self.service.stage.max_chunk_tokens
+        ids = request.prompt_ids
+        chunks = [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)]
+        open_spec = {
+            **request.sampling.model_dump(),
+            "start_layer": self.service.stage.shard.layers.end,
+        }
+        pending: list[asyncio.Task] = []
+        try:
+            position = 0
+            result = StepResult()
+            for index, chunk in enumerate(chunks):
+                last = index == len(chunks) - 1
+                out = await self._local(session_id, key, chunk, position, last)
+                if route:
+                    send = self._send(
+                        out, session_id, key, position, route, index, last,
+                        open_spec if index == 0 else None,
+                    )  # fmt: skip
+                    pending.append(asyncio.ensure_future(send))
+                else:
+                    result = _as_result(out)
+                position += len(chunk)
+            if pending:
+                result = (await asyncio.gather(*pending))[-1]
+            return result
+        except BaseException:
+            for task in pending:
+                task.cancel()
+            raise
+
+    async def _local(self, session_id, key, token_ids, position, sample) -> StepOutput:
+        service = self.service
+        return await service.compute(
+            service.stage.step,
+            session_id,
+            position,
+            token_ids=torch.tensor([token_ids], dtype=torch.int64),
+            owner=key,
+            sample=sample,
+        )
+
+    async def _send(self, out, session_id, key, position, route, chunk, sample, open_spec):
+        return await self.service.send(
+            route[0],
+            out.hidden,
+            session_id=session_id,
+            session_key=key,
+            position=position,
+            chunk=chunk,
+            route=route[1:],
+            sample=sample,
+            open_spec=open_spec,
+        )
+
+    async def _step(self, session_id, key, token_ids, position, route, chunk, sample):
+        """One decode step: local layers, then the rest of the chain."""
+        out = await self._local(session_id, key, token_ids, position, sample)
+        if not route:  # head is also the tail
+            return _as_result(out)
+        return await self._send(out, session_id, key, position, route, chunk, sample, None)
+
+    async def _close(self, session_id: str, key: str, route: tuple[str, ...]) -> None:
+        self.service.stage.close_session(session_id)
+        if route:
+            # Shielded: a client disconnect cancels us, but the hops must still be freed.
+            await asyncio.shield(self.service.close_remote(route[0], session_id, key, route[1:]))
+
+
+def _as_result(out: StepOutput) -> StepResult:
+    if out.token is None:
+        return StepResult()
+    token = out.token
+    return StepResult(
+        token_id=token.token_id, logprob=token.logprob, top_logprobs=token.top_logprobs
+    )

@@ -1,0 +1,101 @@
+"""HTTP plumbing shared by node and tracker apps: error mapping, bounded bodies, JSON parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from meshnet_common.errors import InvalidRequest, MeshnetError, PayloadTooLarge
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+def error_body(message: str, error_type: str, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """One place that turns exceptions into OpenAI-style error bodies."""
+
+    @app.exception_handler(MeshnetError)
+    async def _domain(_request: Request, exc: MeshnetError):
+        return JSONResponse(exc.to_openai(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(
+            error_body(first.get("msg", "invalid request"), "invalid_request_error", param),
+            status_code=400,
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500
+        )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Read a request body, refusing (413) anything over ``limit`` bytes without buffering it."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
+        except ValueError as exc:
+            raise InvalidRequest("bad content-length") from exc
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_model(request: Request, model: type[M], limit: int = 8 << 20) -> M:
+    """Parse a JSON body into ``model``; errors become 400 naming the parameter."""
+    body = await read_body(request, limit)
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise InvalidRequest(f"{param}: {first.get('msg')}", param=param) from exc
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; cancel it if the client goes away (frees sessions on every hop)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,42 @@
+"""HTTP handlers for /v1/completions and /v1/chat/completions over an ``OpenAIServing``."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from meshnet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
+from meshnet_node.http_utils import cancel_on_disconnect, parse_model
+from meshnet_node.openai_serving import OpenAIServing
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+async def handle_completions(serving: OpenAIServing, request: Request, route=None):
+    body = await parse_model(request, CompletionRequest)
+    jobs = serving.completion_jobs(body)
+    if route is None:
+        route = await serving.route_provider(serving.model_id)
+    if body.stream:
+        return StreamingResponse(
+            serving.completion_stream(body, jobs, route),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    choices = await cancel_on_disconnect(request, serving.run(jobs, route))
+    return JSONResponse(serving.completion_response(body, choices))
+
+
+async def handle_chat(serving: OpenAIServing, request: Request, route=None):
+    body = await parse_model(request, ChatCompletionRequest)
+    jobs = serving.chat_jobs(body)
+    if route is None:
+        route = await serving.route_provider(serving.model_id)
+    if body.stream:
+        return StreamingResponse(
+            serving.chat_stream(body, jobs, route),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    choices = await cancel_on_disconnect(request, serving.run(jobs, route))
+    return JSONResponse(serving.chat_response(body, choices))

@@ -1,0 +1,319 @@
+"""OpenAI-compatible completions and chat on a head node (the tracker node uses it too)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from meshnet_common.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet_common.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    new_id,
+    now,
+    usage,
+)
+from meshnet_common.protocol import SamplingSpec
+from meshnet_node.generation import GeneratedToken, GenerationRequest, HeadGenerator
+
+logger = logging.getLogger(__name__)
+
+RouteProvider = Callable[[str], Awaitable[tuple[str, ...]]]
+
+
+@dataclass
+class Choice:
+    """One finished choice of a non-streaming response."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    tokens: list[GeneratedToken]
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.tokens[-1].finish_reason if self.tokens else "length"
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into generations through the head and a route."""
+
+    def __init__(self, model_id: str, generator: HeadGenerator, route_provider: RouteProvider):
+        self.model_id = model_id
+        self.generator = generator
+        self.tokenizer = generator.tokenizer
+        self.route_provider = route_provider
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise NotFound(
+                f"model {model!r} is not served here (serving {self.model_id})",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- prompt preparation ----------------------------------------------------------------
+
+    def _prompts(self, request: CompletionRequest) -> list[list[int]]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            ids = list(prompt)
+            vocab = self.generator.service.stage.shard.vocab_size
+            if any(not 0 <= i < vocab for i in ids):
+                raise InvalidRequest(f"token ids must lie in [0, {vocab})", param="prompt")
+            return [ids]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            prompts = list(prompt)
+        else:
+            raise InvalidRequest("prompt must be a string, strings or token ids", param="prompt")
+        out = [self.tokenizer(p, add_special_tokens=True).input_ids for p in prompts]
+        if any(not ids for ids in out):
+            raise InvalidRequest("prompt is empty", param="prompt")
+        return out
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template", param="messages")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _generation(self, request, prompt_ids: list[int], index: int, logprobs: int):
+        max_tokens = request.check(
+            context_window=self.generator.context_window, prompt_tokens=len(prompt_ids)
+        )
+        seed = None if request.seed is None else request.seed + index
+        return GenerationRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=SamplingSpec(
+                temperature=request.temperature,
+                top_k=request.top_k,
+                top_p=request.top_p,
+                seed=seed,
+                logprobs=logprobs,
+            ),
+            stop=tuple(request.stop_list),
+            ignore_eos=request.ignore_eos,
+        )
+
+    def completion_jobs(self, request: CompletionRequest) -> list[GenerationRequest]:
+        self.check_model(request.model)
+        logprobs = request.logprobs or 0
+        jobs = []
+        for prompt_ids in self._prompts(request):
+            for _ in range(request.n):
+                jobs.append(self._generation(request, prompt_ids, len(jobs), logprobs))
+        return jobs
+
+    def chat_jobs(self, request: ChatCompletionRequest) -> list[GenerationRequest]:
+        self.check_model(request.model)
+        if request.max_completion_tokens is not None and request.max_tokens is None:
+            request = request.model_copy(update={"max_tokens": request.max_completion_tokens})
+        logprobs = (request.top_logprobs or 1) if request.logprobs else 0
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+        prompt_ids = self._chat_prompt(request)
+        return [self._generation(request, prompt_ids, i, logprobs) for i in range(request.n)]
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def _run_one(self, job: GenerationRequest, route) -> list[GeneratedToken]:
+        return [tok async for tok in self.generator.generate(job, route)]
+
+    async def run(self, jobs: list[GenerationRequest], route=None) -> list[Choice]:
+        if route is None:
+            route = await self.route_provider(self.model_id)
+        results = await asyncio.gather(*(self._run_one(job, route) for job in jobs))
+        return [
+            Choice(i, tuple(job.prompt_ids), toks)
+            for i, (job, toks) in enumerate(zip(jobs, results, strict=True))
+        ]
+
+    async def stream(
+        self, jobs: list[GenerationRequest], route=None
+    ) -> AsyncIterator[tuple[int, GeneratedToken]]:
+        """Tokens of all jobs as they come, tagged with the choice index."""
+        if route is None:
+            route = await self.route_provider(self.model_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int, job: GenerationRequest) -> None:
+            try:
+                async for tok in self.generator.generate(job, route):
+                    await queue.put((index, tok))
+            except BaseException as exc:  # surfaced to the consumer below
+                await queue.put(exc)
+            finally:
+                await queue.put(done)
+
+        tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- response shapes -------------------------------------------------------------------
+
+    def _token_str(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, tokens: list[GeneratedToken]) -> dict:
+        offset, offsets = 0, []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t.text)
+        return {
+            "tokens": [self._token_str(t.token_id) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [
+                {self._token_str(i): lp for i, lp in t.top_logprobs} for t in tokens
+            ],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, tokens: list[GeneratedToken]) -> dict:
+        return {
+            "content": [
+                {
+                    "token": self._token_str(t.token_id),
+                    "logprob": t.logprob,
+                    "top_logprobs": [
+                        {"token": self._token_str(i), "logprob": lp} for i, lp in t.top_logprobs
+                    ],
+                }
+                for t in tokens
+            ]
+        }
+
+    def completion_response(self, request: CompletionRequest, choices: list[Choice]) -> dict:
+        return {
+            "id": new_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_id,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": self.completion_logprobs(c.tokens) if request.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": _usage(choices),
+        }
+
+    def chat_response(self, request: ChatCompletionRequest, choices: list[Choice]) -> dict:
+        return {
+            "id": new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.model_id,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.chat_logprobs(c.tokens) if request.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": _usage(choices),
+        }
+
+    async def completion_stream(self, request: CompletionRequest, jobs, route=None):
+        rid, created = new_id("cmpl"), now()
+        counts = [0] * len(jobs)
+        try:
+            async for index, tok in self.stream(jobs, route):
+                counts[index] += 1
+                yield sse({
+                    "id": rid, "object": "text_completion", "created": created,
+                    "model": self.model_id,
+                    "choices": [{
+                        "index": index, "text": tok.text,
+                        "logprobs": self.completion_logprobs([tok]) if request.logprobs else None,
+                        "finish_reason": tok.finish_reason,
+                    }],
+                })  # fmt: skip
+            if request.stream_options and request.stream_options.include_usage:
+                yield sse({
+                    "id": rid, "object": "text_completion", "created": created,
+                    "model": self.model_id, "choices": [],
+                    "usage": usage(sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs}), sum(counts)),
+                })  # fmt: skip
+        except MeshnetError as exc:
+            yield sse(exc.to_openai())
+        except Exception as exc:  # a stream cannot change its status: report in-band
+            logger.exception("stream failed")
+            yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
+                                 "code": None}})  # fmt: skip
+        yield sse("[DONE]")
+
+    async def chat_stream(self, request: ChatCompletionRequest, jobs, route=None):
+        rid, created = new_id("chatcmpl"), now()
+        counts = [0] * len(jobs)
+
+        def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
+            return sse({
+                "id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": self.model_id,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish}],
+            })  # fmt: skip
+
+        try:
+            for index in range(len(jobs)):
+                yield chunk(index, {"role": "assistant", "content": ""})
+            async for index, tok in self.stream(jobs, route):
+                counts[index] += 1
+                logprobs = self.chat_logprobs([tok]) if request.logprobs else None
+                yield chunk(index, {"content": tok.text}, tok.finish_reason, logprobs)
+            if request.stream_options and request.stream_options.include_usage:
+                yield sse({
+                    "id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model_id, "choices": [],
+                    "usage": usage(sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs}), sum(counts)),
+                })  # fmt: skip
+        except MeshnetError as exc:
+            yield sse(exc.to_openai())
+        except Exception as exc:
+            logger.exception("stream failed")
+            yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
+                                 "code": None}})  # fmt: skip
+        yield sse("[DONE]")
+
+
+def _usage(choices: list[Choice]) -> dict:
+    # Like OpenAI, a prompt sampled n times counts once.
+    prompt = sum(len(ids) for ids in {c.prompt_ids for c in choices})
+    return usage(prompt, sum(len(c.tokens) for c in choices))

@@ -1,0 +1,214 @@
+"""Build a node from its settings: preflight, load, wire up services, assemble the app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+from fastapi import FastAPI
+from transformers import AutoTokenizer, GenerationConfig
+
+from meshnet_common.checkpoint import CheckpointIndex
+from meshnet_common.protocol import Heartbeat, NodeAnnouncement, NodeState, ShardSpec
+from meshnet_node.api import head_router, node_router
+from meshnet_node.generation import HeadGenerator
+from meshnet_node.http_utils import install_error_handlers
+from meshnet_node.loader import load_shard
+from meshnet_node.membership import Membership, TrackerClient
+from meshnet_node.openai_serving import OpenAIServing, RouteProvider
+from meshnet_node.preflight import preflight
+from meshnet_node.service import NodeService
+from meshnet_node.settings import NodeSettings
+from meshnet_node.stage import Stage
+
+logger = logging.getLogger(__name__)
+
+SESSION_SWEEP_S = 10.0
+
+
+@dataclass
+class NodeRuntime:
+    """Everything a running node owns."""
+
+    settings: NodeSettings
+    node_id: str
+    service: NodeService
+    openai: OpenAIServing | None
+    memory_declared_bytes: int
+    tracker: TrackerClient | None = None
+    membership: Membership | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.settings.advertise_url or f"http://{self.settings.host}:{self.settings.port}"
+
+    def announcement(self) -> NodeAnnouncement:
+        shard = self.service.stage.shard
+        return NodeAnnouncement(
+            node_id=self.node_id,
+            url=self.url,
+            shard=ShardSpec(
+                model_id=self.settings.model_id,
+                shard_start=shard.layers.start,
+                shard_end=shard.layers.end,
+            ),
+            num_layers=shard.num_layers,
+            quantization=shard.precision,
+            device=str(shard.device),
+            memory_declared_bytes=self.memory_declared_bytes,
+            memory_free_bytes=int(psutil.virtual_memory().available),
+            state=NodeState.SERVING,
+        )
+
+    def heartbeat(self) -> Heartbeat:
+        sessions = self.service.stage.sessions
+        return Heartbeat(
+            node_id=self.node_id,
+            state=NodeState.SERVING,
+            active_sessions=len(sessions),
+            kv_tokens=sessions.tokens_held,
+            memory_free_bytes=int(psutil.virtual_memory().available),
+            tokens_generated=self.service.tokens_generated,
+        )
+
+
+def load_stage(settings: NodeSettings) -> Stage:
+    """Preflight the memory, then materialize only the shard (exits via exceptions)."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    index = CheckpointIndex.load(settings.model_path)
+    preflight(
+        index,
+        settings.layers,
+        settings.quantization,
+        device=settings.device,
+        kv_budget_tokens=settings.kv_budget_tokens,
+        declared_gb=settings.memory_gb,
+    )
+    shard = load_shard(settings.model_path, settings.layers, settings.quantization, settings.device)
+    return Stage(
+        shard,
+        max_chunk_tokens=settings.chunk_tokens,
+        kv_budget_tokens=settings.kv_budget_tokens,
+        idle_timeout_s=settings.session_idle_timeout_s,
+        max_sessions=settings.max_sessions,
+    )
+
+
+def build_runtime(
+    settings: NodeSettings, *, route_provider: RouteProvider | None = None
+) -> NodeRuntime:
+    """Load the shard and build the services; ``route_provider`` overrides asking the tracker."""
+    stage = load_stage(settings)
+    service = NodeService(stage, settings, model_id=settings.model_id)
+    node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
+    tracker = TrackerClient(settings.tracker_url) if settings.tracker_url else None
+    openai = None
+    if stage.shard.is_head:
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+        try:
+            generation_config = GenerationConfig.from_pretrained(settings.model_path)
+        except OSError:
+            generation_config = None
+        if route_provider is None:
+            route_provider = _tracker_routes(tracker, node_id, stage)
+        generator = HeadGenerator(service, tokenizer, generation_config)
+        openai = OpenAIServing(settings.model_id, generator, route_provider)
+    declared = (
+        int(settings.memory_gb * 1024**3)
+        if settings.memory_gb is not None
+        else int(psutil.virtual_memory().total)
+    )
+    return NodeRuntime(settings, node_id, service, openai, declared, tracker)
+
+
+def _tracker_routes(tracker: TrackerClient | None, node_id: str, stage: Stage) -> RouteProvider:
+    async def provider(model_id: str) -> tuple[str, ...]:
+        if stage.shard.is_tail:
+            return ()  # this node holds the whole model
+        if tracker is None:
+            from meshnet_common.errors import ModelNotCovered
+
+            raise ModelNotCovered("no tracker configured to find the rest of the chain")
+        route = await tracker.route(model_id, node_id)
+        return tuple(hop.url for hop in route.hops[1:])
+
+    return provider
+
+
+def mount_node(app: FastAPI, runtime: NodeRuntime, *, openai_routes: bool = True) -> None:
+    """Attach a node's routes and state to ``app`` (a node app, or the tracker's)."""
+    app.state.node = runtime.service
+    app.state.runtime = runtime
+    app.include_router(node_router())
+    if runtime.openai is not None:
+        app.state.openai = runtime.openai
+        if openai_routes:
+            app.include_router(head_router())
+
+
+async def start_background(runtime: NodeRuntime) -> None:
+    """Session expiry and (when a tracker is set) membership."""
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(SESSION_SWEEP_S)
+            runtime.service.stage.sessions.expire_idle()
+
+    runtime.tasks.append(asyncio.ensure_future(sweep()))
+    if runtime.tracker is not None:
+        runtime.membership = Membership(
+            runtime.tracker,
+            runtime.announcement,
+            runtime.heartbeat,
+            runtime.settings.heartbeat_interval_s,
+        )
+        runtime.tasks.append(asyncio.ensure_future(runtime.membership.run()))
+
+
+async def stop_background(runtime: NodeRuntime) -> None:
+    for task in runtime.tasks:
+        task.cancel()
+    for task in runtime.tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    if runtime.membership is not None and runtime.membership.registered.is_set():
+        await runtime.membership.leave(runtime.node_id)
+    if runtime.tracker is not None:
+        await runtime.tracker.aclose()
+    await runtime.service.aclose()
+
+
+def create_app(runtime: NodeRuntime) -> FastAPI:
+    """The node's FastAPI app (background work starts with the server)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await start_background(runtime)
+        try:
+            yield
+        finally:
+            await stop_background(runtime)
+
+    app = FastAPI(title="meshnet node", lifespan=lifespan)
+    install_error_handlers(app)
+    mount_node(app, runtime)
+
+    @app.get("/health")
+    async def health():
+        shard = runtime.service.stage.shard
+        return {
+            "status": "ok",
+            "node_id": runtime.node_id,
+            "model_id": runtime.settings.model_id,
+            "shard_start": shard.layers.start,
+            "shard_end": shard.layers.end,
+        }
+
+    return app

@@ -1,0 +1,45 @@
+"""Run a FastAPI app under uvicorn and print one ready line once it is listening."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+import uvicorn
+from fastapi import FastAPI
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise OSError with a clear message when the port cannot be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
+async def _serve(app: FastAPI, host: str, port: int, ready_line: str, log_level: str) -> None:
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(ready_line, flush=True)
+    await task
+    if not server.started:
+        sys.exit(1)
+
+
+def run(app: FastAPI, host: str, port: int, ready_line: str, log_level: str = "warning") -> None:
+    asyncio.run(_serve(app, host, port, ready_line, log_level))

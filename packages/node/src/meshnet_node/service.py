@@ -1,0 +1,335 @@
+"""The node's data path: run a forward step on the local stage and relay it down the chain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from meshnet_common import wire
+from meshnet_common.errors import Conflict, InvalidRequest, MeshnetError, NotFound
+from meshnet_common.protocol import (
+    H_CHUNK,
+    H_OPEN,
+    H_POSITION,
+    H_ROUTE,
+    H_SAMPLE,
+    H_SESSION,
+    H_SESSION_KEY,
+    SamplingSpec,
+    StepResult,
+)
+from meshnet_node.sampling import SamplingParams
+from meshnet_node.settings import NodeSettings
+from meshnet_node.stage import Stage, StepOutput
+
+logger = logging.getLogger(__name__)
+
+TURN_TIMEOUT_S = 60.0
+
+
+class HopError(MeshnetError):
+    """A downstream hop failed or answered with an error (502 unless it sent a 4xx)."""
+
+    status = 502
+    error_type = "upstream_error"
+
+    def __init__(self, message: str, *, status: int = 502, hop: str | None = None, body=None):
+        super().__init__(message, code="hop_failed")
+        self.status = status
+        self.hop = hop
+        self.body = body
+
+    def to_openai(self) -> dict:
+        if isinstance(self.body, dict) and "error" in self.body:
+            return self.body
+        return super().to_openai()
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """A forward step as parsed from HTTP headers + tensor frame."""
+
+    session_id: str
+    session_key: str | None
+    position: int
+    chunk: int
+    route: tuple[str, ...]
+    open_spec: SamplingSpec | None
+    start_layer: int | None
+    sample: bool
+    tensor: torch.Tensor
+
+
+def _int_header(headers, name: str, default: int | None = None) -> int:
+    raw = headers.get(name)
+    if raw is None:
+        if default is None:
+            raise InvalidRequest(f"missing header {name}", param=name)
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"header {name} must be an integer", param=name) from exc
+    if value < 0:
+        raise InvalidRequest(f"header {name} must be >= 0", param=name)
+    return value
+
+
+def parse_route(raw: str | None) -> tuple[str, ...]:
+    if not raw:
+        return ()
+    hops = tuple(h.strip() for h in raw.split(",") if h.strip())
+    for hop in hops:
+        if not hop.startswith(("http://", "https://")) or len(hop) > 300:
+            raise InvalidRequest(f"bad hop URL in route: {hop[:80]!r}", param=H_ROUTE)
+    if len(hops) > 64:
+        raise InvalidRequest("route too long", param=H_ROUTE)
+    return hops
+
+
+def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
+    """Validate a step's headers and decode its tensor frame (bounded)."""
+    session_id = headers.get(H_SESSION)
+    if not session_id:
+        raise InvalidRequest(f"missing header {H_SESSION}", param=H_SESSION)
+    open_spec = None
+    start_layer = None
+    if headers.get(H_OPEN):
+        try:
+            raw = json.loads(headers[H_OPEN])
+            start_layer = raw.pop("start_layer", None)
+            open_spec = SamplingSpec.model_validate(raw)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise InvalidRequest(f"malformed {H_OPEN} header: {exc}", param=H_OPEN) from exc
+    return StepRequest(
+        session_id=session_id,
+        session_key=headers.get(H_SESSION_KEY),
+        position=_int_header(headers, H_POSITION),
+        chunk=_int_header(headers, H_CHUNK, 0),
+        route=parse_route(headers.get(H_ROUTE)),
+        open_spec=open_spec,
+        start_layer=start_layer,
+        sample=headers.get(H_SAMPLE) == "1",
+        tensor=wire.decode_tensor(body, max_bytes=max_bytes),
+    )
+
+
+def step_headers(
+    *,
+    session_id: str,
+    session_key: str,
+    position: int,
+    chunk: int,
+    route: tuple[str, ...],
+    sample: bool,
+    open_spec: dict | None,
+) -> dict[str, str]:
+    headers = {
+        "content-type": wire.CONTENT_TYPE,
+        H_SESSION: session_id,
+        H_SESSION_KEY: session_key,
+        H_POSITION: str(position),
+        H_CHUNK: str(chunk),
+        H_SAMPLE: "1" if sample else "0",
+    }
+    if route:
+        headers[H_ROUTE] = ",".join(route)
+    if open_spec is not None:
+        headers[H_OPEN] = json.dumps(open_spec)
+    return headers
+
+
+class NodeService:
+    """Owns the stage, its compute thread and the HTTP client used to reach the next hop."""
+
+    def __init__(self, stage: Stage, settings: NodeSettings, *, model_id: str) -> None:
+        self.stage = stage
+        self.settings = settings
+        self.model_id = model_id
+        self.wire_options = wire.WireOptions(zstd_level=settings.zstd_level)
+        # One compute thread: torch parallelizes inside an op; steps of sessions queue here.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._turns: dict[str, asyncio.Condition] = {}
+        t = settings.timeouts
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(t.prefill_chunk, connect=t.connect),
+            limits=httpx.Limits(max_keepalive_connections=32, max_connections=128),
+        )
+        self.tokens_generated = 0
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def compute(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    # -- ordering of pipelined chunks --------------------------------------------------------
+
+    def _turn(self, session_id: str) -> asyncio.Condition:
+        cond = self._turns.get(session_id)
+        if cond is None:
+            cond = self._turns[session_id] = asyncio.Condition()
+        return cond
+
+    async def wait_for_turn(self, req: StepRequest) -> None:
+        """Pipelined prefill chunks may arrive out of order: wait until ours is next."""
+        if req.chunk == 0:
+            return
+        cond = self._turn(req.session_id)
+
+        def ready() -> bool:
+            session = self.stage.sessions.peek(req.session_id)
+            return session is not None and session.length >= req.position
+
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(ready), TURN_TIMEOUT_S)
+            except TimeoutError as exc:
+                raise Conflict(
+                    f"chunk at position {req.position} never became next for session "
+                    f"{req.session_id}",
+                    code="wrong_position",
+                ) from exc
+
+    async def _advance(self, session_id: str) -> None:
+        cond = self._turns.get(session_id)
+        if cond is not None:
+            async with cond:
+                cond.notify_all()
+
+    # -- one step ----------------------------------------------------------------------------
+
+    async def handle_step(self, req: StepRequest) -> StepResult:
+        stage = self.stage
+        if req.open_spec is not None:
+            if req.position != 0:
+                raise InvalidRequest("a session opens at position 0", param=H_OPEN)
+            spec = req.open_spec
+            stage.open_session(
+                req.session_id,
+                sampling=SamplingParams(**spec.model_dump()) if stage.shard.is_tail else None,
+                owner=req.session_key,
+                start_layer=req.start_layer,
+            )
+        await self.wait_for_turn(req)
+        is_head = stage.shard.is_head
+        try:
+            out: StepOutput = await self.compute(
+                stage.step,
+                req.session_id,
+                req.position,
+                token_ids=req.tensor if is_head else None,
+                hidden=None if is_head else req.tensor,
+                owner=req.session_key,
+                sample=req.sample,
+            )
+        finally:
+            await self._advance(req.session_id)
+        if stage.shard.is_tail:
+            if req.route:
+                raise InvalidRequest("the tail is the last hop; route must be empty")
+            if out.token is None:
+                return StepResult()
+            self.tokens_generated += 1
+            return StepResult(
+                token_id=out.token.token_id,
+                logprob=out.token.logprob,
+                top_logprobs=out.token.top_logprobs,
+            )
+        if not req.route:
+            raise InvalidRequest("this stage is not the tail: the route needs a next hop")
+        return await self.send(
+            req.route[0],
+            out.hidden,
+            session_id=req.session_id,
+            session_key=req.session_key or "",
+            position=req.position,
+            chunk=req.chunk,
+            route=req.route[1:],
+            sample=req.sample,
+            open_spec=self._relayed_open(req),
+        )
+
+    def _relayed_open(self, req: StepRequest) -> dict | None:
+        """The open header for the next hop: same sampling, entering where this stage ends."""
+        if req.open_spec is None:
+            return None
+        return {**req.open_spec.model_dump(), "start_layer": self.stage.shard.layers.end}
+
+    async def send(
+        self,
+        hop: str,
+        hidden: torch.Tensor,
+        *,
+        session_id: str,
+        session_key: str,
+        position: int,
+        chunk: int,
+        route: tuple[str, ...],
+        sample: bool,
+        open_spec: dict | None,
+    ) -> StepResult:
+        """POST one tensor frame to ``hop``; returns the tail's answer relayed back."""
+        if hidden.shape[1] > 1:  # a prefill chunk: encode off the loop, beside the compute thread
+            frame = await asyncio.to_thread(wire.encode_tensor, hidden, self.wire_options)
+        else:
+            frame = wire.encode_tensor(hidden, self.wire_options)
+        headers = step_headers(
+            session_id=session_id,
+            session_key=session_key,
+            position=position,
+            chunk=chunk,
+            route=route,
+            sample=sample,
+            open_spec=open_spec,
+        )
+        t = self.settings.timeouts
+        timeout = t.prefill_chunk if hidden.shape[1] > 1 else t.decode_step
+        try:
+            resp = await self.client.post(
+                f"{hop.rstrip('/')}/v1/forward", content=frame, headers=headers, timeout=timeout
+            )
+        except httpx.HTTPError as exc:
+            raise HopError(f"hop {hop} failed: {type(exc).__name__}: {exc}", hop=hop) from exc
+        if resp.status_code != 200:
+            try:
+                body = resp.json()
+            except ValueError:
+                body = None
+            status = resp.status_code if 400 <= resp.status_code < 500 else 502
+            message = (body or {}).get("error", {}).get("message", resp.text[:200])
+            raise HopError(f"hop {hop}: {message}", status=status, hop=hop, body=body)
+        return StepResult.model_validate_json(resp.content)
+
+    async def close_session(self, session_id: str, session_key: str | None, route) -> None:
+        """Free a session here and (best effort) on every later hop."""
+        session = self.stage.sessions.peek(session_id)
+        if session is None:
+            raise NotFound(f"unknown session {session_id!r}", param="session_id")
+        if session.owner is not None and session.owner != session_key:
+            raise NotFound(f"unknown session {session_id!r}", param="session_id")
+        self.stage.close_session(session_id)
+        self._turns.pop(session_id, None)
+        if route:
+            await self.close_remote(route[0], session_id, session_key or "", route[1:])
+
+    async def close_remote(self, hop: str, session_id: str, key: str, route) -> None:
+        headers = {H_SESSION_KEY: key}
+        if route:
+            headers[H_ROUTE] = ",".join(route)
+        try:
+            await self.client.delete(
+                f"{hop.rstrip('/')}/v1/sessions/{session_id}", headers=headers, timeout=5.0
+            )
+        except httpx.HTTPError as exc:  # the hop's idle timeout frees it anyway
+            logger.warning("could not close session %s on %s: %s", session_id, hop, exc)
+
+

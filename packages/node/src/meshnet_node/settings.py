@@ -1,0 +1,44 @@
+"""Node settings: one frozen object built from CLI flags / env vars at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+
+
+@dataclass(frozen=True)
+class HopTimeouts:
+    """Per-hop HTTP timeouts in seconds."""
+
+    connect: float = 5.0
+    prefill_chunk: float = 120.0
+    decode_step: float = 60.0
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Everything a node process needs to know, fixed at start-up."""
+
+    model_id: str
+    model_path: Path
+    layers: LayerRange
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_url: str | None = None
+    tracker_url: str | None = None
+    quantization: Precision = Precision.BFLOAT16
+    device: str = "cpu"
+    memory_gb: float | None = None
+    kv_budget_tokens: int = 32768
+    max_sessions: int = 256
+    session_idle_timeout_s: float = 300.0
+    chunk_tokens: int = 128
+    max_body_bytes: int = 64 * 1024 * 1024
+    heartbeat_interval_s: float = 2.0
+    zstd_level: int = 1
+    threads: int | None = None
+    timeouts: HopTimeouts = field(default_factory=HopTimeouts)
+    node_id: str | None = None

@@ -1,0 +1,121 @@
+"""Loading only a shard: right modules materialized, nothing left on meta, bad input refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from meshnet_common.checkpoint import CheckpointIndex
+from meshnet_common.errors import InsufficientMemory, ModelError, UnsupportedArchitecture
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+from meshnet_node.loader import load_shard
+from meshnet_node.preflight import preflight, weight_bytes
+from meshnet_node.quantization import check_nf4_widths
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+def test_roles_follow_the_range(tiny_snapshot, family):
+    snapshot = tiny_snapshot(family)
+    head = load_shard(snapshot, LayerRange(0, 2))
+    middle = load_shard(snapshot, LayerRange(2, 4))
+    tail = load_shard(snapshot, LayerRange(4, 6))
+    assert head.modules.embed is not None and head.modules.lm_head is None
+    assert (head.modules.position_embed is not None) == (family == "gpt2")
+    assert middle.modules.embed is None and middle.modules.norm is None
+    assert tail.modules.lm_head is not None and tail.modules.embed is None
+    for shard in (head, middle, tail):
+        assert len(shard.modules.layers) == 2
+        assert not any(p.is_meta for p in shard.modules.parameters())
+        assert not any(b.is_meta for b in shard.modules.buffers())
+        assert all(p.dtype == torch.bfloat16 for p in shard.modules.parameters())
+
+
+def test_resident_bytes_match_the_checkpoint_subset(tiny_snapshot):
+    snapshot = tiny_snapshot("mistral")
+    index = CheckpointIndex.load(snapshot)
+    for layers in (LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 6)):
+        shard = load_shard(snapshot, layers)
+        assert shard.parameter_bytes() == weight_bytes(index, layers, Precision.BFLOAT16)
+    full = weight_bytes(index, LayerRange(0, 6), Precision.BFLOAT16)
+    assert weight_bytes(index, LayerRange(2, 4), Precision.BFLOAT16) < full / 2
+
+
+def test_tied_tail_uses_the_embedding(tiny_snapshot):
+    snapshot = tiny_snapshot("llama")  # tiny llama ties embeddings
+    index = CheckpointIndex.load(snapshot)
+    assert "lm_head.weight" not in index.tensors
+    tail = load_shard(snapshot, LayerRange(3, 6))
+    with torch.no_grad():
+        from safetensors import safe_open
+
+        info = index.tensors["model.embed_tokens.weight"]
+        with safe_open(str(snapshot / info.file), "pt") as fh:
+            embed = fh.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(tail.modules.lm_head.weight, embed)
+
+
+def test_unsupported_architecture_is_refused(tiny_snapshot, tmp_path):
+    copy = tmp_path / "weird"
+    shutil.copytree(tiny_snapshot("llama"), copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitecture) as info:
+        load_shard(copy, LayerRange(0, 2))
+    assert "LlamaForCausalLM" in str(info.value)
+
+
+def test_missing_tensor_is_refused(tiny_snapshot, tmp_path):
+    copy = tmp_path / "broken"
+    shutil.copytree(tiny_snapshot("llama"), copy)
+    index_path = copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    victim = next(n for n in index["weight_map"] if n.startswith("model.layers.1."))
+    # Rewrite the file holding it without that tensor.
+    from safetensors.torch import load_file, save_file
+
+    fname = index["weight_map"].pop(victim)
+    tensors = load_file(copy / fname)
+    tensors.pop(victim)
+    save_file(tensors, copy / fname, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ModelError, match="lacks tensors"):
+        load_shard(copy, LayerRange(0, 2))
+    load_shard(copy, LayerRange(2, 4))  # other ranges still load
+
+
+def test_range_outside_the_model_is_refused(tiny_snapshot):
+    with pytest.raises(ValueError):
+        load_shard(tiny_snapshot("llama"), LayerRange(4, 7))
+
+
+def test_preflight_refuses_an_oversized_shard(tiny_snapshot):
+    index = CheckpointIndex.load(tiny_snapshot("llama"))
+    with pytest.raises(InsufficientMemory) as info:
+        preflight(index, LayerRange(0, 6), Precision.BFLOAT16, declared_gb=0.0001)
+    assert "needs" in str(info.value) and "declared" in str(info.value)
+    with pytest.raises(InsufficientMemory):
+        preflight(index, LayerRange(0, 6), Precision.BFLOAT16, kv_budget_tokens=10**12)
+    ok = preflight(index, LayerRange(0, 6), Precision.BFLOAT16, declared_gb=1.0)
+    assert ok.weight_bytes == index.bytes_for(LayerRange(0, 6))
+    fp32 = preflight(index, LayerRange(0, 6), Precision.FLOAT32, declared_gb=1.0)
+    assert fp32.weight_bytes == 2 * ok.weight_bytes
+
+
+def test_quantized_estimates_shrink(tiny_snapshot):
+    index = CheckpointIndex.load(tiny_snapshot("mistral"))
+    layers = LayerRange(1, 5)  # no embeddings: almost all bytes are Linear weights
+    bf16 = weight_bytes(index, layers, Precision.BFLOAT16)
+    assert weight_bytes(index, layers, Precision.INT8) < 0.6 * bf16
+    assert weight_bytes(index, layers, Precision.NF4) < 0.4 * bf16
+
+
+def test_nf4_width_check():
+    check_nf4_widths({"a": 64, "b": 4096}, "cpu")
+    check_nf4_widths({"a": 50}, "cuda")
+    with pytest.raises(ModelError, match="multiple of 32"):
+        check_nf4_widths({"model.layers.0.mlp.up_proj.weight": 50}, "cpu")

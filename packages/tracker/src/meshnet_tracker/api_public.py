@@ -1,0 +1,148 @@
+"""Public tracker routes: health, coverage, models, and the OpenAI entry point."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from meshnet_common.errors import InvalidRequest
+from meshnet_common.protocol import H_ROUTE
+from meshnet_node.http_utils import read_body
+from meshnet_node.openai_routes import handle_chat, handle_completions
+from meshnet_node.service import HopError
+from meshnet_tracker.state import TrackerState
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 8 << 20
+
+
+def _state(request: Request) -> TrackerState:
+    return request.app.state.tracker
+
+
+def public_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request):
+        state = _state(request)
+        return {"status": "ok", "nodes": len(state.registry.records())}
+
+    @router.get("/v1/coverage")
+    async def coverage(request: Request):
+        models = []
+        for model in _state(request).registry.coverage().values():
+            models.append(
+                {
+                    "id": model.model_id,
+                    "num_layers": model.num_layers,
+                    "covered": model.covered,
+                    "gaps": [g.as_list() for g in model.gaps()],
+                    "nodes": [
+                        {
+                            "node_id": n.node_id,
+                            "url": n.url,
+                            "shard_start": n.layers.start,
+                            "shard_end": n.layers.end,
+                            "state": n.state,
+                            "quantization": n.quantization,
+                        }
+                        for n in model.nodes
+                    ],
+                }
+            )
+        return {"models": models}
+
+    @router.get("/v1/models")
+    async def models(request: Request):
+        data = [
+            {
+                "id": model.model_id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "meshnet",
+                "meshnet": {"num_layers": model.num_layers, "nodes": len(model.serving)},
+            }
+            for model in _state(request).registry.coverage().values()
+            if model.covered
+        ]
+        return {"object": "list", "data": data}
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        return await _entry(request, "/v1/completions")
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _entry(request, "/v1/chat/completions")
+
+    return router
+
+
+async def _entry(request: Request, path: str) -> Response:
+    """Route an OpenAI request: run the head here (tracker node) or proxy to the chain's head."""
+    state = _state(request)
+    body = await read_body(request, MAX_REQUEST_BYTES)
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    model_id = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(model_id, str):
+        raise InvalidRequest("model is required", param="model")
+    hops = state.route(model_id)
+    rest = tuple(h.node.url for h in hops[1:])
+    head = hops[0].node
+    if state.node is not None and head.node_id == state.node.node_id:
+        handler = handle_completions if path == "/v1/completions" else handle_chat
+        return await handler(state.node.openai, _Replay(request, body), rest)
+    return await _proxy(state, head.url + path, body, rest, bool(payload.get("stream")))
+
+
+class _Replay:
+    """A Request look-alike whose body is already read."""
+
+    def __init__(self, request: Request, body: bytes) -> None:
+        self._request = request
+        self._body = body
+        self.headers = request.headers
+
+    async def stream(self):
+        yield self._body
+
+    async def is_disconnected(self) -> bool:
+        return await self._request.is_disconnected()
+
+
+async def _proxy(state: TrackerState, url: str, body: bytes, rest, stream: bool) -> Response:
+    headers = {"content-type": "application/json", H_ROUTE: ",".join(rest)}
+    client = state.client
+    try:
+        upstream = await client.send(
+            client.build_request("POST", url, content=body, headers=headers), stream=True
+        )
+    except httpx.HTTPError as exc:
+        raise HopError(f"head node {url} unreachable: {exc}", hop=url) from exc
+    if not stream or upstream.status_code != 200:
+        content = await upstream.aread()
+        await upstream.aclose()
+        return Response(
+            content,
+            status_code=upstream.status_code,
+            media_type=upstream.headers.get("content-type", "application/json"),
+        )
+
+    async def relay():
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+
+    return StreamingResponse(relay(), media_type="text/event-stream")
+

@@ -1,0 +1,67 @@
+"""Assemble the tracker app: public API, node API, and (optionally) its own node."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+from fastapi import FastAPI
+
+from meshnet_node.http_utils import install_error_handlers
+from meshnet_node.runtime import NodeRuntime, mount_node, start_background, stop_background
+from meshnet_tracker.api_nodes import nodes_router
+from meshnet_tracker.api_public import public_router
+from meshnet_tracker.registry import Registry
+from meshnet_tracker.settings import TrackerSettings
+from meshnet_tracker.state import TrackerState
+
+logger = logging.getLogger(__name__)
+
+
+def _local_route_provider(state_ref: list):
+    async def provider(model_id: str) -> tuple[str, ...]:
+        state: TrackerState = state_ref[0]
+        hops = state.route(model_id, head=state.node.node_id)
+        return tuple(h.node.url for h in hops[1:])
+
+    return provider
+
+
+def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> FastAPI:
+    """The tracker's FastAPI app; ``node`` makes it a tracker node serving those layers."""
+    registry = Registry(settings.heartbeat_interval_s)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(settings.proxy_timeout_s, connect=5.0))
+    state = TrackerState(settings=settings, registry=registry, node=node, client=client)
+    state.index_models_dir()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        tasks = [asyncio.ensure_future(_prune_loop(state))]
+        if node is not None:
+            await start_background(node)
+            registry.register(node.announcement(), local=True)
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            if node is not None:
+                await stop_background(node)
+            await client.aclose()
+
+    app = FastAPI(title="meshnet tracker", lifespan=lifespan)
+    app.state.tracker = state
+    install_error_handlers(app)
+    app.include_router(public_router())
+    app.include_router(nodes_router())
+    if node is not None:
+        mount_node(app, node, openai_routes=False)  # the tracker's own routes take OpenAI calls
+    return app
+
+
+async def _prune_loop(state: TrackerState) -> None:
+    while True:
+        await asyncio.sleep(state.settings.heartbeat_interval_s)
+        state.registry.prune()

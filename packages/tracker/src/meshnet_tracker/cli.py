@@ -1,0 +1,82 @@
+"""``meshnet-tracker``: the coverage map, routing and OpenAI entry point of a swarm."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshnet_common.errors import MeshnetError
+from meshnet_common.models_dir import resolve_snapshot
+from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
+from meshnet_node.cli import add_shard_flags, shard_settings
+
+PROG = "meshnet-tracker"
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(
+        prog=PROG,
+        description="Track which nodes serve which layers, route requests, and (with "
+        "--model-id) serve the first layers itself.",
+    )
+    parser.add_argument("--models-dir", help="folder of HF snapshots (both layouts)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="port")
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    add_shard_flags(parser, tracker_node=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    from meshnet_node.runtime import build_runtime
+    from meshnet_node.serve import check_port, run
+    from meshnet_tracker.app import _local_route_provider, create_app
+    from meshnet_tracker.settings import TrackerSettings
+
+    try:
+        models_dir = Path(args.models_dir) if args.models_dir else None
+        if models_dir is not None and not models_dir.is_dir():
+            raise ValueError(f"--models-dir {models_dir}: no such directory")
+        check_port(args.host, args.port)
+        url = f"http://{args.host}:{args.port}"
+        node = None
+        state_ref: list = []
+        if args.model_id:
+            if models_dir is None:
+                raise ValueError("--model-id needs --models-dir to find the snapshot")
+            if args.shard_start is None or args.shard_end is None:
+                raise ValueError("--model-id needs --shard-start and --shard-end")
+            node_settings = shard_settings(
+                args,
+                model_path=resolve_snapshot(models_dir, args.model_id),
+                host=args.host,
+                port=args.port,
+                advertise_url=url,
+                node_id="tracker-node",
+            )
+            node = build_runtime(node_settings, route_provider=_local_route_provider(state_ref))
+            if not node.service.stage.shard.is_head:
+                raise ValueError("the tracker node serves the first layers: use --shard-start 0")
+        settings = TrackerSettings(
+            models_dir=models_dir,
+            host=args.host,
+            port=args.port,
+            heartbeat_interval_s=args.heartbeat_interval,
+        )
+        app = create_app(settings, node)
+        state_ref.append(app.state.tracker)
+    except (MeshnetError, ValueError, OSError) as exc:
+        fail(PROG, str(exc), code=1)
+    extra = ""
+    if node is not None:
+        extra = f" (tracker node: {args.model_id} layers {node.service.stage.shard.layers})"
+    run(app, args.host, args.port, f"meshnet-tracker ready: {url}{extra}", log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The tracker's registry of nodes: soft state rebuilt from registrations and heartbeats."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshnet_common.protocol import Heartbeat, NodeAnnouncement, NodeState
+from meshnet_tracker.coverage import ModelCoverage, ServingNode, build_coverage
+
+logger = logging.getLogger(__name__)
+
+MISSED_HEARTBEATS = 3  # a node silent this many intervals leaves the coverage map
+
+
+@dataclass
+class NodeRecord:
+    """What the tracker knows of one node."""
+
+    announcement: NodeAnnouncement
+    state: NodeState
+    last_heartbeat: float
+    active_sessions: int = 0
+    kv_tokens: int = 0
+    memory_free_bytes: int = 0
+    tokens_generated: int = 0
+    local: bool = False  # the tracker node itself: never expires
+
+    @property
+    def node_id(self) -> str:
+        return self.announcement.node_id
+
+    def serving_node(self) -> ServingNode:
+        shard = self.announcement.shard
+        return ServingNode(
+            node_id=self.node_id,
+            url=self.announcement.url,
+            model_id=shard.model_id,
+            layers=shard.layers,
+            load=self.active_sessions,
+            state=self.state.value,
+            quantization=self.announcement.quantization.value,
+        )
+
+
+class Registry:
+    """Thread-safe map node_id -> NodeRecord with heartbeat expiry."""
+
+    def __init__(
+        self, heartbeat_interval_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.clock = clock
+        self._nodes: dict[str, NodeRecord] = {}
+        self._model_layers: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def register(self, announcement: NodeAnnouncement, *, local: bool = False) -> NodeRecord:
+        with self._lock:
+            record = NodeRecord(
+                announcement=announcement,
+                state=announcement.state,
+                last_heartbeat=self.clock(),
+                memory_free_bytes=announcement.memory_free_bytes,
+                local=local,
+            )
+            self._nodes[announcement.node_id] = record
+            self._model_layers.setdefault(announcement.shard.model_id, announcement.num_layers)
+        logger.info(
+            "node %s registered: %s layers %s at %s",
+            announcement.node_id, announcement.shard.model_id, announcement.shard.layers,
+            announcement.url,
+        )  # fmt: skip
+        return record
+
+    def heartbeat(self, beat: Heartbeat) -> bool:
+        """Record a heartbeat; False when the node is unknown (it must register again)."""
+        with self._lock:
+            record = self._nodes.get(beat.node_id)
+            if record is None:
+                return False
+            record.last_heartbeat = self.clock()
+            record.state = beat.state
+            record.active_sessions = beat.active_sessions
+            record.kv_tokens = beat.kv_tokens
+            record.memory_free_bytes = beat.memory_free_bytes
+            record.tokens_generated = beat.tokens_generated
+            return True
+
+    def remove(self, node_id: str) -> bool:
+        with self._lock:
+            removed = self._nodes.pop(node_id, None) is not None
+        if removed:
+            logger.info("node %s left", node_id)
+        return removed
+
+    def prune(self) -> list[str]:
+        """Drop nodes silent for MISSED_HEARTBEATS intervals; returns their ids."""
+        deadline = self.clock() - MISSED_HEARTBEATS * self.heartbeat_interval_s
+        with self._lock:
+            dead = [
+                nid for nid, r in self._nodes.items() if not r.local and r.last_heartbeat < deadline
+            ]
+            for nid in dead:
+                del self._nodes[nid]
+        for nid in dead:
+            logger.warning("node %s missed %d heartbeats: dropped", nid, MISSED_HEARTBEATS)
+        return dead
+
+    def records(self) -> list[NodeRecord]:
+        self.prune()
+        with self._lock:
+            return list(self._nodes.values())
+
+    def get(self, node_id: str) -> NodeRecord | None:
+        return self._nodes.get(node_id)
+
+    def note_model(self, model_id: str, num_layers: int) -> None:
+        """Make a model known (e.g. found in the models dir) even before any node serves it."""
+        with self._lock:
+            self._model_layers[model_id] = num_layers
+
+    def coverage(self) -> dict[str, ModelCoverage]:
+        records = self.records()
+        with self._lock:
+            layers = dict(self._model_layers)
+        return build_coverage((r.serving_node() for r in records), layers)

@@ -1,0 +1,24 @@
+"""Tracker settings, fixed at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshnet_node.settings import NodeSettings
+
+
+@dataclass(frozen=True)
+class TrackerSettings:
+    """What the tracker process is configured with."""
+
+    models_dir: Path | None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    heartbeat_interval_s: float = 2.0
+    proxy_timeout_s: float = 600.0
+    node: NodeSettings | None = None  # set when the tracker also serves layers (tracker node)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"

@@ -1,0 +1,57 @@
+"""The tracker's live state: registry, known models and (optionally) its own node."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from meshnet_common.errors import ModelNotCovered, NotFound
+from meshnet_common.models_dir import scan_models_dir
+from meshnet_node.runtime import NodeRuntime
+from meshnet_tracker.coverage import ModelCoverage
+from meshnet_tracker.registry import Registry
+from meshnet_tracker.routing import Hop, choose_route
+from meshnet_tracker.settings import TrackerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrackerState:
+    """Everything the tracker's routes need."""
+
+    settings: TrackerSettings
+    registry: Registry
+    node: NodeRuntime | None
+    client: httpx.AsyncClient
+
+    def index_models_dir(self) -> None:
+        """Make every model in the models dir known to the coverage map."""
+        if self.settings.models_dir is None:
+            return
+        scan = scan_models_dir(self.settings.models_dir)
+        for entry in scan.entries:
+            self.registry.note_model(entry.model_id, entry.num_layers)
+        for problem in scan.problems:
+            logger.warning("models dir: %s", problem)
+
+    def model(self, model_id: str) -> ModelCoverage:
+        coverage = self.registry.coverage()
+        if model_id not in coverage:
+            raise NotFound(
+                f"model {model_id!r} is unknown; known: {', '.join(coverage) or 'none'}",
+                param="model",
+                code="model_not_found",
+            )
+        return coverage[model_id]
+
+    def route(self, model_id: str, *, head: str | None = None) -> list[Hop]:
+        model = self.model(model_id)
+        if not model.serving:
+            raise ModelNotCovered(
+                f"no node serves {model_id}; missing layers: [0, {model.num_layers})",
+                code="model_not_covered",
+            )
+        return choose_route(model, head=head)
