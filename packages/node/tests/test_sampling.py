@@ -25,8 +25,13 @@ def test_seed_reproduces_a_sequence():
 
 
 def test_top_k_one_is_greedy_and_top_p_keeps_the_head():
-    assert {Sampler(SamplingParams(temperature=1.0, top_k=1))(LOGITS).token_id for _ in range(20)} == {1}
-    picks = {Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s))(LOGITS).token_id for s in range(50)}
+    assert {
+        Sampler(SamplingParams(temperature=1.0, top_k=1))(LOGITS).token_id for _ in range(20)
+    } == {1}
+    picks = {
+        Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s))(LOGITS).token_id
+        for s in range(50)
+    }
     assert picks <= {1, 2}
 
 

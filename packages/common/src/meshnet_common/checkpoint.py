@@ -198,10 +198,14 @@ class CheckpointIndex:
                     name, fname, dtype, shape, numel * _SAFETENSORS_DTYPE_BYTES.get(dtype, 2)
                 )
         if weight_map is not None:
-            missing = [n for n, f in weight_map.items() if tensors.get(n, None) is None]
+            missing = [n for n, f in weight_map.items() if tensors.get(n) is None]
             if missing:
-                raise ModelError(f"{index_path}: tensors listed but absent from files: {missing[:3]}")
-        return cls(root=root, config=config, architecture=arch, num_layers=num_layers, tensors=tensors)
+                raise ModelError(
+                    f"{index_path}: tensors listed but absent from files: {missing[:3]}"
+                )
+        return cls(
+            root=root, config=config, architecture=arch, num_layers=num_layers, tensors=tensors
+        )
 
     def layer_of(self, name: str) -> int | None:
         """Decoder layer index a tensor belongs to, or None for non-layer tensors."""
@@ -221,9 +225,12 @@ class CheckpointIndex:
             if layer is not None:
                 if layer in layers:
                     wanted.append(name)
-            elif layers.is_head() and name.startswith(naming.head_prefixes):
-                wanted.append(name)
-            elif layers.is_tail(self.num_layers) and name.startswith(naming.tail_prefixes):
+            elif (
+                layers.is_head()
+                and name.startswith(naming.head_prefixes)
+                or layers.is_tail(self.num_layers)
+                and name.startswith(naming.tail_prefixes)
+            ):
                 wanted.append(name)
         if (
             layers.is_tail(self.num_layers)

@@ -20,7 +20,9 @@ class LayerRange:
         if not isinstance(self.start, int) or not isinstance(self.end, int):
             raise TypeError("LayerRange bounds must be integers")
         if self.start < 0 or self.end <= self.start:
-            raise ValueError(f"invalid layer range [{self.start}, {self.end}): need 0 <= start < end")
+            raise ValueError(
+                f"invalid layer range [{self.start}, {self.end}): need 0 <= start < end"
+            )
 
     def __len__(self) -> int:
         return self.end - self.start

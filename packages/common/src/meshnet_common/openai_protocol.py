@@ -55,8 +55,8 @@ class _SamplingFields(Lenient):
             raise InvalidRequest(f"{info.field_name} must be an integer", param=info.field_name)
         return value
 
-    def check(self, *, context_window: int, prompt_tokens: int) -> int:
-        """Validate ranges; returns the effective max_tokens."""
+    def check_params(self) -> None:
+        """Validate the sampling parameters (the prompt-dependent checks come in ``check``)."""
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if not math.isfinite(value):
@@ -73,6 +73,10 @@ class _SamplingFields(Lenient):
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if len(stops) > 4 or any(not s for s in stops):
                 raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
+
+    def check(self, *, context_window: int, prompt_tokens: int) -> int:
+        """Validate everything for one prompt; returns the effective max_tokens."""
+        self.check_params()
         room = context_window - prompt_tokens
         if room <= 0:
             raise InvalidRequest(

@@ -130,7 +130,10 @@ def build_masks(
     (layers before ``first_layer`` are never run for it and their cache slots stay empty).
     """
     masks: dict[str, torch.Tensor | None] = {}
-    for layer_type, make_mask in ((FULL, create_causal_mask), (SLIDING, create_sliding_window_causal_mask)):
+    for layer_type, make_mask in (
+        (FULL, create_causal_mask),
+        (SLIDING, create_sliding_window_causal_mask),
+    ):
         local = [i for i in range(first_layer, len(layer_types)) if layer_types[i] == layer_type]
         if local:
             masks[layer_type] = make_mask(

@@ -109,7 +109,7 @@ class HeadGenerator:
         self, request: GenerationRequest, route: tuple[str, ...]
     ) -> AsyncIterator[GeneratedToken]:
         """Yield tokens until max_tokens, EOS or a stop string; frees sessions on every exit."""
-        service, stage = self.service, self.service.stage
+        stage = self.service.stage
         if not route and not stage.shard.is_tail:
             raise ValueError("a head that is not the tail needs a route")
         session_id = uuid.uuid4().hex

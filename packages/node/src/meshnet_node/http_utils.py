@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet_common.errors import InvalidRequest, MeshnetError, PayloadTooLarge
 
@@ -31,6 +32,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MeshnetError)
     async def _domain(_request: Request, exc: MeshnetError):
         return JSONResponse(exc.to_openai(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException):
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), error_type), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError):

@@ -149,7 +149,9 @@ def load_shard(
     config = full.config  # carries the resolved attention implementation
     base = getattr(full, adapter.base_attr)
     modules = StageModules()
-    modules.layers = nn.ModuleList(list(getattr(base, adapter.layers_attr))[layers.start : layers.end])
+    modules.layers = nn.ModuleList(
+        list(getattr(base, adapter.layers_attr))[layers.start : layers.end]
+    )
     for local_idx, layer in enumerate(modules.layers):
         # The stage's KV cache has one slot per local layer: remap indices from global.
         for sub in layer.modules():
@@ -212,4 +214,3 @@ def load_shard(
         modules=modules,
         layer_types=adapter.layer_types(config)[layers.start : layers.end],
     )
-

@@ -41,7 +41,9 @@ class TrackerClient:
         return RegisterResponse.model_validate_json(resp.content)
 
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatResponse:
-        resp = await self.client.post(f"{self.base}/v1/nodes/heartbeat", content=beat.model_dump_json())
+        resp = await self.client.post(
+            f"{self.base}/v1/nodes/heartbeat", content=beat.model_dump_json()
+        )
         resp.raise_for_status()
         return HeartbeatResponse.model_validate_json(resp.content)
 

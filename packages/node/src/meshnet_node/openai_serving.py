@@ -116,6 +116,7 @@ class OpenAIServing:
 
     def completion_jobs(self, request: CompletionRequest) -> list[GenerationRequest]:
         self.check_model(request.model)
+        request.check_params()
         logprobs = request.logprobs or 0
         jobs = []
         for prompt_ids in self._prompts(request):
@@ -125,6 +126,7 @@ class OpenAIServing:
 
     def chat_jobs(self, request: ChatCompletionRequest) -> list[GenerationRequest]:
         self.check_model(request.model)
+        request.check_params()
         if request.max_completion_tokens is not None and request.max_tokens is None:
             request = request.model_copy(update={"max_tokens": request.max_completion_tokens})
         logprobs = (request.top_logprobs or 1) if request.logprobs else 0
@@ -194,9 +196,7 @@ class OpenAIServing:
         return {
             "tokens": [self._token_str(t.token_id) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [
-                {self._token_str(i): lp for i, lp in t.top_logprobs} for t in tokens
-            ],
+            "top_logprobs": [{self._token_str(i): lp for i, lp in t.top_logprobs} for t in tokens],
             "text_offset": offsets,
         }
 

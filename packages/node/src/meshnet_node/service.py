@@ -331,5 +331,3 @@ class NodeService:
             )
         except httpx.HTTPError as exc:  # the hop's idle timeout frees it anyway
             logger.warning("could not close session %s on %s: %s", session_id, hop, exc)
-
-

@@ -145,4 +145,3 @@ async def _proxy(state: TrackerState, url: str, body: bytes, rest, stream: bool)
             await upstream.aclose()
 
     return StreamingResponse(relay(), media_type="text/event-stream")
-
