@@ -33,6 +33,12 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+swarm: install
+	$(PY) scripts/local_swarm.py --models-dir $(MODELS_DIR)
+
+demo: install
+	$(PY) scripts/local_swarm.py --models-dir $(MODELS_DIR) --demo
+
 models: install
 	$(VENV)/bin/meshnet-models import-smollm2 --models-dir $(MODELS_DIR)
 	$(VENV)/bin/meshnet-models list --models-dir $(MODELS_DIR)

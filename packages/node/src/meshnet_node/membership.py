@@ -89,7 +89,9 @@ class Membership:
 
     async def register_until_accepted(self) -> None:
         delay = BACKOFF_START_S
+        attempt = 0
         while True:
+            attempt += 1
             try:
                 reply = await self.client.register(self.announcement())
                 self.interval_s = reply.heartbeat_interval_s
@@ -97,7 +99,9 @@ class Membership:
                 logger.info("registered with tracker %s", self.client.base)
                 return
             except (httpx.HTTPError, ValueError) as exc:
-                logger.warning("tracker registration failed (%s); retrying in %.1fs", exc, delay)
+                # The tracker may simply still be starting: only persistent failure is a warning.
+                level = logging.INFO if attempt <= 5 else logging.WARNING
+                logger.log(level, "tracker registration failed (%s); retry in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_CAP_S)
 

@@ -1,0 +1,65 @@
+"""Coverage map under failure: a killed node shows as a gap, a restarted tracker recovers."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from swarm_harness import covered, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "meshnet-tiny/llama"
+HEARTBEAT_S = 0.5
+
+
+def coverage_of(tracker) -> dict:
+    models = httpx.get(f"{tracker.url}/v1/coverage", timeout=5).json()["models"]
+    return next(m for m in models if m["id"] == MODEL)
+
+
+def complete(tracker) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 5, "temperature": 0}
+    return httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=60)
+
+
+def test_killed_node_leaves_a_gap_and_tracker_restart_rebuilds_the_map(
+    tiny_snapshot, swarm_factory
+):
+    tiny_snapshot("llama")
+    swarm = swarm_factory(heartbeat_s=HEARTBEAT_S)
+    tracker = swarm.tracker().wait_healthy()
+    head = swarm.node(tracker, MODEL, 0, 3, "--quantization", "float32")
+    tail = swarm.node(tracker, MODEL, 3, 6, "--quantization", "float32")
+    head.wait_healthy()
+    tail.wait_healthy()
+    wait_for(lambda: covered(tracker, MODEL), timeout=30)
+
+    entry = coverage_of(tracker)
+    assert {(n["shard_start"], n["shard_end"]) for n in entry["nodes"]} == {(0, 3), (3, 6)}
+    assert entry["gaps"] == []
+    before = complete(tracker)
+    assert before.status_code == 200, before.text
+    text = before.json()["choices"][0]["text"]
+
+    tail.kill()  # SIGKILL: no deregistration, only missed heartbeats tell
+    killed_at = time.monotonic()
+    wait_for(lambda: coverage_of(tracker)["gaps"] == [[3, 6]], timeout=10, interval=0.05)
+    assert time.monotonic() - killed_at <= 3 * HEARTBEAT_S + 0.5
+    refused = complete(tracker)
+    assert refused.status_code == 503
+    assert "[3, 6)" in refused.json()["error"]["message"]
+    assert MODEL not in [m["id"] for m in httpx.get(f"{tracker.url}/v1/models").json()["data"]]
+
+    swarm.node(tracker, MODEL, 3, 6, "--quantization", "float32").wait_healthy()
+    wait_for(lambda: covered(tracker, MODEL), timeout=30)
+
+    # The tracker's state is soft: a new tracker on the same port relearns every node.
+    tracker.kill()
+    restarted = swarm.tracker(port=tracker.port).wait_healthy()
+    wait_for(lambda: covered(restarted, MODEL), timeout=30)
+    assert head.popen.poll() is None  # nodes kept running throughout
+    again = complete(restarted)
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["text"] == text
