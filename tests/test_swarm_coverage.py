@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -17,6 +18,10 @@ HEARTBEAT_S = 0.5
 def coverage_of(tracker) -> dict:
     models = httpx.get(f"{tracker.url}/v1/coverage", timeout=5).json()["models"]
     return next(m for m in models if m["id"] == MODEL)
+
+
+def active_sessions(node) -> int:
+    return httpx.get(f"{node.url}/v1/node", timeout=5).json()["active_sessions"]
 
 
 def complete(tracker) -> httpx.Response:
@@ -43,8 +48,23 @@ def test_killed_node_leaves_a_gap_and_tracker_restart_rebuilds_the_map(
     assert before.status_code == 200, before.text
     text = before.json()["choices"][0]["text"]
 
-    tail.kill()  # SIGKILL: no deregistration, only missed heartbeats tell
-    killed_at = time.monotonic()
+    # A client that goes away mid-stream frees the session on every hop.
+    stream_body = {"model": MODEL, "prompt": "hello", "max_tokens": 900, "temperature": 0,
+                   "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{tracker.url}/v1/completions", json=stream_body) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    wait_for(lambda: all(active_sessions(p) == 0 for p in (head, tail)), timeout=10)
+
+    # A hop dying mid-stream: the client gets an error chunk, then [DONE] — never a hang.
+    with httpx.stream("POST", f"{tracker.url}/v1/completions", json=stream_body) as resp:
+        events = (line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+        assert "choices" in json.loads(next(events))
+        tail.kill()  # SIGKILL: no deregistration, only missed heartbeats tell
+        killed_at = time.monotonic()
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    assert "error" in json.loads(rest[-2])
     wait_for(lambda: coverage_of(tracker)["gaps"] == [[3, 6]], timeout=10, interval=0.05)
     assert time.monotonic() - killed_at <= 3 * HEARTBEAT_S + 0.5
     refused = complete(tracker)
