@@ -74,8 +74,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def parse_model(request: Request, model: type[M], limit: int = 8 << 20) -> M:
-    """Parse a JSON body into ``model``; errors become 400 naming the parameter."""
-    body = await read_body(request, limit)
+    """Read and parse a JSON body into ``model``; errors become 400 naming the parameter."""
+    return parse_json(await read_body(request, limit), model)
+
+
+def parse_json(body: bytes, model: type[M]) -> M:
+    """Parse JSON bytes into ``model``; errors become 400 naming the parameter."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

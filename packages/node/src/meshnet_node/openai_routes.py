@@ -6,14 +6,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
-from meshnet_node.http_utils import cancel_on_disconnect, parse_model
+from meshnet_node.http_utils import cancel_on_disconnect, parse_json, read_body
 from meshnet_node.openai_serving import OpenAIServing
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+MAX_REQUEST_BYTES = 8 << 20
 
 
-async def handle_completions(serving: OpenAIServing, request: Request, route=None):
-    body = await parse_model(request, CompletionRequest)
+async def handle_completions(
+    serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
+):
+    """``raw``: the body when the caller already read it (the tracker peeks at ``model``)."""
+    raw = raw if raw is not None else await read_body(request, MAX_REQUEST_BYTES)
+    body = parse_json(raw, CompletionRequest)
     jobs = serving.completion_jobs(body)
     if route is None:
         route = await serving.route_provider(serving.model_id)
@@ -27,8 +32,11 @@ async def handle_completions(serving: OpenAIServing, request: Request, route=Non
     return JSONResponse(serving.completion_response(body, choices))
 
 
-async def handle_chat(serving: OpenAIServing, request: Request, route=None):
-    body = await parse_model(request, ChatCompletionRequest)
+async def handle_chat(
+    serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
+):
+    raw = raw if raw is not None else await read_body(request, MAX_REQUEST_BYTES)
+    body = parse_json(raw, ChatCompletionRequest)
     jobs = serving.chat_jobs(body)
     if route is None:
         route = await serving.route_provider(serving.model_id)

@@ -100,23 +100,8 @@ async def _entry(request: Request, path: str) -> Response:
     head = hops[0].node
     if state.node is not None and head.node_id == state.node.node_id:
         handler = handle_completions if path == "/v1/completions" else handle_chat
-        return await handler(state.node.openai, _Replay(request, body), rest)
+        return await handler(state.node.openai, request, rest, raw=body)
     return await _proxy(state, head.url + path, body, rest, bool(payload.get("stream")))
-
-
-class _Replay:
-    """A Request look-alike whose body is already read."""
-
-    def __init__(self, request: Request, body: bytes) -> None:
-        self._request = request
-        self._body = body
-        self.headers = request.headers
-
-    async def stream(self):
-        yield self._body
-
-    async def is_disconnected(self) -> bool:
-        return await self._request.is_disconnected()
 
 
 async def _proxy(state: TrackerState, url: str, body: bytes, rest, stream: bool) -> Response:
