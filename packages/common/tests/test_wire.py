@@ -78,24 +78,12 @@ def test_round_trip_is_bit_exact(tensor, options):
     assert_bit_exact(wire.decode_tensor(frame), tensor)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="encode_tensor cannot pack a 0-dim tensor: tensor.view(torch.uint8) raises "
-    "RuntimeError for dim 0 (wire.py:82); fix: tensor.reshape(-1).view(torch.uint8)",
-)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scalar_round_trip(dtype):
     scalar = torch.tensor(7, dtype=torch.int64).to(dtype)
     assert_bit_exact(wire.decode_tensor(wire.encode_tensor(scalar)), scalar)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="encode_tensor fails on a tensor whose size-1 last dim has stride != 1: "
-    ".contiguous() is a no-op (torch ignores strides of size-1 dims) and "
-    ".view(torch.uint8) then raises RuntimeError (wire.py:82); "
-    "fix: tensor.reshape(-1).view(torch.uint8)",
-)
 def test_size_one_last_dim_with_odd_stride_round_trips():
     tensor = torch.arange(2, dtype=torch.float32).reshape(1, 2).t()  # (2, 1), strides (1, 2)
     assert_bit_exact(wire.decode_tensor(wire.encode_tensor(tensor)), tensor)

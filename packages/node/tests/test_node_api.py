@@ -484,12 +484,6 @@ def test_downstream_errors_are_relayed(middle, tail):
         middle.http.delete(f"/v1/sessions/{sid}", headers={H_SESSION_KEY: "key"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service.py:236-238: the tail runs the step (advancing its KV cache) before it "
-    "rejects a non-empty route, so the rejected step is not side-effect free; check "
-    "req.route before compute",
-)
 def test_tail_rejects_a_route_before_running(tail):
     sid = "tail-route"
     step = headers(sid, 0, route=(TAIL_URL,), opening=open_spec(4))
@@ -501,11 +495,6 @@ def test_tail_rejects_a_route_before_running(tail):
         tail.sessions.close(sid)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service.py:247-248: a non-tail stage runs the step (advancing its KV cache) "
-    "before it rejects an empty route; check the route before compute",
-)
 def test_middle_rejects_a_missing_route_before_running(middle):
     sid = "middle-noroute"
     step = headers(sid, 0, opening=open_spec(2))

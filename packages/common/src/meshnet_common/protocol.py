@@ -8,15 +8,27 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
+from meshnet_common.models_dir import validate_model_id
 from meshnet_common.precision import Precision
 
 PROTOCOL_VERSION = 1
 
 NodeId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
-ModelId = Annotated[str, Field(min_length=3, max_length=200, pattern=r"^[A-Za-z0-9._-]+/[A-Za-z0-9._-]+$")]  # fmt: skip
+
+
+def _model_id(value: str) -> str:
+    try:
+        validate_model_id(value)  # the one rule, shared with the models dir
+    except InvalidRequest as exc:
+        raise ValueError(exc.message) from exc
+    return value
+
+
+ModelId = Annotated[str, Field(min_length=3, max_length=200), AfterValidator(_model_id)]
 Url = Annotated[str, Field(min_length=8, max_length=300, pattern=r"^https?://[^\s/]+(:\d+)?/?$")]
 
 # HTTP headers of a forward step (the body is one tensor frame, see meshnet_common.wire).

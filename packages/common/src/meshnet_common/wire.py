@@ -79,7 +79,8 @@ def encode_tensor(tensor: torch.Tensor, options: WireOptions = WireOptions()) ->
         raise ValueError(f"tensor has {tensor.dim()} dims; at most {MAX_NDIM}")
     tensor = tensor.detach().to("cpu").contiguous()
     itemsize = tensor.element_size()
-    raw = tensor.view(torch.uint8).numpy().reshape(-1) if tensor.numel() else np.empty(0, np.uint8)
+    # reshape(-1) first: view() refuses 0-dim tensors and odd strides on size-1 dims.
+    raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
     flags = 0
     if options.shuffle and itemsize > 1 and raw.size:
         body = _shuffle(raw, itemsize)

@@ -11,15 +11,13 @@ import torch
 from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InsufficientMemory
 from meshnet_common.layers import LayerRange
+from meshnet_common.memory import ModelCosts
 from meshnet_common.precision import Precision
 from meshnet_node.quantization import check_nf4_widths
 
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-# Loading briefly holds one extra tensor and allocator slack; keep a margin.
-OVERHEAD_FRACTION = 0.10
-OVERHEAD_MIN_BYTES = 64 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -51,39 +49,9 @@ class MemoryEstimate:
         )
 
 
-def _is_quantizable(index: CheckpointIndex, name: str) -> bool:
-    """Linear weights inside decoder layers get quantized; embeddings/norms/biases do not."""
-    info = index.tensors[name]
-    return index.layer_of(name) is not None and name.endswith(".weight") and len(info.shape) == 2
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total
-
-
 def weight_bytes(index: CheckpointIndex, layers: LayerRange, precision: Precision) -> int:
     """Resident bytes of the shard's tensors at ``precision`` (tied lm_head counted once)."""
-    total = 0.0
-    for name in index.tensors_for(layers):
-        numel = _numel(index.tensors[name].shape)
-        if precision.is_quantized and _is_quantizable(index, name):
-            total += numel * precision.linear_bytes_per_param
-        else:
-            total += numel * precision.other_bytes_per_param
-    return int(total)
-
-
-def kv_bytes_per_token(config: dict, num_stage_layers: int, precision: Precision) -> int:
-    """KV-cache bytes one token costs on a stage of ``num_stage_layers`` layers."""
-    hidden = config.get("hidden_size", config.get("n_embd"))
-    heads = config.get("num_attention_heads", config.get("n_head"))
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    act_bytes = 4 if precision is Precision.FLOAT32 else 2
-    return 2 * num_stage_layers * kv_heads * head_dim * act_bytes
+    return ModelCosts.from_index(index).weight_bytes(layers, precision)
 
 
 def available_bytes(device: str) -> int:
@@ -103,12 +71,13 @@ def estimate(
     kv_budget_tokens: int = 65536,
     declared_gb: float | None = None,
 ) -> MemoryEstimate:
-    weights = weight_bytes(index, layers, precision)
-    kv = kv_budget_tokens * kv_bytes_per_token(index.config, len(layers), precision)
+    costs = ModelCosts.from_index(index)
+    weights = costs.weight_bytes(layers, precision)
+    kv = costs.kv_bytes(len(layers), kv_budget_tokens, precision)
     return MemoryEstimate(
         weight_bytes=weights,
         kv_bytes=kv,
-        overhead_bytes=max(OVERHEAD_MIN_BYTES, int(OVERHEAD_FRACTION * weights)),
+        overhead_bytes=costs.shard_bytes(layers, precision, kv_budget_tokens) - weights - kv,
         declared_bytes=None if declared_gb is None else int(declared_gb * GIB),
         available_bytes=available_bytes(device),
     )
@@ -120,7 +89,9 @@ def linear_out_widths(index: CheckpointIndex, layers: LayerRange) -> dict[str, i
     return {
         name: index.tensors[name].shape[1 if gpt2 else 0]
         for name in index.tensors_for(layers)
-        if _is_quantizable(index, name)
+        if index.layer_of(name) is not None
+        and name.endswith(".weight")
+        and len(index.tensors[name].shape) == 2
     }
 
 

@@ -209,33 +209,34 @@ class NodeService:
 
     async def handle_step(self, req: StepRequest) -> StepResult:
         stage = self.stage
+        # Everything checkable without running layers is checked first: a rejected step
+        # must leave the session exactly as it was.
+        if stage.shard.is_tail and req.route:
+            raise InvalidRequest("the tail is the last hop; route must be empty", param=H_ROUTE)
+        if not stage.shard.is_tail and not req.route:
+            raise InvalidRequest(
+                "this stage is not the tail: the route needs a next hop", param=H_ROUTE
+            )
+        opened = False
         if req.open_spec is not None:
             if req.position != 0:
                 raise InvalidRequest("a session opens at position 0", param=H_OPEN)
-            spec = req.open_spec
             stage.open_session(
                 req.session_id,
-                sampling=SamplingParams(**spec.model_dump()) if stage.shard.is_tail else None,
+                sampling=SamplingParams(**req.open_spec.model_dump())
+                if stage.shard.is_tail
+                else None,
                 owner=req.session_key,
                 start_layer=req.start_layer,
             )
-        await self.wait_for_turn(req)
-        is_head = stage.shard.is_head
+            opened = True
         try:
-            out: StepOutput = await self.compute(
-                stage.step,
-                req.session_id,
-                req.position,
-                token_ids=req.tensor if is_head else None,
-                hidden=None if is_head else req.tensor,
-                owner=req.session_key,
-                sample=req.sample,
-            )
-        finally:
-            await self._advance(req.session_id)
+            out = await self._run_step(req)
+        except MeshnetError:
+            if opened:  # an opening step that failed leaves no session behind
+                stage.close_session(req.session_id)
+            raise
         if stage.shard.is_tail:
-            if req.route:
-                raise InvalidRequest("the tail is the last hop; route must be empty")
             if out.token is None:
                 return StepResult()
             self.tokens_generated += 1
@@ -244,8 +245,6 @@ class NodeService:
                 logprob=out.token.logprob,
                 top_logprobs=out.token.top_logprobs,
             )
-        if not req.route:
-            raise InvalidRequest("this stage is not the tail: the route needs a next hop")
         return await self.send(
             req.route[0],
             out.hidden,
@@ -257,6 +256,22 @@ class NodeService:
             sample=req.sample,
             open_spec=self._relayed_open(req),
         )
+
+    async def _run_step(self, req: StepRequest) -> StepOutput:
+        await self.wait_for_turn(req)
+        is_head = self.stage.shard.is_head
+        try:
+            return await self.compute(
+                self.stage.step,
+                req.session_id,
+                req.position,
+                token_ids=req.tensor if is_head else None,
+                hidden=None if is_head else req.tensor,
+                owner=req.session_key,
+                sample=req.sample,
+            )
+        finally:
+            await self._advance(req.session_id)
 
     def _relayed_open(self, req: StepRequest) -> dict | None:
         """The open header for the next hop: same sampling, entering where this stage ends."""

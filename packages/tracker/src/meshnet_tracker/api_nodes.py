@@ -32,6 +32,12 @@ def nodes_router() -> APIRouter:
             announcement.shard.layers.check_within(announcement.num_layers)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="shard") from exc
+        known = state.registry.num_layers(announcement.shard.model_id)
+        if known is not None and known != announcement.num_layers:
+            raise InvalidRequest(
+                f"{announcement.shard.model_id} has {known} layers, not {announcement.num_layers}",
+                param="num_layers",
+            )
         state.registry.register(announcement)
         return RegisterResponse(
             node_id=announcement.node_id,

@@ -118,6 +118,10 @@ class Registry:
     def get(self, node_id: str) -> NodeRecord | None:
         return self._nodes.get(node_id)
 
+    def num_layers(self, model_id: str) -> int | None:
+        """The layer count the tracker knows for ``model_id`` (None if unknown)."""
+        return self._model_layers.get(model_id)
+
     def note_model(self, model_id: str, num_layers: int) -> None:
         """Make a model known (e.g. found in the models dir) even before any node serves it."""
         with self._lock:
