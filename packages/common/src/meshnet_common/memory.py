@@ -7,6 +7,7 @@ embeddings, norms and biases stay at the compute precision.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.layers import LayerRange
@@ -75,10 +76,20 @@ class ModelCosts:
             kv_elements=kv_elements_per_token_layer(index.config),
         )
 
+    @cached_property
+    def _prefix(self) -> tuple[list[int], list[int]]:
+        """Prefix sums of the per-layer counts: a range is priced in O(1) (placement is hot)."""
+        q, o = [0], [0]
+        for layer_q, layer_o in zip(self.layer_quantizable, self.layer_other, strict=True):
+            q.append(q[-1] + layer_q)
+            o.append(o[-1] + layer_o)
+        return q, o
+
     def weight_bytes(self, layers: LayerRange, precision: Precision) -> int:
         """Resident bytes of the range's tensors at ``precision``."""
-        q = sum(self.layer_quantizable[layers.start : layers.end])
-        o = sum(self.layer_other[layers.start : layers.end])
+        prefix_q, prefix_o = self._prefix
+        q = prefix_q[layers.end] - prefix_q[layers.start]
+        o = prefix_o[layers.end] - prefix_o[layers.start]
         if layers.is_head():
             o += self.head_numel
         if layers.is_tail(self.num_layers):

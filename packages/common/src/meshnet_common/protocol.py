@@ -84,6 +84,7 @@ class NodeAnnouncement(Strict):
     device: str = Field(max_length=32)
     memory_declared_bytes: int = Field(ge=0)
     memory_free_bytes: int = Field(ge=0)
+    kv_budget_tokens: int = Field(gt=0, default=32768)
     state: NodeState = NodeState.SERVING
 
 
@@ -150,3 +151,23 @@ class StepResult(BaseModel):
     token_id: int | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class AssignRequest(Strict):
+    """A node with no model asks the tracker where it should serve."""
+
+    node_id: NodeId
+    memory_bytes: int = Field(gt=0)
+    device: str = Field(max_length=32)
+    quantization: Precision = Precision.BFLOAT16
+    kv_tokens: int = Field(gt=0, le=1 << 24)
+    held_models: tuple[ModelId, ...] = ()
+
+
+class AssignResponse(Strict):
+    """The tracker's answer: a shard, and where its weights can be had."""
+
+    shard: ShardSpec
+    num_layers: int
+    reason: str
+    sources: tuple[Url, ...] = ()

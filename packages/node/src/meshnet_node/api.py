@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from meshnet_common.errors import ModelNotCovered
+from meshnet_common.errors import ModelNotCovered, NotFound
 from meshnet_common.protocol import H_ROUTE, H_SESSION_KEY
 from meshnet_node.http_utils import read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
+from meshnet_node.openai_serving import OpenAIServing
 from meshnet_node.service import NodeService, parse_route, parse_step
 
 
@@ -61,22 +62,26 @@ def head_router() -> APIRouter:
         raw = request.headers.get(H_ROUTE)
         return parse_route(raw) if raw is not None else None
 
+    def serving(request: Request) -> OpenAIServing:
+        openai = request.app.state.runtime.openai
+        if openai is None:
+            raise NotFound("this node does not serve the first layers: ask the tracker")
+        return openai
+
     @router.post("/v1/completions")
     async def completions(request: Request):
-        return await handle_completions(
-            request.app.state.openai, request, await route_from(request)
-        )
+        return await handle_completions(serving(request), request, await route_from(request))
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await handle_chat(request.app.state.openai, request, await route_from(request))
+        return await handle_chat(serving(request), request, await route_from(request))
 
     @router.get("/v1/models")
     async def models(request: Request):
-        serving = request.app.state.openai
+        openai = serving(request)
         return {
             "object": "list",
-            "data": [{"id": serving.model_id, "object": "model", "owned_by": "meshnet"}],
+            "data": [{"id": openai.model_id, "object": "model", "owned_by": "meshnet"}],
         }
 
     return router

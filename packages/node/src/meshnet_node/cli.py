@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+import psutil
+
 from meshnet_common.errors import MeshnetError
 from meshnet_common.layers import LayerRange
-from meshnet_common.models_dir import resolve_snapshot
+from meshnet_common.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.precision import Precision
+from meshnet_common.protocol import AssignRequest, AssignResponse
 from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
 from meshnet_node.preflight import resolve_device
 from meshnet_node.settings import HopTimeouts, NodeSettings
@@ -92,23 +97,68 @@ def resolve_model_path(args) -> Path:
     if getattr(args, "models_dir", None):
         return resolve_snapshot(args.models_dir, args.model_id)
     raise ValueError(
-        "--model-path (or --models-dir) is required: fetching weights from the tracker "
-        "is not available yet"
+        f"no local snapshot of {args.model_id}: give --model-path or --models-dir "
+        "(fetching weights from the tracker is not available yet)"
     )
+
+
+def ask_assignment(args) -> None:
+    """Ask the tracker which shard to serve (coverage first); fills args in place."""
+    held: tuple[str, ...] = ()
+    if args.models_dir:
+        held = tuple(e.model_id for e in scan_models_dir(args.models_dir).entries)
+    memory = (
+        int(args.memory_gb * 1024**3)
+        if args.memory_gb is not None
+        else int(psutil.virtual_memory().available)
+    )
+    ask = AssignRequest(
+        node_id=args.node_id,
+        memory_bytes=memory,
+        device=resolve_device(args.device),
+        quantization=Precision(args.quantization),
+        kv_tokens=args.kv_budget_tokens,
+        held_models=held,
+    )
+    try:
+        resp = httpx.post(
+            f"{args.tracker.rstrip('/')}/v1/nodes/assign", content=ask.model_dump_json(), timeout=30
+        )
+    except httpx.HTTPError as exc:
+        raise OSError(f"tracker {args.tracker} unreachable: {exc}") from exc
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:200]
+        raise ValueError(f"the tracker refused to assign a shard: {message}")
+    assignment = AssignResponse.model_validate_json(resp.content)
+    args.model_id = assignment.shard.model_id
+    args.shard_start, args.shard_end = assignment.shard.shard_start, assignment.shard.shard_end
+    logger.info(
+        "tracker assigned %s layers %s (%s)",
+        args.model_id, assignment.shard.layers, assignment.reason,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    if not args.model_id or args.shard_start is None or args.shard_end is None:
-        fail(PROG, "--model-id, --shard-start and --shard-end are required (assignment by "
-                   "the tracker is not available yet)")  # fmt: skip
+    explicit = (args.model_id, args.shard_start, args.shard_end)
+    if any(v is None for v in explicit) and any(v is not None for v in explicit):
+        fail(PROG, "give all of --model-id, --shard-start, --shard-end, or none of them "
+                   "(then the tracker assigns a shard)")  # fmt: skip
+    if args.model_id is None and not args.tracker:
+        fail(PROG, "without --model-id the node needs --tracker to be assigned a shard")
     from meshnet_node.runtime import build_runtime, create_app
     from meshnet_node.serve import check_port, free_port, run
 
     try:
         port = args.port or free_port(args.host)
         check_port(args.host, port)
+        args.node_id = args.node_id or f"node-{uuid.uuid4().hex[:12]}"
+        if args.model_id is None:
+            ask_assignment(args)
         settings = shard_settings(
             args,
             model_path=resolve_model_path(args),
@@ -118,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             advertise_url=args.advertise_url,
             node_id=args.node_id,
             heartbeat_interval_s=args.heartbeat_interval,
+            models_dir=Path(args.models_dir) if args.models_dir else None,
         )
         runtime = build_runtime(settings)
     except (MeshnetError, ValueError, OSError) as exc:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshnet_common.errors import ModelNotCovered
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.sampling import SamplingParams
 from meshnet_node.service import NodeService
-from meshnet_node.stage import StepOutput
+from meshnet_node.stage import Stage, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class HeadGenerator:
     ) -> AsyncIterator[GeneratedToken]:
         """Yield tokens until max_tokens, EOS or a stop string; frees sessions on every exit."""
         stage = self.service.stage
+        if not stage.shard.is_head:  # resharded away from the first layers
+            raise ModelNotCovered("this node no longer serves the first layers", code="not_head")
         if not route and not stage.shard.is_tail:
             raise ValueError("a head that is not the tail needs a route")
         session_id = uuid.uuid4().hex
@@ -121,7 +124,7 @@ class HeadGenerator:
         )
         assembler = TextAssembler(self.tokenizer, request.stop)
         try:
-            result = await self._prefill(session_id, key, request, route)
+            result = await self._prefill(stage, session_id, key, request, route)
             position = len(request.prompt_ids)
             for produced in range(1, request.max_tokens + 1):
                 token = int(result.token_id)
@@ -136,21 +139,26 @@ class HeadGenerator:
                 yield GeneratedToken(token, delta, result.logprob, result.top_logprobs, finish)
                 if finish is not None:
                     return
-                result = await self._step(session_id, key, [token], position, route, 0, True)
+                result = await self._step(stage, session_id, key, [token], position, route)
                 position += 1
         finally:
-            await self._close(session_id, key, route)
+            await self._close(stage, session_id, key, route)
 
     async def _prefill(
-        self, session_id: str, key: str, request: GenerationRequest, route: tuple[str, ...]
+        self,
+        stage: Stage,
+        session_id: str,
+        key: str,
+        request: GenerationRequest,
+        route: tuple[str, ...],
     ) -> StepResult:
         """Run the prompt in chunks; each chunk's send overlaps the next chunk's compute."""
-        chunk_tokens = self.service.stage.max_chunk_tokens
+        chunk_tokens = stage.max_chunk_tokens
         ids = request.prompt_ids
         chunks = [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)]
         open_spec = {
             **request.sampling.model_dump(),
-            "start_layer": self.service.stage.shard.layers.end,
+            "start_layer": stage.shard.layers.end,
         }
         pending: list[asyncio.Task] = []
         try:
@@ -158,7 +166,7 @@ class HeadGenerator:
             result = StepResult()
             for index, chunk in enumerate(chunks):
                 last = index == len(chunks) - 1
-                out = await self._local(session_id, key, chunk, position, last)
+                out = await self._local(stage, session_id, key, chunk, position, last)
                 if route:
                     send = self._send(
                         out, session_id, key, position, route, index, last,
@@ -176,10 +184,10 @@ class HeadGenerator:
                 task.cancel()
             raise
 
-    async def _local(self, session_id, key, token_ids, position, sample) -> StepOutput:
-        service = self.service
-        return await service.compute(
-            service.stage.step,
+    async def _local(self, stage, session_id, key, token_ids, position, sample) -> StepOutput:
+        # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
+        return await self.service.compute(
+            stage.step,
             session_id,
             position,
             token_ids=torch.tensor([token_ids], dtype=torch.int64),
@@ -200,15 +208,15 @@ class HeadGenerator:
             open_spec=open_spec,
         )
 
-    async def _step(self, session_id, key, token_ids, position, route, chunk, sample):
+    async def _step(self, stage, session_id, key, token_ids, position, route):
         """One decode step: local layers, then the rest of the chain."""
-        out = await self._local(session_id, key, token_ids, position, sample)
+        out = await self._local(stage, session_id, key, token_ids, position, True)
         if not route:  # head is also the tail
             return _as_result(out)
-        return await self._send(out, session_id, key, position, route, chunk, sample, None)
+        return await self._send(out, session_id, key, position, route, 0, True, None)
 
-    async def _close(self, session_id: str, key: str, route: tuple[str, ...]) -> None:
-        self.service.stage.close_session(session_id)
+    async def _close(self, stage, session_id: str, key: str, route: tuple[str, ...]) -> None:
+        stage.close_session(session_id)
         if route:
             # Shielded: a client disconnect cancels us, but the hops must still be freed.
             await asyncio.shield(self.service.close_remote(route[0], session_id, key, route[1:]))

@@ -80,11 +80,13 @@ class Membership:
         announcement: Callable[[], NodeAnnouncement],
         heartbeat: Callable[[], Heartbeat],
         interval_s: float,
+        on_directives: Callable[[tuple], None] | None = None,
     ) -> None:
         self.client = client
         self.announcement = announcement
         self.heartbeat = heartbeat
         self.interval_s = interval_s
+        self.on_directives = on_directives
         self.registered = asyncio.Event()
 
     async def register_until_accepted(self) -> None:
@@ -118,8 +120,11 @@ class Membership:
             if not reply.known:  # the tracker restarted and lost its soft state
                 logger.info("tracker does not know this node; registering again")
                 await self.register_until_accepted()
-            for directive in reply.directives:
-                logger.info("directive %s %s (not yet acted on)", directive.kind, directive.shard)
+            if reply.directives:
+                for directive in reply.directives:
+                    logger.info("directive %s %s", directive.kind.value, directive.shard)
+                if self.on_directives is not None:
+                    self.on_directives(reply.directives)
 
     async def leave(self, node_id: str) -> None:
         try:

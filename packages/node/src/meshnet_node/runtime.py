@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 import torch
@@ -14,7 +14,15 @@ from fastapi import FastAPI
 from transformers import AutoTokenizer, GenerationConfig
 
 from meshnet_common.checkpoint import CheckpointIndex
-from meshnet_common.protocol import Heartbeat, NodeAnnouncement, NodeState, ShardSpec
+from meshnet_common.errors import MeshnetError, ModelError
+from meshnet_common.models_dir import resolve_snapshot
+from meshnet_common.protocol import (
+    DirectiveKind,
+    Heartbeat,
+    NodeAnnouncement,
+    NodeState,
+    ShardSpec,
+)
 from meshnet_node.api import head_router, node_router
 from meshnet_node.generation import HeadGenerator
 from meshnet_node.http_utils import install_error_handlers
@@ -41,8 +49,10 @@ class NodeRuntime:
     openai: OpenAIServing | None
     memory_declared_bytes: int
     tracker: TrackerClient | None = None
+    route_provider: RouteProvider | None = None
     membership: Membership | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
+    resharding: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
@@ -63,16 +73,17 @@ class NodeRuntime:
             device=str(shard.device),
             memory_declared_bytes=self.memory_declared_bytes,
             memory_free_bytes=int(psutil.virtual_memory().available),
+            kv_budget_tokens=self.settings.kv_budget_tokens,
             state=NodeState.SERVING,
         )
 
     def heartbeat(self) -> Heartbeat:
-        sessions = self.service.stage.sessions
+        stages = [s for s in (self.service.stage, self.service.retiring) if s is not None]
         return Heartbeat(
             node_id=self.node_id,
             state=NodeState.SERVING,
-            active_sessions=len(sessions),
-            kv_tokens=sessions.tokens_held,
+            active_sessions=sum(len(s.sessions) for s in stages),
+            kv_tokens=sum(s.sessions.tokens_held for s in stages),
             memory_free_bytes=int(psutil.virtual_memory().available),
             tokens_generated=self.service.tokens_generated,
         )
@@ -109,28 +120,37 @@ def build_runtime(
     service = NodeService(stage, settings, model_id=settings.model_id)
     node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
     tracker = TrackerClient(settings.tracker_url) if settings.tracker_url else None
-    openai = None
-    if stage.shard.is_head:
-        tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
-        try:
-            generation_config = GenerationConfig.from_pretrained(settings.model_path)
-        except OSError:
-            generation_config = None
-        if route_provider is None:
-            route_provider = _tracker_routes(tracker, node_id, stage)
-        generator = HeadGenerator(service, tokenizer, generation_config)
-        openai = OpenAIServing(settings.model_id, generator, route_provider)
+    if route_provider is None:
+        route_provider = _tracker_routes(tracker, node_id, service)
+    openai = build_openai(settings, service, route_provider)
     declared = (
         int(settings.memory_gb * 1024**3)
         if settings.memory_gb is not None
         else int(psutil.virtual_memory().total)
     )
-    return NodeRuntime(settings, node_id, service, openai, declared, tracker)
+    return NodeRuntime(settings, node_id, service, openai, declared, tracker, route_provider)
 
 
-def _tracker_routes(tracker: TrackerClient | None, node_id: str, stage: Stage) -> RouteProvider:
+def build_openai(
+    settings: NodeSettings, service: NodeService, route_provider: RouteProvider
+) -> OpenAIServing | None:
+    """OpenAI serving for a head stage (tokenizer + generator); None elsewhere."""
+    if not service.stage.shard.is_head:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+    try:
+        generation_config = GenerationConfig.from_pretrained(settings.model_path)
+    except OSError:
+        generation_config = None
+    generator = HeadGenerator(service, tokenizer, generation_config)
+    return OpenAIServing(settings.model_id, generator, route_provider)
+
+
+def _tracker_routes(
+    tracker: TrackerClient | None, node_id: str, service: NodeService
+) -> RouteProvider:
     async def provider(model_id: str) -> tuple[str, ...]:
-        if stage.shard.is_tail:
+        if service.stage.shard.is_tail:
             return ()  # this node holds the whole model
         if tracker is None:
             from meshnet_common.errors import ModelNotCovered
@@ -147,10 +167,8 @@ def mount_node(app: FastAPI, runtime: NodeRuntime, *, openai_routes: bool = True
     app.state.node = runtime.service
     app.state.runtime = runtime
     app.include_router(node_router())
-    if runtime.openai is not None:
-        app.state.openai = runtime.openai
-        if openai_routes:
-            app.include_router(head_router())
+    if openai_routes:
+        app.include_router(head_router())  # answers 404 while this node is not a head
 
 
 async def start_background(runtime: NodeRuntime) -> None:
@@ -168,6 +186,7 @@ async def start_background(runtime: NodeRuntime) -> None:
             runtime.announcement,
             runtime.heartbeat,
             runtime.settings.heartbeat_interval_s,
+            on_directives=lambda directives: apply_directives(runtime, directives),
         )
         runtime.tasks.append(asyncio.ensure_future(runtime.membership.run()))
 
@@ -212,3 +231,47 @@ def create_app(runtime: NodeRuntime) -> FastAPI:
         }
 
     return app
+
+
+def apply_directives(runtime: NodeRuntime, directives) -> None:
+    """LOAD_SHARD: load the new range beside the old one, then switch; DROP_SHARD: the old
+    range is freed once its in-flight sessions end. Runs in the background."""
+    load = next((d for d in directives if d.kind == DirectiveKind.LOAD_SHARD), None)
+    if load is None or (runtime.resharding is not None and not runtime.resharding.done()):
+        return
+    runtime.resharding = asyncio.ensure_future(reshard(runtime, load.shard))
+
+
+async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
+    """Move this node to ``spec`` without failing any request in flight."""
+    settings = runtime.settings
+    try:
+        model_path = settings.model_path
+        if spec.model_id != settings.model_id:
+            if settings.models_dir is None:
+                raise ModelError(f"no models dir to find {spec.model_id} in")
+            model_path = resolve_snapshot(settings.models_dir, spec.model_id)
+        new_settings = replace(
+            settings, model_id=spec.model_id, model_path=model_path, layers=spec.layers
+        )
+        logger.info("resharding to %s layers %s", spec.model_id, spec.layers)
+        stage = await asyncio.to_thread(load_stage, new_settings)
+    except (MeshnetError, ValueError, OSError) as exc:
+        logger.error("cannot load %s layers %s: %s", spec.model_id, spec.layers, exc)
+        return
+    service = runtime.service
+    runtime.settings = new_settings
+    service.settings = new_settings
+    service.model_id = spec.model_id
+    service.swap(stage)
+    runtime.openai = build_openai(new_settings, service, runtime.route_provider)
+    if runtime.membership is not None:
+        await runtime.membership.register_until_accepted()
+    logger.info("now serving %s layers %s", spec.model_id, spec.layers)
+    retiring = service.retiring
+    while retiring is not None and len(retiring.sessions):
+        await asyncio.sleep(1.0)
+        retiring.sessions.expire_idle()
+    if service.retiring is retiring:
+        service.retiring = None  # DROP_SHARD: the old layers are freed
+    logger.info("dropped the previous shard")

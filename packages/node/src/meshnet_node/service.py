@@ -150,6 +150,7 @@ class NodeService:
 
     def __init__(self, stage: Stage, settings: NodeSettings, *, model_id: str) -> None:
         self.stage = stage
+        self.retiring: Stage | None = None  # the previous shard, kept until its sessions end
         self.settings = settings
         self.model_id = model_id
         self.wire_options = wire.WireOptions(zstd_level=settings.zstd_level)
@@ -162,6 +163,17 @@ class NodeService:
             limits=httpx.Limits(max_keepalive_connections=32, max_connections=128),
         )
         self.tokens_generated = 0
+
+    def stage_for(self, session_id: str) -> Stage:
+        """The stage holding ``session_id``: sessions opened before a reshard stay put."""
+        retiring = self.retiring
+        if retiring is not None and retiring.sessions.peek(session_id) is not None:
+            return retiring
+        return self.stage
+
+    def swap(self, stage: Stage) -> None:
+        """Serve new sessions from ``stage``; the old one drains its sessions."""
+        self.retiring, self.stage = self.stage, stage
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -186,7 +198,7 @@ class NodeService:
         cond = self._turn(req.session_id)
 
         def ready() -> bool:
-            session = self.stage.sessions.peek(req.session_id)
+            session = self.stage_for(req.session_id).sessions.peek(req.session_id)
             return session is not None and session.length >= req.position
 
         async with cond:
@@ -208,7 +220,7 @@ class NodeService:
     # -- one step ----------------------------------------------------------------------------
 
     async def handle_step(self, req: StepRequest) -> StepResult:
-        stage = self.stage
+        stage = self.stage if req.open_spec is not None else self.stage_for(req.session_id)
         # Everything checkable without running layers is checked first: a rejected step
         # must leave the session exactly as it was.
         if stage.shard.is_tail and req.route:
@@ -231,7 +243,7 @@ class NodeService:
             )
             opened = True
         try:
-            out = await self._run_step(req)
+            out = await self._run_step(stage, req)
         except MeshnetError:
             if opened:  # an opening step that failed leaves no session behind
                 stage.close_session(req.session_id)
@@ -254,15 +266,15 @@ class NodeService:
             chunk=req.chunk,
             route=req.route[1:],
             sample=req.sample,
-            open_spec=self._relayed_open(req),
+            open_spec=self._relayed_open(stage, req),
         )
 
-    async def _run_step(self, req: StepRequest) -> StepOutput:
+    async def _run_step(self, stage: Stage, req: StepRequest) -> StepOutput:
         await self.wait_for_turn(req)
-        is_head = self.stage.shard.is_head
+        is_head = stage.shard.is_head
         try:
             return await self.compute(
-                self.stage.step,
+                stage.step,
                 req.session_id,
                 req.position,
                 token_ids=req.tensor if is_head else None,
@@ -273,11 +285,11 @@ class NodeService:
         finally:
             await self._advance(req.session_id)
 
-    def _relayed_open(self, req: StepRequest) -> dict | None:
+    def _relayed_open(self, stage: Stage, req: StepRequest) -> dict | None:
         """The open header for the next hop: same sampling, entering where this stage ends."""
         if req.open_spec is None:
             return None
-        return {**req.open_spec.model_dump(), "start_layer": self.stage.shard.layers.end}
+        return {**req.open_spec.model_dump(), "start_layer": stage.shard.layers.end}
 
     async def send(
         self,
@@ -326,12 +338,13 @@ class NodeService:
 
     async def close_session(self, session_id: str, session_key: str | None, route) -> None:
         """Free a session here and (best effort) on every later hop."""
-        session = self.stage.sessions.peek(session_id)
+        stage = self.stage_for(session_id)
+        session = stage.sessions.peek(session_id)
         if session is None:
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
         if session.owner is not None and session.owner != session_key:
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
-        self.stage.close_session(session_id)
+        stage.close_session(session_id)
         self._turns.pop(session_id, None)
         if route:
             await self.close_remote(route[0], session_id, session_key or "", route[1:])

@@ -42,3 +42,4 @@ class NodeSettings:
     threads: int | None = None
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
     node_id: str | None = None
+    models_dir: Path | None = None  # where to find snapshots for assigned or moved shards

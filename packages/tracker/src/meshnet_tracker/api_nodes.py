@@ -6,12 +6,15 @@ from fastapi import APIRouter, Request
 
 from meshnet_common.errors import InvalidRequest, NotFound
 from meshnet_common.protocol import (
+    AssignRequest,
+    AssignResponse,
     Heartbeat,
     HeartbeatResponse,
     NodeAnnouncement,
     RegisterResponse,
     RouteHop,
     RouteResponse,
+    ShardSpec,
 )
 from meshnet_node.http_utils import parse_model
 from meshnet_tracker.state import TrackerState
@@ -39,6 +42,7 @@ def nodes_router() -> APIRouter:
                 param="num_layers",
             )
         state.registry.register(announcement)
+        state.balancer.registered(announcement.node_id)
         return RegisterResponse(
             node_id=announcement.node_id,
             heartbeat_interval_s=state.registry.heartbeat_interval_s,
@@ -47,12 +51,33 @@ def nodes_router() -> APIRouter:
     @router.post("/v1/nodes/heartbeat")
     async def heartbeat(request: Request) -> HeartbeatResponse:
         beat = await parse_model(request, Heartbeat, limit=16 * 1024)
-        return HeartbeatResponse(known=_state(request).registry.heartbeat(beat))
+        state = _state(request)
+        known = state.registry.heartbeat(beat)
+        directives = state.balancer.directives_for(beat.node_id) if known else ()
+        return HeartbeatResponse(known=known, directives=directives)
+
+    @router.post("/v1/nodes/assign")
+    async def assign(request: Request) -> AssignResponse:
+        state = _state(request)
+        ask = await parse_model(request, AssignRequest, limit=64 * 1024)
+        placement = state.balancer.assign(ask)
+        return AssignResponse(
+            shard=ShardSpec(
+                model_id=placement.model_id,
+                shard_start=placement.layers.start,
+                shard_end=placement.layers.end,
+            ),
+            num_layers=state.costs[placement.model_id].num_layers,
+            reason=placement.reason,
+            sources=(state.settings.url,),
+        )
 
     @router.delete("/v1/nodes/{node_id}")
     async def leave(node_id: str, request: Request):
-        if not _state(request).registry.remove(node_id):
+        state = _state(request)
+        if not state.registry.remove(node_id):
             raise NotFound(f"unknown node {node_id!r}")
+        state.balancer.plan_moves()
         return {"removed": node_id}
 
     @router.get("/v1/route")

@@ -96,6 +96,7 @@ async def _entry(request: Request, path: str) -> Response:
     if not isinstance(model_id, str):
         raise InvalidRequest("model is required", param="model")
     hops = state.route(model_id)
+    state.demand[model_id] += 1
     rest = tuple(h.node.url for h in hops[1:])
     head = hops[0].node
     if state.node is not None and head.node_id == state.node.node_id:

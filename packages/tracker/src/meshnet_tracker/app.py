@@ -65,3 +65,4 @@ async def _prune_loop(state: TrackerState) -> None:
     while True:
         await asyncio.sleep(state.settings.heartbeat_interval_s)
         state.registry.prune()
+        state.balancer.plan_moves()

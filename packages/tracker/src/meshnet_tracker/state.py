@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import httpx
 
+from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import ModelNotCovered, NotFound
+from meshnet_common.memory import ModelCosts
 from meshnet_common.models_dir import scan_models_dir
 from meshnet_node.runtime import NodeRuntime
+from meshnet_tracker.balancer import Balancer
 from meshnet_tracker.coverage import ModelCoverage
 from meshnet_tracker.registry import Registry
 from meshnet_tracker.routing import Hop, choose_route
@@ -26,14 +30,21 @@ class TrackerState:
     registry: Registry
     node: NodeRuntime | None
     client: httpx.AsyncClient
+    costs: dict[str, ModelCosts] = field(default_factory=dict)  # models we can place nodes on
+    demand: Counter = field(default_factory=Counter)  # requests per model
+    balancer: Balancer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.balancer = Balancer(self.registry, self.costs, self.demand)
 
     def index_models_dir(self) -> None:
-        """Make every model in the models dir known to the coverage map."""
+        """Make every model in the models dir known to the coverage map and to placement."""
         if self.settings.models_dir is None:
             return
         scan = scan_models_dir(self.settings.models_dir)
         for entry in scan.entries:
             self.registry.note_model(entry.model_id, entry.num_layers)
+            self.costs[entry.model_id] = ModelCosts.from_index(CheckpointIndex.load(entry.path))
         for problem in scan.problems:
             logger.warning("models dir: %s", problem)
 

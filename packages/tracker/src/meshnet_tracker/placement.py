@@ -1,0 +1,175 @@
+"""Coverage-first, memory-aware assignment: a pure function of (swarm view, node request).
+
+1. Coverage first: while a model has a gap, the node fills one — the largest run of uncovered
+   layers it can hold, anchored at the start of the gap (so chains stay short). Models closest
+   to being fully covered go first, then models the node already holds, then busier models.
+2. Redundancy: otherwise the node joins the model whose weakest layer (lowest per-layer
+   serving capacity) is weakest, over a window holding as many of those layers as it can.
+3. A node that cannot hold even one layer of any model is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshnet_common.errors import InsufficientMemory
+from meshnet_common.layers import LayerRange
+from meshnet_common.memory import ModelCosts
+from meshnet_common.precision import Precision
+
+
+@dataclass(frozen=True)
+class NodeRequest:
+    """What a joining node offers."""
+
+    memory_bytes: int
+    precision: Precision = Precision.BFLOAT16
+    kv_tokens: int = 32768
+    held_models: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """One model as placement sees it: costs and per-layer capacity (serving + pending)."""
+
+    model_id: str
+    costs: ModelCosts
+    capacity: tuple[int, ...]
+    demand: int = 0
+
+    def gaps(self) -> list[LayerRange]:
+        gaps, start = [], None
+        for layer, count in enumerate(self.capacity):
+            if count == 0 and start is None:
+                start = layer
+            elif count and start is not None:
+                gaps.append(LayerRange(start, layer))
+                start = None
+        if start is not None:
+            gaps.append(LayerRange(start, len(self.capacity)))
+        return gaps
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a node should go, and why."""
+
+    model_id: str
+    layers: LayerRange
+    reason: str  # "gap" | "redundancy"
+
+
+def _fit(view: ModelView, request: NodeRequest, start: int, limit: int) -> int:
+    return view.costs.max_layers_from(
+        start, limit, request.memory_bytes, request.precision, request.kv_tokens
+    )
+
+
+def fill_gap(view: ModelView, request: NodeRequest) -> LayerRange | None:
+    """The best range inside one of the model's gaps, or None if the node fits none."""
+    best: tuple[int, int] | None = None  # (layers, start)
+    for gap in view.gaps():
+        k = _fit(view, request, gap.start, len(gap))
+        start = gap.start
+        if k == 0:
+            # The gap's first layer is too big (e.g. embeddings): take the largest piece.
+            for s in range(gap.start + 1, gap.end):
+                k = _fit(view, request, s, gap.end - s)
+                if k:
+                    start = s
+                    break
+        if k and (best is None or k > best[0]):
+            best = (k, start)
+    return None if best is None else LayerRange(best[1], best[1] + best[0])
+
+
+def add_redundancy(view: ModelView, request: NodeRequest) -> LayerRange | None:
+    """A window over the model's weakest layers, as wide as the node can hold."""
+    weakest = min(view.capacity)
+    best: tuple[int, int, int] | None = None  # (-weak layers covered, start, k)
+    capacity = view.capacity
+    for start in range(len(capacity)):
+        if capacity[start] != weakest or (start and capacity[start - 1] == weakest):
+            continue  # windows start where a run of weakest layers starts
+        k = _fit(view, request, start, len(capacity) - start)
+        if not k:
+            continue
+        covered = sum(1 for c in capacity[start : start + k] if c == weakest)
+        if best is None or (-covered, start) < best[:2]:
+            best = (-covered, start, k)
+    return None if best is None else LayerRange(best[1], best[1] + best[2])
+
+
+def place(views: Sequence[ModelView], request: NodeRequest) -> Placement:
+    """Deterministic placement of one node; InsufficientMemory if it fits nowhere."""
+    with_gaps = [v for v in views if v.gaps()]
+    with_gaps.sort(
+        key=lambda v: (
+            -sum(1 for c in v.capacity if c) / len(v.capacity),
+            v.model_id not in request.held_models,
+            -v.demand,
+            v.model_id,
+        )
+    )
+    for view in with_gaps:
+        layers = fill_gap(view, request)
+        if layers is not None:
+            return Placement(view.model_id, layers, "gap")
+    others = sorted(
+        (v for v in views if not v.gaps()),
+        key=lambda v: (
+            min(v.capacity),
+            v.model_id not in request.held_models,
+            -v.demand,
+            v.model_id,
+        ),
+    )
+    for view in others:
+        layers = add_redundancy(view, request)
+        if layers is not None:
+            return Placement(view.model_id, layers, "redundancy")
+    raise InsufficientMemory(
+        f"{request.memory_bytes / 2**30:.2f} GiB at {request.precision.value} cannot hold even "
+        "one layer of any model this tracker serves",
+        code="node_too_small",
+    )
+
+
+@dataclass(frozen=True)
+class MoveCandidate:
+    """A serving node the tracker could redirect into a gap."""
+
+    node_id: str
+    layers: LayerRange
+    request: NodeRequest
+    load: int = 0
+
+
+def choose_move(
+    view: ModelView, serving_capacity: Sequence[int], candidates: Sequence[MoveCandidate]
+) -> tuple[MoveCandidate, LayerRange] | None:
+    """Pick a redundant node to move into the model's first gap, or None.
+
+    Only gap-closing moves are made (hysteresis: the minimum per-layer capacity goes from 0
+    to at least 1), and only nodes whose every layer another node also serves may move, so a
+    move never opens a new gap.
+    """
+    gaps = view.gaps()
+    if not gaps:
+        return None
+    gap = gaps[0]
+    best: tuple[tuple, MoveCandidate, LayerRange] | None = None
+    for cand in candidates:
+        if any(serving_capacity[layer] < 2 for layer in cand.layers):
+            continue  # its layers are not all covered by others: moving it opens a gap
+        k = view.costs.max_layers_from(
+            gap.start, len(gap), cand.request.memory_bytes, cand.request.precision,
+            cand.request.kv_tokens,
+        )  # fmt: skip
+        if not k:
+            continue
+        key = (-k, cand.load, cand.node_id)
+        if best is None or key < best[0]:
+            best = (key, cand, LayerRange(gap.start, gap.start + k))
+    return None if best is None else (best[1], best[2])
