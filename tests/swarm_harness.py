@@ -93,6 +93,15 @@ class Swarm:
                 "--heartbeat-interval", str(self.heartbeat_s), *extra]  # fmt: skip
         return self._add(Proc(f"node-{port}", args, port, self.log_dir / f"node-{port}.log"))
 
+    def join(self, tracker: Proc, memory_gb: str, node_id: str, *extra: str) -> Proc:
+        """A node with no model: the tracker assigns its shard."""
+        port = free_port()
+        args = ["meshnet_node.cli", "--tracker", tracker.url, "--models-dir",
+                str(self.models_dir), "--memory-gb", memory_gb, "--node-id", node_id,
+                "--port", str(port), "--threads", "1",
+                "--heartbeat-interval", str(self.heartbeat_s), *extra]  # fmt: skip
+        return self._add(Proc(node_id, args, port, self.log_dir / f"{node_id}.log"))
+
     def _add(self, proc: Proc) -> Proc:
         self.procs.append(proc.start())
         return proc
