@@ -64,5 +64,7 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
 async def _prune_loop(state: TrackerState) -> None:
     while True:
         await asyncio.sleep(state.settings.heartbeat_interval_s)
+        if state.node is not None:  # the tracker node reports its load like any node
+            state.registry.heartbeat(state.node.heartbeat())
         state.registry.prune()
         state.balancer.plan_moves()

@@ -115,7 +115,12 @@ class Balancer:
         with self._lock:
             self._pending.pop(node_id, None)
 
+    def peek_directives(self, node_id: str) -> tuple[Directive, ...]:
+        with self._lock:
+            return tuple(self._directives.get(node_id, ()))
+
     def directives_for(self, node_id: str) -> tuple[Directive, ...]:
+        """Directives queued for ``node_id``; each is delivered once."""
         with self._lock:
             return tuple(self._directives.pop(node_id, ()))
 
@@ -124,7 +129,7 @@ class Balancer:
         planned = 0
         with self._lock:
             serving = self._serving_capacity()
-            busy = set(self._pending)
+            busy = {p.node_id for p in self._live_pending()}  # expired moves free their node
             now = self.clock()
             records = self.registry.records()
             for view in self.views():

@@ -1,0 +1,105 @@
+"""Balancer: pending assignments spread simultaneous joins; moves close gaps, rate-limited."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from meshnet_common.memory import ModelCosts
+from meshnet_common.precision import Precision
+from meshnet_common.protocol import (
+    AssignRequest,
+    DirectiveKind,
+    Heartbeat,
+    NodeAnnouncement,
+    NodeState,
+    ShardSpec,
+)
+from meshnet_tracker.balancer import Balancer
+from meshnet_tracker.registry import Registry
+
+MODEL = "org/model"
+MIB = 1024**2
+# 12 layers of 1M params each, small embeddings; a 1.2 GiB-ish node holds 6 layers at bf16.
+COSTS = ModelCosts(12, (1_000_000,) * 12, (0,) * 12, 1000, 1000, 1000, 64)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def node_memory(layers: int) -> int:
+    """Declared bytes that hold exactly ``layers`` middle layers (KV 16 tokens)."""
+    from meshnet_common.layers import LayerRange
+
+    return (
+        COSTS.shard_bytes(LayerRange(3, 3 + layers), Precision.BFLOAT16, 16) + 10_000
+    )  # room for embeddings
+
+
+def setup(clock: Clock) -> tuple[Registry, Balancer]:
+    registry = Registry(1.0, clock=clock)
+    registry.note_model(MODEL, 12)
+    return registry, Balancer(registry, {MODEL: COSTS}, Counter(), clock=clock, move_cooldown_s=30)
+
+
+def ask(node_id: str, layers: int) -> AssignRequest:
+    return AssignRequest(node_id=node_id, memory_bytes=node_memory(layers), device="cpu",
+                         kv_tokens=16)  # fmt: skip
+
+
+def announce(registry: Registry, node_id: str, start: int, end: int, layers_memory: int) -> None:
+    registry.register(
+        NodeAnnouncement(
+            node_id=node_id, url=f"http://127.0.0.1:{9000 + len(node_id)}",
+            shard=ShardSpec(model_id=MODEL, shard_start=start, shard_end=end), num_layers=12,
+            quantization=Precision.BFLOAT16, device="cpu",
+            memory_declared_bytes=node_memory(layers_memory), memory_free_bytes=0,
+            kv_budget_tokens=16, state=NodeState.SERVING,
+        )
+    )  # fmt: skip
+
+
+def test_simultaneous_joins_take_different_gaps():
+    clock = Clock()
+    _registry, balancer = setup(clock)
+    first = balancer.assign(ask("a", 6))
+    second = balancer.assign(ask("b", 6))  # "a" is not serving yet: its range is pending
+    assert (first.layers.start, first.layers.end) == (0, 6)
+    assert (second.layers.start, second.layers.end) == (6, 12)
+    clock.now += 1000  # pending assignments expire if the node never shows up
+    assert balancer.assign(ask("c", 6)).layers.start == 0
+
+
+def test_gap_is_closed_by_moving_a_redundant_node_once():
+    clock = Clock()
+    registry, balancer = setup(clock)
+    announce(registry, "head", 0, 6, 6)
+    announce(registry, "tail", 6, 12, 6)
+    announce(registry, "spare", 0, 6, 6)  # redundant: "head" holds the same layers
+    assert balancer.plan_moves() == 0  # no gap: nobody moves
+    registry.remove("tail")
+    assert balancer.plan_moves() == 1
+    movers = [n for n in ("head", "spare") if balancer.peek_directives(n)]
+    assert movers == ["head"]  # both are redundant: equal load, so the lower id moves
+    load, drop = balancer.directives_for("head")
+    assert load.kind is DirectiveKind.LOAD_SHARD and (
+        load.shard.shard_start,
+        load.shard.shard_end,
+    ) == (6, 12)
+    assert drop.kind is DirectiveKind.DROP_SHARD and (
+        drop.shard.shard_start,
+        drop.shard.shard_end,
+    ) == (0, 6)
+    assert balancer.directives_for("head") == ()  # delivered once
+    assert balancer.plan_moves() == 0  # the gap counts as covered while the move is pending
+    clock.now += 1000  # the move never completed: once it expires the gap is retried
+    registry.heartbeat(Heartbeat(node_id="spare", state=NodeState.SERVING, active_sessions=0,
+                                 kv_tokens=0, memory_free_bytes=0))  # fmt: skip
+    registry.heartbeat(Heartbeat(node_id="head", state=NodeState.SERVING, active_sessions=0,
+                                 kv_tokens=0, memory_free_bytes=0))  # fmt: skip
+    assert balancer.plan_moves() == 1
+    assert balancer.peek_directives("head")  # its cool-down has passed
