@@ -38,6 +38,10 @@ def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) ->
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--kv-budget-tokens", type=int, default=32768, help="KV tokens held, max")
     parser.add_argument("--chunk-tokens", type=int, default=128, help="prefill chunk size")
+    parser.add_argument(
+        "--max-decode-batch", type=int, default=32,
+        help="decode steps of concurrent sessions merged into one pass (1: no batching)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, help="torch compute threads")
     parser.add_argument("--zstd-level", type=int, default=1, help="activation compression")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="per-hop connect (s)")
@@ -81,6 +85,7 @@ def shard_settings(args, *, model_path: Path, host: str, port: int, **extra) -> 
         memory_gb=args.memory_gb,
         kv_budget_tokens=args.kv_budget_tokens,
         chunk_tokens=args.chunk_tokens,
+        max_decode_batch=args.max_decode_batch,
         threads=args.threads,
         zstd_level=args.zstd_level,
         timeouts=HopTimeouts(args.connect_timeout, args.chunk_timeout, args.step_timeout),

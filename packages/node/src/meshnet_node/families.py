@@ -52,6 +52,60 @@ def _call_gpt2_block(layer, hidden, *, mask, position_ids, cache, position_embed
 
 
 @dataclass(frozen=True)
+class SessionContext:
+    """What one session brings to a batched decode step: its cache, mask, positions."""
+
+    cache: Cache
+    mask: torch.Tensor | None
+    position_ids: torch.Tensor  # (1, 1)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _batched_decoder_layer(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
+    """One decode token for each of B sessions: norms and MLP run batched (B, 1, H), each
+    session's attention runs against its own cache. Mirrors LlamaDecoderLayer.forward."""
+    residual = hidden
+    normed = layer.input_layernorm(hidden)
+    attended = torch.cat(
+        [
+            layer.self_attn(
+                hidden_states=normed[b : b + 1],
+                attention_mask=ctx.mask,
+                position_ids=ctx.position_ids,
+                cache=ctx.cache,
+                use_cache=True,
+                position_embeddings=ctx.position_embeddings,
+            )[0]
+            for b, ctx in enumerate(sessions)
+        ]
+    )  # (B, 1, H)
+    hidden = residual + attended
+    residual = hidden
+    return residual + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _batched_gpt2_block(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
+    """GPT2Block.forward for B sessions' decode tokens (no cross-attention)."""
+    residual = hidden
+    normed = layer.ln_1(hidden)
+    attended = torch.cat(
+        [
+            layer.attn(
+                normed[b : b + 1],
+                cache=ctx.cache,
+                attention_mask=ctx.mask,
+                use_cache=True,
+                position_ids=ctx.position_ids,
+            )[0]
+            for b, ctx in enumerate(sessions)
+        ]
+    )  # (B, 1, H)
+    hidden = attended + residual
+    residual = hidden
+    return residual + layer.mlp(layer.ln_2(hidden))
+
+
+@dataclass(frozen=True)
 class FamilyAdapter:
     """How one architecture's modules are found and called."""
 
@@ -64,6 +118,7 @@ class FamilyAdapter:
     norm_attr: str
     rotary: bool
     call_layer: LayerCall
+    call_layer_batched: Callable[..., torch.Tensor]
 
     def layer_types(self, config: PreTrainedConfig) -> list[str]:
         """Attention type of every global layer (full or sliding window)."""
@@ -79,23 +134,23 @@ class FamilyAdapter:
 ADAPTERS: dict[str, FamilyAdapter] = {
     "LlamaForCausalLM": FamilyAdapter(
         "llama", LlamaForCausalLM, "model", "layers", "embed_tokens", None, "norm", True,
-        _call_decoder_layer,
+        _call_decoder_layer, _batched_decoder_layer,
     ),
     "MistralForCausalLM": FamilyAdapter(
         "mistral", MistralForCausalLM, "model", "layers", "embed_tokens", None, "norm", True,
-        _call_decoder_layer,
+        _call_decoder_layer, _batched_decoder_layer,
     ),
     "Qwen2ForCausalLM": FamilyAdapter(
         "qwen2", Qwen2ForCausalLM, "model", "layers", "embed_tokens", None, "norm", True,
-        _call_decoder_layer,
+        _call_decoder_layer, _batched_decoder_layer,
     ),
     "Qwen3ForCausalLM": FamilyAdapter(
         "qwen3", Qwen3ForCausalLM, "model", "layers", "embed_tokens", None, "norm", True,
-        _call_decoder_layer,
+        _call_decoder_layer, _batched_decoder_layer,
     ),
     "GPT2LMHeadModel": FamilyAdapter(
         "gpt2", GPT2LMHeadModel, "transformer", "h", "wte", "wpe", "ln_f", False,
-        _call_gpt2_block,
+        _call_gpt2_block, _batched_gpt2_block,
     ),
 }  # fmt: skip
 

@@ -186,8 +186,8 @@ class HeadGenerator:
 
     async def _local(self, stage, session_id, key, token_ids, position, sample) -> StepOutput:
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
-        return await self.service.compute(
-            stage.step,
+        return await self.service.run_stage(
+            stage,
             session_id,
             position,
             token_ids=torch.tensor([token_ids], dtype=torch.int64),

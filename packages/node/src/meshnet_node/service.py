@@ -26,7 +26,7 @@ from meshnet_common.protocol import (
 )
 from meshnet_node.sampling import SamplingParams
 from meshnet_node.settings import NodeSettings
-from meshnet_node.stage import Stage, StepOutput
+from meshnet_node.stage import DecodeItem, Stage, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,70 @@ def step_headers(
     return headers
 
 
+class DecodeBatcher:
+    """Merges decode steps of different sessions that wait for the compute thread into one
+    forward pass (``Stage.step_batch``): weights are read once for the whole batch.
+
+    Nothing waits on purpose: a lone step runs alone (unbatched, bit-identical to ``step``);
+    steps arriving while the compute thread is busy are taken together next time.
+    """
+
+    def __init__(self, service: NodeService, max_batch: int = 32) -> None:
+        self.service = service
+        self.max_batch = max_batch
+        self._queue: list[tuple[Stage, DecodeItem, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+        self.batches = 0
+        self.batched_steps = 0
+
+    async def submit(self, stage: Stage, item: DecodeItem) -> StepOutput:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((stage, item, future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._drain())
+        return await future
+
+    def _take(self) -> tuple[Stage, list[tuple[DecodeItem, asyncio.Future]]]:
+        stage = self._queue[0][0]
+        taken, rest, sessions = [], [], set()
+        for entry in self._queue:
+            s, item, future = entry
+            if s is stage and item.session_id not in sessions and len(taken) < self.max_batch:
+                sessions.add(item.session_id)
+                taken.append((item, future))
+            else:
+                rest.append(entry)
+        self._queue = rest
+        return stage, taken
+
+    async def _drain(self) -> None:
+        while self._queue:
+            stage, taken = self._take()
+            items = [item for item, _ in taken]
+            try:
+                if len(items) == 1:
+                    item = items[0]
+                    results = [
+                        await self.service.compute(
+                            stage.step, item.session_id, item.position, token_ids=item.token_ids,
+                            hidden=item.hidden, owner=item.owner, sample=item.sample,
+                        )
+                    ]  # fmt: skip
+                else:
+                    results = await self.service.compute(stage.step_batch, items)
+                    self.batches += 1
+                    self.batched_steps += len(items)
+            except Exception as exc:  # the single-step path raises instead of returning
+                results = [exc] * len(items)
+            for (_, future), result in zip(taken, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+
 class NodeService:
     """Owns the stage, its compute thread and the HTTP client used to reach the next hop."""
 
@@ -163,6 +227,7 @@ class NodeService:
             limits=httpx.Limits(max_keepalive_connections=32, max_connections=128),
         )
         self.tokens_generated = 0
+        self.batcher = DecodeBatcher(self, max_batch=settings.max_decode_batch)
 
     def stage_for(self, session_id: str) -> Stage:
         """The stage holding ``session_id``: sessions opened before a reshard stay put."""
@@ -178,6 +243,27 @@ class NodeService:
     async def aclose(self) -> None:
         await self.client.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run_stage(
+        self,
+        stage: Stage,
+        session_id: str,
+        position: int,
+        *,
+        token_ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        owner: str | None = None,
+        sample: bool = True,
+    ) -> StepOutput:
+        """Run a step on the compute thread; single-token decode steps may be batched."""
+        tensor = token_ids if token_ids is not None else hidden
+        if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
+            item = DecodeItem(session_id, position, token_ids, hidden, owner, sample)
+            return await self.batcher.submit(stage, item)
+        return await self.compute(
+            stage.step, session_id, position, token_ids=token_ids, hidden=hidden,
+            owner=owner, sample=sample,
+        )  # fmt: skip
 
     async def compute(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
@@ -273,8 +359,8 @@ class NodeService:
         await self.wait_for_turn(req)
         is_head = stage.shard.is_head
         try:
-            return await self.compute(
-                stage.step,
+            return await self.run_stage(
+                stage,
                 req.session_id,
                 req.position,
                 token_ids=req.tensor if is_head else None,

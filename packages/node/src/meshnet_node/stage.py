@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshnet_common.errors import InvalidRequest
-from meshnet_node.families import build_masks
+from meshnet_common.errors import InvalidRequest, MeshnetError
+from meshnet_node.families import SessionContext, build_masks
 from meshnet_node.loader import LoadedShard
 from meshnet_node.sampling import SampledToken, SamplingParams
 from meshnet_node.sessions import Session, SessionStore
@@ -17,6 +17,18 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 128
 _ACCEPTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """One session's single-token step inside a batched decode call."""
+
+    session_id: str
+    position: int
+    token_ids: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    owner: str | None = None
+    sample: bool = True
 
 
 @dataclass
@@ -171,6 +183,92 @@ class Stage:
             if out.logits is not None and sample and session.sampler is not None:
                 out.token = session.sampler(out.logits)
             return out
+
+    def step_batch(self, items: list[DecodeItem]) -> list[StepOutput | Exception]:
+        """One decode token for each of several sessions in one pass over the weights.
+
+        Each item is validated on its own; a rejected item gets its exception in the result
+        list and leaves its session untouched, the others still run.
+        """
+        results: list[StepOutput | Exception | None] = [None] * len(items)
+        ready: list[tuple[int, Session, torch.Tensor]] = []
+        seen: set[str] = set()
+        for i, item in enumerate(items):
+            try:
+                if item.session_id in seen:
+                    raise InvalidRequest("one step per session in a batch", param="session_id")
+                session = self.sessions.get(item.session_id, owner=item.owner)
+                tensor = self._check_inputs(item.token_ids, item.hidden)
+                if tensor.shape[1] != 1 or item.position + 1 > self.max_positions:
+                    raise InvalidRequest("a batched step is one token inside the context")
+                self.sessions.reserve(session, item.position, 1)
+            except MeshnetError as exc:
+                results[i] = exc
+                continue
+            seen.add(item.session_id)
+            ready.append((i, session, tensor))
+        groups: dict[int, list[tuple[int, Session, torch.Tensor]]] = {}
+        for entry in ready:  # sessions entering mid-shard run a different set of layers
+            groups.setdefault(entry[1].first_layer, []).append(entry)
+        for group in groups.values():
+            sessions = [session for _, session, _ in group]
+            ok = False
+            for session in sessions:  # idle expiry skips locked sessions
+                session.lock.acquire()
+            try:
+                outs = self._forward_batch(
+                    sessions, [items[i].position for i, _, _ in group], [t for _, _, t in group]
+                )
+                ok = True
+            except Exception as exc:
+                logger.exception("batched step failed; dropping %d sessions", len(sessions))
+                for session in sessions:
+                    self.sessions.close(session.session_id)
+                outs = [exc] * len(group)
+            finally:
+                for session in sessions:
+                    session.lock.release()
+            for (i, session, _), out in zip(group, outs, strict=True):
+                self.sessions.commit(session, 1, ok=ok)
+                if ok and out.logits is not None and items[i].sample and session.sampler:
+                    out.token = session.sampler(out.logits)
+                results[i] = out
+        return results  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def _forward_batch(
+        self, sessions: list[Session], positions: list[int], inputs: list[torch.Tensor]
+    ) -> list[StepOutput]:
+        shard, mods, device = self.shard, self.shard.modules, self.shard.device
+        position_ids = [torch.tensor([[p]], device=device) for p in positions]  # B x (1, 1)
+        if shard.is_head:
+            hidden = mods.embed(torch.cat(inputs).to(device))  # (B, 1, H)
+            if mods.position_embed is not None:
+                hidden = hidden + mods.position_embed(torch.cat(position_ids))
+        else:
+            hidden = torch.cat(inputs).to(device=device, dtype=shard.activation_dtype)
+        first = sessions[0].first_layer
+        contexts = []
+        for b, session in enumerate(sessions):
+            one = hidden[b : b + 1]
+            masks = build_masks(
+                shard.stage_config, shard.layer_types, one, session.cache, position_ids[b], first
+            )
+            rotary = mods.rotary(one, position_ids[b]) if mods.rotary is not None else None
+            contexts.append((masks, rotary))
+        batched = shard.adapter.call_layer_batched
+        for offset, layer in enumerate(mods.layers[first:]):
+            layer_type = shard.layer_types[first + offset]
+            per_session = [
+                SessionContext(session.cache, masks[layer_type], position_ids[b], rotary)
+                for b, (session, (masks, rotary)) in enumerate(zip(sessions, contexts, strict=True))
+            ]
+            hidden = batched(layer, hidden, per_session)  # (B, 1, H)
+        if not shard.is_tail:
+            out = hidden.to(shard.activation_dtype)
+            return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]
+        logits = mods.lm_head(mods.norm(hidden)).float().cpu()  # (B, 1, V)
+        return [StepOutput(logits=logits[b].reshape(-1)) for b in range(len(sessions))]
 
     @torch.inference_mode()
     def _forward(self, session: Session, position: int, inputs: torch.Tensor) -> StepOutput:

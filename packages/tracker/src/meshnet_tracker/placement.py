@@ -85,25 +85,42 @@ def fill_gap(view: ModelView, request: NodeRequest) -> LayerRange | None:
 
 
 def add_redundancy(view: ModelView, request: NodeRequest) -> LayerRange | None:
-    """A window over the model's weakest layers, as wide as the node can hold."""
-    weakest = min(view.capacity)
-    best: tuple[int, int, int] | None = None  # (-weak layers covered, start, k)
+    """A window over the model's weakest layers, as wide as the node can hold.
+
+    In each run of weakest layers the window starts at the first layer the node fits from
+    (the run's head may carry embeddings it cannot hold). If it fits no weakest layer, it
+    goes where capacity is lowest among the layers it can hold.
+    """
     capacity = view.capacity
+    weakest = min(capacity)
+    best: tuple[int, int, int] | None = None  # (-weak layers covered, start, k)
+    run_placed = False
     for start in range(len(capacity)):
-        if capacity[start] != weakest or (start and capacity[start - 1] == weakest):
-            continue  # windows start where a run of weakest layers starts
+        if capacity[start] != weakest:
+            run_placed = False
+            continue
+        if run_placed:
+            continue
         k = _fit(view, request, start, len(capacity) - start)
         if not k:
             continue
+        run_placed = True
         covered = sum(1 for c in capacity[start : start + k] if c == weakest)
         if best is None or (-covered, start) < best[:2]:
             best = (-covered, start, k)
-    return None if best is None else LayerRange(best[1], best[1] + best[2])
+    if best is not None:
+        return LayerRange(best[1], best[1] + best[2])
+    fallback: tuple[int, int, int] | None = None  # (capacity at start, start, k)
+    for start in range(len(capacity)):
+        k = _fit(view, request, start, len(capacity) - start)
+        if k and (fallback is None or (capacity[start], start) < fallback[:2]):
+            fallback = (capacity[start], start, k)
+    return None if fallback is None else LayerRange(fallback[1], fallback[1] + fallback[2])
 
 
 def place(views: Sequence[ModelView], request: NodeRequest) -> Placement:
     """Deterministic placement of one node; InsufficientMemory if it fits nowhere."""
-    with_gaps = [v for v in views if v.gaps()]
+    with_gaps = [v for v in views if 0 in v.capacity]
     with_gaps.sort(
         key=lambda v: (
             -sum(1 for c in v.capacity if c) / len(v.capacity),
@@ -117,7 +134,7 @@ def place(views: Sequence[ModelView], request: NodeRequest) -> Placement:
         if layers is not None:
             return Placement(view.model_id, layers, "gap")
     others = sorted(
-        (v for v in views if not v.gaps()),
+        (v for v in views if 0 not in v.capacity),
         key=lambda v: (
             min(v.capacity),
             v.model_id not in request.held_models,

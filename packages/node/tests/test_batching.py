@@ -1,0 +1,116 @@
+"""Batched decode: several sessions' decode steps in one pass give each session's own tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from meshnet_common.errors import Conflict, NotFound
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+from meshnet_node.loader import load_shard
+from meshnet_node.service import NodeService
+from meshnet_node.settings import NodeSettings
+from meshnet_node.stage import DecodeItem, Stage
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+
+
+def prompts() -> list[list[int]]:
+    return [
+        torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (5, 70, 140)
+    ]
+
+
+def prefill(stages: list[Stage], sid: str, prompt: list[int]) -> int:
+    for stage in stages:
+        stage.open_session(sid)
+    for start in range(0, len(prompt), 128):
+        out = stages[0].step(sid, start, token_ids=torch.tensor([prompt[start : start + 128]]))
+        out = stages[1].step(sid, start, hidden=out.hidden)
+    return out.token.token_id
+
+
+def decode(stages: list[Stage], batched: bool, steps: int = 8) -> dict[str, list[int]]:
+    sids = [f"s{i}" for i in range(3)]
+    tokens = {sid: [prefill(stages, sid, p)] for sid, p in zip(sids, prompts(), strict=True)}
+    position = {sid: len(p) for sid, p in zip(sids, prompts(), strict=True)}
+    for _ in range(steps):
+        if batched:
+            items = [
+                DecodeItem(s, position[s], token_ids=torch.tensor([[tokens[s][-1]]])) for s in sids
+            ]
+            mids = stages[0].step_batch(items)
+            outs = stages[1].step_batch(
+                [
+                    DecodeItem(s, position[s], hidden=m.hidden)
+                    for s, m in zip(sids, mids, strict=True)
+                ]
+            )
+        else:
+            outs = []
+            for s in sids:
+                mid = stages[0].step(s, position[s], token_ids=torch.tensor([[tokens[s][-1]]]))
+                outs.append(stages[1].step(s, position[s], hidden=mid.hidden))
+        for s, out in zip(sids, outs, strict=True):
+            tokens[s].append(out.token.token_id)
+            position[s] += 1
+    for stage in stages:
+        for s in sids:
+            stage.close_session(s)
+    return tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_decode_equals_one_session_at_a_time(tiny_snapshot, family):
+    snapshot = tiny_snapshot(family)
+    stages = [
+        Stage(load_shard(snapshot, LayerRange(a, b), Precision.FLOAT32))
+        for a, b in ((0, 3), (3, 6))
+    ]
+    assert decode(stages, batched=True) == decode(stages, batched=False)
+
+
+def test_a_bad_item_fails_alone(tiny_snapshot):
+    stage = Stage(load_shard(tiny_snapshot("llama"), LayerRange(0, 6), Precision.FLOAT32))
+    for sid in ("a", "b"):
+        stage.open_session(sid)
+        stage.step(sid, 0, token_ids=torch.tensor([[5, 6, 7]]))
+    results = stage.step_batch(
+        [
+            DecodeItem("a", 3, token_ids=torch.tensor([[8]])),
+            DecodeItem("b", 9, token_ids=torch.tensor([[8]])),  # wrong position
+            DecodeItem("nope", 3, token_ids=torch.tensor([[8]])),
+        ]
+    )
+    assert results[0].token is not None
+    assert isinstance(results[1], Conflict) and isinstance(results[2], NotFound)
+    assert stage.sessions.peek("a").length == 4 and stage.sessions.peek("b").length == 3
+
+
+def test_concurrent_decode_steps_are_merged(tiny_snapshot):
+    snapshot = tiny_snapshot("llama")
+    stage = Stage(load_shard(snapshot, LayerRange(0, 6), Precision.FLOAT32))
+    settings = NodeSettings(
+        model_id="meshnet-tiny/llama", model_path=snapshot, layers=LayerRange(0, 6)
+    )
+    sids = [f"c{i}" for i in range(6)]
+    for sid in sids:
+        stage.open_session(sid)
+        stage.step(sid, 0, token_ids=torch.tensor([[5, 6, 7]]))
+
+    async def run() -> tuple[list, NodeService]:
+        service = NodeService(stage, settings, model_id=settings.model_id)
+        outs = await asyncio.gather(
+            *(service.run_stage(stage, sid, 3, token_ids=torch.tensor([[9]])) for sid in sids)
+        )
+        await service.aclose()
+        return outs, service
+
+    outs, service = asyncio.run(run())
+    assert service.batcher.batches >= 1 and service.batcher.batched_steps >= 2
+    assert len({o.token.token_id for o in outs}) == 1  # same history, same next token
+    assert all(stage.sessions.peek(sid).length == 4 for sid in sids)
