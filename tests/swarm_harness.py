@@ -35,7 +35,8 @@ class Proc:
 
     def start(self) -> Proc:
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        # No hub here: make huggingface_hub fail at once instead of trying the network.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.env}
         self.popen = subprocess.Popen(
             [sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT, env=env
         )
@@ -98,6 +99,14 @@ class Swarm:
         port = free_port()
         args = ["meshnet_node.cli", "--tracker", tracker.url, "--models-dir",
                 str(self.models_dir), "--memory-gb", memory_gb, "--node-id", node_id,
+                "--port", str(port), "--threads", "1",
+                "--heartbeat-interval", str(self.heartbeat_s), *extra]  # fmt: skip
+        return self._add(Proc(node_id, args, port, self.log_dir / f"{node_id}.log"))
+
+    def bare_node(self, tracker: Proc, node_id: str, *extra: str) -> Proc:
+        """A node with no models dir: whatever it serves, it must fetch."""
+        port = free_port()
+        args = ["meshnet_node.cli", "--tracker", tracker.url, "--node-id", node_id,
                 "--port", str(port), "--threads", "1",
                 "--heartbeat-interval", str(self.heartbeat_s), *extra]  # fmt: skip
         return self._add(Proc(node_id, args, port, self.log_dir / f"{node_id}.log"))

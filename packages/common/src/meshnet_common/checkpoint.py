@@ -81,6 +81,7 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # absolute byte offset of the tensor's data in its file
 
 
 def read_config(snapshot: Path) -> dict:
@@ -116,7 +117,10 @@ def num_layers_of(config: dict) -> int:
 
 
 def _read_safetensors_header(path: Path) -> dict:
-    """Parse a safetensors header without touching tensor data."""
+    """Parse a safetensors header without touching tensor data.
+
+    Each entry gains ``"_base"``: where the data section starts in the file.
+    """
     try:
         with open(path, "rb") as fh:
             raw_len = fh.read(8)
@@ -131,6 +135,8 @@ def _read_safetensors_header(path: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise ModelError(f"{path}: corrupt safetensors header ({exc})") from exc
     header.pop("__metadata__", None)
+    for meta in header.values():
+        meta["_base"] = 8 + header_len
     return header
 
 
@@ -194,9 +200,13 @@ class CheckpointIndex:
                 for d in shape:
                     numel *= d
                 dtype = meta["dtype"]
-                tensors[name] = TensorInfo(
-                    name, fname, dtype, shape, numel * _SAFETENSORS_DTYPE_BYTES.get(dtype, 2)
-                )
+                begin, end = meta.get("data_offsets", (0, 0))
+                nbytes = numel * _SAFETENSORS_DTYPE_BYTES.get(dtype, 2)
+                if end - begin != nbytes:
+                    raise ModelError(
+                        f"{fpath}: tensor {name} has {end - begin} bytes, expected {nbytes}"
+                    )
+                tensors[name] = TensorInfo(name, fname, dtype, shape, nbytes, meta["_base"] + begin)
         if weight_map is not None:
             missing = [n for n, f in weight_map.items() if tensors.get(n) is None]
             if missing:

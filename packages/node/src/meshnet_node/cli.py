@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import uuid
 from collections.abc import Sequence
@@ -10,14 +11,16 @@ from pathlib import Path
 import httpx
 import psutil
 
-from meshnet_common.errors import MeshnetError
+from meshnet_common.errors import MeshnetError, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import AssignRequest, AssignResponse
 from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
+from meshnet_node.fetch import fetch_shard
 from meshnet_node.preflight import resolve_device
 from meshnet_node.settings import HopTimeouts, NodeSettings
+from meshnet_node.shards_api import FAULTS, ShardServer
 
 PROG = "meshnet-node"
 logger = logging.getLogger(__name__)
@@ -63,6 +66,18 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
     parser.add_argument("--advertise-url", help="URL other nodes use to reach this one")
     parser.add_argument("--node-id", help="stable node id (default: random)")
+    parser.add_argument(
+        "--cache-dir", default=str(Path.home() / ".cache" / "meshnet"),
+        help="where fetched shards are kept",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-concurrent-downloads", type=int, default=4, help="peers fetching from us at once"
+    )
+    parser.add_argument(
+        "--shard-source", action="append", default=[],
+        help="peer or tracker URL to fetch weights from, tried in order before the tracker",
+    )  # fmt: skip
+    parser.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     return parser
@@ -93,22 +108,30 @@ def shard_settings(args, *, model_path: Path, host: str, port: int, **extra) -> 
     )
 
 
-def resolve_model_path(args) -> Path:
+def resolve_model_path(args, sources: tuple[str, ...] = ()) -> Path:
+    """A local snapshot (--model-path / --models-dir), else the shard fetched from sources."""
     if args.model_path:
         path = Path(args.model_path)
         if not (path / "config.json").exists():
             raise ValueError(f"--model-path {path}: no config.json there")
         return path
     if getattr(args, "models_dir", None):
-        return resolve_snapshot(args.models_dir, args.model_id)
-    raise ValueError(
-        f"no local snapshot of {args.model_id}: give --model-path or --models-dir "
-        "(fetching weights from the tracker is not available yet)"
+        try:
+            return resolve_snapshot(args.models_dir, args.model_id)
+        except NotFound:
+            pass
+    tracker = (args.tracker,) if getattr(args, "tracker", None) else ()
+    sources = (*getattr(args, "shard_source", ()), *(sources or tracker))
+    if not sources:
+        raise ValueError(f"no local snapshot of {args.model_id} and no tracker to fetch it from")
+    return fetch_shard(
+        args.model_id, LayerRange(args.shard_start, args.shard_end), sources, Path(args.cache_dir)
     )
 
 
-def ask_assignment(args) -> None:
-    """Ask the tracker which shard to serve (coverage first); fills args in place."""
+def ask_assignment(args) -> tuple[str, ...]:
+    """Ask the tracker which shard to serve (coverage first); fills args in place and
+    returns where the weights can be fetched (peers first, then the tracker)."""
     held: tuple[str, ...] = ()
     if args.models_dir:
         held = tuple(e.model_id for e in scan_models_dir(args.models_dir).entries)
@@ -144,6 +167,7 @@ def ask_assignment(args) -> None:
         "tracker assigned %s layers %s (%s)",
         args.model_id, assignment.shard.layers, assignment.reason,
     )  # fmt: skip
+    return assignment.sources
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -162,11 +186,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         port = args.port or free_port(args.host)
         check_port(args.host, port)
         args.node_id = args.node_id or f"node-{uuid.uuid4().hex[:12]}"
+        sources: tuple[str, ...] = ()
         if args.model_id is None:
-            ask_assignment(args)
+            sources = ask_assignment(args)
         settings = shard_settings(
             args,
-            model_path=resolve_model_path(args),
+            model_path=resolve_model_path(args, sources),
             host=args.host,
             port=port,
             tracker_url=args.tracker,
@@ -176,9 +201,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             models_dir=Path(args.models_dir) if args.models_dir else None,
         )
         runtime = build_runtime(settings)
+        runtime.cache_dir = Path(args.cache_dir)
     except (MeshnetError, ValueError, OSError) as exc:
         fail(PROG, str(exc), code=1)
     app = create_app(runtime)
+    app.state.shards = ShardServer(
+        runtime.own_snapshot, max_concurrent=args.max_concurrent_downloads, fault=args.fault_inject
+    )
     shard = runtime.service.stage.shard
     run(
         app,

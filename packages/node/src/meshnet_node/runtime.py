@@ -7,6 +7,7 @@ import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import psutil
 import torch
@@ -14,7 +15,7 @@ from fastapi import FastAPI
 from transformers import AutoTokenizer, GenerationConfig
 
 from meshnet_common.checkpoint import CheckpointIndex
-from meshnet_common.errors import MeshnetError, ModelError
+from meshnet_common.errors import MeshnetError, ModelError, NotFound
 from meshnet_common.models_dir import resolve_snapshot
 from meshnet_common.protocol import (
     DirectiveKind,
@@ -24,6 +25,7 @@ from meshnet_common.protocol import (
     ShardSpec,
 )
 from meshnet_node.api import head_router, node_router
+from meshnet_node.fetch import fetch_shard
 from meshnet_node.generation import HeadGenerator
 from meshnet_node.http_utils import install_error_handlers
 from meshnet_node.loader import load_shard
@@ -32,6 +34,7 @@ from meshnet_node.openai_serving import OpenAIServing, RouteProvider
 from meshnet_node.preflight import preflight
 from meshnet_node.service import NodeService
 from meshnet_node.settings import NodeSettings
+from meshnet_node.shards_api import shards_router
 from meshnet_node.stage import Stage
 
 logger = logging.getLogger(__name__)
@@ -53,10 +56,17 @@ class NodeRuntime:
     membership: Membership | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     resharding: asyncio.Task | None = None
+    cache_dir: Path | None = None  # where shards fetched from peers/tracker are kept
 
     @property
     def url(self) -> str:
         return self.settings.advertise_url or f"http://{self.settings.host}:{self.settings.port}"
+
+    def own_snapshot(self, model_id: str) -> Path:
+        """What this node can serve to peers: its own (possibly partial) snapshot."""
+        if model_id != self.settings.model_id:
+            raise NotFound(f"this node serves {self.settings.model_id}, not {model_id}")
+        return self.settings.model_path
 
     def announcement(self) -> NodeAnnouncement:
         shard = self.service.stage.shard
@@ -218,6 +228,7 @@ def create_app(runtime: NodeRuntime) -> FastAPI:
     app = FastAPI(title="meshnet node", lifespan=lifespan)
     install_error_handlers(app)
     mount_node(app, runtime)
+    app.include_router(shards_router())  # peers fetch this node's shard (app.state.shards)
 
     @app.get("/health")
     async def health():
@@ -246,11 +257,7 @@ async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
     """Move this node to ``spec`` without failing any request in flight."""
     settings = runtime.settings
     try:
-        model_path = settings.model_path
-        if spec.model_id != settings.model_id:
-            if settings.models_dir is None:
-                raise ModelError(f"no models dir to find {spec.model_id} in")
-            model_path = resolve_snapshot(settings.models_dir, spec.model_id)
+        model_path = await asyncio.to_thread(_locate_shard, runtime, spec)
         new_settings = replace(
             settings, model_id=spec.model_id, model_path=model_path, layers=spec.layers
         )
@@ -275,3 +282,20 @@ async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
     if service.retiring is retiring:
         service.retiring = None  # DROP_SHARD: the old layers are freed
     logger.info("dropped the previous shard")
+
+
+def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
+    """A snapshot holding ``spec``: the current one, the models dir, or fetched."""
+    settings = runtime.settings
+    index = CheckpointIndex.load(settings.model_path)
+    held = {index.layer_of(n) for n in index.tensors}
+    if spec.model_id == settings.model_id and all(layer in held for layer in spec.layers):
+        return settings.model_path
+    if settings.models_dir is not None:
+        try:
+            return resolve_snapshot(settings.models_dir, spec.model_id)
+        except NotFound:
+            pass
+    if runtime.tracker is None or runtime.cache_dir is None:
+        raise ModelError(f"no local snapshot of {spec.model_id} and nowhere to fetch it from")
+    return fetch_shard(spec.model_id, spec.layers, (runtime.tracker.base,), runtime.cache_dir)

@@ -69,7 +69,7 @@ def nodes_router() -> APIRouter:
             ),
             num_layers=state.costs[placement.model_id].num_layers,
             reason=placement.reason,
-            sources=(state.settings.url,),
+            sources=_sources(state, placement.model_id, placement.layers),
         )
 
     @router.delete("/v1/nodes/{node_id}")
@@ -97,3 +97,16 @@ def nodes_router() -> APIRouter:
         )
 
     return router
+
+
+def _sources(state: TrackerState, model_id: str, layers) -> tuple[str, ...]:
+    """Where a joining node can get its weights: peers serving that exact range, then us."""
+    peers = [
+        r.announcement.url
+        for r in state.registry.records()
+        if not r.local
+        and r.announcement.shard.model_id == model_id
+        and r.announcement.shard.layers == layers
+    ]
+    own = (state.settings.url,) if state.settings.models_dir is not None else ()
+    return (*sorted(peers), *own)

@@ -9,8 +9,10 @@ import logging
 import httpx
 from fastapi import FastAPI
 
+from meshnet_common.models_dir import resolve_snapshot
 from meshnet_node.http_utils import install_error_handlers
 from meshnet_node.runtime import NodeRuntime, mount_node, start_background, stop_background
+from meshnet_node.shards_api import ShardServer, shards_router
 from meshnet_tracker.api_nodes import nodes_router
 from meshnet_tracker.api_public import public_router
 from meshnet_tracker.registry import Registry
@@ -53,9 +55,17 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan)
     app.state.tracker = state
+    if settings.models_dir is not None:
+        models_dir = settings.models_dir
+        app.state.shards = ShardServer(
+            lambda model_id: resolve_snapshot(models_dir, model_id),
+            max_concurrent=settings.max_concurrent_downloads,
+            fault=settings.fault_inject,
+        )
     install_error_handlers(app)
     app.include_router(public_router())
     app.include_router(nodes_router())
+    app.include_router(shards_router())
     if node is not None:
         mount_node(app, node, openai_routes=False)  # the tracker's own routes take OpenAI calls
     return app

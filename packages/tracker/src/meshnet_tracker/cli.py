@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +11,7 @@ from meshnet_common.errors import MeshnetError
 from meshnet_common.models_dir import resolve_snapshot
 from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
 from meshnet_node.cli import add_shard_flags, shard_settings
+from meshnet_node.shards_api import FAULTS
 
 PROG = "meshnet-tracker"
 logger = logging.getLogger(__name__)
@@ -26,6 +28,10 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--port", type=int, default=8080, help="port")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    parser.add_argument(
+        "--max-concurrent-downloads", type=int, default=4, help="shard downloads served at once"
+    )
+    parser.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
     add_shard_flags(parser, tracker_node=True)
     return parser
 
@@ -67,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             host=args.host,
             port=args.port,
             heartbeat_interval_s=args.heartbeat_interval,
+            max_concurrent_downloads=args.max_concurrent_downloads,
+            fault_inject=args.fault_inject,
         )
         app = create_app(settings, node)
         state_ref.append(app.state.tracker)

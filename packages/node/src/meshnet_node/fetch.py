@@ -1,0 +1,210 @@
+"""Getting a shard's files onto a node: from peers or the tracker (layer subsets, verified
+against a manifest), then the HF hub with ``allow_patterns``, then a full snapshot.
+
+Cache layout (meshnet's own, never the HF cache)::
+
+    CACHE/ORG/NAME/layers-START-END/        verified shard (manifest written last)
+    CACHE/ORG/NAME/.partial-START-END/      an unfinished download (resumable)
+
+A file whose size or sha256 disagrees with the manifest is deleted and the source is
+abandoned; nothing unverified is ever moved into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from meshnet_common.checkpoint import CheckpointIndex
+from meshnet_common.errors import ModelError
+from meshnet_common.layers import LayerRange
+from meshnet_common.models_dir import validate_model_id
+from meshnet_common.shardfiles import MANIFEST_FILE
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 2.0
+RESUME_ATTEMPTS = 3
+
+
+class FetchError(Exception):
+    """One source failed; the caller moves on to the next."""
+
+
+def shard_dir(cache_dir: Path, model_id: str, layers: LayerRange) -> Path:
+    org, name = validate_model_id(model_id)
+    return Path(cache_dir) / org / name / f"layers-{layers.start}-{layers.end}"
+
+
+def cached_shard(cache_dir: Path, model_id: str, layers: LayerRange) -> Path | None:
+    """A previously verified shard, if its files still match the manifest's sizes."""
+    target = shard_dir(cache_dir, model_id, layers)
+    manifest_path = target / MANIFEST_FILE
+    if not manifest_path.exists():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    for entry in manifest["files"]:
+        path = target / entry["name"]
+        if not path.exists() or path.stat().st_size != entry["size"]:
+            return None
+    return target
+
+
+class Progress:
+    """Logs bytes, rate and ETA of a download every few seconds."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total = label, total
+        self.done = 0
+        self.started = self.last = time.monotonic()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S or self.done >= self.total:
+            self.last = now
+            rate = self.done / max(now - self.started, 1e-6)
+            eta = (self.total - self.done) / rate if rate else float("inf")
+            logger.info(
+                "%s: %.1f/%.1f MiB (%.1f MiB/s, ETA %.0fs)",
+                self.label, self.done / 2**20, self.total / 2**20, rate / 2**20, eta,
+            )  # fmt: skip
+
+
+def _download_file(
+    client: httpx.Client, url: str, params: dict, entry: dict, dest: Path, progress: Progress
+) -> None:
+    """Download one file (resuming a partial one), then check its size and sha256."""
+    for _attempt in range(RESUME_ATTEMPTS):
+        have = dest.stat().st_size if dest.exists() else 0
+        if have > entry["size"]:
+            dest.unlink()
+            have = 0
+        if have < entry["size"]:
+            headers = {"range": f"bytes={have}-"} if have else {}
+            try:
+                with client.stream("GET", url, params={**params, "file": entry["name"]},
+                                   headers=headers) as resp:  # fmt: skip
+                    if resp.status_code not in (200, 206):
+                        raise FetchError(f"{entry['name']}: HTTP {resp.status_code}")
+                    mode = "ab" if resp.status_code == 206 else "wb"
+                    with open(dest, mode) as fh:
+                        for chunk in resp.iter_bytes():
+                            fh.write(chunk)
+                            progress.add(len(chunk))
+            except httpx.HTTPError as exc:
+                logger.warning("%s: transfer broke (%s); resuming", entry["name"], exc)
+                continue
+        break
+    if not dest.exists() or dest.stat().st_size != entry["size"]:
+        size = dest.stat().st_size if dest.exists() else 0
+        dest.unlink(missing_ok=True)
+        raise FetchError(f"{entry['name']}: got {size} bytes, manifest says {entry['size']}")
+    digest = hashlib.sha256()
+    with open(dest, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != entry["sha256"]:
+        dest.unlink()
+        raise FetchError(f"{entry['name']}: sha256 mismatch (corrupted in transfer)")
+
+
+def fetch_from(source: str, model_id: str, layers: LayerRange, cache_dir: Path) -> Path:
+    """Fetch the shard's subset from one peer or tracker; FetchError on any defect."""
+    target = shard_dir(cache_dir, model_id, layers)
+    staging = target.parent / f".partial-{layers.start}-{layers.end}"
+    params = {"model": model_id, "start": layers.start, "end": layers.end}
+    base = source.rstrip("/")
+    with httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0)) as client:
+        try:
+            resp = client.get(f"{base}/v1/shards/manifest", params=params)
+        except httpx.HTTPError as exc:
+            raise FetchError(f"{source} unreachable: {exc}") from exc
+        if resp.status_code != 200:
+            raise FetchError(f"{source} has no such shard (HTTP {resp.status_code})")
+        manifest = resp.json()
+        if (manifest.get("model_id"), manifest.get("shard_start"), manifest.get("shard_end")) != (
+            model_id, layers.start, layers.end,
+        ):  # fmt: skip
+            raise FetchError(f"{source} answered a manifest for another shard")
+        staging.mkdir(parents=True, exist_ok=True)
+        stamp = staging / "revision"
+        if stamp.exists() and stamp.read_text() != manifest["revision"]:
+            shutil.rmtree(staging)  # partial files of another revision cannot be resumed
+            staging.mkdir(parents=True)
+        stamp.write_text(manifest["revision"])
+        total = sum(f["size"] for f in manifest["files"])
+        progress = Progress(f"{model_id} layers {layers} from {source}", total)
+        for entry in manifest["files"]:
+            name = entry["name"]
+            if "/" in name or name.startswith("."):
+                raise FetchError(f"{source} listed an unsafe file name {name!r}")
+            _download_file(
+                client, f"{base}/v1/shards/download", params, entry, staging / name, progress
+            )
+    stamp.unlink()
+    (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(staging, target)  # the manifest inside marks it verified
+    logger.info("fetched %s layers %s: %.1f MiB verified", model_id, layers, total / 2**20)
+    return target
+
+
+def fetch_from_hub(model_id: str, layers: LayerRange, cache_dir: Path) -> Path:
+    """HF hub: the index first, then only the files holding the range (``allow_patterns``)."""
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+    except ImportError as exc:  # pragma: no cover - a dependency
+        raise FetchError("huggingface_hub is not installed") from exc
+    hub_cache = Path(cache_dir) / ".hub"
+    try:
+        index_file = hf_hub_download(model_id, "model.safetensors.index.json", cache_dir=hub_cache)
+        hf_hub_download(model_id, "config.json", cache_dir=hub_cache)
+        index = CheckpointIndex.load(Path(index_file).parent)
+        wanted = index.files_for(layers)
+    except Exception as first:  # noqa: BLE001 - any hub failure means: try the next way
+        logger.warning("hub subset for %s failed (%s); trying the full snapshot", model_id, first)
+        try:
+            return Path(snapshot_download(model_id, cache_dir=hub_cache))
+        except Exception as exc:  # noqa: BLE001
+            raise FetchError(f"HF hub: {exc}") from exc
+    patterns = [*wanted, "*.json", "*.txt", "*.jinja", "tokenizer*"]
+    try:
+        return Path(snapshot_download(model_id, cache_dir=hub_cache, allow_patterns=patterns))
+    except Exception as exc:  # noqa: BLE001
+        raise FetchError(f"HF hub: {exc}") from exc
+
+
+def fetch_shard(
+    model_id: str, layers: LayerRange, sources: Sequence[str], cache_dir: Path, *, hub: bool = True
+) -> Path:
+    """Try each source in order (peers, tracker), then the hub; ModelError if all fail."""
+    cached = cached_shard(cache_dir, model_id, layers)
+    if cached is not None:
+        logger.info("using cached %s layers %s", model_id, layers)
+        return cached
+    failures = []
+    for source in sources:
+        try:
+            return fetch_from(source, model_id, layers, cache_dir)
+        except (FetchError, OSError, ValueError) as exc:
+            logger.warning("source %s failed: %s", source, exc)
+            failures.append(f"{source}: {exc}")
+    if hub:
+        try:
+            return fetch_from_hub(model_id, layers, cache_dir)
+        except FetchError as exc:
+            logger.warning("HF hub failed: %s", exc)
+            failures.append(f"hub: {exc}")
+    raise ModelError(
+        f"could not get {model_id} layers {layers} from any source: " + "; ".join(failures)
+    )

@@ -1,0 +1,156 @@
+"""Serving layer subsets of model files (``GET /v1/shards/...``), on the tracker and on nodes.
+
+A joining node asks for the manifest of ``model`` + ``[start, end)``, then downloads each file
+it lists; the weights arrive as one safetensors file holding only that range's tensors.
+Downloads stream from disk (no whole-file buffering), honour HTTP ranges (resume), and at
+most ``max_concurrent`` run at once per source — the rest wait their turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from meshnet_common.checkpoint import CheckpointIndex
+from meshnet_common.errors import InvalidRequest, NotFound
+from meshnet_common.layers import LayerRange
+from meshnet_common.models_dir import validate_model_id
+from meshnet_common.shardfiles import SUBSET_FILE, ShardSource
+
+logger = logging.getLogger(__name__)
+
+Resolver = Callable[[str], Path]  # model id -> snapshot folder (NotFound if unknown)
+FAULTS = ("corrupt", "truncate")
+
+
+def snapshot_revision(index: CheckpointIndex) -> str:
+    """A cheap revision id: the hub revision folder name, else a digest of index + config."""
+    if index.root.parent.name == "snapshots":
+        return index.root.name
+    digest = hashlib.sha256()
+    for name in ("model.safetensors.index.json", "config.json"):
+        path = index.root / name
+        if path.exists():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class ShardServer:
+    """Resolves, caches and streams shard sources."""
+
+    def __init__(self, resolve: Resolver, *, max_concurrent: int = 4, fault: str | None = None):
+        self.resolve = resolve
+        # A thread semaphore: streams are produced in the threadpool, where it is released.
+        self.slots = threading.Semaphore(max_concurrent)
+        self.fault = fault
+        self._sources: OrderedDict[tuple, ShardSource] = OrderedDict()
+        self.bytes_sent = 0
+
+    def source(self, model_id: str, start: int, end: int) -> ShardSource:
+        validate_model_id(model_id)
+        try:
+            layers = LayerRange(start, end)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"bad layer range: {exc}", param="start") from exc
+        index = CheckpointIndex.load(self.resolve(model_id))
+        if layers.end > index.num_layers:
+            raise InvalidRequest(f"{model_id} has {index.num_layers} layers", param="end")
+        held = {index.layer_of(n) for n in index.tensors} - {None}
+        missing = [layer for layer in layers if layer not in held]
+        if missing:
+            raise NotFound(f"layers {missing[0]}.. of {model_id} are not held here", param="start")
+        key = (model_id, snapshot_revision(index), start, end)
+        cached = self._sources.get(key)
+        if cached is None:
+            cached = self._sources[key] = ShardSource(index, model_id, layers, key[1])
+            while len(self._sources) > 16:
+                self._sources.popitem(last=False)
+        return cached
+
+    def faulty(self, chunks: Iterator[bytes], size: int) -> Iterator[bytes]:
+        """Fault injection for tests: flip a byte mid-file, or stop halfway."""
+        sent = 0
+        for chunk in chunks:
+            if self.fault == "truncate" and sent + len(chunk) > size // 2:
+                yield chunk[: size // 2 - sent]
+                return
+            if self.fault == "corrupt" and sent <= size // 2 < sent + len(chunk):
+                i = size // 2 - sent
+                chunk = chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1 :]
+            sent += len(chunk)
+            yield chunk
+
+
+def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    if not header:
+        return None
+    if not header.startswith("bytes=") or "," in header:
+        raise InvalidRequest("only single byte ranges are supported", param="range")
+    first, _, last = header[6:].partition("-")
+    try:
+        start = int(first)
+        end = int(last) + 1 if last else size
+    except ValueError as exc:
+        raise InvalidRequest("malformed range header", param="range") from exc
+    if not 0 <= start < size or end <= start:
+        raise InvalidRequest(f"range outside the file's {size} bytes", param="range")
+    return start, min(end, size)
+
+
+def shards_router() -> APIRouter:
+    router = APIRouter()
+
+    def server(request: Request) -> ShardServer:
+        shard_server = getattr(request.app.state, "shards", None)
+        if shard_server is None:
+            raise NotFound("this service serves no model files")
+        return shard_server
+
+    @router.get("/v1/shards/manifest")
+    async def manifest(
+        request: Request, model: str, start: int = Query(ge=0), end: int = Query(gt=0)
+    ):
+        src = server(request).source(model, start, end)
+        return JSONResponse(await asyncio.to_thread(src.manifest))
+
+    @router.get("/v1/shards/download")
+    async def download(
+        request: Request, model: str, file: str, start: int = Query(ge=0), end: int = Query(gt=0)
+    ):
+        shard_server = server(request)
+        src = shard_server.source(model, start, end)
+        if file not in src.files():
+            raise NotFound(f"{file!r} is not part of this shard", param="file")
+        size = src.size_of(file)
+        byte_range = _parse_range(request.headers.get("range"), size)
+        lo, hi = byte_range or (0, size)
+
+        def body() -> Iterator[bytes]:
+            shard_server.slots.acquire()  # queue behind other downloads (in a pool thread)
+            try:
+                chunks = src.iter_file(file, lo, hi)
+                if shard_server.fault and file == SUBSET_FILE:
+                    chunks = shard_server.faulty(chunks, size)
+                for chunk in chunks:
+                    shard_server.bytes_sent += len(chunk)
+                    yield chunk
+            finally:
+                shard_server.slots.release()
+
+        headers = {"accept-ranges": "bytes", "content-length": str(hi - lo)}
+        if byte_range:
+            headers["content-range"] = f"bytes {lo}-{hi - 1}/{size}"
+        status = 206 if byte_range else 200
+        return StreamingResponse(
+            body(), status_code=status, media_type="application/octet-stream", headers=headers
+        )
+
+    return router
