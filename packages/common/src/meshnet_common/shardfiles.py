@@ -8,6 +8,7 @@ deterministic, so it can be hashed once, served in pieces (HTTP ranges) and resu
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.layers import LayerRange
 
 SUBSET_FILE = "model.safetensors"
+H_MANIFEST_SIGNATURE = "x-meshnet-manifest-signature"
 MANIFEST_FILE = "meshnet-manifest.json"
 READ_CHUNK = 1 << 20
 
@@ -78,6 +80,20 @@ class SubsetFile:
             position = part_end
             if position >= end:
                 return
+
+
+def canonical_json(manifest: dict) -> bytes:
+    """The exact bytes a manifest is signed and sent as."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_manifest(body: bytes, key: str) -> str:
+    """HMAC-SHA256 of a manifest under the swarm's manifest key (the root of trust)."""
+    return hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
+
+
+def check_signature(body: bytes, key: str, signature: str | None) -> bool:
+    return signature is not None and hmac.compare_digest(sign_manifest(body, key), signature)
 
 
 def subset_index_json(subset: SubsetFile) -> bytes:

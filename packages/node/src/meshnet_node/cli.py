@@ -17,7 +17,7 @@ from meshnet_common.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import AssignRequest, AssignResponse
 from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
-from meshnet_node.fetch import fetch_shard
+from meshnet_node.fetch import Trust, fetch_shard
 from meshnet_node.preflight import resolve_device
 from meshnet_node.settings import HopTimeouts, NodeSettings
 from meshnet_node.shards_api import FAULTS, ShardServer
@@ -77,6 +77,9 @@ def build_parser() -> EnvArgumentParser:
         "--shard-source", action="append", default=[],
         help="peer or tracker URL to fetch weights from, tried in order before the tracker",
     )  # fmt: skip
+    parser.add_argument(
+        "--manifest-key", help="shared key: weight manifests must be signed with it (HMAC)"
+    )
     parser.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
@@ -124,8 +127,13 @@ def resolve_model_path(args, sources: tuple[str, ...] = ()) -> Path:
     sources = (*getattr(args, "shard_source", ()), *(sources or tracker))
     if not sources:
         raise ValueError(f"no local snapshot of {args.model_id} and no tracker to fetch it from")
+    trust = Trust(tracker=getattr(args, "tracker", None), manifest_key=args.manifest_key)
     return fetch_shard(
-        args.model_id, LayerRange(args.shard_start, args.shard_end), sources, Path(args.cache_dir)
+        args.model_id,
+        LayerRange(args.shard_start, args.shard_end),
+        sources,
+        Path(args.cache_dir),
+        trust=trust,
     )
 
 
@@ -206,7 +214,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail(PROG, str(exc), code=1)
     app = create_app(runtime)
     app.state.shards = ShardServer(
-        runtime.own_snapshot, max_concurrent=args.max_concurrent_downloads, fault=args.fault_inject
+        runtime.own_snapshot,
+        max_concurrent=args.max_concurrent_downloads,
+        fault=args.fault_inject,
+        manifest_key=args.manifest_key,
     )
     shard = runtime.service.stage.shard
     run(

@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,7 +28,7 @@ from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.models_dir import validate_model_id
-from meshnet_common.shardfiles import MANIFEST_FILE
+from meshnet_common.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
 
 logger = logging.getLogger(__name__)
 
@@ -117,20 +118,52 @@ def _download_file(
         raise FetchError(f"{entry['name']}: sha256 mismatch (corrupted in transfer)")
 
 
-def fetch_from(source: str, model_id: str, layers: LayerRange, cache_dir: Path) -> Path:
+@dataclass(frozen=True)
+class Trust:
+    """Where manifests come from and how they are checked.
+
+    ``tracker``: the URL the node was told to trust; manifests are taken from it whenever it
+    has the model, so a peer can only ever deliver bytes that match the tracker's digests.
+    ``manifest_key``: when set, a manifest must carry a valid HMAC signature under it.
+    """
+
+    tracker: str | None = None
+    manifest_key: str | None = None
+
+
+def get_manifest(client: httpx.Client, source: str, params: dict, trust: Trust) -> dict:
+    """The shard's manifest, preferring the trusted tracker over the data source."""
+    origins = [trust.tracker, source] if trust.tracker and trust.tracker != source else [source]
+    last = ""
+    for origin in origins:
+        try:
+            resp = client.get(f"{origin.rstrip('/')}/v1/shards/manifest", params=params)
+        except httpx.HTTPError as exc:
+            last = f"{origin} unreachable: {exc}"
+            continue
+        if resp.status_code != 200:
+            last = f"{origin} has no manifest for it (HTTP {resp.status_code})"
+            continue
+        if trust.manifest_key and not check_signature(
+            resp.content, trust.manifest_key, resp.headers.get(H_MANIFEST_SIGNATURE)
+        ):
+            raise FetchError(f"{origin}: manifest signature missing or wrong")
+        if origin != trust.tracker and trust.tracker:
+            logger.warning("the tracker has no manifest for this shard; trusting %s", origin)
+        return resp.json()
+    raise FetchError(last)
+
+
+def fetch_from(
+    source: str, model_id: str, layers: LayerRange, cache_dir: Path, trust: Trust = Trust()
+) -> Path:
     """Fetch the shard's subset from one peer or tracker; FetchError on any defect."""
     target = shard_dir(cache_dir, model_id, layers)
     staging = target.parent / f".partial-{layers.start}-{layers.end}"
     params = {"model": model_id, "start": layers.start, "end": layers.end}
     base = source.rstrip("/")
     with httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0)) as client:
-        try:
-            resp = client.get(f"{base}/v1/shards/manifest", params=params)
-        except httpx.HTTPError as exc:
-            raise FetchError(f"{source} unreachable: {exc}") from exc
-        if resp.status_code != 200:
-            raise FetchError(f"{source} has no such shard (HTTP {resp.status_code})")
-        manifest = resp.json()
+        manifest = get_manifest(client, source, params, trust)
         if (manifest.get("model_id"), manifest.get("shard_start"), manifest.get("shard_end")) != (
             model_id, layers.start, layers.end,
         ):  # fmt: skip
@@ -185,7 +218,13 @@ def fetch_from_hub(model_id: str, layers: LayerRange, cache_dir: Path) -> Path:
 
 
 def fetch_shard(
-    model_id: str, layers: LayerRange, sources: Sequence[str], cache_dir: Path, *, hub: bool = True
+    model_id: str,
+    layers: LayerRange,
+    sources: Sequence[str],
+    cache_dir: Path,
+    *,
+    trust: Trust = Trust(),
+    hub: bool = True,
 ) -> Path:
     """Try each source in order (peers, tracker), then the hub; ModelError if all fail."""
     cached = cached_shard(cache_dir, model_id, layers)
@@ -195,7 +234,7 @@ def fetch_shard(
     failures = []
     for source in sources:
         try:
-            return fetch_from(source, model_id, layers, cache_dir)
+            return fetch_from(source, model_id, layers, cache_dir, trust)
         except (FetchError, OSError, ValueError) as exc:
             logger.warning("source %s failed: %s", source, exc)
             failures.append(f"{source}: {exc}")

@@ -25,7 +25,7 @@ from meshnet_common.protocol import (
     ShardSpec,
 )
 from meshnet_node.api import head_router, node_router
-from meshnet_node.fetch import fetch_shard
+from meshnet_node.fetch import Trust, fetch_shard
 from meshnet_node.generation import HeadGenerator
 from meshnet_node.http_utils import install_error_handlers
 from meshnet_node.loader import load_shard
@@ -298,4 +298,7 @@ def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
             pass
     if runtime.tracker is None or runtime.cache_dir is None:
         raise ModelError(f"no local snapshot of {spec.model_id} and nowhere to fetch it from")
-    return fetch_shard(spec.model_id, spec.layers, (runtime.tracker.base,), runtime.cache_dir)
+    trust = Trust(tracker=runtime.tracker.base)
+    return fetch_shard(
+        spec.model_id, spec.layers, (runtime.tracker.base,), runtime.cache_dir, trust=trust
+    )

@@ -17,13 +17,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InvalidRequest, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.models_dir import validate_model_id
-from meshnet_common.shardfiles import SUBSET_FILE, ShardSource
+from meshnet_common.shardfiles import (
+    H_MANIFEST_SIGNATURE,
+    SUBSET_FILE,
+    ShardSource,
+    canonical_json,
+    sign_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +52,19 @@ def snapshot_revision(index: CheckpointIndex) -> str:
 class ShardServer:
     """Resolves, caches and streams shard sources."""
 
-    def __init__(self, resolve: Resolver, *, max_concurrent: int = 4, fault: str | None = None):
+    def __init__(
+        self,
+        resolve: Resolver,
+        *,
+        max_concurrent: int = 4,
+        fault: str | None = None,
+        manifest_key: str | None = None,
+    ):
         self.resolve = resolve
         # A thread semaphore: streams are produced in the threadpool, where it is released.
         self.slots = threading.Semaphore(max_concurrent)
         self.fault = fault
+        self.manifest_key = manifest_key
         self._sources: OrderedDict[tuple, ShardSource] = OrderedDict()
         self.bytes_sent = 0
 
@@ -118,8 +132,13 @@ def shards_router() -> APIRouter:
     async def manifest(
         request: Request, model: str, start: int = Query(ge=0), end: int = Query(gt=0)
     ):
-        src = server(request).source(model, start, end)
-        return JSONResponse(await asyncio.to_thread(src.manifest))
+        shard_server = server(request)
+        src = shard_server.source(model, start, end)
+        body = canonical_json(await asyncio.to_thread(src.manifest))
+        headers = {}
+        if shard_server.manifest_key:
+            headers[H_MANIFEST_SIGNATURE] = sign_manifest(body, shard_server.manifest_key)
+        return Response(body, media_type="application/json", headers=headers)
 
     @router.get("/v1/shards/download")
     async def download(

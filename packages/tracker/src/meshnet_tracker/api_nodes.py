@@ -100,13 +100,16 @@ def nodes_router() -> APIRouter:
 
 
 def _sources(state: TrackerState, model_id: str, layers) -> tuple[str, ...]:
-    """Where a joining node can get its weights: peers serving that exact range, then us."""
-    peers = [
-        r.announcement.url
-        for r in state.registry.records()
-        if not r.local
-        and r.announcement.shard.model_id == model_id
-        and r.announcement.shard.layers == layers
-    ]
+    """Where a joining node can get its weights: peers serving exactly that range, then peers
+    whose range contains it (they serve the subset), then the tracker itself."""
+    exact, containing = [], []
+    for record in state.registry.records():
+        shard = record.announcement.shard
+        if record.local or shard.model_id != model_id:
+            continue
+        if shard.layers == layers:
+            exact.append(record.announcement.url)
+        elif shard.shard_start <= layers.start and layers.end <= shard.shard_end:
+            containing.append(record.announcement.url)
     own = (state.settings.url,) if state.settings.models_dir is not None else ()
-    return (*sorted(peers), *own)
+    return (*sorted(exact), *sorted(containing), *own)

@@ -61,6 +61,7 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
             lambda model_id: resolve_snapshot(models_dir, model_id),
             max_concurrent=settings.max_concurrent_downloads,
             fault=settings.fault_inject,
+            manifest_key=settings.manifest_key,
         )
     install_error_handlers(app)
     app.include_router(public_router())

@@ -31,6 +31,7 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument(
         "--max-concurrent-downloads", type=int, default=4, help="shard downloads served at once"
     )
+    parser.add_argument("--manifest-key", help="sign weight manifests with this shared key (HMAC)")
     parser.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
     add_shard_flags(parser, tracker_node=True)
     return parser
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             heartbeat_interval_s=args.heartbeat_interval,
             max_concurrent_downloads=args.max_concurrent_downloads,
             fault_inject=args.fault_inject,
+            manifest_key=args.manifest_key,
         )
         app = create_app(settings, node)
         state_ref.append(app.state.tracker)

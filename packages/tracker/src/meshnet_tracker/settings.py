@@ -20,6 +20,7 @@ class TrackerSettings:
     node: NodeSettings | None = None  # set when the tracker also serves layers (tracker node)
     max_concurrent_downloads: int = 4  # shard downloads served at once; the rest queue
     fault_inject: str | None = None  # tests only: corrupt or truncate served weights
+    manifest_key: str | None = None  # HMAC key signing weight manifests
 
     @property
     def url(self) -> str:
