@@ -89,7 +89,7 @@ def running(
 ) -> Iterator[InProcessNode]:
     """Build a node, point its hop client at ``peers``, and run its app's lifespan."""
 
-    async def route_provider(_model_id: str) -> tuple[str, ...]:
+    async def route_provider(_model_id: str, _exclude=frozenset()) -> tuple[str, ...]:
         return route
 
     runtime = build_runtime(settings, route_provider=route_provider)

@@ -326,7 +326,7 @@ def test_unreachable_head_is_502(tracker):
 def whole_node(llama_snapshot) -> Iterator[FastAPI]:
     """An in-process node serving all of llama: the head the tracker proxies to."""
 
-    async def no_route(_model_id: str) -> tuple[str, ...]:
+    async def no_route(_model_id: str, _exclude=frozenset()) -> tuple[str, ...]:
         raise AssertionError("the tracker must send the route")
 
     settings = NodeSettings(

@@ -11,15 +11,15 @@ import asyncio
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from meshnet_common.errors import ModelNotCovered
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.sampling import SamplingParams
-from meshnet_node.service import NodeService
+from meshnet_node.service import HopError, NodeService
 from meshnet_node.stage import Stage, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,26 @@ def eos_ids(tokenizer, generation_config) -> set[int]:
     return ids
 
 
+Reroute = Callable[[frozenset[str]], Awaitable[tuple[str, ...]]]
+
+# Failover policy (ADR 0007): bounded, backed off, with a temporary ban of the failed hop.
+MAX_FAILOVERS = 4
+FAILOVER_DEADLINE_S = 120.0
+BACKOFF_BASE_S = 0.2
+BACKOFF_CAP_S = 2.0
+BAN_S = 30.0
+
+
+@dataclass
+class _Chain:
+    """The current session of one generation along its route (replaced on failover)."""
+
+    route: tuple[str, ...]
+    session_id: str = ""
+    key: str = ""
+    replay: bool = False  # the next step must rebuild the chain's caches from the history
+
+
 class HeadGenerator:
     """Drives generation from a head stage through the hops of a route."""
 
@@ -101,31 +121,35 @@ class HeadGenerator:
         self.service = service
         self.tokenizer = tokenizer
         self.eos = eos_ids(tokenizer, generation_config)
+        self.banned: dict[str, float] = {}  # hop URL -> loop time its ban ends
 
     @property
     def context_window(self) -> int:
         return self.service.stage.max_positions
 
     async def generate(
-        self, request: GenerationRequest, route: tuple[str, ...]
+        self,
+        request: GenerationRequest,
+        route: tuple[str, ...],
+        reroute: Reroute | None = None,
     ) -> AsyncIterator[GeneratedToken]:
-        """Yield tokens until max_tokens, EOS or a stop string; frees sessions on every exit."""
+        """Yield tokens until max_tokens, EOS or a stop string; frees sessions on every exit.
+
+        When a hop fails, ``reroute`` (given the hops to avoid) supplies a new route and the
+        chain is rebuilt by replaying the history — prompt plus tokens so far — from position
+        0 in a fresh session, so every hop's positions and KV cache stay consistent.
+        """
         stage = self.service.stage
         if not stage.shard.is_head:  # resharded away from the first layers
             raise ModelNotCovered("this node no longer serves the first layers", code="not_head")
         if not route and not stage.shard.is_tail:
             raise ValueError("a head that is not the tail needs a route")
-        session_id = uuid.uuid4().hex
-        key = secrets.token_hex(16)
-        stage.open_session(
-            session_id,
-            sampling=SamplingParams(**request.sampling.model_dump()),
-            owner=key,
-        )
+        chain = _Chain(route=route)
+        self._open_local(stage, chain, request)
         assembler = TextAssembler(self.tokenizer, request.stop)
+        history = list(request.prompt_ids)
         try:
-            result = await self._prefill(stage, session_id, key, request, route)
-            position = len(request.prompt_ids)
+            result = await self._advance(stage, chain, request, history, None, reroute)
             for produced in range(1, request.max_tokens + 1):
                 token = int(result.token_id)
                 delta, hit_stop = assembler.add(token)
@@ -139,10 +163,83 @@ class HeadGenerator:
                 yield GeneratedToken(token, delta, result.logprob, result.top_logprobs, finish)
                 if finish is not None:
                     return
-                result = await self._step(stage, session_id, key, [token], position, route)
-                position += 1
+                result = await self._advance(stage, chain, request, history, token, reroute)
+                history.append(token)
         finally:
-            await self._close(stage, session_id, key, route)
+            await self._close(stage, chain.session_id, chain.key, chain.route)
+
+    def _open_local(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:
+        chain.session_id = uuid.uuid4().hex
+        chain.key = secrets.token_hex(16)
+        stage.open_session(
+            chain.session_id,
+            sampling=SamplingParams(**request.sampling.model_dump()),
+            owner=chain.key,
+        )
+
+    async def _advance(
+        self,
+        stage: Stage,
+        chain: _Chain,
+        request: GenerationRequest,
+        history: list[int],
+        token: int | None,
+        reroute: Reroute | None,
+    ) -> StepResult:
+        """Prefill (``token`` None) or one decode step, failing over to a new route if a hop
+        dies: bounded attempts, capped exponential backoff, an overall deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FAILOVER_DEADLINE_S
+        attempt = 0
+        while True:
+            try:
+                if token is None or chain.replay:
+                    ids = history + ([token] if token is not None else [])
+                    chain.replay = False
+                    replayed = replace(request, prompt_ids=ids)
+                    return await self._prefill(
+                        stage, chain.session_id, chain.key, replayed, chain.route
+                    )
+                return await self._step(
+                    stage, chain.session_id, chain.key, [token], len(history), chain.route
+                )
+            except HopError as exc:
+                attempt += 1
+                if (
+                    reroute is None
+                    or not exc.recoverable
+                    or attempt > MAX_FAILOVERS
+                    or loop.time() > deadline
+                ):
+                    raise
+                phase = "prefill" if token is None or chain.replay else "decode"
+                await self._failover(stage, chain, request, exc, attempt, reroute, phase)
+
+    async def _failover(
+        self,
+        stage: Stage,
+        chain: _Chain,
+        request: GenerationRequest,
+        exc: HopError,
+        attempt: int,
+        reroute: Reroute,
+        phase: str,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        failed = exc.failed_url
+        logger.warning(
+            "hop %s failed during %s (%s); failing over (attempt %d)", failed, phase, exc, attempt
+        )
+        if failed:
+            self.banned[failed] = loop.time() + BAN_S
+        old_session, old_key, old_route = chain.session_id, chain.key, chain.route
+        await self._close(stage, old_session, old_key, tuple(u for u in old_route if u != failed))
+        await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
+        now = loop.time()
+        exclude = frozenset(url for url, until in self.banned.items() if until > now)
+        chain.route = await reroute(exclude)  # ModelNotCovered (503) when nothing is left
+        self._open_local(stage, chain, request)
+        chain.replay = True
 
     async def _prefill(
         self,

@@ -52,11 +52,18 @@ class TrackerClient:
         if resp.status_code not in (200, 404):
             resp.raise_for_status()
 
-    async def route(self, model_id: str, head_node_id: str) -> RouteResponse:
+    async def route(
+        self, model_id: str, head_node_id: str, exclude: frozenset[str] = frozenset()
+    ) -> RouteResponse:
         """A chain for ``model_id`` starting at this head (503 from the tracker if none)."""
         try:
             resp = await self.client.get(
-                f"{self.base}/v1/route", params={"model": model_id, "head": head_node_id}
+                f"{self.base}/v1/route",
+                params={
+                    "model": model_id,
+                    "head": head_node_id,
+                    "exclude": ",".join(sorted(exclude)),
+                },
             )
         except httpx.HTTPError as exc:
             raise ModelNotCovered(f"tracker unreachable for routing: {exc}") from exc

@@ -21,7 +21,7 @@ async def handle_completions(
     body = parse_json(raw, CompletionRequest)
     jobs = serving.completion_jobs(body)
     if route is None:
-        route = await serving.route_provider(serving.model_id)
+        route = await serving.route_provider(serving.model_id, frozenset())
     if body.stream:
         return StreamingResponse(
             serving.completion_stream(body, jobs, route),
@@ -39,7 +39,7 @@ async def handle_chat(
     body = parse_json(raw, ChatCompletionRequest)
     jobs = serving.chat_jobs(body)
     if route is None:
-        route = await serving.route_provider(serving.model_id)
+        route = await serving.route_provider(serving.model_id, frozenset())
     if body.stream:
         return StreamingResponse(
             serving.chat_stream(body, jobs, route),

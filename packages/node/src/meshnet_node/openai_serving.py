@@ -21,7 +21,8 @@ from meshnet_node.generation import GeneratedToken, GenerationRequest, HeadGener
 
 logger = logging.getLogger(__name__)
 
-RouteProvider = Callable[[str], Awaitable[tuple[str, ...]]]
+# (model id, hop URLs to avoid) -> URLs of the hops after this head
+RouteProvider = Callable[[str, frozenset[str]], Awaitable[tuple[str, ...]]]
 
 
 @dataclass
@@ -54,6 +55,9 @@ class OpenAIServing:
         self.generator = generator
         self.tokenizer = generator.tokenizer
         self.route_provider = route_provider
+
+    async def _reroute(self, exclude: frozenset[str]) -> tuple[str, ...]:
+        return await self.route_provider(self.model_id, exclude)
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -138,11 +142,11 @@ class OpenAIServing:
     # -- running ---------------------------------------------------------------------------
 
     async def _run_one(self, job: GenerationRequest, route) -> list[GeneratedToken]:
-        return [tok async for tok in self.generator.generate(job, route)]
+        return [tok async for tok in self.generator.generate(job, route, self._reroute)]
 
     async def run(self, jobs: list[GenerationRequest], route=None) -> list[Choice]:
         if route is None:
-            route = await self.route_provider(self.model_id)
+            route = await self.route_provider(self.model_id, frozenset())
         results = await asyncio.gather(*(self._run_one(job, route) for job in jobs))
         return [
             Choice(i, tuple(job.prompt_ids), toks)
@@ -154,13 +158,13 @@ class OpenAIServing:
     ) -> AsyncIterator[tuple[int, GeneratedToken]]:
         """Tokens of all jobs as they come, tagged with the choice index."""
         if route is None:
-            route = await self.route_provider(self.model_id)
+            route = await self.route_provider(self.model_id, frozenset())
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump(index: int, job: GenerationRequest) -> None:
             try:
-                async for tok in self.generator.generate(job, route):
+                async for tok in self.generator.generate(job, route, self._reroute):
                     await queue.put((index, tok))
             except BaseException as exc:  # surfaced to the consumer below
                 await queue.put(exc)

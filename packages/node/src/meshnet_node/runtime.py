@@ -159,14 +159,14 @@ def build_openai(
 def _tracker_routes(
     tracker: TrackerClient | None, node_id: str, service: NodeService
 ) -> RouteProvider:
-    async def provider(model_id: str) -> tuple[str, ...]:
+    async def provider(model_id: str, exclude: frozenset[str] = frozenset()) -> tuple[str, ...]:
         if service.stage.shard.is_tail:
             return ()  # this node holds the whole model
         if tracker is None:
             from meshnet_common.errors import ModelNotCovered
 
             raise ModelNotCovered("no tracker configured to find the rest of the chain")
-        route = await tracker.route(model_id, node_id)
+        route = await tracker.route(model_id, node_id, exclude)
         return tuple(hop.url for hop in route.hops[1:])
 
     return provider

@@ -47,8 +47,24 @@ class HopError(MeshnetError):
 
     def to_openai(self) -> dict:
         if isinstance(self.body, dict) and "error" in self.body:
-            return self.body
-        return super().to_openai()
+            return self.body  # relay the deepest failure unchanged
+        body = super().to_openai()
+        body["error"]["param"] = self.hop  # which hop failed: the head routes around it
+        return body
+
+    @property
+    def failed_url(self) -> str | None:
+        """The hop that actually failed (a downstream hop may have reported it)."""
+        if isinstance(self.body, dict):
+            error = self.body.get("error") or {}
+            if error.get("code") == "hop_failed" and error.get("param"):
+                return error["param"]
+        return self.hop
+
+    @property
+    def recoverable(self) -> bool:
+        """Worth routing around: the hop is gone, broken, or lost the session."""
+        return self.status >= 500 or self.status in (404, 409)
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,11 @@ def nodes_router() -> APIRouter:
         return {"removed": node_id}
 
     @router.get("/v1/route")
-    async def route(model: str, request: Request, head: str | None = None) -> RouteResponse:
-        hops = _state(request).route(model, head=head)
+    async def route(
+        model: str, request: Request, head: str | None = None, exclude: str = ""
+    ) -> RouteResponse:
+        avoid = frozenset(u for u in exclude.split(",") if u)
+        hops = _state(request).route(model, head=head, exclude_urls=avoid)
         return RouteResponse(
             model_id=model,
             hops=tuple(

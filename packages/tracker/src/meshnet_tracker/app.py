@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def _local_route_provider(state_ref: list):
-    async def provider(model_id: str) -> tuple[str, ...]:
+    async def provider(model_id: str, exclude: frozenset[str] = frozenset()) -> tuple[str, ...]:
         state: TrackerState = state_ref[0]
-        hops = state.route(model_id, head=state.node.node_id)
+        hops = state.route(model_id, head=state.node.node_id, exclude_urls=exclude)
         return tuple(h.node.url for h in hops[1:])
 
     return provider

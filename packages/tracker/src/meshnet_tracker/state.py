@@ -58,11 +58,15 @@ class TrackerState:
             )
         return coverage[model_id]
 
-    def route(self, model_id: str, *, head: str | None = None) -> list[Hop]:
+    def route(
+        self, model_id: str, *, head: str | None = None, exclude_urls: frozenset[str] = frozenset()
+    ) -> list[Hop]:
+        """A chain for ``model_id``; nodes at ``exclude_urls`` (failed hops) are avoided."""
         model = self.model(model_id)
         if not model.serving:
             raise ModelNotCovered(
                 f"no node serves {model_id}; missing layers: [0, {model.num_layers})",
                 code="model_not_covered",
             )
-        return choose_route(model, head=head)
+        exclude = {n.node_id for n in model.nodes if n.url in exclude_urls}
+        return choose_route(model, head=head, exclude=exclude)

@@ -1,0 +1,77 @@
+"""A node dies mid-generation: the head routes around it, replays, and nothing is lost."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from swarm_harness import Swarm, covered, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+F32 = ("--quantization", "float32", "--kv-budget-tokens", "4096")
+BODY = {"model": MODEL, "prompt": "Once upon a time, in a small village,", "max_tokens": 64,
+        "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+
+@pytest.fixture
+def swarm(smollm2_snapshot, models_dir, tmp_path):
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker(
+            "--model-id", MODEL, "--shard-start", "0", "--shard-end", "10", *F32
+        )
+        mid_a = swarm.node(tracker, MODEL, 10, 20, *F32, "--node-id", "mid-a")
+        mid_b = swarm.node(tracker, MODEL, 10, 20, *F32, "--node-id", "mid-b")
+        swarm.node(tracker, MODEL, 20, 30, *F32, "--node-id", "tail")
+        for proc in swarm.procs:
+            proc.wait_healthy()
+        wait_for(lambda: covered(tracker, MODEL), timeout=60)
+        yield tracker, mid_a, mid_b
+    finally:
+        swarm.close()
+
+
+def stream_tokens(tracker, kill=None, after: int = 10) -> str:
+    text, seen = [], 0
+    with httpx.stream("POST", f"{tracker.url}/v1/completions", json={**BODY, "stream": True},
+                      timeout=180) as resp:  # fmt: skip
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text.append(event["choices"][0]["text"])
+            seen += 1
+            if kill is not None and seen == after:
+                kill.kill()  # SIGKILL the hop serving [10, 20) for this route
+    return "".join(text)
+
+
+def test_killed_hop_mid_stream_changes_nothing(swarm):
+    tracker, mid_a, mid_b = swarm
+    undisturbed = httpx.post(f"{tracker.url}/v1/completions", json=BODY, timeout=180).json()
+    expected = undisturbed["choices"][0]["text"]
+    assert undisturbed["usage"]["completion_tokens"] == 64
+    assert stream_tokens(tracker) == expected
+    # Routes prefer the lower node id on a tie: mid-a carries [10, 20) until it dies.
+    assert stream_tokens(tracker, kill=mid_a, after=10) == expected
+    assert "failed during decode" in tracker.log()  # the failover really happened
+    assert mid_b.popen.poll() is None
+
+
+def test_killed_hop_during_prefill_changes_nothing(swarm):
+    tracker, mid_a, _mid_b = swarm
+    long_body = {**BODY, "prompt": " ".join(f"word{i}" for i in range(300)), "max_tokens": 16}
+    expected = httpx.post(f"{tracker.url}/v1/completions", json=long_body, timeout=180).json()
+    with httpx.Client(timeout=180) as client:
+        import threading
+
+        killer = threading.Timer(0.3, mid_a.kill)  # lands while the 3 prefill chunks flow
+        killer.start()
+        again = client.post(f"{tracker.url}/v1/completions", json=long_body).json()
+        killer.join()
+    assert again["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert "failed during prefill" in tracker.log()
