@@ -40,6 +40,13 @@ class PayloadTooLarge(InvalidRequest):
     status = 413
 
 
+class Unauthorized(MeshnetError):
+    """A missing or wrong swarm token or API key (401)."""
+
+    status = 401
+    error_type = "authentication_error"
+
+
 class NotFound(MeshnetError):
     """Unknown model, session or file (404)."""
 

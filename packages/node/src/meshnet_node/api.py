@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from meshnet_common.errors import ModelNotCovered, NotFound
+from meshnet_common.errors import ModelNotCovered, NotFound, Unauthorized
 from meshnet_common.protocol import H_ROUTE, H_SESSION_KEY
+from meshnet_node.auth import has_swarm_token
 from meshnet_node.http_utils import read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
 from meshnet_node.openai_serving import OpenAIServing
@@ -60,7 +61,12 @@ def head_router() -> APIRouter:
 
     async def route_from(request: Request):
         raw = request.headers.get(H_ROUTE)
-        return parse_route(raw) if raw is not None else None
+        if raw is None:
+            return None
+        # A route steers activations to other hosts: only the swarm may set it.
+        if not has_swarm_token(request, request.app.state.runtime.settings.swarm_token):
+            raise Unauthorized("a route header needs the swarm token")
+        return parse_route(raw)
 
     def serving(request: Request) -> OpenAIServing:
         openai = request.app.state.runtime.openai

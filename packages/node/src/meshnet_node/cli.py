@@ -17,6 +17,7 @@ from meshnet_common.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import AssignRequest, AssignResponse
 from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
+from meshnet_node.auth import swarm_headers
 from meshnet_node.fetch import Trust, fetch_shard
 from meshnet_node.preflight import resolve_device
 from meshnet_node.settings import HopTimeouts, NodeSettings
@@ -38,6 +39,8 @@ def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) ->
         help="weight precision (float32 for exactness checks on CPU)",
     )
     parser.add_argument("--memory-gb", type=float, help="memory this node offers (default: all)")
+    parser.add_argument("--swarm-token", help="shared secret required between tracker and nodes")
+    parser.add_argument("--api-key", help="clients must send it as 'Authorization: Bearer KEY'")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--kv-budget-tokens", type=int, default=32768, help="KV tokens held, max")
     parser.add_argument("--chunk-tokens", type=int, default=128, help="prefill chunk size")
@@ -107,6 +110,8 @@ def shard_settings(args, *, model_path: Path, host: str, port: int, **extra) -> 
         threads=args.threads,
         zstd_level=args.zstd_level,
         timeouts=HopTimeouts(args.connect_timeout, args.chunk_timeout, args.step_timeout),
+        swarm_token=args.swarm_token,
+        api_key=args.api_key,
         **extra,
     )
 
@@ -127,7 +132,11 @@ def resolve_model_path(args, sources: tuple[str, ...] = ()) -> Path:
     sources = (*getattr(args, "shard_source", ()), *(sources or tracker))
     if not sources:
         raise ValueError(f"no local snapshot of {args.model_id} and no tracker to fetch it from")
-    trust = Trust(tracker=getattr(args, "tracker", None), manifest_key=args.manifest_key)
+    trust = Trust(
+        tracker=getattr(args, "tracker", None),
+        manifest_key=args.manifest_key,
+        swarm_token=args.swarm_token,
+    )
     return fetch_shard(
         args.model_id,
         LayerRange(args.shard_start, args.shard_end),
@@ -158,7 +167,10 @@ def ask_assignment(args) -> tuple[str, ...]:
     )
     try:
         resp = httpx.post(
-            f"{args.tracker.rstrip('/')}/v1/nodes/assign", content=ask.model_dump_json(), timeout=30
+            f"{args.tracker.rstrip('/')}/v1/nodes/assign",
+            content=ask.model_dump_json(),
+            headers=swarm_headers(args.swarm_token),
+            timeout=30,
         )
     except httpx.HTTPError as exc:
         raise OSError(f"tracker {args.tracker} unreachable: {exc}") from exc

@@ -29,6 +29,7 @@ from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.models_dir import validate_model_id
 from meshnet_common.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
+from meshnet_node.auth import swarm_headers
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class Trust:
 
     tracker: str | None = None
     manifest_key: str | None = None
+    swarm_token: str | None = None
 
 
 def get_manifest(client: httpx.Client, source: str, params: dict, trust: Trust) -> dict:
@@ -162,7 +164,8 @@ def fetch_from(
     staging = target.parent / f".partial-{layers.start}-{layers.end}"
     params = {"model": model_id, "start": layers.start, "end": layers.end}
     base = source.rstrip("/")
-    with httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0)) as client:
+    timeout = httpx.Timeout(60.0, connect=5.0)
+    with httpx.Client(timeout=timeout, headers=swarm_headers(trust.swarm_token)) as client:
         manifest = get_manifest(client, source, params, trust)
         if (manifest.get("model_id"), manifest.get("shard_start"), manifest.get("shard_end")) != (
             model_id, layers.start, layers.end,

@@ -16,6 +16,7 @@ from meshnet_common.protocol import (
     RegisterResponse,
     RouteResponse,
 )
+from meshnet_node.auth import swarm_headers
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +27,11 @@ BACKOFF_CAP_S = 5.0
 class TrackerClient:
     """Talks to the tracker on behalf of one node."""
 
-    def __init__(self, tracker_url: str, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self, tracker_url: str, *, timeout: float = 5.0, swarm_token: str | None = None
+    ) -> None:
         self.base = tracker_url.rstrip("/")
-        self.client = httpx.AsyncClient(timeout=timeout)
+        self.client = httpx.AsyncClient(timeout=timeout, headers=swarm_headers(swarm_token))
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -25,6 +25,7 @@ from meshnet_common.protocol import (
     ShardSpec,
 )
 from meshnet_node.api import head_router, node_router
+from meshnet_node.auth import install_auth
 from meshnet_node.fetch import Trust, fetch_shard
 from meshnet_node.generation import HeadGenerator
 from meshnet_node.http_utils import install_error_handlers
@@ -129,7 +130,11 @@ def build_runtime(
     stage = load_stage(settings)
     service = NodeService(stage, settings, model_id=settings.model_id)
     node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
-    tracker = TrackerClient(settings.tracker_url) if settings.tracker_url else None
+    tracker = (
+        TrackerClient(settings.tracker_url, swarm_token=settings.swarm_token)
+        if settings.tracker_url
+        else None
+    )
     if route_provider is None:
         route_provider = _tracker_routes(tracker, node_id, service)
     openai = build_openai(settings, service, route_provider)
@@ -227,6 +232,7 @@ def create_app(runtime: NodeRuntime) -> FastAPI:
 
     app = FastAPI(title="meshnet node", lifespan=lifespan)
     install_error_handlers(app)
+    install_auth(app, swarm_token=runtime.settings.swarm_token, api_key=runtime.settings.api_key)
     mount_node(app, runtime)
     app.include_router(shards_router())  # peers fetch this node's shard (app.state.shards)
 
@@ -298,7 +304,7 @@ def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
             pass
     if runtime.tracker is None or runtime.cache_dir is None:
         raise ModelError(f"no local snapshot of {spec.model_id} and nowhere to fetch it from")
-    trust = Trust(tracker=runtime.tracker.base)
+    trust = Trust(tracker=runtime.tracker.base, swarm_token=settings.swarm_token)
     return fetch_shard(
         spec.model_id, spec.layers, (runtime.tracker.base,), runtime.cache_dir, trust=trust
     )

@@ -24,6 +24,7 @@ from meshnet_common.protocol import (
     SamplingSpec,
     StepResult,
 )
+from meshnet_node.auth import swarm_headers
 from meshnet_node.sampling import SamplingParams
 from meshnet_node.settings import NodeSettings
 from meshnet_node.stage import DecodeItem, Stage, StepOutput
@@ -239,6 +240,7 @@ class NodeService:
         self._turns: dict[str, asyncio.Condition] = {}
         t = settings.timeouts
         self.client = httpx.AsyncClient(
+            headers=swarm_headers(settings.swarm_token),
             timeout=httpx.Timeout(t.prefill_chunk, connect=t.connect),
             limits=httpx.Limits(max_keepalive_connections=32, max_connections=128),
         )

@@ -44,3 +44,5 @@ class NodeSettings:
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
     node_id: str | None = None
     models_dir: Path | None = None  # where to find snapshots for assigned or moved shards
+    swarm_token: str | None = field(default=None, repr=False)  # shared secret between services
+    api_key: str | None = field(default=None, repr=False)  # clients' key for the OpenAI routes

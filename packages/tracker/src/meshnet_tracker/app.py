@@ -10,6 +10,7 @@ import httpx
 from fastapi import FastAPI
 
 from meshnet_common.models_dir import resolve_snapshot
+from meshnet_node.auth import install_auth, swarm_headers
 from meshnet_node.http_utils import install_error_handlers
 from meshnet_node.runtime import NodeRuntime, mount_node, start_background, stop_background
 from meshnet_node.shards_api import ShardServer, shards_router
@@ -34,7 +35,10 @@ def _local_route_provider(state_ref: list):
 def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> FastAPI:
     """The tracker's FastAPI app; ``node`` makes it a tracker node serving those layers."""
     registry = Registry(settings.heartbeat_interval_s)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(settings.proxy_timeout_s, connect=5.0))
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.proxy_timeout_s, connect=5.0),
+        headers=swarm_headers(settings.swarm_token),  # heads accept our route header
+    )
     state = TrackerState(settings=settings, registry=registry, node=node, client=client)
     state.index_models_dir()
 
@@ -64,6 +68,7 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
             manifest_key=settings.manifest_key,
         )
     install_error_handlers(app)
+    install_auth(app, swarm_token=settings.swarm_token, api_key=settings.api_key)
     app.include_router(public_router())
     app.include_router(nodes_router())
     app.include_router(shards_router())

@@ -77,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_concurrent_downloads=args.max_concurrent_downloads,
             fault_inject=args.fault_inject,
             manifest_key=args.manifest_key,
+            swarm_token=args.swarm_token,
+            api_key=args.api_key,
         )
         app = create_app(settings, node)
         state_ref.append(app.state.tracker)

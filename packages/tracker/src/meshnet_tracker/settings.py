@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshnet_node.settings import NodeSettings
@@ -20,7 +20,9 @@ class TrackerSettings:
     node: NodeSettings | None = None  # set when the tracker also serves layers (tracker node)
     max_concurrent_downloads: int = 4  # shard downloads served at once; the rest queue
     fault_inject: str | None = None  # tests only: corrupt or truncate served weights
-    manifest_key: str | None = None  # HMAC key signing weight manifests
+    manifest_key: str | None = field(default=None, repr=False)  # HMAC key signing manifests
+    swarm_token: str | None = field(default=None, repr=False)  # secret between services
+    api_key: str | None = field(default=None, repr=False)  # clients' key for OpenAI routes
 
     @property
     def url(self) -> str:
