@@ -75,3 +75,29 @@ def test_killed_hop_during_prefill_changes_nothing(swarm):
         killer.join()
     assert again["choices"][0]["text"] == expected["choices"][0]["text"]
     assert "failed during prefill" in tracker.log()
+
+
+def test_tracker_restart_does_not_touch_a_generation_in_flight(tiny_snapshot, swarm_factory):
+    tiny_snapshot("llama")
+    tiny = "meshnet-tiny/llama"
+    swarm = swarm_factory()
+    tracker = swarm.tracker().wait_healthy()
+    head = swarm.node(tracker, tiny, 0, 3, "--quantization", "float32")
+    swarm.node(tracker, tiny, 3, 6, "--quantization", "float32")
+    for proc in swarm.procs:
+        proc.wait_healthy()
+    wait_for(lambda: covered(tracker, tiny), timeout=30)
+    body = {"model": tiny, "prompt": "hello", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    expected = httpx.post(f"{head.url}/v1/completions", json=body, timeout=120).json()
+    pieces = []
+    with httpx.stream("POST", f"{head.url}/v1/completions", json={**body, "stream": True},
+                      timeout=120) as resp:  # fmt: skip
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(pieces) == 5:
+                    tracker.kill()  # the data path never touches the tracker
+    assert "".join(pieces) == expected["choices"][0]["text"]
+    restarted = swarm.tracker(port=tracker.port).wait_healthy()
+    wait_for(lambda: covered(restarted, tiny), timeout=30)  # the map is rebuilt
