@@ -697,3 +697,28 @@ def test_node_keeps_serving_after_errors(whole):
     assert resp.status_code == 200
     assert resp.json()["usage"]["completion_tokens"] == 4
     assert len(whole.sessions) == 0
+
+
+def test_json_bodies_have_a_size_limit_and_a_media_type(tiny_snapshot):
+    settings = NodeSettings(
+        model_id="meshnet-tiny/llama",
+        model_path=tiny_snapshot("llama"),
+        layers=LayerRange(0, 6),
+        quantization=Precision.FLOAT32,
+        max_request_bytes=1024,
+    )
+
+    async def no_route(_model_id: str, _exclude=frozenset()) -> tuple[str, ...]:
+        return ()
+
+    with TestClient(create_app(build_runtime(settings, route_provider=no_route))) as client:
+        big = {"model": "meshnet-tiny/llama", "prompt": "x" * 5000, "max_tokens": 1}
+        resp = client.post("/v1/completions", json=big)
+        assert resp.status_code == 413 and resp.json()["error"]["message"]
+        form = client.post(
+            "/v1/completions", content=b"model=x", headers={"content-type": "text/plain"}
+        )
+        assert form.status_code == 415 and form.json()["error"]["param"] == "content-type"
+        ok = client.post("/v1/completions", json={"model": "meshnet-tiny/llama", "prompt": "hi",
+                                                  "max_tokens": 2})  # fmt: skip
+        assert ok.status_code == 200

@@ -47,6 +47,12 @@ class Unauthorized(MeshnetError):
     error_type = "authentication_error"
 
 
+class UnsupportedMediaType(InvalidRequest):
+    """The body's content type is not the one this route takes (415)."""
+
+    status = 415
+
+
 class NotFound(MeshnetError):
     """Unknown model, session or file (404)."""
 

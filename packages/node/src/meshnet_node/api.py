@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from meshnet_common import wire
 from meshnet_common.errors import ModelNotCovered, NotFound, Unauthorized
 from meshnet_common.protocol import H_ROUTE, H_SESSION_KEY
 from meshnet_node.auth import has_swarm_token
-from meshnet_node.http_utils import read_body
+from meshnet_node.http_utils import check_content_type, read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
 from meshnet_node.openai_serving import OpenAIServing
 from meshnet_node.service import NodeService, parse_route, parse_step
@@ -25,6 +26,7 @@ def node_router() -> APIRouter:
     @router.post("/v1/forward")
     async def forward(request: Request):
         service = _service(request)
+        check_content_type(request, wire.CONTENT_TYPE)
         body = await read_body(request, service.settings.max_body_bytes)
         step = parse_step(request.headers, body, max_bytes=service.settings.max_body_bytes)
         result = await service.handle_step(step)

@@ -40,6 +40,9 @@ def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) ->
     )
     parser.add_argument("--memory-gb", type=float, help="memory this node offers (default: all)")
     parser.add_argument("--swarm-token", help="shared secret required between tracker and nodes")
+    parser.add_argument(
+        "--max-request-mb", type=float, default=8.0, help="largest OpenAI JSON body (413 above)"
+    )
     parser.add_argument("--api-key", help="clients must send it as 'Authorization: Bearer KEY'")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--kv-budget-tokens", type=int, default=32768, help="KV tokens held, max")
@@ -112,6 +115,7 @@ def shard_settings(args, *, model_path: Path, host: str, port: int, **extra) -> 
         timeouts=HopTimeouts(args.connect_timeout, args.chunk_timeout, args.step_timeout),
         swarm_token=args.swarm_token,
         api_key=args.api_key,
+        max_request_bytes=int(args.max_request_mb * 2**20),
         **extra,
     )
 

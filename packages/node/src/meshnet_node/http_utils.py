@@ -14,7 +14,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshnet_common.errors import InvalidRequest, MeshnetError, PayloadTooLarge
+from meshnet_common.errors import (
+    InvalidRequest,
+    MeshnetError,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,24 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error")
         return JSONResponse(
             error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500
+        )
+
+
+DEFAULT_JSON_LIMIT = 8 << 20  # OpenAI-style JSON bodies
+
+
+def json_limit(request: Request) -> int:
+    """The app's JSON body limit (``--max-request-mb``)."""
+    return getattr(request.app.state, "max_request_bytes", DEFAULT_JSON_LIMIT)
+
+
+def check_content_type(request: Request, *accepted: str) -> None:
+    """415 for a body of another media type (a missing type is taken as the expected one)."""
+    declared = request.headers.get("content-type")
+    if declared and declared.split(";")[0].strip().lower() not in accepted:
+        raise UnsupportedMediaType(
+            f"content-type {declared.split(';')[0]!r} is not accepted here; send {accepted[0]}",
+            param="content-type",
         )
 
 

@@ -6,18 +6,25 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
-from meshnet_node.http_utils import cancel_on_disconnect, parse_json, read_body
+from meshnet_node.http_utils import (
+    cancel_on_disconnect,
+    check_content_type,
+    json_limit,
+    parse_json,
+    read_body,
+)
 from meshnet_node.openai_serving import OpenAIServing
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-MAX_REQUEST_BYTES = 8 << 20
 
 
 async def handle_completions(
     serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
 ):
     """``raw``: the body when the caller already read it (the tracker peeks at ``model``)."""
-    raw = raw if raw is not None else await read_body(request, MAX_REQUEST_BYTES)
+    if raw is None:
+        check_content_type(request, "application/json")
+        raw = await read_body(request, json_limit(request))
     body = parse_json(raw, CompletionRequest)
     jobs = serving.completion_jobs(body)
     if route is None:
@@ -35,7 +42,9 @@ async def handle_completions(
 async def handle_chat(
     serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
 ):
-    raw = raw if raw is not None else await read_body(request, MAX_REQUEST_BYTES)
+    if raw is None:
+        check_content_type(request, "application/json")
+        raw = await read_body(request, json_limit(request))
     body = parse_json(raw, ChatCompletionRequest)
     jobs = serving.chat_jobs(body)
     if route is None:

@@ -233,6 +233,7 @@ def create_app(runtime: NodeRuntime) -> FastAPI:
     app = FastAPI(title="meshnet node", lifespan=lifespan)
     install_error_handlers(app)
     install_auth(app, swarm_token=runtime.settings.swarm_token, api_key=runtime.settings.api_key)
+    app.state.max_request_bytes = runtime.settings.max_request_bytes
     mount_node(app, runtime)
     app.include_router(shards_router())  # peers fetch this node's shard (app.state.shards)
 

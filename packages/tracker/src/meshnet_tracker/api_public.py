@@ -11,14 +11,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.protocol import H_ROUTE
-from meshnet_node.http_utils import read_body
+from meshnet_node.http_utils import check_content_type, json_limit, read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
 from meshnet_node.service import HopError
 from meshnet_tracker.state import TrackerState
 
 logger = logging.getLogger(__name__)
-
-MAX_REQUEST_BYTES = 8 << 20
 
 
 def _state(request: Request) -> TrackerState:
@@ -87,7 +85,8 @@ def public_router() -> APIRouter:
 async def _entry(request: Request, path: str) -> Response:
     """Route an OpenAI request: run the head here (tracker node) or proxy to the chain's head."""
     state = _state(request)
-    body = await read_body(request, MAX_REQUEST_BYTES)
+    check_content_type(request, "application/json")
+    body = await read_body(request, json_limit(request))
     try:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

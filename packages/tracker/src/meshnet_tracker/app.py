@@ -59,6 +59,7 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan)
     app.state.tracker = state
+    app.state.max_request_bytes = settings.max_request_bytes
     if settings.models_dir is not None:
         models_dir = settings.models_dir
         app.state.shards = ShardServer(

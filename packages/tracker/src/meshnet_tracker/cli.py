@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             manifest_key=args.manifest_key,
             swarm_token=args.swarm_token,
             api_key=args.api_key,
+            max_request_bytes=int(args.max_request_mb * 2**20),
         )
         app = create_app(settings, node)
         state_ref.append(app.state.tracker)

@@ -18,6 +18,7 @@ class TrackerSettings:
     heartbeat_interval_s: float = 2.0
     proxy_timeout_s: float = 600.0
     node: NodeSettings | None = None  # set when the tracker also serves layers (tracker node)
+    max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body; larger -> 413
     max_concurrent_downloads: int = 4  # shard downloads served at once; the rest queue
     fault_inject: str | None = None  # tests only: corrupt or truncate served weights
     manifest_key: str | None = field(default=None, repr=False)  # HMAC key signing manifests
