@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -55,9 +56,13 @@ def test_killed_hop_mid_stream_changes_nothing(swarm):
     undisturbed = httpx.post(f"{tracker.url}/v1/completions", json=BODY, timeout=180).json()
     expected = undisturbed["choices"][0]["text"]
     assert undisturbed["usage"]["completion_tokens"] == 64
+    started = time.perf_counter()
     assert stream_tokens(tracker) == expected
+    calm_s = time.perf_counter() - started
     # Routes prefer the lower node id on a tie: mid-a carries [10, 20) until it dies.
+    started = time.perf_counter()
     assert stream_tokens(tracker, kill=mid_a, after=10) == expected
+    print(f"failover added {time.perf_counter() - started - calm_s:.2f}s to a {calm_s:.2f}s stream")
     assert "failed during decode" in tracker.log()  # the failover really happened
     assert mid_b.popen.poll() is None
 
