@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -68,16 +69,29 @@ def test_killed_hop_mid_stream_changes_nothing(swarm):
 
 
 def test_killed_hop_during_prefill_changes_nothing(swarm):
-    tracker, mid_a, _mid_b = swarm
-    long_body = {**BODY, "prompt": " ".join(f"word{i}" for i in range(300)), "max_tokens": 16}
-    expected = httpx.post(f"{tracker.url}/v1/completions", json=long_body, timeout=180).json()
-    with httpx.Client(timeout=180) as client:
-        import threading
+    tracker, mid_a, mid_b = swarm
+    prompt = " ".join(f"word{i}" for i in range(600))  # ~1,800 tokens: 15 prefill chunks
+    long_body = {**BODY, "prompt": prompt, "max_tokens": 8}
+    expected = httpx.post(f"{tracker.url}/v1/completions", json=long_body, timeout=300).json()
 
-        killer = threading.Timer(0.3, mid_a.kill)  # lands while the 3 prefill chunks flow
-        killer.start()
-        again = client.post(f"{tracker.url}/v1/completions", json=long_body).json()
-        killer.join()
+    killed = []
+
+    def kill_when_busy() -> None:
+        # The first chunk opened a session on the middle hop: more chunks are on their way.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            for mid in (mid_a, mid_b):
+                if httpx.get(f"{mid.url}/v1/node", timeout=5).json()["active_sessions"]:
+                    mid.kill()
+                    killed.append(mid)
+                    return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    again = httpx.post(f"{tracker.url}/v1/completions", json=long_body, timeout=300).json()
+    killer.join()
+    assert killed, "no middle hop ever held the session"
     assert again["choices"][0]["text"] == expected["choices"][0]["text"]
     assert "failed during prefill" in tracker.log()
 

@@ -98,8 +98,12 @@ def _download_file(
                     if resp.status_code not in (200, 206):
                         raise FetchError(f"{entry['name']}: HTTP {resp.status_code}")
                     mode = "ab" if resp.status_code == 206 else "wb"
+                    written = have if mode == "ab" else 0
                     with open(dest, mode) as fh:
                         for chunk in resp.iter_bytes():
+                            written += len(chunk)
+                            if written > entry["size"]:  # never let a source fill the disk
+                                raise FetchError(f"{entry['name']}: more bytes than the manifest")
                             fh.write(chunk)
                             progress.add(len(chunk))
             except httpx.HTTPError as exc:

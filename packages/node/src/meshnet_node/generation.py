@@ -110,6 +110,8 @@ class _Chain:
     session_id: str = ""
     key: str = ""
     replay: bool = False  # the next step must rebuild the chain's caches from the history
+    failovers: int = 0
+    deadline: float | None = None  # loop time after which no more failovers are tried
 
 
 class HeadGenerator:
@@ -189,9 +191,10 @@ class HeadGenerator:
         """Prefill (``token`` None) or one decode step, failing over to a new route if a hop
         dies: bounded attempts, capped exponential backoff, an overall deadline."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + FAILOVER_DEADLINE_S
-        attempt = 0
+        if chain.deadline is None:  # the limits hold for the whole request, not per step
+            chain.deadline = loop.time() + FAILOVER_DEADLINE_S
         while True:
+            phase = "prefill" if token is None or chain.replay else "decode"
             try:
                 if token is None or chain.replay:
                     ids = history + ([token] if token is not None else [])
@@ -204,16 +207,15 @@ class HeadGenerator:
                     stage, chain.session_id, chain.key, [token], len(history), chain.route
                 )
             except HopError as exc:
-                attempt += 1
+                chain.failovers += 1
                 if (
                     reroute is None
                     or not exc.recoverable
-                    or attempt > MAX_FAILOVERS
-                    or loop.time() > deadline
+                    or chain.failovers > MAX_FAILOVERS
+                    or loop.time() > chain.deadline
                 ):
                     raise
-                phase = "prefill" if token is None or chain.replay else "decode"
-                await self._failover(stage, chain, request, exc, attempt, reroute, phase)
+                await self._failover(stage, chain, request, exc, chain.failovers, reroute, phase)
 
     async def _failover(
         self,
@@ -230,13 +232,18 @@ class HeadGenerator:
         logger.warning(
             "hop %s failed during %s (%s); failing over (attempt %d)", failed, phase, exc, attempt
         )
-        if failed:
-            self.banned[failed] = loop.time() + BAN_S
+        now = loop.time()
+        for url in [u for u, until in self.banned.items() if until <= now]:
+            del self.banned[url]  # expired bans
+        if failed and exc.status != 503:  # a full node is busy, not broken: avoid, don't ban
+            self.banned[failed] = now + BAN_S
         old_session, old_key, old_route = chain.session_id, chain.key, chain.route
         await self._close(stage, old_session, old_key, tuple(u for u in old_route if u != failed))
         await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
         now = loop.time()
         exclude = frozenset(url for url, until in self.banned.items() if until > now)
+        if failed and exc.status == 503:
+            exclude |= {failed}
         chain.route = await reroute(exclude)  # ModelNotCovered (503) when nothing is left
         self._open_local(stage, chain, request)
         chain.replay = True

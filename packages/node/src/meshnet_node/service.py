@@ -435,7 +435,12 @@ class NodeService:
                 body = resp.json()
             except ValueError:
                 body = None
-            status = resp.status_code if 400 <= resp.status_code < 500 else 502
+            # 4xx and 503 (a full node) keep their meaning; anything else is a broken hop.
+            status = (
+                resp.status_code
+                if 400 <= resp.status_code < 500 or resp.status_code == 503
+                else 502
+            )
             message = (body or {}).get("error", {}).get("message", resp.text[:200])
             raise HopError(f"hop {hop}: {message}", status=status, hop=hop, body=body)
         return StepResult.model_validate_json(resp.content)

@@ -101,11 +101,16 @@ async def _entry(request: Request, path: str) -> Response:
     if state.node is not None and head.node_id == state.node.node_id:
         handler = handle_completions if path == "/v1/completions" else handle_chat
         return await handler(state.node.openai, request, rest, raw=body)
-    return await _proxy(state, head.url + path, body, rest, bool(payload.get("stream")))
+    auth = request.headers.get("authorization")
+    return await _proxy(state, head.url + path, body, rest, bool(payload.get("stream")), auth)
 
 
-async def _proxy(state: TrackerState, url: str, body: bytes, rest, stream: bool) -> Response:
+async def _proxy(
+    state: TrackerState, url: str, body: bytes, rest, stream: bool, auth: str | None
+) -> Response:
     headers = {"content-type": "application/json", H_ROUTE: ",".join(rest)}
+    if auth:  # a head that checks API keys sees the client's
+        headers["authorization"] = auth
     client = state.client
     try:
         upstream = await client.send(
