@@ -43,5 +43,9 @@ models: install
 	$(VENV)/bin/meshnet-models import-smollm2 --models-dir $(MODELS_DIR)
 	$(VENV)/bin/meshnet-models list --models-dir $(MODELS_DIR)
 
+# Benchmarks (2-core CPU: ~5-10 min; BENCH_ARGS=--quick for a fast pass). Results: bench/results/.
+bench: install
+	$(PY) bench/shard_memory.py $(BENCH_ARGS) && $(PY) bench/pipeline.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from meshnet_common.errors import InvalidRequest
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 class Lenient(BaseModel):
     """Public schemas accept and ignore fields they do not know (clients send many)."""
@@ -24,7 +26,10 @@ class ChatMessage(Lenient):
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            texts = [p.get("text") for p in self.content if p.get("type") == "text"]
+            if not all(isinstance(t, str) for t in texts):
+                raise InvalidRequest("a text content part needs a string 'text'", param="messages")
+            return "".join(texts)
         return self.content or ""
 
 
@@ -67,6 +72,8 @@ class _SamplingFields(Lenient):
             raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
         if self.top_k < 0:
             raise InvalidRequest("top_k must be >= 0", param="top_k")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidRequest("seed must fit in 64 bits", param="seed")
         if not 1 <= self.n <= 8:
             raise InvalidRequest("n must be between 1 and 8", param="n")
         if self.stop is not None:

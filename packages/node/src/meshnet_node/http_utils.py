@@ -101,12 +101,21 @@ async def parse_model(request: Request, model: type[M], limit: int = 8 << 20) ->
     return parse_json(await read_body(request, limit), model)
 
 
-def parse_json(body: bytes, model: type[M]) -> M:
-    """Parse JSON bytes into ``model``; errors become 400 naming the parameter."""
+def loads_object(body: bytes) -> dict:
+    """A JSON object from a request body; anything else (incl. absurd nesting or integers
+    too long to parse) is a 400, never a 500."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise InvalidRequest(f"body is not valid JSON: {str(exc)[:200]}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object")
+    return data
+
+
+def parse_json(body: bytes, model: type[M]) -> M:
+    """Parse JSON bytes into ``model``; errors become 400 naming the parameter."""
+    data = loads_object(body)
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object")
     try:

@@ -83,7 +83,10 @@ class OpenAIServing:
             prompts = list(prompt)
         else:
             raise InvalidRequest("prompt must be a string, strings or token ids", param="prompt")
-        out = [self.tokenizer(p, add_special_tokens=True).input_ids for p in prompts]
+        try:
+            out = [self.tokenizer(p, add_special_tokens=True).input_ids for p in prompts]
+        except (TypeError, ValueError) as exc:  # e.g. lone surrogates from JSON escapes
+            raise InvalidRequest(f"prompt is not valid text: {exc}", param="prompt") from exc
         if any(not ids for ids in out):
             raise InvalidRequest("prompt is empty", param="prompt")
         return out
@@ -92,9 +95,12 @@ class OpenAIServing:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template", param="messages")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"messages are not valid text: {exc}", param="messages") from exc
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

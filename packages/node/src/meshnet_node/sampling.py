@@ -9,6 +9,8 @@ import torch
 
 from meshnet_common.errors import InvalidRequest
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +28,7 @@ class SamplingParams:
             ("top_p", math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0),
             ("logprobs", isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63),
         )
         for param, ok in checks:
             if not ok:
@@ -48,7 +51,7 @@ class Sampler:
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(params.seed % 2**64)  # torch takes unsigned 64-bit
         else:
             self.generator.seed()
 
@@ -57,7 +60,7 @@ class Sampler:
         logits = logits.float().reshape(-1)  # (V,)
         logprobs = torch.log_softmax(logits, dim=-1)  # (V,)
         params = self.params
-        if params.temperature == 0.0:
+        if params.temperature < GREEDY_BELOW:  # tiny temperatures overflow float32 scores
             token = int(torch.argmax(logits))
         else:
             scores = logits / params.temperature
@@ -69,6 +72,7 @@ class Sampler:
                 cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
                 # Drop tokens once the mass *before* them already reaches top_p (keeps >= 1).
                 drop = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+                drop[0] = False  # the most likely token always stays
                 scores = scores.scatter(0, order[drop], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=self.generator))

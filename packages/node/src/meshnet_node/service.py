@@ -31,7 +31,8 @@ from meshnet_node.stage import DecodeItem, Stage, StepOutput
 
 logger = logging.getLogger(__name__)
 
-TURN_TIMEOUT_S = 60.0
+TURN_TIMEOUT_S = 60.0  # an earlier chunk of a live session may still be computing
+OPEN_TIMEOUT_S = 5.0  # chunk 0 (which opens the session) is never that far behind
 
 
 class HopError(MeshnetError):
@@ -301,14 +302,21 @@ class NodeService:
             return
         cond = self._turn(req.session_id)
 
-        def ready() -> bool:
-            session = self.stage_for(req.session_id).sessions.peek(req.session_id)
-            return session is not None and session.length >= req.position
+        def session():
+            return self.stage_for(req.session_id).sessions.peek(req.session_id)
 
+        def ready() -> bool:
+            current = session()
+            return current is not None and current.length >= req.position
+
+        timeout = TURN_TIMEOUT_S if session() is not None else OPEN_TIMEOUT_S
         async with cond:
             try:
-                await asyncio.wait_for(cond.wait_for(ready), TURN_TIMEOUT_S)
+                await asyncio.wait_for(cond.wait_for(ready), timeout)
             except TimeoutError as exc:
+                if session() is None:
+                    self._turns.pop(req.session_id, None)  # nothing will ever wake it
+                    raise NotFound(f"unknown session {req.session_id!r}") from exc
                 raise Conflict(
                     f"chunk at position {req.position} never became next for session "
                     f"{req.session_id}",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import httpx
@@ -11,7 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.protocol import H_ROUTE
-from meshnet_node.http_utils import check_content_type, json_limit, read_body
+from meshnet_node.http_utils import check_content_type, json_limit, loads_object, read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
 from meshnet_node.service import HopError
 from meshnet_tracker.state import TrackerState
@@ -87,11 +86,8 @@ async def _entry(request: Request, path: str) -> Response:
     state = _state(request)
     check_content_type(request, "application/json")
     body = await read_body(request, json_limit(request))
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
-    model_id = payload.get("model") if isinstance(payload, dict) else None
+    payload = loads_object(body)
+    model_id = payload.get("model")
     if not isinstance(model_id, str):
         raise InvalidRequest("model is required", param="model")
     hops = state.route(model_id)
