@@ -291,16 +291,22 @@ def report(results: dict, rel: dict) -> dict:
     worst = max(r["rss"] for r in quarters.values())
     worst_net = max(r["net_rss"] for r in quarters.values())
     worst_peak = max(r["peak_rss"] for r in quarters.values())
-    verdict = "PASS" if worst <= TARGET_RATIO else "FAIL"
-    print(f"\nmax quarter/full RSS ratio: {worst:.3f} (target <= {TARGET_RATIO}: {verdict})")
-    print(f"max quarter/full net-of-imports RSS ratio: {worst_net:.3f}")
+    # The target is judged on what loading adds (RSS after touching the weights minus RSS
+    # after importing torch + transformers), the way FACTS.md's ~0.29 was measured: its
+    # absolute numbers leave no room for the ~0.4 GiB import floor every process pays.
+    verdict = "PASS" if worst_net <= TARGET_RATIO else "FAIL"
+    print(
+        f"\nmax quarter/full RSS ratio, net of imports: {worst_net:.3f} "
+        f"(target <= {TARGET_RATIO}: {verdict})"
+    )
+    print(f"max quarter/full whole-process RSS ratio (incl. the import floor): {worst:.3f}")
     print(f"max quarter/full peak-RSS ratio: {worst_peak:.3f}")
     stage = print_stage(results)
     return {
         "max_rss_ratio": worst,
         "max_net_rss_ratio": worst_net,
         "max_peak_rss_ratio": worst_peak,
-        "pass": worst <= TARGET_RATIO,
+        "pass": worst_net <= TARGET_RATIO,
         "stage_decode": {"case": TIMED_CASE, "by_threads": stage or {}},
     }
 
