@@ -68,6 +68,32 @@ def test_killed_hop_mid_stream_changes_nothing(swarm):
     assert mid_b.popen.poll() is None
 
 
+def test_killed_hop_mid_decode_without_streaming(swarm):
+    tracker, mid_a, mid_b = swarm
+    expected = httpx.post(f"{tracker.url}/v1/completions", json=BODY, timeout=180).json()
+    killed = []
+
+    def kill_after_ten_tokens() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            for mid in (mid_a, mid_b):
+                info = httpx.get(f"{mid.url}/v1/node", timeout=5).json()
+                if info["active_sessions"] and info["kv_tokens"] >= 10 + 12:  # prompt + ~10
+                    mid.kill()
+                    killed.append(mid)
+                    return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_after_ten_tokens)
+    killer.start()
+    again = httpx.post(f"{tracker.url}/v1/completions", json=BODY, timeout=180).json()
+    killer.join()
+    assert killed, "no middle hop ever held the session"
+    assert again["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert again["usage"]["completion_tokens"] == 64
+    assert "failed during decode" in tracker.log()
+
+
 def test_killed_hop_during_prefill_changes_nothing(swarm):
     tracker, mid_a, mid_b = swarm
     prompt = " ".join(f"word{i}" for i in range(600))  # ~1,800 tokens: 15 prefill chunks
