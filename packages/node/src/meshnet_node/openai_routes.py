@@ -18,42 +18,41 @@ from meshnet_node.openai_serving import OpenAIServing
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-async def handle_completions(
-    serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
-):
-    """``raw``: the body when the caller already read it (the tracker peeks at ``model``)."""
+async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: str):
+    """One OpenAI call: parse, plan the jobs, then stream or answer once.
+
+    ``raw``: the body when the caller already read it (the tracker peeks at ``model``).
+    """
     if raw is None:
         check_content_type(request, "application/json")
         raw = await read_body(request, json_limit(request))
-    body = parse_json(raw, CompletionRequest)
-    jobs = serving.completion_jobs(body)
+    if kind == "completions":
+        body = parse_json(raw, CompletionRequest)
+        jobs, stream, respond = (
+            serving.completion_jobs(body),
+            serving.completion_stream,
+            serving.completion_response,
+        )
+    else:
+        body = parse_json(raw, ChatCompletionRequest)
+        jobs, stream, respond = serving.chat_jobs(body), serving.chat_stream, serving.chat_response
     if route is None:
         route = await serving.route_provider(serving.model_id, frozenset())
     if body.stream:
         return StreamingResponse(
-            serving.completion_stream(body, jobs, route),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            stream(body, jobs, route), media_type="text/event-stream", headers=SSE_HEADERS
         )
     choices = await cancel_on_disconnect(request, serving.run(jobs, route))
-    return JSONResponse(serving.completion_response(body, choices))
+    return JSONResponse(respond(body, choices))
+
+
+async def handle_completions(
+    serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
+):
+    return await _handle(serving, request, route, raw, "completions")
 
 
 async def handle_chat(
     serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
 ):
-    if raw is None:
-        check_content_type(request, "application/json")
-        raw = await read_body(request, json_limit(request))
-    body = parse_json(raw, ChatCompletionRequest)
-    jobs = serving.chat_jobs(body)
-    if route is None:
-        route = await serving.route_provider(serving.model_id, frozenset())
-    if body.stream:
-        return StreamingResponse(
-            serving.chat_stream(body, jobs, route),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
-    choices = await cancel_on_disconnect(request, serving.run(jobs, route))
-    return JSONResponse(serving.chat_response(body, choices))
+    return await _handle(serving, request, route, raw, "chat")
