@@ -304,7 +304,8 @@ def test_openai_entry_errors(tracker, path):
     for raw in (b"{not json", b"\xff\xfe", b""):
         resp = tracker.post(path, content=raw, headers={"content-type": "application/json"})
         assert_error(resp, 400, "invalid_request_error")
-    for body in ([1, 2], {"prompt": "hi"}, {"model": 5, "prompt": "hi"}):
+    assert_error(tracker.post(path, json=[1, 2]), 400)  # not a JSON object
+    for body in ({"prompt": "hi"}, {"model": 5, "prompt": "hi"}):
         error = assert_error(tracker.post(path, json=body), 400)
         assert error["param"] == "model"
 
