@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchlib import print_table, summary
+from benchlib import CpuWatch, busy_flag, print_table, summary
 
 WIRE_BOUNDARIES = (10, 15, 20)  # layer after which activations leave a process
 DECODE_STEPS = 32
@@ -131,15 +131,18 @@ def measure_wire(snapshot: Path, token_ids: list[int], repeats: int = 50) -> dic
         raise ValueError(f"need {CHUNK_TOKENS + DECODE_STEPS} token ids")
     acts = boundary_activations(snapshot, token_ids)
     first = acts[WIRE_BOUNDARIES[0]]
+    with CpuWatch() as watch:
+        speed = {
+            "prefill_chunk": codec_speed(first["chunk"], repeats),
+            "decode_token": codec_speed(first["tokens"][0], repeats * 10),
+        }
     return {
         "sizes": {
             str(b): {"decode_token": _median_sizes(a["tokens"]), "prefill_chunk": sizes(a["chunk"])}
             for b, a in acts.items()
         },
-        "speed": {
-            "prefill_chunk": codec_speed(first["chunk"], repeats),
-            "decode_token": codec_speed(first["tokens"][0], repeats * 10),
-        },
+        "speed": speed,
+        "speed_other_cores": watch.other_cores,
         "meshnet_header_bytes": header_bytes(),
         "decode_steps": DECODE_STEPS,
         "chunk_tokens": CHUNK_TOKENS,
@@ -161,10 +164,10 @@ def print_wire(wire: dict) -> None:
     print_table("Wire bytes per hop (SmolLM2 hidden 576, bf16, real activations)", headers, rows)
     print(f"decode_token: median over {wire['decode_steps']} steps; frame = shuffle + zstd 1; "
           f"meshnet headers add ~{wire['meshnet_header_bytes']} B per step.")  # fmt: skip
-    _print_speed(wire["speed"])
+    _print_speed(wire["speed"], wire["speed_other_cores"])
 
 
-def _print_speed(speed: dict) -> None:
+def _print_speed(speed: dict, other_cores: float) -> None:
     rows = []
     for kind, s in speed.items():
         unit, scale = ("ms", 1.0) if kind == "prefill_chunk" else ("us", 1000.0)
@@ -176,4 +179,6 @@ def _print_speed(speed: dict) -> None:
                 f"{dec['median'] * scale:.1f} {unit}", f"{s[f'{codec}_decode_mb_per_s']:.0f}",
             ])  # fmt: skip
     headers = ["payload", "codec", "encode", "enc MB/s", "decode", "dec MB/s"]
-    print_table("Codec speed (median; MB/s of raw bf16 bytes)", headers, rows)
+    title = f"Codec speed (median; MB/s of raw bf16 bytes){busy_flag(other_cores)}"
+    print_table(title, headers, rows)
+    print(f"other processes used {other_cores:.2f} cores meanwhile")
