@@ -134,8 +134,17 @@ def test_path_traversal_and_unknown_models_are_refused(tracker_models, tmp_path)
             resp = httpx.get(f"{base}/{path}", params=params, timeout=30)
             assert resp.status_code == status, (params, resp.text)
             assert "error" in resp.json()
-        ranged = httpx.get(f"{base}/download", params={"model": MODEL, "start": 0, "end": 1,
-                           "file": "config.json"}, headers={"range": "bytes=2-9"})  # fmt: skip
+            assert str(tracker_models) not in resp.text  # the local folder layout stays local
+        config = {"model": MODEL, "start": 0, "end": 1, "file": "config.json"}
+        ranged = httpx.get(f"{base}/download", params=config, headers={"range": "bytes=2-9"})
         assert ranged.status_code == 206 and len(ranged.content) == 8
+        whole = httpx.get(f"{base}/download", params=config).content
+        past = httpx.get(
+            f"{base}/download", params=config, headers={"range": f"bytes={len(whole)}-"}
+        )
+        assert past.status_code == 416, past.text
+        assert past.headers["content-range"] == f"bytes */{len(whole)}"
+        tail = httpx.get(f"{base}/download", params=config, headers={"range": "bytes=-7"})
+        assert tail.status_code == 206 and tail.content == whole[-7:]
     finally:
         swarm.close()

@@ -345,6 +345,9 @@ BAD_STEPS = {
     "over a chunk": (_with(body=frame(torch.zeros(1, 129, HIDDEN))), 400),
     "missing session header": (_with(drop=H_SESSION), 400),
     "empty session header": (_with(set={H_SESSION: ""}), 400),
+    "dot-dot session id": (_with(set={H_SESSION: ".."}), 400),
+    "session id with a slash": (_with(set={H_SESSION: "a/b"}), 400),
+    "overlong session id": (_with(set={H_SESSION: "s" * 129}), 400),
     "missing position header": (_with(drop=H_POSITION), 400),
     "bad position header": (_with(set={H_POSITION: "three"}), 400),
     "negative position": (_with(set={H_POSITION: "-1"}), 400),
@@ -437,6 +440,7 @@ def test_delete_frees_the_session(tail):
     assert_error(tail.http.delete("/v1/sessions/freed", headers={H_SESSION_KEY: "key"}), 404)
     open_tail_session(tail, "freed")  # the id can be reused
     tail.http.delete("/v1/sessions/freed", headers={H_SESSION_KEY: "key"})
+    assert_error(tail.http.delete("/v1/sessions/a.b", headers={H_SESSION_KEY: "key"}), 400)
 
 
 def test_body_over_the_limit_is_413(small_tail):

@@ -21,7 +21,7 @@ from safetensors.torch import load as load_safetensors
 
 from meshnet_common import shardfiles
 from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
-from meshnet_common.errors import InvalidRequest, NotFound
+from meshnet_common.errors import InvalidRequest, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
 from meshnet_common.models_dir import resolve_snapshot
 from meshnet_common.shardfiles import SUBSET_FILE, ShardSource, SubsetFile
@@ -59,6 +59,23 @@ def test_parse_range_absent(header) -> None:
     assert _parse_range(header, 10) is None
 
 
+@pytest.mark.parametrize(
+    ("header", "expected"), [("bytes=-5", (95, 100)), ("bytes=-500", (0, 100))]
+)
+def test_parse_range_suffix(header: str, expected) -> None:
+    assert _parse_range(header, 100) == expected
+
+
+@pytest.mark.parametrize(
+    ("header", "size"), [("bytes=100-", 100), ("bytes=0-", 0), ("bytes=-0", 9)]
+)
+def test_parse_range_past_the_end_is_416(header: str, size: int) -> None:
+    with pytest.raises(RangeNotSatisfiable) as caught:
+        _parse_range(header, size)
+    assert caught.value.status == 416
+    assert caught.value.headers == {"content-range": f"bytes */{size}"}
+
+
 @st.composite
 def unsatisfiable_ranges(draw) -> tuple[str, int]:
     """Well-formed single ranges that do not fit the file: start past the end, or end
@@ -85,7 +102,9 @@ def test_parse_range_refuses_ranges_outside_the_file(case) -> None:
     "header",
     [
         "bytes=0-1,2-3",  # several ranges
-        "bytes=-5",  # suffix range
+        "bytes=+5-",  # int() would take these spellings; HTTP does not
+        "bytes=5_0-",
+        "bytes= 5-",
         "items=0-1",  # another unit
         "bytes=",
         "bytes=-",

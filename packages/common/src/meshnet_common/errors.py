@@ -40,6 +40,16 @@ class PayloadTooLarge(InvalidRequest):
     status = 413
 
 
+class RangeNotSatisfiable(InvalidRequest):
+    """A byte range that lies outside the file (416)."""
+
+    status = 416
+
+    def __init__(self, message: str, *, size: int):
+        super().__init__(message, param="range")
+        self.headers = {"content-range": f"bytes */{size}"}
+
+
 class Unauthorized(MeshnetError):
     """A missing or wrong swarm token or API key (401)."""
 

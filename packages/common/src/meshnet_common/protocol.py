@@ -5,6 +5,7 @@ Layer ranges travel as ``shard_start`` / ``shard_end`` (half-open, see ``LayerRa
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -30,6 +31,18 @@ def _model_id(value: str) -> str:
 
 ModelId = Annotated[str, Field(min_length=3, max_length=200), AfterValidator(_model_id)]
 Url = Annotated[str, Field(min_length=8, max_length=300, pattern=r"^https?://[^\s/]+(:\d+)?/?$")]
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def validate_session_id(value: str | None, *, param: str = "session_id") -> str:
+    """A session id is a URL-safe token (the head makes uuid4 hex): no dots, no slashes."""
+    if not value or not SESSION_ID.fullmatch(value):
+        raise InvalidRequest(
+            f"invalid session id {str(value)[:40]!r}: expected 1-128 of [A-Za-z0-9_-]",
+            param=param,
+        )
+    return value
+
 
 # HTTP headers of a forward step (the body is one tensor frame, see meshnet_common.wire).
 H_SESSION = "x-meshnet-session"

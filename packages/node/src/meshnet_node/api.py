@@ -7,7 +7,7 @@ from fastapi.responses import Response
 
 from meshnet_common import wire
 from meshnet_common.errors import ModelNotCovered, NotFound, Unauthorized
-from meshnet_common.protocol import H_ROUTE, H_SESSION_KEY
+from meshnet_common.protocol import H_ROUTE, H_SESSION_KEY, validate_session_id
 from meshnet_node.auth import has_swarm_token
 from meshnet_node.http_utils import check_content_type, read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
@@ -35,6 +35,7 @@ def node_router() -> APIRouter:
     @router.delete("/v1/sessions/{session_id}")
     async def close_session(session_id: str, request: Request):
         service = _service(request)
+        validate_session_id(session_id)
         route = parse_route(request.headers.get(H_ROUTE))
         await service.close_session(session_id, request.headers.get(H_SESSION_KEY), route)
         return {"closed": session_id}

@@ -215,23 +215,17 @@ class HeadGenerator:
                     or loop.time() > chain.deadline
                 ):
                     raise
-                await self._failover(stage, chain, request, exc, chain.failovers, reroute, phase)
+                await self._abandon(stage, chain, exc, phase)
+                await self._reroute(stage, chain, request, exc, reroute)
 
-    async def _failover(
-        self,
-        stage: Stage,
-        chain: _Chain,
-        request: GenerationRequest,
-        exc: HopError,
-        attempt: int,
-        reroute: Reroute,
-        phase: str,
-    ) -> None:
+    async def _abandon(self, stage: Stage, chain: _Chain, exc: HopError, phase: str) -> None:
+        """Ban the failed hop, free the chain's session on the hops still alive, back off."""
         loop = asyncio.get_running_loop()
         failed = exc.failed_url
         logger.warning(
-            "hop %s failed during %s (%s); failing over (attempt %d)", failed, phase, exc, attempt
-        )
+            "hop %s failed during %s (%s); failing over (attempt %d)",
+            failed, phase, exc, chain.failovers,
+        )  # fmt: skip
         now = loop.time()
         for url in [u for u, until in self.banned.items() if until <= now]:
             del self.banned[url]  # expired bans
@@ -239,14 +233,39 @@ class HeadGenerator:
             self.banned[failed] = now + BAN_S
         old_session, old_key, old_route = chain.session_id, chain.key, chain.route
         await self._close(stage, old_session, old_key, tuple(u for u in old_route if u != failed))
-        await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
-        now = loop.time()
-        exclude = frozenset(url for url, until in self.banned.items() if until > now)
-        if failed and exc.status == 503:
-            exclude |= {failed}
-        chain.route = await reroute(exclude)  # ModelNotCovered (503) when nothing is left
+        await self._backoff(chain.failovers)
+
+    async def _reroute(
+        self, stage: Stage, chain: _Chain, request: GenerationRequest, exc: HopError, reroute
+    ) -> None:
+        """A new route avoiding banned hops, then a fresh session to replay into.
+
+        The tracker may briefly lack a replacement (a busy node that missed heartbeats
+        re-registers on its next one): asking again is bounded by the same attempt budget
+        and deadline; once they are spent the client gets the tracker's 503.
+        """
+        loop = asyncio.get_running_loop()
+        failed = exc.failed_url
+        while True:
+            now = loop.time()
+            exclude = frozenset(url for url, until in self.banned.items() if until > now)
+            if failed and exc.status == 503:
+                exclude |= {failed}
+            try:
+                chain.route = await reroute(exclude)
+                break
+            except ModelNotCovered as missing:
+                chain.failovers += 1
+                if chain.failovers > MAX_FAILOVERS or loop.time() > chain.deadline:
+                    raise
+                logger.warning("no replacement route yet (%s); asking again", missing)
+                await self._backoff(chain.failovers)
         self._open_local(stage, chain, request)
         chain.replay = True
+
+    @staticmethod
+    async def _backoff(attempt: int) -> None:
+        await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
 
     async def _prefill(
         self,

@@ -36,7 +36,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(MeshnetError)
     async def _domain(_request: Request, exc: MeshnetError):
-        return JSONResponse(exc.to_openai(), status_code=exc.status)
+        headers = getattr(exc, "headers", None)
+        return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException):

@@ -75,6 +75,8 @@ class TrackerClient:
                 message = resp.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = resp.text[:200]
+            if resp.status_code == 503:  # no chain right now: the head may ask again
+                raise ModelNotCovered(message, code="model_not_covered")
             error = MeshnetError(message)
             error.status = resp.status_code
             raise error

@@ -23,6 +23,7 @@ from meshnet_common.protocol import (
     H_SESSION_KEY,
     SamplingSpec,
     StepResult,
+    validate_session_id,
 )
 from meshnet_node.auth import swarm_headers
 from meshnet_node.sampling import SamplingParams
@@ -116,6 +117,7 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
     session_id = headers.get(H_SESSION)
     if not session_id:
         raise InvalidRequest(f"missing header {H_SESSION}", param=H_SESSION)
+    validate_session_id(session_id, param=H_SESSION)
     open_spec = None
     start_layer = None
     if headers.get(H_OPEN):

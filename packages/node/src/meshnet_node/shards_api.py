@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from meshnet_common.checkpoint import CheckpointIndex
-from meshnet_common.errors import InvalidRequest, NotFound
+from meshnet_common.errors import InvalidRequest, ModelError, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
 from meshnet_common.models_dir import validate_model_id
 from meshnet_common.shardfiles import (
@@ -74,7 +75,13 @@ class ShardServer:
             layers = LayerRange(start, end)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"bad layer range: {exc}", param="start") from exc
-        index = CheckpointIndex.load(self.resolve(model_id))
+        try:
+            index = CheckpointIndex.load(self.resolve(model_id))
+        except NotFound as exc:  # the message names the models folder: keep that local
+            raise NotFound(f"model {model_id!r} is not served here", param="model") from exc
+        except ModelError as exc:
+            logger.error("cannot serve files of %s: %s", model_id, exc)
+            raise ModelError(f"the files of {model_id!r} are unusable here") from exc
         if layers.end > index.num_layers:
             raise InvalidRequest(f"{model_id} has {index.num_layers} layers", param="end")
         held = {index.layer_of(n) for n in index.tensors} - {None}
@@ -103,20 +110,31 @@ class ShardServer:
             yield chunk
 
 
+_RANGE = re.compile(r"bytes=(\d{1,19})?-(\d{1,19})?")
+
+
 def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """One RFC 9110 byte range (``a-b``, ``a-`` or suffix ``-n``) as a half-open span."""
     if not header:
         return None
-    if not header.startswith("bytes=") or "," in header:
-        raise InvalidRequest("only single byte ranges are supported", param="range")
-    first, _, last = header[6:].partition("-")
-    try:
+    match = _RANGE.fullmatch(header.strip())
+    if match is None or match.groups() == (None, None):
+        raise InvalidRequest(
+            "malformed range header: expected one 'bytes=START-END' range", param="range"
+        )
+    first, last = match.groups()
+    if first is None:  # the last n bytes
+        start, end = max(0, size - int(last)), size
+        if int(last) == 0:
+            raise RangeNotSatisfiable(f"empty suffix range of a {size}-byte file", size=size)
+    else:
         start = int(first)
-        end = int(last) + 1 if last else size
-    except ValueError as exc:
-        raise InvalidRequest("malformed range header", param="range") from exc
-    if not 0 <= start < size or end <= start:
-        raise InvalidRequest(f"range outside the file's {size} bytes", param="range")
-    return start, min(end, size)
+        end = size if last is None else min(int(last) + 1, size)
+        if last is not None and int(last) < start:
+            raise InvalidRequest("malformed range header: end before start", param="range")
+    if start >= size:
+        raise RangeNotSatisfiable(f"range starts past the file's {size} bytes", size=size)
+    return start, end
 
 
 def shards_router() -> APIRouter:

@@ -62,4 +62,11 @@ def choose_route(
             f"model {model.model_id} is not fully covered; missing layers: {describe_gaps(gaps)}",
             code="model_not_covered",
         )
+    avoided = sorted(n.node_id for n in model.serving if n.node_id in exclude)
+    if avoided:
+        raise ModelNotCovered(
+            f"no chain of serving nodes covers {model.model_id} without the failed "
+            f"node(s) {', '.join(avoided)}",
+            code="model_not_covered",
+        )
     raise ModelNotCovered(f"no chain of serving nodes covers {model.model_id}")
