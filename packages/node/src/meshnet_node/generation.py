@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from meshnet_common.errors import ModelNotCovered
+from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.sampling import SamplingParams
 from meshnet_node.service import HopError, NodeService
@@ -150,8 +151,10 @@ class HeadGenerator:
         self._open_local(stage, chain, request)
         assembler = TextAssembler(self.tokenizer, request.stop)
         history = list(request.prompt_ids)
+        metrics = self.service.metrics
         try:
-            result = await self._advance(stage, chain, request, history, None, reroute)
+            with metrics.timer(metrics.prefill_seconds):
+                result = await self._advance(stage, chain, request, history, None, reroute)
             for produced in range(1, request.max_tokens + 1):
                 token = int(result.token_id)
                 delta, hit_stop = assembler.add(token)
@@ -165,7 +168,8 @@ class HeadGenerator:
                 yield GeneratedToken(token, delta, result.logprob, result.top_logprobs, finish)
                 if finish is not None:
                     return
-                result = await self._advance(stage, chain, request, history, token, reroute)
+                with metrics.timer(metrics.decode_seconds):
+                    result = await self._advance(stage, chain, request, history, token, reroute)
                 history.append(token)
         finally:
             await self._close(stage, chain.session_id, chain.key, chain.route)
@@ -173,6 +177,7 @@ class HeadGenerator:
     def _open_local(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:
         chain.session_id = uuid.uuid4().hex
         chain.key = secrets.token_hex(16)
+        bind_session(chain.session_id)  # this generation's log lines carry its session
         stage.open_session(
             chain.session_id,
             sampling=SamplingParams(**request.sampling.model_dump()),
@@ -226,6 +231,7 @@ class HeadGenerator:
             "hop %s failed during %s (%s); failing over (attempt %d)",
             failed, phase, exc, chain.failovers,
         )  # fmt: skip
+        self.service.metrics.failovers.inc()
         now = loop.time()
         for url in [u for u, until in self.banned.items() if until <= now]:
             del self.banned[url]  # expired bans

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -20,6 +21,9 @@ from meshnet_common.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from meshnet_common.logs import H_REQUEST_ID, accept_request_id, bind_session, request_id_var
+from meshnet_common.metrics import CONTENT_TYPE, Metrics
+from meshnet_common.protocol import H_SESSION
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +39,22 @@ def install_error_handlers(app: FastAPI) -> None:
     """One place that turns exceptions into OpenAI-style error bodies."""
 
     @app.exception_handler(MeshnetError)
-    async def _domain(_request: Request, exc: MeshnetError):
+    async def _domain(request: Request, exc: MeshnetError):
+        request.state.error_code = exc.code or exc.error_type  # for meshnet_errors_total
         headers = getattr(exc, "headers", None)
         return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        request.state.error_code = error_type
         return JSONResponse(error_body(str(exc.detail), error_type), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        request.state.error_code = "invalid_request_error"
         return JSONResponse(
             error_body(first.get("msg", "invalid request"), "invalid_request_error", param),
             status_code=400,
@@ -59,6 +66,66 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500
         )
+
+
+def install_observability(app: FastAPI, metrics: Metrics) -> None:
+    """Request ids, request and error metrics, failure log lines, and ``GET /metrics``.
+
+    Install it after every other middleware so that it is the outermost one: it then also
+    counts what those answer themselves (a 401 from ``install_auth``).
+    """
+    app.state.metrics = metrics
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(ObservabilityMiddleware, metrics=metrics)
+
+
+class ObservabilityMiddleware:
+    """Pure ASGI middleware (streams pass through untouched, context variables stay set)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = accept_request_id(headers.get(H_REQUEST_ID))
+        request_id_var.set(request_id)
+        bind_session(headers.get(H_SESSION))  # a forward step names its session
+        status = 500
+        started = time.perf_counter()
+
+        async def send_with_id(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                header = (H_REQUEST_ID.encode(), request_id.encode())
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self._record(scope, status, time.perf_counter() - started)
+
+    def _record(self, scope, status: int, seconds: float) -> None:
+        route = scope.get("route")
+        path = getattr(route, "path", None) or "unmatched"  # templates: bounded labels
+        self.metrics.requests.labels(path, str(status)).inc()
+        self.metrics.request_seconds.labels(path).observe(seconds)
+        if status >= 400:
+            code = (scope.get("state") or {}).get("error_code") or f"http_{status}"
+            self.metrics.error(status, code)
+            level = logging.WARNING if status >= 500 else logging.INFO
+            logger.log(level, "%s %s answered %d (%s)", scope["method"], path, status, code)
+        else:
+            logger.debug("%s %s answered %d in %.3fs", scope["method"], path, status, seconds)
 
 
 DEFAULT_JSON_LIMIT = 8 << 20  # OpenAI-style JSON bodies

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import torch
 
 from meshnet_common import wire
 from meshnet_common.errors import Conflict, InvalidRequest, MeshnetError, NotFound
+from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import (
     H_CHUNK,
     H_OPEN,
@@ -232,7 +234,9 @@ class DecodeBatcher:
 class NodeService:
     """Owns the stage, its compute thread and the HTTP client used to reach the next hop."""
 
-    def __init__(self, stage: Stage, settings: NodeSettings, *, model_id: str) -> None:
+    def __init__(
+        self, stage: Stage, settings: NodeSettings, *, model_id: str, metrics: Metrics | None = None
+    ) -> None:
         self.stage = stage
         self.retiring: Stage | None = None  # the previous shard, kept until its sessions end
         self.settings = settings
@@ -247,7 +251,9 @@ class NodeService:
             timeout=httpx.Timeout(t.prefill_chunk, connect=t.connect),
             limits=httpx.Limits(max_keepalive_connections=32, max_connections=128),
         )
-        self.tokens_generated = 0
+        self.tokens_generated = 0  # sampled here (tail)
+        self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
+        self.metrics = metrics or Metrics()
         self.batcher = DecodeBatcher(self, max_batch=settings.max_decode_batch)
 
     def stage_for(self, session_id: str) -> Stage:
@@ -277,6 +283,7 @@ class NodeService:
         sample: bool = True,
     ) -> StepOutput:
         """Run a step on the compute thread; single-token decode steps may be batched."""
+        self.tokens_served += sample
         tensor = token_ids if token_ids is not None else hidden
         if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
             item = DecodeItem(session_id, position, token_ids, hidden, owner, sample)
@@ -434,12 +441,15 @@ class NodeService:
         )
         t = self.settings.timeouts
         timeout = t.prefill_chunk if hidden.shape[1] > 1 else t.decode_step
+        self.metrics.wire_sent.inc(len(frame))
+        started = time.perf_counter()
         try:
             resp = await self.client.post(
                 f"{hop.rstrip('/')}/v1/forward", content=frame, headers=headers, timeout=timeout
             )
         except httpx.HTTPError as exc:
             raise HopError(f"hop {hop} failed: {type(exc).__name__}: {exc}", hop=hop) from exc
+        self.metrics.hop_seconds.labels(hop).observe(time.perf_counter() - started)
         if resp.status_code != 200:
             try:
                 body = resp.json()

@@ -1,0 +1,146 @@
+"""Prometheus metrics of one service (tracker or node), all named ``meshnet_*``.
+
+Every service owns a ``Metrics`` with its own ``CollectorRegistry``: several services can
+share a process (the tracker node; in-process tests) without their numbers mixing. Values
+that already live elsewhere (sessions, KV tokens, the coverage map) are read at scrape time
+through callbacks instead of being copied on every change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "meshnet_"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Seconds: one CPU decode step of a tiny model is ~1 ms, a 70B prefill chunk can take ~10 s.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+# A callback returns one value, or (labels, value) pairs for a labelled metric.
+Sample = float | Iterable[tuple[dict[str, str], float]]
+
+
+class CallbackCollector(Collector):
+    """A gauge or counter whose value is read from ``fn`` at every scrape."""
+
+    def __init__(
+        self, name: str, documentation: str, fn: Callable[[], Sample], kind: str = "gauge"
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.fn = fn
+        self.kind = kind
+
+    def collect(self):
+        value = self.fn()
+        family_type = GaugeMetricFamily if self.kind == "gauge" else CounterMetricFamily
+        if isinstance(value, int | float):
+            yield family_type(self.name, self.documentation, value=float(value))
+            return
+        samples = list(value)
+        label_names = sorted({key for labels, _ in samples for key in labels})
+        family = family_type(self.name, self.documentation, labels=label_names)
+        for labels, sample in samples:
+            family.add_metric([labels.get(key, "") for key in label_names], float(sample))
+        yield family
+
+
+class Metrics:
+    """The metrics one service exposes on ``GET /metrics``.
+
+    Counters count from process start; histograms are in seconds. A node fills the data-path
+    metrics, a tracker the request metrics and (through callbacks) the swarm gauges; the
+    tracker node fills both into one registry.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "meshnet_requests", "HTTP requests answered, by route and status",
+            ["path", "status"], registry=r,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "meshnet_request_seconds", "HTTP request duration, by route (streams: until the end)",
+            ["path"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "meshnet_errors", "Errors answered (or sent in-band on a stream), by status and code",
+            ["status", "code"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "meshnet_prompt_tokens", "Prompt tokens prefilled by generations this head drove",
+            registry=r,
+        )  # fmt: skip
+        self.tokens_generated = Counter(
+            "meshnet_tokens_generated", "Tokens generated for clients by this head", registry=r
+        )
+        self.prefill_seconds = Histogram(
+            "meshnet_prefill_seconds",
+            "Prefill of one generation through the whole chain, up to its first token",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.decode_seconds = Histogram(
+            "meshnet_decode_step_seconds", "One decode step through the whole chain",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.hop_seconds = Histogram(
+            "meshnet_hop_seconds",
+            "One forward frame sent to the next hop until its answer (includes later hops)",
+            ["hop"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.wire_sent = Counter(
+            "meshnet_wire_sent_bytes", "Activation frame bytes sent to next hops", registry=r
+        )
+        self.wire_received = Counter(
+            "meshnet_wire_received_bytes", "Activation frame bytes received from previous hops",
+            registry=r,
+        )  # fmt: skip
+        self.failovers = Counter(
+            "meshnet_failovers", "Hop failures this head routed around", registry=r
+        )
+        self.downloads_served = Counter(
+            "meshnet_shard_downloads_served", "Shard file downloads served to peers", registry=r
+        )
+        self.download_bytes_served = Counter(
+            "meshnet_shard_served_bytes", "Shard file bytes served to peers", registry=r
+        )
+        self.shard_fetches = Counter(
+            "meshnet_shard_fetches", "Shards this node fetched, by result (ok, cached, failed)",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.fetched_bytes = Counter(
+            "meshnet_shard_fetched_bytes", "Verified shard bytes this node fetched", registry=r
+        )
+
+    def watch(
+        self, name: str, documentation: str, fn: Callable[[], Sample], kind: str = "gauge"
+    ) -> None:
+        """Expose a value read from ``fn`` at scrape time (``name`` without the prefix)."""
+        self.registry.register(CallbackCollector(PREFIX + name, documentation, fn, kind))
+
+    def error(self, status: int, code: str | None) -> None:
+        self.errors.labels(str(status), code or "none").inc()
+
+    @contextmanager
+    def timer(self, histogram: Histogram, *labels: str):
+        """Observe the wall time of the ``with`` body (async bodies included)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            target = histogram.labels(*labels) if labels else histogram
+            target.observe(time.perf_counter() - started)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of everything in this registry."""
+        return _generate_latest(self.registry)
