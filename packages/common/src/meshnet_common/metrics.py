@@ -12,10 +12,19 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client import generate_latest as _generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+# The ``*_created`` timestamp series double the output and no dashboard reads them.
+disable_created_metrics()
 
 PREFIX = "meshnet_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -107,12 +116,6 @@ class Metrics:
         )  # fmt: skip
         self.failovers = Counter(
             "meshnet_failovers", "Hop failures this head routed around", registry=r
-        )
-        self.downloads_served = Counter(
-            "meshnet_shard_downloads_served", "Shard file downloads served to peers", registry=r
-        )
-        self.download_bytes_served = Counter(
-            "meshnet_shard_served_bytes", "Shard file bytes served to peers", registry=r
         )
         self.shard_fetches = Counter(
             "meshnet_shard_fetches", "Shards this node fetched, by result (ok, cached, failed)",

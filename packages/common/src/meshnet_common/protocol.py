@@ -114,7 +114,10 @@ class Heartbeat(Strict):
     active_sessions: int = Field(ge=0)
     kv_tokens: int = Field(ge=0)
     memory_free_bytes: int = Field(ge=0)
-    tokens_generated: int = Field(ge=0, default=0)
+    tokens_generated: int = Field(ge=0, default=0)  # sampled here (the tail)
+    # Sampled steps this node ran since it started: tokens generated through its stage
+    # (the tracker turns the difference between heartbeats into tokens/s).
+    tokens_served: int = Field(ge=0, default=0)
 
 
 class DirectiveKind(StrEnum):

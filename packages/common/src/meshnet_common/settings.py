@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from meshnet_common.logs import FORMATS, LEVELS
@@ -17,8 +18,30 @@ def env_name(dest: str) -> str:
     return ENV_PREFIX + dest.upper()
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each flag's default and keeps the epilog's examples as written."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default (when it has one); in descriptions and epilogs, wraps plain
+    lines but keeps indented ones (examples) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = []
+        for line in text.splitlines():
+            if not line.strip() or line.startswith(" "):
+                lines.append(indent + line)
+            else:
+                lines.append(textwrap.fill(line, width, initial_indent=indent,
+                                           subsequent_indent=indent))  # fmt: skip
+        return "\n".join(lines)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" not in text
+            and action.option_strings
+            and default not in (None, False, [], argparse.SUPPRESS)
+        ):
+            text += " (default: %(default)s)"
+        return text
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
@@ -65,8 +88,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         return super().format_help()
 
     def error(self, message: str) -> None:  # one clear line, exit 2
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ def node_router() -> APIRouter:
         service = _service(request)
         check_content_type(request, wire.CONTENT_TYPE)
         body = await read_body(request, service.settings.max_body_bytes)
+        service.metrics.wire_received.inc(len(body))
         step = parse_step(request.headers, body, max_bytes=service.settings.max_body_bytes)
         result = await service.handle_step(step)
         return Response(result.model_dump_json(), media_type="application/json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,82 +14,139 @@ import psutil
 
 from meshnet_common.errors import MeshnetError, NotFound
 from meshnet_common.layers import LayerRange
+from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import AssignRequest, AssignResponse
-from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
+from meshnet_common.settings import EnvArgumentParser, add_logging_flags, fail, setup_logging
 from meshnet_node.auth import swarm_headers
-from meshnet_node.fetch import Trust, fetch_shard
+from meshnet_node.fetch import Trust, fetch_shard_counted
 from meshnet_node.preflight import resolve_device
 from meshnet_node.settings import HopTimeouts, NodeSettings
 from meshnet_node.shards_api import FAULTS, ShardServer
 
 PROG = "meshnet-node"
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("meshnet_node.cli")  # also when run as __main__
 
 
 def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) -> None:
     """Flags shared by meshnet-node and the tracker node."""
-    parser.add_argument("--model-id", help="model id ORG/NAME")
-    parser.add_argument("--shard-start", type=int, help="first layer served (inclusive)")
-    parser.add_argument("--shard-end", type=int, help="end of the layer range (exclusive)")
-    parser.add_argument(
+    if tracker_node:
+        model = parser.add_argument_group(
+            "tracker node (optional)",
+            "Also serve the first layers [0, K) of a model in the tracker process: give all "
+            "of --model-id, --shard-start 0 and --shard-end K.",
+        )
+    else:
+        model = parser.add_argument_group(
+            "model and layer range",
+            "Give all of --model-id, --shard-start and --shard-end, or none of them: then the "
+            "tracker assigns a shard (coverage first) and the weights are fetched if needed.",
+        )
+    model.add_argument("--model-id", help="model id ORG/NAME")
+    model.add_argument("--shard-start", type=int, help="first layer served (inclusive)")
+    model.add_argument("--shard-end", type=int, help="end of the layer range (exclusive)")
+    model.add_argument(
         "--quantization",
         default="bfloat16",
         choices=[p.value for p in Precision],
         help="weight precision (float32 for exactness checks on CPU)",
     )
-    parser.add_argument("--memory-gb", type=float, help="memory this node offers (default: all)")
-    parser.add_argument("--swarm-token", help="shared secret required between tracker and nodes")
-    parser.add_argument(
-        "--max-request-mb", type=float, default=8.0, help="largest OpenAI JSON body (413 above)"
+    model.add_argument(
+        "--memory-gb", type=float, help="memory this node offers, GiB (default: all available)"
     )
-    parser.add_argument("--api-key", help="clients must send it as 'Authorization: Bearer KEY'")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--kv-budget-tokens", type=int, default=32768, help="KV tokens held, max")
-    parser.add_argument("--chunk-tokens", type=int, default=128, help="prefill chunk size")
-    parser.add_argument(
+    model.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    model.add_argument("--threads", type=int, help="torch compute threads (default: torch's)")
+    model.add_argument(
+        "--kv-budget-tokens", type=int, default=32768,
+        help="most tokens held in KV caches across sessions (beyond: 503)",
+    )  # fmt: skip
+    data = parser.add_argument_group("data path")
+    data.add_argument("--chunk-tokens", type=int, default=128, help="prefill chunk size, tokens")
+    data.add_argument(
         "--max-decode-batch", type=int, default=32,
         help="decode steps of concurrent sessions merged into one pass (1: no batching)",
     )  # fmt: skip
-    parser.add_argument("--threads", type=int, help="torch compute threads")
-    parser.add_argument("--zstd-level", type=int, default=1, help="activation compression")
-    parser.add_argument("--connect-timeout", type=float, default=5.0, help="per-hop connect (s)")
-    parser.add_argument(
-        "--chunk-timeout", type=float, default=120.0, help="per-hop prefill chunk timeout (s)"
+    data.add_argument("--zstd-level", type=int, default=1, help="activation compression level")
+    data.add_argument(
+        "--connect-timeout", type=float, default=5.0, help="per-hop connect timeout, seconds"
     )
-    parser.add_argument(
-        "--step-timeout", type=float, default=60.0, help="per-hop decode step timeout (s)"
+    data.add_argument(
+        "--chunk-timeout", type=float, default=120.0, help="per-hop prefill chunk timeout, seconds"
     )
+    data.add_argument(
+        "--step-timeout", type=float, default=60.0, help="per-hop decode step timeout, seconds"
+    )
+    security = parser.add_argument_group(
+        "security", "Prefer the env vars for secrets: process arguments are visible to others."
+    )
+    security.add_argument("--swarm-token", help="shared secret required between tracker and nodes")
+    security.add_argument("--api-key", help="clients must send it as 'Authorization: Bearer KEY'")
+    security.add_argument(
+        "--max-request-mb", type=float, default=8.0, help="largest OpenAI JSON body (413 above)"
+    )
+
+
+EPILOG = """examples:
+  # serve layers [10, 20) of a model found in ./models, joining the tracker at A
+  meshnet-node --tracker http://A:8080 --models-dir ./models \\
+    --model-id HuggingFaceTB/SmolLM2-135M-Instruct --shard-start 10 --shard-end 20
+
+  # join with no model: the tracker assigns a range, its weights are fetched from the swarm
+  meshnet-node --tracker http://A:8080 --memory-gb 8 --quantization int8
+
+Every node serves GET /health, GET /metrics (Prometheus) and the internal /v1/... \
+routes; a node holding the first layers also answers the OpenAI endpoints.
+"""
 
 
 def build_parser() -> EnvArgumentParser:
-    parser = EnvArgumentParser(prog=PROG, description="Serve a layer range of a model.")
-    parser.add_argument("--tracker", help="tracker URL, e.g. http://127.0.0.1:8080")
+    parser = EnvArgumentParser(
+        prog=PROG,
+        description="Serve a layer range of a model and join a meshnet swarm.",
+        epilog=EPILOG,
+    )
+    swarm = parser.add_argument_group("swarm")
+    swarm.add_argument("--tracker", help="tracker URL, e.g. http://127.0.0.1:8080")
+    swarm.add_argument(
+        "--tracker-wait", type=float, default=60.0,
+        help="seconds to wait at start-up for the tracker to answer (it may still be loading)",
+    )  # fmt: skip
+    swarm.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    swarm.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
+    swarm.add_argument(
+        "--advertise-url", help="URL other nodes use to reach this one (default: http://HOST:PORT)"
+    )
+    swarm.add_argument("--node-id", help="stable node id (default: random)")
+    swarm.add_argument(
+        "--heartbeat-interval", type=float, default=2.0,
+        help="seconds between heartbeats (the tracker's own interval wins once registered)",
+    )  # fmt: skip
     add_shard_flags(parser)
-    parser.add_argument("--model-path", help="local snapshot folder (holding config.json)")
-    parser.add_argument("--models-dir", help="models dir to find --model-id in")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
-    parser.add_argument("--advertise-url", help="URL other nodes use to reach this one")
-    parser.add_argument("--node-id", help="stable node id (default: random)")
-    parser.add_argument(
+    weights = parser.add_argument_group(
+        "weights",
+        "Where the shard comes from: --model-path, else --models-dir, else fetched (only its "
+        "layers) from --shard-source peers, the tracker, then the HF hub.",
+    )
+    weights.add_argument("--model-path", help="local snapshot folder (holding config.json)")
+    weights.add_argument("--models-dir", help="models dir to find --model-id in (both layouts)")
+    weights.add_argument(
         "--cache-dir", default=str(Path.home() / ".cache" / "meshnet"),
         help="where fetched shards are kept",
     )  # fmt: skip
-    parser.add_argument(
-        "--max-concurrent-downloads", type=int, default=4, help="peers fetching from us at once"
-    )
-    parser.add_argument(
+    weights.add_argument(
         "--shard-source", action="append", default=[],
-        help="peer or tracker URL to fetch weights from, tried in order before the tracker",
+        help="peer or tracker URL to fetch weights from, tried in order before the tracker "
+        "(repeatable)",
     )  # fmt: skip
-    parser.add_argument(
+    weights.add_argument(
         "--manifest-key", help="shared key: weight manifests must be signed with it (HMAC)"
     )
-    parser.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
-    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    weights.add_argument(
+        "--max-concurrent-downloads", type=int, default=4, help="peers fetching from us at once"
+    )
+    weights.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
+    add_logging_flags(parser)
     return parser
 
 
@@ -120,7 +178,7 @@ def shard_settings(args, *, model_path: Path, host: str, port: int, **extra) -> 
     )
 
 
-def resolve_model_path(args, sources: tuple[str, ...] = ()) -> Path:
+def resolve_model_path(args, sources: tuple[str, ...] = (), metrics: Metrics | None = None) -> Path:
     """A local snapshot (--model-path / --models-dir), else the shard fetched from sources."""
     if args.model_path:
         path = Path(args.model_path)
@@ -136,18 +194,52 @@ def resolve_model_path(args, sources: tuple[str, ...] = ()) -> Path:
     sources = (*getattr(args, "shard_source", ()), *(sources or tracker))
     if not sources:
         raise ValueError(f"no local snapshot of {args.model_id} and no tracker to fetch it from")
+    if tracker and not args.shard_source:
+        check_model_known(args)
     trust = Trust(
         tracker=getattr(args, "tracker", None),
         manifest_key=args.manifest_key,
         swarm_token=args.swarm_token,
     )
-    return fetch_shard(
+    return fetch_shard_counted(
         args.model_id,
         LayerRange(args.shard_start, args.shard_end),
         sources,
         Path(args.cache_dir),
         trust=trust,
+        metrics=metrics or Metrics(),
     )
+
+
+def wait_for_tracker(url: str, wait_s: float) -> None:
+    """Return once the tracker answers HTTP at all; OSError after ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            httpx.get(f"{url.rstrip('/')}/health", timeout=2.0)
+            return
+        except httpx.HTTPError as exc:
+            if time.monotonic() >= deadline:
+                raise OSError(
+                    f"tracker {url} unreachable after {wait_s:g}s ({type(exc).__name__}); "
+                    "is it running, and is --tracker right?"
+                ) from exc
+            logger.info("waiting for tracker %s (%s)", url, type(exc).__name__)
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def check_model_known(args) -> None:
+    """Fail early, in one line, on a model the tracker has never heard of."""
+    try:
+        resp = httpx.get(f"{args.tracker.rstrip('/')}/v1/coverage", timeout=10.0)
+        known = [m["id"] for m in resp.json()["models"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return  # an old or odd tracker: let the fetch report what goes wrong
+    if args.model_id not in known:
+        raise ValueError(
+            f"unknown model {args.model_id!r}: not on this node and the tracker knows "
+            f"{', '.join(known) or 'no model'}"
+        )
 
 
 def ask_assignment(args) -> tuple[str, ...]:
@@ -195,27 +287,39 @@ def ask_assignment(args) -> tuple[str, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
+        raise SystemExit(130) from None
+
+
+def _main(argv: Sequence[str] | None) -> None:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     explicit = (args.model_id, args.shard_start, args.shard_end)
     if any(v is None for v in explicit) and any(v is not None for v in explicit):
         fail(PROG, "give all of --model-id, --shard-start, --shard-end, or none of them "
                    "(then the tracker assigns a shard)")  # fmt: skip
     if args.model_id is None and not args.tracker:
         fail(PROG, "without --model-id the node needs --tracker to be assigned a shard")
+    if args.models_dir and not Path(args.models_dir).is_dir():
+        fail(PROG, f"--models-dir {args.models_dir}: no such directory", code=1)
     from meshnet_node.runtime import build_runtime, create_app
     from meshnet_node.serve import check_port, free_port, run
 
+    metrics = Metrics()  # this node's registry: counts the shard fetch below too
     try:
         port = args.port or free_port(args.host)
         check_port(args.host, port)
+        if args.tracker:
+            wait_for_tracker(args.tracker, args.tracker_wait)
         args.node_id = args.node_id or f"node-{uuid.uuid4().hex[:12]}"
         sources: tuple[str, ...] = ()
         if args.model_id is None:
             sources = ask_assignment(args)
         settings = shard_settings(
             args,
-            model_path=resolve_model_path(args, sources),
+            model_path=resolve_model_path(args, sources, metrics),
             host=args.host,
             port=port,
             tracker_url=args.tracker,
@@ -224,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             heartbeat_interval_s=args.heartbeat_interval,
             models_dir=Path(args.models_dir) if args.models_dir else None,
         )
-        runtime = build_runtime(settings)
+        runtime = build_runtime(settings, metrics=metrics)
         runtime.cache_dir = Path(args.cache_dir)
     except (MeshnetError, ValueError, OSError) as exc:
         fail(PROG, str(exc), code=1)

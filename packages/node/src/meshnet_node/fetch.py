@@ -27,6 +27,7 @@ import httpx
 from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
+from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import validate_model_id
 from meshnet_common.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
 from meshnet_node.auth import swarm_headers
@@ -254,3 +255,27 @@ def fetch_shard(
     raise ModelError(
         f"could not get {model_id} layers {layers} from any source: " + "; ".join(failures)
     )
+
+
+def fetch_shard_counted(
+    model_id: str,
+    layers: LayerRange,
+    sources: Sequence[str],
+    cache_dir: Path,
+    *,
+    metrics: Metrics,
+    trust: Trust = Trust(),
+) -> Path:
+    """``fetch_shard``, counted in ``meshnet_shard_fetches_total{result}`` and
+    ``meshnet_shard_fetched_bytes_total``."""
+    if cached_shard(cache_dir, model_id, layers) is not None:
+        metrics.shard_fetches.labels("cached").inc()
+        return fetch_shard(model_id, layers, sources, cache_dir, trust=trust)
+    try:
+        path = fetch_shard(model_id, layers, sources, cache_dir, trust=trust)
+    except ModelError:
+        metrics.shard_fetches.labels("failed").inc()
+        raise
+    metrics.shard_fetches.labels("ok").inc()
+    metrics.fetched_bytes.inc(sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+    return path

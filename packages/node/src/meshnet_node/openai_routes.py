@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from meshnet_common.logs import event
 from meshnet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
 from meshnet_node.http_utils import (
     cancel_on_disconnect,
@@ -16,6 +19,8 @@ from meshnet_node.http_utils import (
 from meshnet_node.openai_serving import OpenAIServing
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+logger = logging.getLogger(__name__)
 
 
 async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: str):
@@ -36,6 +41,15 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
     else:
         body = parse_json(raw, ChatCompletionRequest)
         jobs, stream, respond = serving.chat_jobs(body), serving.chat_stream, serving.chat_response
+    # One line per request; the prompt itself only at debug level (it may be private).
+    event(
+        logger, logging.INFO, f"{kind} request", model=body.model, choices=len(jobs),
+        prompt_tokens=sum(len(j.prompt_ids) for j in jobs),
+        max_tokens=max(j.max_tokens for j in jobs), stream=bool(body.stream),
+    )  # fmt: skip
+    if logger.isEnabledFor(logging.DEBUG):
+        prompt = body.prompt if kind == "completions" else [m.text() for m in body.messages]
+        logger.debug("%s prompt: %r", kind, prompt)
     if route is None:
         route = await serving.route_provider(serving.model_id, frozenset())
     if body.stream:

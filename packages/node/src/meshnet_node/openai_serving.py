@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from meshnet_common.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet_common.logs import event
 from meshnet_common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -147,8 +149,31 @@ class OpenAIServing:
 
     # -- running ---------------------------------------------------------------------------
 
+    async def _generate(self, job: GenerationRequest, route) -> AsyncIterator[GeneratedToken]:
+        """One generation, counted in the metrics and logged as one event when it ends."""
+        metrics = self.generator.service.metrics
+        metrics.prompt_tokens.inc(len(job.prompt_ids))
+        started, tokens, finish = time.perf_counter(), 0, "error"
+        try:
+            async for tok in self.generator.generate(job, route, self._reroute):
+                tokens += 1
+                metrics.tokens_generated.inc()
+                finish = tok.finish_reason or finish
+                yield tok
+        except asyncio.CancelledError:
+            finish = "cancelled"
+            raise
+        finally:
+            seconds = time.perf_counter() - started
+            event(
+                logger, logging.INFO, "generation done",
+                prompt_tokens=len(job.prompt_ids), tokens=tokens, finish=finish,
+                seconds=round(seconds, 3), tokens_per_s=round(tokens / max(seconds, 1e-9), 1),
+                hops=len(route),
+            )  # fmt: skip
+
     async def _run_one(self, job: GenerationRequest, route) -> list[GeneratedToken]:
-        return [tok async for tok in self.generator.generate(job, route, self._reroute)]
+        return [tok async for tok in self._generate(job, route)]
 
     async def run(self, jobs: list[GenerationRequest], route=None) -> list[Choice]:
         if route is None:
@@ -170,7 +195,7 @@ class OpenAIServing:
 
         async def pump(index: int, job: GenerationRequest) -> None:
             try:
-                async for tok in self.generator.generate(job, route, self._reroute):
+                async for tok in self._generate(job, route):
                     await queue.put((index, tok))
             except BaseException as exc:  # surfaced to the consumer below
                 await queue.put(exc)
@@ -192,6 +217,13 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _stream_error(self, exc: MeshnetError) -> str:
+        """A stream cannot change its status: the error goes in-band, and is counted."""
+        self.generator.service.metrics.error(exc.status, exc.code or exc.error_type)
+        event(logger, logging.WARNING, "stream ended by an error", status=exc.status,
+              code=exc.code or exc.error_type, error=exc.message)  # fmt: skip
+        return sse(exc.to_openai())
 
     # -- response shapes -------------------------------------------------------------------
 
@@ -282,9 +314,10 @@ class OpenAIServing:
                     "usage": usage(sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs}), sum(counts)),
                 })  # fmt: skip
         except MeshnetError as exc:
-            yield sse(exc.to_openai())
+            yield self._stream_error(exc)
         except Exception as exc:  # a stream cannot change its status: report in-band
             logger.exception("stream failed")
+            self.generator.service.metrics.error(500, "internal_error")
             yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                  "code": None}})  # fmt: skip
         yield sse("[DONE]")
@@ -315,9 +348,10 @@ class OpenAIServing:
                     "usage": usage(sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs}), sum(counts)),
                 })  # fmt: skip
         except MeshnetError as exc:
-            yield sse(exc.to_openai())
+            yield self._stream_error(exc)
         except Exception as exc:
             logger.exception("stream failed")
+            self.generator.service.metrics.error(500, "internal_error")
             yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                  "code": None}})  # fmt: skip
         yield sse("[DONE]")

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import MeshnetError, ModelError, NotFound
+from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import resolve_snapshot
 from meshnet_common.protocol import (
     DirectiveKind,
@@ -26,16 +27,16 @@ from meshnet_common.protocol import (
 )
 from meshnet_node.api import head_router, node_router
 from meshnet_node.auth import install_auth
-from meshnet_node.fetch import Trust, fetch_shard
+from meshnet_node.fetch import Trust, fetch_shard_counted
 from meshnet_node.generation import HeadGenerator
-from meshnet_node.http_utils import install_error_handlers
+from meshnet_node.http_utils import install_error_handlers, install_observability
 from meshnet_node.loader import load_shard
 from meshnet_node.membership import Membership, TrackerClient
 from meshnet_node.openai_serving import OpenAIServing, RouteProvider
 from meshnet_node.preflight import preflight
 from meshnet_node.service import NodeService
 from meshnet_node.settings import NodeSettings
-from meshnet_node.shards_api import shards_router
+from meshnet_node.shards_api import shards_router, watch_shard_server
 from meshnet_node.stage import Stage
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class NodeRuntime:
             kv_tokens=sum(s.sessions.tokens_held for s in stages),
             memory_free_bytes=int(psutil.virtual_memory().available),
             tokens_generated=self.service.tokens_generated,
+            tokens_served=self.service.tokens_served,
         )
 
 
@@ -124,11 +126,18 @@ def load_stage(settings: NodeSettings) -> Stage:
 
 
 def build_runtime(
-    settings: NodeSettings, *, route_provider: RouteProvider | None = None
+    settings: NodeSettings,
+    *,
+    route_provider: RouteProvider | None = None,
+    metrics: Metrics | None = None,
 ) -> NodeRuntime:
-    """Load the shard and build the services; ``route_provider`` overrides asking the tracker."""
+    """Load the shard and build the services; ``route_provider`` overrides asking the tracker.
+
+    ``metrics``: the registry to report into (the CLI's, which already counted the fetch).
+    """
     stage = load_stage(settings)
-    service = NodeService(stage, settings, model_id=settings.model_id)
+    service = NodeService(stage, settings, model_id=settings.model_id, metrics=metrics)
+    watch_node(service)
     node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
     tracker = (
         TrackerClient(settings.tracker_url, swarm_token=settings.swarm_token)
@@ -144,6 +153,39 @@ def build_runtime(
         else int(psutil.virtual_memory().total)
     )
     return NodeRuntime(settings, node_id, service, openai, declared, tracker, route_provider)
+
+
+def watch_node(service: NodeService) -> None:
+    """Gauges read from the live stages at scrape time (a reshard swaps them)."""
+
+    def stages() -> list[Stage]:
+        return [s for s in (service.stage, service.retiring) if s is not None]
+
+    metrics = service.metrics
+    metrics.watch(
+        "active_sessions", "Sessions (KV caches) open on this node",
+        lambda: sum(len(s.sessions) for s in stages()),
+    )  # fmt: skip
+    metrics.watch(
+        "kv_tokens", "Tokens held in this node's KV caches",
+        lambda: sum(s.sessions.tokens_held for s in stages()),
+    )  # fmt: skip
+    metrics.watch(
+        "kv_budget_tokens", "The most KV tokens this node holds (--kv-budget-tokens)",
+        lambda: service.stage.sessions.kv_budget_tokens,
+    )  # fmt: skip
+    metrics.watch(
+        "tokens_served", "Tokens generated through this node's stage (sampled steps run)",
+        lambda: service.tokens_served, kind="counter",
+    )  # fmt: skip
+    metrics.watch(
+        "decode_batches", "Decode passes that merged steps of several sessions",
+        lambda: service.batcher.batches, kind="counter",
+    )  # fmt: skip
+    metrics.watch(
+        "shard_layers", "Layers this node serves, by model",
+        lambda: [({"model": service.model_id}, len(service.stage.shard.layers))],
+    )  # fmt: skip
 
 
 def build_openai(
@@ -233,6 +275,8 @@ def create_app(runtime: NodeRuntime) -> FastAPI:
     app = FastAPI(title="meshnet node", lifespan=lifespan)
     install_error_handlers(app)
     install_auth(app, swarm_token=runtime.settings.swarm_token, api_key=runtime.settings.api_key)
+    install_observability(app, runtime.service.metrics)  # outermost: sees the 401s too
+    watch_shard_server(runtime.service.metrics, app)
     app.state.max_request_bytes = runtime.settings.max_request_bytes
     mount_node(app, runtime)
     app.include_router(shards_router())  # peers fetch this node's shard (app.state.shards)
@@ -306,6 +350,7 @@ def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
     if runtime.tracker is None or runtime.cache_dir is None:
         raise ModelError(f"no local snapshot of {spec.model_id} and nowhere to fetch it from")
     trust = Trust(tracker=runtime.tracker.base, swarm_token=settings.swarm_token)
-    return fetch_shard(
-        spec.model_id, spec.layers, (runtime.tracker.base,), runtime.cache_dir, trust=trust
-    )
+    return fetch_shard_counted(
+        spec.model_id, spec.layers, (runtime.tracker.base,), runtime.cache_dir,
+        trust=trust, metrics=runtime.service.metrics,
+    )  # fmt: skip

@@ -27,9 +27,11 @@ def check_port(host: str, port: int) -> None:
 
 
 async def _serve(app: FastAPI, host: str, port: int, ready_line: str, log_level: str) -> None:
+    # log_config=None: uvicorn's own lines go through meshnet's one-line formatter.
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"
-    )
+        app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
+        log_config=None,
+    )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():

@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InvalidRequest, ModelError, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
+from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import validate_model_id
 from meshnet_common.shardfiles import (
     H_MANIFEST_SIGNATURE,
@@ -68,6 +69,7 @@ class ShardServer:
         self.manifest_key = manifest_key
         self._sources: OrderedDict[tuple, ShardSource] = OrderedDict()
         self.bytes_sent = 0
+        self.downloads = 0  # file downloads started (resumed ones count again)
 
     def source(self, model_id: str, start: int, end: int) -> ShardSource:
         validate_model_id(model_id)
@@ -137,6 +139,23 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, end
 
 
+def watch_shard_server(metrics: Metrics, app) -> None:
+    """Expose the downloads an app's ``ShardServer`` (set later, maybe never) has served."""
+
+    def read(field: str) -> float:
+        shard_server = getattr(app.state, "shards", None)
+        return getattr(shard_server, field, 0)
+
+    metrics.watch(
+        "shard_downloads_served", "Shard file downloads served to peers",
+        lambda: read("downloads"), kind="counter",
+    )  # fmt: skip
+    metrics.watch(
+        "shard_served_bytes", "Shard file bytes served to peers",
+        lambda: read("bytes_sent"), kind="counter",
+    )  # fmt: skip
+
+
 def shards_router() -> APIRouter:
     router = APIRouter()
 
@@ -169,6 +188,7 @@ def shards_router() -> APIRouter:
         size = src.size_of(file)
         byte_range = _parse_range(request.headers.get("range"), size)
         lo, hi = byte_range or (0, size)
+        shard_server.downloads += 1
 
         def body() -> Iterator[bytes]:
             shard_server.slots.acquire()  # queue behind other downloads (in a pool thread)

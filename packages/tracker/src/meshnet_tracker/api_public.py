@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from meshnet_common.errors import InvalidRequest
+from meshnet_common.logs import H_REQUEST_ID, request_id_var
 from meshnet_common.protocol import H_ROUTE
 from meshnet_node.http_utils import check_content_type, json_limit, loads_object, read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
@@ -105,6 +106,8 @@ async def _proxy(
     state: TrackerState, url: str, body: bytes, rest, stream: bool, auth: str | None
 ) -> Response:
     headers = {"content-type": "application/json", H_ROUTE: ",".join(rest)}
+    if request_id := request_id_var.get():  # the head logs under the same request id
+        headers[H_REQUEST_ID] = request_id
     if auth:  # a head that checks API keys sees the client's
         headers["authorization"] = auth
     client = state.client

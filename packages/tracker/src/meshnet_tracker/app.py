@@ -9,13 +9,15 @@ import logging
 import httpx
 from fastapi import FastAPI
 
+from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import resolve_snapshot
 from meshnet_node.auth import install_auth, swarm_headers
-from meshnet_node.http_utils import install_error_handlers
+from meshnet_node.http_utils import install_error_handlers, install_observability
 from meshnet_node.runtime import NodeRuntime, mount_node, start_background, stop_background
-from meshnet_node.shards_api import ShardServer, shards_router
+from meshnet_node.shards_api import ShardServer, shards_router, watch_shard_server
 from meshnet_tracker.api_nodes import nodes_router
 from meshnet_tracker.api_public import public_router
+from meshnet_tracker.dashboard import dashboard_router, watch_swarm
 from meshnet_tracker.registry import Registry
 from meshnet_tracker.settings import TrackerSettings
 from meshnet_tracker.state import TrackerState
@@ -70,6 +72,12 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
         )
     install_error_handlers(app)
     install_auth(app, swarm_token=settings.swarm_token, api_key=settings.api_key)
+    # A tracker node reports its own layers and the swarm's numbers in one registry.
+    metrics = node.service.metrics if node is not None else Metrics()
+    install_observability(app, metrics)  # outermost: sees the 401s too
+    watch_swarm(metrics, state)
+    watch_shard_server(metrics, app)
+    app.include_router(dashboard_router())
     app.include_router(public_router())
     app.include_router(nodes_router())
     app.include_router(shards_router())

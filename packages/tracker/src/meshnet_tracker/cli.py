@@ -9,12 +9,24 @@ from pathlib import Path
 
 from meshnet_common.errors import MeshnetError
 from meshnet_common.models_dir import resolve_snapshot
-from meshnet_common.settings import EnvArgumentParser, fail, setup_logging
+from meshnet_common.settings import EnvArgumentParser, add_logging_flags, fail, setup_logging
 from meshnet_node.cli import add_shard_flags, shard_settings
 from meshnet_node.shards_api import FAULTS
 
 PROG = "meshnet-tracker"
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("meshnet_tracker.cli")  # also when run as __main__
+
+
+EPILOG = """examples:
+  # a tracker node: the coverage map, the OpenAI endpoint and layers [0, 10) of SmolLM2
+  meshnet-tracker --models-dir ./models --host 0.0.0.0 --port 8080 \\
+    --model-id HuggingFaceTB/SmolLM2-135M-Instruct --shard-start 0 --shard-end 10
+
+  # a tracker only (nodes bring the layers; it still serves ./models to joining nodes)
+  meshnet-tracker --models-dir ./models --port 8080
+
+Open http://HOST:PORT/ for the live dashboard; GET /metrics for Prometheus.
+"""
 
 
 def build_parser() -> EnvArgumentParser:
@@ -22,24 +34,40 @@ def build_parser() -> EnvArgumentParser:
         prog=PROG,
         description="Track which nodes serve which layers, route requests, and (with "
         "--model-id) serve the first layers itself.",
+        epilog=EPILOG,
     )
-    parser.add_argument("--models-dir", help="folder of HF snapshots (both layouts)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8080, help="port")
-    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
-    parser.add_argument(
+    tracker = parser.add_argument_group("tracker")
+    tracker.add_argument(
+        "--models-dir",
+        help="folder of HF snapshots (both layouts): models known to placement, and the "
+        "weights served to joining nodes",
+    )
+    tracker.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    tracker.add_argument("--port", type=int, default=8080, help="port")
+    tracker.add_argument(
+        "--heartbeat-interval", type=float, default=2.0,
+        help="seconds between node heartbeats; 3 missed ones drop a node from the map",
+    )  # fmt: skip
+    tracker.add_argument(
         "--max-concurrent-downloads", type=int, default=4, help="shard downloads served at once"
     )
-    parser.add_argument("--manifest-key", help="sign weight manifests with this shared key (HMAC)")
-    parser.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
+    tracker.add_argument("--manifest-key", help="sign weight manifests with this shared key (HMAC)")
+    tracker.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
     add_shard_flags(parser, tracker_node=True)
+    add_logging_flags(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
+        raise SystemExit(130) from None
+
+
+def _main(argv: Sequence[str] | None) -> None:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     from meshnet_node.runtime import build_runtime
     from meshnet_node.serve import check_port, run
     from meshnet_tracker.app import _local_route_provider, create_app
@@ -88,7 +116,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     extra = ""
     if node is not None:
         extra = f" (tracker node: {args.model_id} layers {node.service.stage.shard.layers})"
-    run(app, args.host, args.port, f"meshnet-tracker ready: {url}{extra}", log_level="warning")
+    run(
+        app, args.host, args.port,
+        f"meshnet-tracker ready: {url}{extra}; dashboard: {url}/",
+        log_level="warning",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

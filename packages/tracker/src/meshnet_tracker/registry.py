@@ -27,6 +27,8 @@ class NodeRecord:
     kv_tokens: int = 0
     memory_free_bytes: int = 0
     tokens_generated: int = 0
+    tokens_served: int | None = None  # None until the first heartbeat after registering
+    tokens_per_s: float = 0.0  # tokens generated through the node over the last interval
     local: bool = False  # the tracker node itself: never expires
 
     @property
@@ -82,7 +84,13 @@ class Registry:
             record = self._nodes.get(beat.node_id)
             if record is None:
                 return False
-            record.last_heartbeat = self.clock()
+            now = self.clock()
+            elapsed = now - record.last_heartbeat
+            if record.tokens_served is not None and elapsed > 0:
+                served = max(0, beat.tokens_served - record.tokens_served)
+                record.tokens_per_s = served / elapsed
+            record.tokens_served = beat.tokens_served
+            record.last_heartbeat = now
             record.state = beat.state
             record.active_sessions = beat.active_sessions
             record.kv_tokens = beat.kv_tokens
