@@ -126,6 +126,7 @@ def setup_logging(level: str = "info", fmt: str = "logfmt") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    logging.captureWarnings(True)  # library warnings become one log line each, too
     # Per-request lines of the HTTP client and server duplicate our own events.
     quiet = max(logging.WARNING, root.level)
     for name in ("httpx", "httpcore", "uvicorn.access"):

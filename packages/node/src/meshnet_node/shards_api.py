@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InvalidRequest, ModelError, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
+from meshnet_common.logs import event
 from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import validate_model_id
 from meshnet_common.shardfiles import (
@@ -189,6 +190,8 @@ def shards_router() -> APIRouter:
         byte_range = _parse_range(request.headers.get("range"), size)
         lo, hi = byte_range or (0, size)
         shard_server.downloads += 1
+        event(logger, logging.INFO, "shard download", model=model, layers=f"[{start}, {end})",
+              file=file, bytes=hi - lo, resumed_at=lo)  # fmt: skip
 
         def body() -> Iterator[bytes]:
             shard_server.slots.acquire()  # queue behind other downloads (in a pool thread)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_common.logs import H_REQUEST_ID, request_id_var
+from meshnet_common.logs import H_REQUEST_ID, event, request_id_var
 from meshnet_common.protocol import H_ROUTE
 from meshnet_node.http_utils import check_content_type, json_limit, loads_object, read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
@@ -95,6 +95,10 @@ async def _entry(request: Request, path: str) -> Response:
     state.demand[model_id] += 1
     rest = tuple(h.node.url for h in hops[1:])
     head = hops[0].node
+    event(
+        logger, logging.INFO, "request routed", path=path, model=model_id, head=head.node_id,
+        route=",".join(h.node.node_id for h in hops),
+    )  # fmt: skip
     if state.node is not None and head.node_id == state.node.node_id:
         handler = handle_completions if path == "/v1/completions" else handle_chat
         return await handler(state.node.openai, request, rest, raw=body)
