@@ -304,13 +304,17 @@ def _main(argv: Sequence[str] | None) -> None:
         fail(PROG, "without --model-id the node needs --tracker to be assigned a shard")
     if args.models_dir and not Path(args.models_dir).is_dir():
         fail(PROG, f"--models-dir {args.models_dir}: no such directory", code=1)
-    from meshnet_node.runtime import build_runtime, create_app
     from meshnet_node.serve import check_port, free_port, run
+
+    try:  # the cheap checks first: a typo should not wait for torch to import
+        port = args.port or free_port(args.host)
+        check_port(args.host, port)
+    except OSError as exc:
+        fail(PROG, str(exc), code=1)
+    from meshnet_node.runtime import build_runtime, create_app
 
     metrics = Metrics()  # this node's registry: counts the shard fetch below too
     try:
-        port = args.port or free_port(args.host)
-        check_port(args.host, port)
         if args.tracker:
             wait_for_tracker(args.tracker, args.tracker_wait)
         args.node_id = args.node_id or f"node-{uuid.uuid4().hex[:12]}"

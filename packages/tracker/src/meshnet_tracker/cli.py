@@ -68,16 +68,20 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _main(argv: Sequence[str] | None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    from meshnet_node.runtime import build_runtime
+    models_dir = Path(args.models_dir) if args.models_dir else None
+    if models_dir is not None and not models_dir.is_dir():  # before the slow imports
+        fail(PROG, f"--models-dir {models_dir}: no such directory", code=1)
     from meshnet_node.serve import check_port, run
+
+    try:
+        check_port(args.host, args.port)
+    except OSError as exc:
+        fail(PROG, str(exc), code=1)
+    from meshnet_node.runtime import build_runtime
     from meshnet_tracker.app import _local_route_provider, create_app
     from meshnet_tracker.settings import TrackerSettings
 
     try:
-        models_dir = Path(args.models_dir) if args.models_dir else None
-        if models_dir is not None and not models_dir.is_dir():
-            raise ValueError(f"--models-dir {models_dir}: no such directory")
-        check_port(args.host, args.port)
         url = f"http://{args.host}:{args.port}"
         node = None
         state_ref: list = []

@@ -1,0 +1,104 @@
+"""The two commands' --help is complete, and start-up errors are one clear line + non-zero
+exit, never a traceback (real processes; the error cases run side by side)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from meshnet_node.cli import build_parser as node_parser
+from meshnet_node.serve import free_port
+from meshnet_tracker.cli import build_parser as tracker_parser
+
+MODEL = "meshnet-tiny/llama"
+
+
+@pytest.mark.parametrize("build", [tracker_parser, node_parser], ids=["tracker", "node"])
+def test_help_documents_every_flag(build):
+    parser = build()
+    text = parser.format_help()
+    assert "SUPPRESS" not in text and "--fault-inject" not in text  # test-only flag stays hidden
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or not action.option_strings:
+            continue
+        flag = action.option_strings[-1]
+        assert flag in text, flag
+        assert action.help and len(action.help) > 10, f"{flag} has no real help"
+        if action.dest != "help":
+            assert f"[env MESHNET_{action.dest.upper()}]" in action.help, flag
+    for must in ("--log-level", "--log-format", "--swarm-token", "examples:", "(default: "):
+        assert must in text
+
+
+@pytest.mark.integration
+def test_startup_errors_are_one_clear_line(models_dir, tiny_snapshot, swarm_factory, tmp_path):
+    tiny_snapshot("llama")
+    tracker = swarm_factory().tracker().wait_healthy()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    busy_port = str(busy.getsockname()[1])
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    quiet = ["--log-level", "warning"]
+    cases = {
+        "tracker: port in use": (
+            ["meshnet_tracker.cli", "--models-dir", str(models_dir), "--port", busy_port],
+            "meshnet-tracker: error: cannot listen on 127.0.0.1:" + busy_port,
+        ),
+        "tracker: models dir missing": (
+            ["meshnet_tracker.cli", "--models-dir", str(tmp_path / "nope"), "--port", "0"],
+            "meshnet-tracker: error: --models-dir",
+        ),
+        "tracker: unknown model": (
+            ["meshnet_tracker.cli", "--models-dir", str(models_dir), "--port", str(free_port()),
+             "--model-id", "nope/none", "--shard-start", "0", "--shard-end", "2"],
+            "meshnet-tracker: error: model 'nope/none' not found",
+        ),
+        "node: models dir missing": (
+            ["meshnet_node.cli", "--models-dir", str(tmp_path / "nope"), "--model-id", MODEL,
+             "--shard-start", "0", "--shard-end", "6"],
+            "meshnet-node: error: --models-dir",
+        ),
+        "node: tracker unreachable": (
+            ["meshnet_node.cli", "--tracker", nowhere, "--tracker-wait", "1", *quiet],
+            f"meshnet-node: error: tracker {nowhere} unreachable after 1s",
+        ),
+        "node: unknown model": (
+            ["meshnet_node.cli", "--tracker", tracker.url, "--model-id", "nope/none",
+             "--shard-start", "0", "--shard-end", "2", "--cache-dir", str(tmp_path / "cache"),
+             *quiet],
+            "meshnet-node: error: unknown model 'nope/none'",
+        ),
+    }  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs = {
+            name: subprocess.Popen(
+                [sys.executable, "-m", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )  # fmt: skip
+            for name, (args, _) in cases.items()
+        }
+        outputs = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
+    finally:
+        busy.close()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    for name, (stdout, stderr) in outputs.items():
+        expected = cases[name][1]
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert procs[name].returncode not in (0, None), name
+        assert "Traceback" not in stderr, f"{name}:\n{stderr}"
+        assert len(lines) == 1, f"{name}: want one line, got:\n{stderr}"
+        assert lines[0].startswith(expected), f"{name}: {lines[0]!r}"
+        assert stdout == "", f"{name}: {stdout!r}"
