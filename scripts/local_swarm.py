@@ -1,13 +1,18 @@
-"""Bring up a local swarm on SmolLM2: a tracker node plus one more node, on this machine.
+"""Bring up a local swarm on SmolLM2: a tracker node plus one node that joins with no model.
 
-Imports the model if it is missing, waits until every layer is covered, prints how to
-call it, and serves until Ctrl-C (``--demo``: run one completion and exit).
+``make swarm`` runs this: it imports SmolLM2 if it is missing, starts the tracker node
+(layers [0, 15) in the tracker process), then a node with no model and no models dir — the
+tracker assigns it the uncovered layers and sends it just those weights — waits until every
+layer is covered, prints the dashboard URL and working ``curl`` and ``openai`` examples, and
+serves until Ctrl-C, then stops both processes cleanly. ``--demo`` (``make demo``) runs one
+completion instead and exits.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,92 +23,158 @@ import httpx
 
 from meshnet_common.gguf_import import import_smollm2
 from meshnet_common.models_dir import find_snapshot
-from meshnet_node.serve import free_port
+from meshnet_node.serve import check_port, free_port
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SPLIT = 15  # the tracker node serves [0, 15), the other node [15, 30)
+HEAD_LAYERS = 15  # the tracker node serves [0, 15); the joining node is assigned the rest
+PROMPT = "The capital of France is"
+STOP_TIMEOUT_S = 20.0
 
 
-def wait_covered(url: str, procs: list[subprocess.Popen], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for proc in procs:
+class Swarm:
+    """The two child processes, their log files, and a clean stop."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str]) -> None:
+        log = open(self.run_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
+        # Own process group: Ctrl-C reaches only this script, which stops the node first.
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, process_group=0
+        )
+        self.procs.append((name, proc))
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
             if proc.poll() is not None:
-                raise SystemExit(f"a swarm process exited early (code {proc.returncode})")
+                tail = (self.run_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"{name} exited early (code {proc.returncode}):\n{tail}")
+
+    def stop(self) -> None:
+        """SIGTERM, the node first so that it can deregister from the still-running tracker."""
+        for _name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def wait_covered(url: str, swarm: Swarm, timeout: float = 600.0) -> dict:
+    """Poll the dashboard JSON until every layer of MODEL is served; returns the snapshot."""
+    deadline = time.monotonic() + timeout
+    reported = None
+    while time.monotonic() < deadline:
+        swarm.check_alive()
         try:
-            models = httpx.get(f"{url}/v1/coverage", timeout=2).json()["models"]
-            if any(m["id"] == MODEL and m["covered"] for m in models):
-                return
+            data = httpx.get(f"{url}/v1/dashboard", timeout=2).json()
         except httpx.HTTPError:
-            pass
+            data = None
+        if data is not None:
+            model = next((m for m in data["models"] if m["id"] == MODEL), None)
+            if model is not None and model["covered"]:
+                return data
+            if model is not None and model["gaps"] != reported:
+                reported = model["gaps"]
+                gaps = ", ".join(f"[{a}, {b})" for a, b in reported)
+                print(f"  waiting for layers {gaps} ...", flush=True)
         time.sleep(0.5)
-    raise SystemExit(f"the swarm did not cover {MODEL} within {timeout:.0f}s")
+    raise SystemExit(
+        f"the swarm did not cover {MODEL} within {timeout:.0f}s; logs: {swarm.run_dir}"
+    )
 
 
-def demo(url: str) -> None:
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12,
-            "temperature": 0}  # fmt: skip
-    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-    print(json.dumps(reply, indent=2))
-
-
-def usage_text(url: str) -> str:
+def usage_text(url: str, data: dict, run_dir: Path) -> str:
+    nodes = "\n".join(
+        f"    {n['node_id']:<14} layers [{n['shard_start']}, {n['shard_end']})  {n['url']}"
+        for n in data["nodes"]
+    )
+    python = Path(sys.executable)
+    with contextlib.suppress(ValueError):  # ".venv/bin/python" reads better
+        python = python.relative_to(Path.cwd())
     return f"""
-meshnet swarm is up: {url}
-  coverage:  curl -s {url}/v1/coverage
+meshnet swarm is up: {MODEL} on {len(data["nodes"])} nodes
+{nodes}
+
+  dashboard:  {url}/
+  metrics:    {url}/metrics
+  logs:       {run_dir}/
 
   curl -s {url}/v1/completions -H 'content-type: application/json' \\
-    -d '{{"model": "{MODEL}", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}}'
+    -d '{{"model": "{MODEL}", "prompt": "{PROMPT}", "max_tokens": 16, "temperature": 0}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
-print(c.chat.completions.create(model='{MODEL}', messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
+  {python} -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='{MODEL}', messages=[{{'role': 'user', 'content': 'Hi!'}}], max_tokens=32).choices[0].message.content)"
 
 Ctrl-C stops the swarm.
 """
 
 
+def demo(url: str) -> None:
+    """One completion through the OpenAI client, as the printed example does."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    print(f"\n{PROMPT!r} -> {reply.choices[0].text!r}")
+    print(f"usage: {reply.usage.prompt_tokens} prompt + {reply.usage.completion_tokens} tokens")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models-dir", default="models")
-    parser.add_argument("--port", type=int, default=8080)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models-dir", default="models", help="where SmolLM2 is (imported)")
+    parser.add_argument("--port", type=int, default=8080, help="the tracker's port")
+    parser.add_argument(
+        "--run-dir", default=".cache/local-swarm", help="logs and the joining node's cache"
+    )
     parser.add_argument("--demo", action="store_true", help="run one completion, then exit")
     args = parser.parse_args()
+    try:
+        check_port("127.0.0.1", args.port)
+    except OSError as exc:
+        raise SystemExit(f"local_swarm: {exc} (another swarm running? try --port)") from None
     models_dir = Path(args.models_dir)
     models_dir.mkdir(parents=True, exist_ok=True)
     if find_snapshot(models_dir, MODEL, "plain") is None:
         print(f"importing {MODEL} into {models_dir} (once, ~40 s) ...", flush=True)
     import_smollm2(models_dir)
+    run_dir = Path(args.run_dir).resolve()
+    node_cache = run_dir / "node-cache"
+    shutil.rmtree(node_cache, ignore_errors=True)  # the node receives its weights every run
+    run_dir.mkdir(parents=True, exist_ok=True)
+
     url = f"http://127.0.0.1:{args.port}"
-    py = sys.executable
-    procs = [
-        subprocess.Popen([py, "-m", "meshnet_tracker.cli", "--models-dir", str(models_dir),
-                          "--port", str(args.port), "--model-id", MODEL, "--shard-start", "0",
-                          "--shard-end", str(SPLIT), "--log-level", "warning"]),
-        subprocess.Popen([py, "-m", "meshnet_node.cli", "--tracker", url, "--models-dir",
-                          str(models_dir), "--model-id", MODEL, "--shard-start", str(SPLIT),
-                          "--shard-end", "30", "--port", str(free_port()),
-                          "--log-level", "warning"]),
-    ]  # fmt: skip
+    swarm = Swarm(run_dir)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if inherited ignored
     try:
-        wait_covered(url, procs)
+        print(f"starting the tracker node: {MODEL} layers [0, {HEAD_LAYERS}) at {url}", flush=True)
+        swarm.start("tracker", [
+            "meshnet_tracker.cli", "--models-dir", str(models_dir), "--port", str(args.port),
+            "--model-id", MODEL, "--shard-start", "0", "--shard-end", str(HEAD_LAYERS),
+        ])  # fmt: skip
+        print("starting a node with no model: the tracker assigns its layers and sends it "
+              "their weights", flush=True)  # fmt: skip
+        swarm.start("node", [
+            "meshnet_node.cli", "--tracker", url, "--node-id", "local-node",
+            "--port", str(free_port()), "--cache-dir", str(node_cache),
+        ])  # fmt: skip
+        data = wait_covered(url, swarm)
         if args.demo:
             demo(url)
             return
-        print(usage_text(url), flush=True)
-        signal.signal(signal.SIGTERM, _interrupt)
+        print(usage_text(url, data, run_dir), flush=True)
         while True:
+            swarm.check_alive()
             time.sleep(1)
     except KeyboardInterrupt:
-        pass
+        print("\nstopping ...", flush=True)
     finally:
-        # Nodes first, so they can deregister from the still-running tracker.
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        swarm.stop()
         print("swarm stopped", flush=True)
 
 

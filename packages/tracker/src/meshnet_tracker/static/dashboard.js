@@ -91,7 +91,7 @@ function renderNode(node, interval) {
     "tr",
     { "data-node-id": node.node_id, class: stale ? "stale" : "" },
     el("td", {}, el("code", {}, node.node_id), el("div", { class: "url" }, node.url)),
-    el("td", {}, node.model_id),
+    el("td", { class: "model", title: node.model_id }, node.model_id),
     el("td", {}, range(node.shard_start, node.shard_end)),
     el("td", { class: `state-${node.state}` }, node.state),
     el("td", {}, node.quantization),
