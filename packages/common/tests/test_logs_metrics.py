@@ -69,10 +69,15 @@ def test_context_ids_are_per_task():
     assert request_id_var.get() is None
 
 
-def test_request_ids_accepted_only_when_sane():
+def test_ids_accepted_only_when_sane():
     assert accept_request_id("abc-DEF_1.2") == "abc-DEF_1.2"
     for bad in (None, "", "x" * 65, "has space", "new\nline", 'quo"te'):
         assert accept_request_id(bad).startswith("req-")
+    bind_session("9f" * 16)
+    assert _record("x").session_id == "9f" * 16
+    for bad in ("x" * 129, "a b", "<script>"):
+        bind_session(bad)
+        assert _record("x").session_id is None
 
 
 def test_registries_are_per_service_and_callbacks_read_live_values():

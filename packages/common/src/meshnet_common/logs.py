@@ -33,6 +33,7 @@ session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 H_REQUEST_ID = "x-request-id"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_SESSION_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")  # the rule of check_session_id
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("logfmt", "json")
 
@@ -49,8 +50,10 @@ def accept_request_id(offered: str | None) -> str:
 
 
 def bind_session(session_id: str | None) -> None:
-    """Tag the rest of this task's log lines with ``session_id``."""
-    session_id_var.set(session_id)
+    """Tag the rest of this task's log lines with ``session_id`` (if it is a sane token:
+    a header from the network is never echoed into logs as is)."""
+    ok = session_id is not None and _SESSION_ID.match(session_id) is not None
+    session_id_var.set(session_id if ok else None)
 
 
 def event(logger: logging.Logger, level: int, message: str, **fields) -> None:
