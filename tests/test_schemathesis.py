@@ -51,6 +51,7 @@ from meshnet_common.protocol import (
     H_SESSION,
     H_SESSION_KEY,
 )
+from meshnet_node.hops import HttpxHops
 from meshnet_node.runtime import NodeRuntime, build_runtime
 from meshnet_node.runtime import create_app as create_node_app
 from meshnet_node.settings import NodeSettings
@@ -123,7 +124,7 @@ def node(tiny_snapshot) -> Iterator[Service]:
         ),
         route_provider=whole_model_here,
     )
-    runtime.service.client = httpx.AsyncClient(transport=httpx.MockTransport(_refuse))
+    runtime.service.hops = HttpxHops(httpx.AsyncClient(transport=httpx.MockTransport(_refuse)))
     app = create_node_app(runtime)
     app.state.shards = ShardServer(runtime.own_snapshot)  # what meshnet-node's CLI does
     with TestClient(app, raise_server_exceptions=False) as client:

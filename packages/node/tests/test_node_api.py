@@ -6,7 +6,6 @@ node's hop client is swapped for one that dispatches on the URL's host to in-pro
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from meshnet_common.protocol import (
     H_SESSION_KEY,
     SamplingSpec,
 )
+from meshnet_node.hops import HttpxHops
 from meshnet_node.loader import load_shard
 from meshnet_node.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
@@ -94,9 +94,7 @@ def running(
 
     runtime = build_runtime(settings, route_provider=route_provider)
     if peers is not None:
-        unused = runtime.service.client
-        runtime.service.client = httpx.AsyncClient(transport=AppsTransport(peers))
-        asyncio.run(unused.aclose())
+        runtime.service.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport(peers)))
     app = create_app(runtime)
     with TestClient(app) as http:
         yield InProcessNode(runtime, app, http)
@@ -226,8 +224,9 @@ def step_tail(tail: InProcessNode, session_id: str, position: int, *, key: str =
 def assert_token(resp: httpx.Response) -> int:
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    assert set(body) == {"token_id", "logprob", "top_logprobs"}
+    assert set(body) == {"token_id", "logprob", "top_logprobs", "compute_ms"}
     assert 0 <= body["token_id"] < 512
+    assert body["compute_ms"] and all(ms > 0 for ms in body["compute_ms"])  # one per hop
     return body["token_id"]
 
 

@@ -167,6 +167,9 @@ class StepResult(BaseModel):
     token_id: int | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
+    # Model compute of each hop for this step, in route order (ms): the head subtracts it
+    # from the step's wall time to see what serving and the network cost per hop.
+    compute_ms: list[float] = Field(default_factory=list, max_length=64)
 
 
 class AssignRequest(Strict):

@@ -71,7 +71,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
             action.help = f"{action.help or ''} [env {name}]".strip()
             if name in os.environ:
                 raw = os.environ[name]
-                if isinstance(action, argparse._StoreTrueAction):
+                if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
                     action.default = raw.lower() in ("1", "true", "yes", "on")
                 elif isinstance(action, argparse._AppendAction):
                     action.default = [v for v in raw.split(",") if v]

@@ -67,6 +67,10 @@ def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) ->
         "--max-decode-batch", type=int, default=32,
         help="decode steps of concurrent sessions merged into one pass (1: no batching)",
     )  # fmt: skip
+    data.add_argument(
+        "--inline-decode", action=argparse.BooleanOptionalAction, default=True,
+        help="run a lone decode step on the event loop's thread (no thread hand-off)",
+    )  # fmt: skip
     data.add_argument("--zstd-level", type=int, default=1, help="activation compression level")
     data.add_argument(
         "--connect-timeout", type=float, default=5.0, help="per-hop connect timeout, seconds"
@@ -168,6 +172,7 @@ def shard_settings(args, *, model_path: Path, host: str, port: int, **extra) -> 
         kv_budget_tokens=args.kv_budget_tokens,
         chunk_tokens=args.chunk_tokens,
         max_decode_batch=args.max_decode_batch,
+        inline_decode=args.inline_decode,
         threads=args.threads,
         zstd_level=args.zstd_level,
         timeouts=HopTimeouts(args.connect_timeout, args.chunk_timeout, args.step_timeout),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import statistics
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -46,6 +48,40 @@ class GeneratedToken:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    timing: dict | None = None  # on the last token: where decode time went (StepTimings)
+
+
+@dataclass
+class StepTimings:
+    """Wall time of each decode step at the head against the model compute inside it.
+
+    What is left after compute is serving overhead: serialization, HTTP, scheduling and
+    thread hand-offs, spread over the route's network hops.
+    """
+
+    hops: int = 0
+    wall_ms: list[float] = field(default_factory=list)
+    compute_ms: list[float] = field(default_factory=list)
+
+    def add(self, wall_s: float, compute_ms: list[float], hops: int) -> None:
+        self.hops = hops
+        self.wall_ms.append(wall_s * 1000)
+        self.compute_ms.append(sum(compute_ms))
+
+    def summary(self) -> dict | None:
+        if not self.wall_ms:
+            return None
+        overhead = [w - c for w, c in zip(self.wall_ms, self.compute_ms, strict=True)]
+        out = {
+            "decode_steps": len(self.wall_ms),
+            "hops": self.hops,
+            "step_ms_p50": round(statistics.median(self.wall_ms), 3),
+            "compute_ms_p50": round(statistics.median(self.compute_ms), 3),
+            "overhead_ms_p50": round(statistics.median(overhead), 3),
+        }
+        if self.hops:
+            out["overhead_per_hop_ms_p50"] = round(statistics.median(overhead) / self.hops, 3)
+        return out
 
 
 class TextAssembler:
@@ -152,6 +188,7 @@ class HeadGenerator:
         assembler = TextAssembler(self.tokenizer, request.stop)
         history = list(request.prompt_ids)
         metrics = self.service.metrics
+        timings = StepTimings()
         try:
             with metrics.timer(metrics.prefill_seconds):
                 result = await self._advance(stage, chain, request, history, None, reroute)
@@ -165,11 +202,17 @@ class HeadGenerator:
                     finish = "length"
                 if finish is not None:
                     delta += assembler.finish()
-                yield GeneratedToken(token, delta, result.logprob, result.top_logprobs, finish)
+                yield GeneratedToken(
+                    token, delta, result.logprob, result.top_logprobs, finish,
+                    timings.summary() if finish is not None else None,
+                )  # fmt: skip
                 if finish is not None:
                     return
+                started, failovers = time.perf_counter(), chain.failovers
                 with metrics.timer(metrics.decode_seconds):
                     result = await self._advance(stage, chain, request, history, token, reroute)
+                if chain.failovers == failovers:  # a replayed step says nothing of overhead
+                    timings.add(time.perf_counter() - started, result.compute_ms, len(chain.route))
                 history.append(token)
         finally:
             await self._close(stage, chain.session_id, chain.key, chain.route)
@@ -342,7 +385,9 @@ class HeadGenerator:
         out = await self._local(stage, session_id, key, token_ids, position, True)
         if not route:  # head is also the tail
             return _as_result(out)
-        return await self._send(out, session_id, key, position, route, 0, True, None)
+        result = await self._send(out, session_id, key, position, route, 0, True, None)
+        result.compute_ms.insert(0, out.compute_s * 1000)
+        return result
 
     async def _close(self, stage, session_id: str, key: str, route: tuple[str, ...]) -> None:
         stage.close_session(session_id)
@@ -352,9 +397,13 @@ class HeadGenerator:
 
 
 def _as_result(out: StepOutput) -> StepResult:
+    compute_ms = [out.compute_s * 1000]
     if out.token is None:
-        return StepResult()
+        return StepResult(compute_ms=compute_ms)
     token = out.token
     return StepResult(
-        token_id=token.token_id, logprob=token.logprob, top_logprobs=token.top_logprobs
+        token_id=token.token_id,
+        logprob=token.logprob,
+        top_logprobs=token.top_logprobs,
+        compute_ms=compute_ms,
     )

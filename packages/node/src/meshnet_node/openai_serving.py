@@ -43,6 +43,10 @@ class Choice:
     def finish_reason(self) -> str:
         return self.tokens[-1].finish_reason if self.tokens else "length"
 
+    @property
+    def timing(self) -> dict | None:
+        return self.tokens[-1].timing if self.tokens else None
+
 
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
@@ -272,6 +276,7 @@ class OpenAIServing:
                 for c in choices
             ],
             "usage": _usage(choices),
+            **_timing(choices),
         }
 
     def chat_response(self, request: ChatCompletionRequest, choices: list[Choice]) -> dict:
@@ -355,6 +360,12 @@ class OpenAIServing:
             yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                  "code": None}})  # fmt: skip
         yield sse("[DONE]")
+
+
+def _timing(choices: list[Choice]) -> dict:
+    """meshnet's extension field: where the first choice's decode time went (see README)."""
+    timing = choices[0].timing if choices else None
+    return {"meshnet_timing": timing} if timing else {}
 
 
 def _usage(choices: list[Choice]) -> dict:

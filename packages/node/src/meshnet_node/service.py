@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
 import torch
 
 from meshnet_common import wire
@@ -28,6 +27,7 @@ from meshnet_common.protocol import (
     validate_session_id,
 )
 from meshnet_node.auth import swarm_headers
+from meshnet_node.hops import AiohttpHops, HopTransport, HopUnreachable
 from meshnet_node.sampling import SamplingParams
 from meshnet_node.settings import NodeSettings
 from meshnet_node.stage import DecodeItem, Stage, StepOutput
@@ -167,6 +167,17 @@ def step_headers(
     return headers
 
 
+def _timed(fn, *args, **kwargs):
+    """Call ``fn``; StepOutputs it returns learn how long it took (a batch shares it)."""
+    started = time.perf_counter()
+    result = fn(*args, **kwargs)
+    elapsed = time.perf_counter() - started
+    for out in result if isinstance(result, list) else (result,):
+        if isinstance(out, StepOutput):
+            out.compute_s = elapsed
+    return result
+
+
 class DecodeBatcher:
     """Merges decode steps of different sessions that wait for the compute thread into one
     forward pass (``Stage.step_batch``): weights are read once for the whole batch.
@@ -184,6 +195,14 @@ class DecodeBatcher:
         self.batched_steps = 0
 
     async def submit(self, stage: Stage, item: DecodeItem) -> StepOutput:
+        if not self._queue and self.service.inline_ok(stage):
+            # The only session on an idle node: run on the event loop's thread. A hand-off
+            # to the compute thread and back costs two wake-ups (milliseconds on a busy or
+            # virtualized host), and with no other session there is nothing to batch with.
+            return self.service.compute_inline(
+                stage.step, item.session_id, item.position, token_ids=item.token_ids,
+                hidden=item.hidden, owner=item.owner, sample=item.sample,
+            )  # fmt: skip
         future = asyncio.get_running_loop().create_future()
         self._queue.append((stage, item, future))
         if self._worker is None or self._worker.done():
@@ -246,15 +265,15 @@ class NodeService:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._turns: dict[str, asyncio.Condition] = {}
         t = settings.timeouts
-        self.client = httpx.AsyncClient(
-            headers=swarm_headers(settings.swarm_token),
-            timeout=httpx.Timeout(t.prefill_chunk, connect=t.connect),
-            limits=httpx.Limits(max_keepalive_connections=32, max_connections=128),
+        self.hops: HopTransport = AiohttpHops(
+            headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect
         )
         self.tokens_generated = 0  # sampled here (tail)
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
         self.metrics = metrics or Metrics()
         self.batcher = DecodeBatcher(self, max_batch=settings.max_decode_batch)
+        self._in_flight = 0  # steps on the compute thread (or inline) right now
+        self.inline_decode = settings.inline_decode
 
     def stage_for(self, session_id: str) -> Stage:
         """The stage holding ``session_id``: sessions opened before a reshard stay put."""
@@ -268,7 +287,7 @@ class NodeService:
         self.retiring, self.stage = self.stage, stage
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.hops.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def run_stage(
@@ -294,8 +313,31 @@ class NodeService:
         )  # fmt: skip
 
     async def compute(self, fn, *args, **kwargs):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+        """Run ``fn`` on the compute thread; StepOutputs learn how long it took."""
+        self._in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: _timed(fn, *args, **kwargs)
+            )
+        finally:
+            self._in_flight -= 1
+
+    def inline_ok(self, stage: Stage) -> bool:
+        """Whether a decode step may run on the caller's thread: allowed by the settings,
+        nothing else computing, and no other session that could send a step to batch."""
+        return (
+            self.inline_decode
+            and self._in_flight == 0
+            and self.retiring is None
+            and len(stage.sessions) <= 1
+        )
+
+    def compute_inline(self, fn, *args, **kwargs):
+        self._in_flight += 1
+        try:
+            return _timed(fn, *args, **kwargs)
+        finally:
+            self._in_flight -= 1
 
     # -- ordering of pipelined chunks --------------------------------------------------------
 
@@ -371,14 +413,15 @@ class NodeService:
             raise
         if stage.shard.is_tail:
             if out.token is None:
-                return StepResult()
+                return StepResult(compute_ms=[out.compute_s * 1000])
             self.tokens_generated += 1
             return StepResult(
                 token_id=out.token.token_id,
                 logprob=out.token.logprob,
                 top_logprobs=out.token.top_logprobs,
+                compute_ms=[out.compute_s * 1000],
             )
-        return await self.send(
+        result = await self.send(
             req.route[0],
             out.hidden,
             session_id=req.session_id,
@@ -389,6 +432,9 @@ class NodeService:
             sample=req.sample,
             open_spec=self._relayed_open(stage, req),
         )
+        if len(result.compute_ms) < 64:
+            result.compute_ms.insert(0, out.compute_s * 1000)
+        return result
 
     async def _run_step(self, stage: Stage, req: StepRequest) -> StepOutput:
         await self.wait_for_turn(req)
@@ -444,26 +490,30 @@ class NodeService:
         self.metrics.wire_sent.inc(len(frame))
         started = time.perf_counter()
         try:
-            resp = await self.client.post(
-                f"{hop.rstrip('/')}/v1/forward", content=frame, headers=headers, timeout=timeout
-            )
-        except httpx.HTTPError as exc:
-            raise HopError(f"hop {hop} failed: {type(exc).__name__}: {exc}", hop=hop) from exc
+            resp = await self.hops.request(
+                "POST", f"{hop.rstrip('/')}/v1/forward", headers=headers, body=frame,
+                timeout=timeout,
+            )  # fmt: skip
+        except HopUnreachable as exc:
+            raise HopError(f"hop {hop} failed: {exc}", hop=hop) from exc
         self.metrics.hop_seconds.labels(hop).observe(time.perf_counter() - started)
-        if resp.status_code != 200:
+        if resp.status != 200:
             try:
-                body = resp.json()
+                body = json.loads(resp.body)
             except ValueError:
                 body = None
+            if not isinstance(body, dict):
+                body = None
             # 4xx and 503 (a full node) keep their meaning; anything else is a broken hop.
-            status = (
-                resp.status_code
-                if 400 <= resp.status_code < 500 or resp.status_code == 503
-                else 502
+            status = resp.status if 400 <= resp.status < 500 or resp.status == 503 else 502
+            message = (body or {}).get("error", {}).get("message") or resp.body[:200].decode(
+                "utf-8", "replace"
             )
-            message = (body or {}).get("error", {}).get("message", resp.text[:200])
             raise HopError(f"hop {hop}: {message}", status=status, hop=hop, body=body)
-        return StepResult.model_validate_json(resp.content)
+        try:
+            return StepResult.model_validate_json(resp.body)
+        except ValueError as exc:
+            raise HopError(f"hop {hop} answered a malformed step result", hop=hop) from exc
 
     async def close_session(self, session_id: str, session_key: str | None, route) -> None:
         """Free a session here and (best effort) on every later hop."""
@@ -483,8 +533,9 @@ class NodeService:
         if route:
             headers[H_ROUTE] = ",".join(route)
         try:
-            await self.client.delete(
-                f"{hop.rstrip('/')}/v1/sessions/{session_id}", headers=headers, timeout=5.0
-            )
-        except httpx.HTTPError as exc:  # the hop's idle timeout frees it anyway
+            await self.hops.request(
+                "DELETE", f"{hop.rstrip('/')}/v1/sessions/{session_id}", headers=headers,
+                body=None, timeout=5.0,
+            )  # fmt: skip
+        except HopUnreachable as exc:  # the hop's idle timeout frees it anyway
             logger.warning("could not close session %s on %s: %s", session_id, hop, exc)

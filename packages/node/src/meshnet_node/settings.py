@@ -37,6 +37,7 @@ class NodeSettings:
     session_idle_timeout_s: float = 300.0
     chunk_tokens: int = 128
     max_decode_batch: int = 32  # decode steps of different sessions merged per pass (1: off)
+    inline_decode: bool = True  # a lone decode step runs on the event loop's thread
     max_body_bytes: int = 64 * 1024 * 1024  # one activation frame
     max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body
     heartbeat_interval_s: float = 2.0

@@ -38,6 +38,7 @@ class StepOutput:
     hidden: torch.Tensor | None = None  # (1, T, H) in the stage's activation dtype
     logits: torch.Tensor | None = None  # (V,) float32, tail only
     token: SampledToken | None = None  # tail only, when the session samples
+    compute_s: float = 0.0  # time on the compute thread (shared by a batch's steps)
 
 
 class Stage:
