@@ -131,6 +131,8 @@ def zstd(body: bytes, *, content_size: bool = True) -> bytes:
     return zstandard.ZstdCompressor(level=1, write_content_size=content_size).compress(body)
 
 
+SPLIT = wire.FLAG_SHUFFLED | wire.FLAG_ZSTD | wire.FLAG_SPLIT
+
 MALFORMED = {
     "empty": b"",
     "truncated header": GOOD[:7],
@@ -161,6 +163,17 @@ MALFORMED = {
     "zstd declares fewer": f32_frame((3, 4), zstd(RAW_12[:-4]), wire.FLAG_ZSTD),
     "zstd declares more": f32_frame((3, 4), zstd(RAW_12 + bytes(4)), wire.FLAG_ZSTD),
     "zstd no content size": f32_frame((3, 4), zstd(RAW_12, content_size=False), wire.FLAG_ZSTD),
+    "split, length past the end": f32_frame((3, 4), struct.pack("<I", 999) + RAW_12, SPLIT),
+    "split, no length": f32_frame((3, 4), b"\x01", SPLIT),
+    "split, raw half short": f32_frame(
+        (3, 4), struct.pack("<I", len(zstd(RAW_12[24:]))) + zstd(RAW_12[24:]) + RAW_12[:20], SPLIT
+    ),
+    "split, high half not zstd": f32_frame((3, 4), struct.pack("<I", 24) + RAW_12, SPLIT),
+    "split without shuffle": f32_frame(
+        (3, 4),
+        struct.pack("<I", len(zstd(RAW_12[24:]))) + zstd(RAW_12[24:]) + RAW_12[:24],
+        wire.FLAG_ZSTD | wire.FLAG_SPLIT,
+    ),
     "zstd no size, shuffled": f32_frame(
         (3, 4), zstd(RAW_12, content_size=False), wire.FLAG_ZSTD | wire.FLAG_SHUFFLED
     ),
@@ -301,3 +314,15 @@ def test_bomb_within_a_lowered_max_bytes_is_payload_too_large(bomb):
     with PeakRss() as rss, pytest.raises(PayloadTooLarge):
         wire.decode_tensor(frame, max_bytes=1 << 20)
     assert rss.growth < MAX_RSS_GROWTH
+
+
+@pytest.mark.parametrize("tokens", [1, 128])
+def test_split_planes_shrink_activation_like_bf16(tokens):
+    """Normal-ish activations: the exponent planes compress, the mantissa ones are kept raw."""
+    hidden = (torch.randn(1, tokens, 576, generator=torch.Generator().manual_seed(0)) * 3).to(
+        torch.bfloat16
+    )
+    frame = wire.encode_tensor(hidden)
+    assert frame[5] == SPLIT
+    assert len(frame) <= 0.85 * hidden.numel() * 2
+    assert torch.equal(wire.decode_tensor(frame).view(torch.int16), hidden.view(torch.int16))
