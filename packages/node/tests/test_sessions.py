@@ -72,7 +72,7 @@ def test_bad_steps_are_rejected_and_session_survives(llama_stages):
         (InvalidRequest, lambda: tail.step("s", 0, hidden=good[:, :, :32])),  # hidden size
         (InvalidRequest, lambda: tail.step("s", 0, hidden=good.to(torch.float16))),  # dtype
         (InvalidRequest, lambda: tail.step("s", 0, hidden=good * float("nan"))),
-        (InvalidRequest, lambda: tail.step("s", 0, hidden=torch.zeros(1, 129, 64))),  # too long
+        (InvalidRequest, lambda: tail.step("s", 0, hidden=torch.zeros(1, 2049, 64))),  # too long
         (InvalidRequest, lambda: tail.step("s", 0, token_ids=torch.tensor([[1]]))),  # wrong input
         (InvalidRequest, lambda: head.step("s", 20, token_ids=torch.tensor([[10**6]]))),  # vocab
         (InvalidRequest, lambda: tail.step("s", -1, hidden=good)),

@@ -137,6 +137,9 @@ FAILOVER_DEADLINE_S = 120.0
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 2.0
 BAN_S = 30.0
+# Prefill: tokens the head runs through its layers per pass before sending them on in wire
+# chunks (ADR 0010). Larger passes cost less per token; smaller ones start the next hop sooner.
+PREFILL_PIECE_TOKENS = 512
 
 
 @dataclass
@@ -324,30 +327,45 @@ class HeadGenerator:
         request: GenerationRequest,
         route: tuple[str, ...],
     ) -> StepResult:
-        """Run the prompt in chunks; each chunk's send overlaps the next chunk's compute."""
+        """Run the prompt through the local layers in pieces and send it on in wire chunks.
+
+        The first piece is one wire chunk, so the next hops start early; later pieces are
+        ``PREFILL_PIECE_TOKENS`` long, since one pass over several chunks is much cheaper
+        than several passes. Each wire chunk's send overlaps the next piece's compute (the
+        next hop merges chunks that wait for it the same way). With no route, the whole
+        prompt runs in passes as large as the stage allows.
+        """
         chunk_tokens = stage.max_chunk_tokens
         ids = request.prompt_ids
-        chunks = [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)]
+        if route:
+            piece = max(chunk_tokens, PREFILL_PIECE_TOKENS // chunk_tokens * chunk_tokens)
+            bounds = [0, *range(chunk_tokens, len(ids), piece), len(ids)]
+        else:
+            bounds = [*range(0, len(ids), stage.max_merge_tokens), len(ids)]
+        bounds = sorted(set(b for b in bounds if b <= len(ids)))
         open_spec = {
             **request.sampling.model_dump(),
             "start_layer": stage.shard.layers.end,
         }
         pending: list[asyncio.Task] = []
         try:
-            position = 0
             result = StepResult()
-            for index, chunk in enumerate(chunks):
-                last = index == len(chunks) - 1
-                out = await self._local(stage, session_id, key, chunk, position, last)
-                if route:
+            index = 0
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                last = hi == len(ids)
+                out = await self._local(stage, session_id, key, ids[lo:hi], lo, last)
+                if not route:
+                    result = _as_result(out)
+                    continue
+                for start in range(lo, hi, chunk_tokens):
+                    end = min(start + chunk_tokens, hi)
+                    part = replace(out, hidden=out.hidden[:, start - lo : end - lo])
                     send = self._send(
-                        out, session_id, key, position, route, index, last,
+                        part, session_id, key, start, route, index, last and end == hi,
                         open_spec if index == 0 else None,
                     )  # fmt: skip
                     pending.append(asyncio.ensure_future(send))
-                else:
-                    result = _as_result(out)
-                position += len(chunk)
+                    index += 1
             if pending:
                 result = (await asyncio.gather(*pending))[-1]
             return result

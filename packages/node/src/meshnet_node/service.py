@@ -178,6 +178,16 @@ def _timed(fn, *args, **kwargs):
     return result
 
 
+@dataclass
+class _Waiting:
+    """A prefill chunk waiting for its turn; another chunk's pass may take it along."""
+
+    req: StepRequest
+    tensor: torch.Tensor
+    future: asyncio.Future
+    taken: bool = False
+
+
 class DecodeBatcher:
     """Merges decode steps of different sessions that wait for the compute thread into one
     forward pass (``Stage.step_batch``): weights are read once for the whole batch.
@@ -264,6 +274,9 @@ class NodeService:
         # One compute thread: torch parallelizes inside an op; steps of sessions queue here.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._turns: dict[str, asyncio.Condition] = {}
+        # Prefill chunks waiting for their turn, per session and position: the chunk whose
+        # turn comes takes its waiting successors along into one compute pass.
+        self._waiting: dict[str, dict[int, _Waiting]] = {}
         t = settings.timeouts
         self.hops: HopTransport = AiohttpHops(
             headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect
@@ -347,8 +360,9 @@ class NodeService:
             cond = self._turns[session_id] = asyncio.Condition()
         return cond
 
-    async def wait_for_turn(self, req: StepRequest) -> None:
-        """Pipelined prefill chunks may arrive out of order: wait until ours is next."""
+    async def wait_for_turn(self, req: StepRequest, me: _Waiting | None = None) -> None:
+        """Pipelined prefill chunks may arrive out of order: wait until ours is next (or
+        until an earlier chunk's pass took ours along)."""
         if req.chunk == 0:
             return
         cond = self._turn(req.session_id)
@@ -357,6 +371,8 @@ class NodeService:
             return self.stage_for(req.session_id).sessions.peek(req.session_id)
 
         def ready() -> bool:
+            if me is not None and me.taken:
+                return True
             current = session()
             return current is not None and current.length >= req.position
 
@@ -437,20 +453,87 @@ class NodeService:
         return result
 
     async def _run_step(self, stage: Stage, req: StepRequest) -> StepOutput:
-        await self.wait_for_turn(req)
         is_head = stage.shard.is_head
-        try:
+        token_ids, hidden = (req.tensor, None) if is_head else (None, req.tensor)
+        tensor = stage.check_inputs(token_ids, hidden)  # one wire chunk at most
+        if tensor.shape[1] == 1 and req.chunk == 0:  # a decode step (may be batched)
             return await self.run_stage(
-                stage,
-                req.session_id,
-                req.position,
-                token_ids=req.tensor if is_head else None,
-                hidden=None if is_head else req.tensor,
-                owner=req.session_key,
-                sample=req.sample,
-            )
+                stage, req.session_id, req.position, token_ids=token_ids, hidden=hidden,
+                owner=req.session_key, sample=req.sample,
+            )  # fmt: skip
+        waiting = self._waiting.setdefault(req.session_id, {})
+        if req.position in waiting:
+            raise Conflict(f"a chunk at position {req.position} is already waiting", code="dup")
+        me = _Waiting(req, tensor, asyncio.get_running_loop().create_future())
+        waiting[req.position] = me
+        try:
+            await self.wait_for_turn(req, me)
+            if me.taken:  # an earlier chunk's pass ran this one too
+                return await me.future
+            return await self._merged_pass(stage, me)
         finally:
+            if waiting.get(req.position) is me:
+                del waiting[req.position]
+            if not waiting and self._waiting.get(req.session_id) is waiting:
+                del self._waiting[req.session_id]
             await self._advance(req.session_id)
+
+    async def _merged_pass(self, stage: Stage, me: _Waiting) -> StepOutput:
+        """Run ``me`` with the contiguous chunks already waiting behind it, in one pass.
+
+        Each chunk still travels on to the next hop on its own; only the compute merges:
+        one pass over the weights is far cheaper than several small ones on a CPU.
+        """
+        waiting = self._waiting.get(me.req.session_id, {})
+        run, end = [me], me.req.position + me.tensor.shape[1]
+        tokens = me.tensor.shape[1]
+        while not run[-1].req.sample:
+            nxt = waiting.get(end)
+            if (
+                nxt is None
+                or nxt.taken
+                or nxt.req.session_key != me.req.session_key
+                or tokens + nxt.tensor.shape[1] > stage.max_merge_tokens
+            ):
+                break
+            nxt.taken = True
+            run.append(nxt)
+            end += nxt.tensor.shape[1]
+            tokens += nxt.tensor.shape[1]
+        for member in run:
+            if waiting.get(member.req.position) is member:
+                del waiting[member.req.position]
+        is_head = stage.shard.is_head
+        merged = me.tensor if len(run) == 1 else torch.cat([m.tensor for m in run], dim=1)
+        try:
+            out = await self.compute(
+                stage.step, me.req.session_id, me.req.position,
+                token_ids=merged if is_head else None, hidden=None if is_head else merged,
+                owner=me.req.session_key, sample=run[-1].req.sample,
+            )  # fmt: skip
+        except BaseException as exc:
+            for member in run[1:]:
+                if not member.future.done():
+                    member.future.set_exception(exc)
+            raise
+        offset = 0
+        outs = []
+        for member in run:
+            width = member.tensor.shape[1]
+            last = member is run[-1]
+            outs.append(
+                StepOutput(
+                    hidden=None if out.hidden is None else out.hidden[:, offset : offset + width],
+                    logits=out.logits if last else None,
+                    token=out.token if last else None,
+                    compute_s=out.compute_s,
+                )
+            )
+            offset += width
+        for member, member_out in zip(run[1:], outs[1:], strict=True):
+            if not member.future.done():
+                member.future.set_result(member_out)
+        return outs[0]
 
     def _relayed_open(self, stage: Stage, req: StepRequest) -> dict | None:
         """The open header for the next hop: same sampling, entering where this stage ends."""
@@ -525,6 +608,9 @@ class NodeService:
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
         stage.close_session(session_id)
         self._turns.pop(session_id, None)
+        for member in self._waiting.pop(session_id, {}).values():
+            if not member.future.done():
+                member.future.set_exception(NotFound(f"session {session_id!r} was closed"))
         if route:
             await self.close_remote(route[0], session_id, session_key or "", route[1:])
 

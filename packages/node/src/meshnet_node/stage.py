@@ -49,12 +49,15 @@ class Stage:
         shard: LoadedShard,
         *,
         max_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        max_merge_tokens: int = 2048,
         kv_budget_tokens: int = 65536,
         idle_timeout_s: float = 300.0,
         max_sessions: int = 256,
     ) -> None:
         self.shard = shard
-        self.max_chunk_tokens = max_chunk_tokens
+        self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
+        # One compute pass: consecutive waiting prefill chunks run together (ADR 0010).
+        self.max_merge_tokens = max(max_chunk_tokens, max_merge_tokens)
         self.max_positions = int(
             getattr(shard.config, "max_position_embeddings", 0)
             or getattr(shard.config, "n_positions", 0)
@@ -99,10 +102,17 @@ class Stage:
 
     # -- validation -------------------------------------------------------------------------
 
-    def _check_inputs(
-        self, token_ids: torch.Tensor | None, hidden: torch.Tensor | None
+    def check_inputs(
+        self,
+        token_ids: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        *,
+        limit: int | None = None,
     ) -> torch.Tensor:
-        """Validate a step's input and return it shaped (1, T) ids or (1, T, H) hidden."""
+        """Validate a step's input and return it shaped (1, T) ids or (1, T, H) hidden.
+
+        ``limit``: most tokens in one step (default: a wire chunk, ``max_chunk_tokens``).
+        """
         shard = self.shard
         if shard.is_head:
             if token_ids is None or hidden is not None:
@@ -133,10 +143,10 @@ class Stage:
                 raise InvalidRequest("hidden states contain NaN or inf", param="hidden")
             tensor = hidden
         num_tokens = tensor.shape[1]
-        if not 0 < num_tokens <= self.max_chunk_tokens:
+        limit = self.max_chunk_tokens if limit is None else limit
+        if not 0 < num_tokens <= limit:
             raise InvalidRequest(
-                f"a step carries 1..{self.max_chunk_tokens} tokens, got {num_tokens}",
-                param="num_tokens",
+                f"a step carries 1..{limit} tokens, got {num_tokens}", param="num_tokens"
             )
         return tensor
 
@@ -160,7 +170,7 @@ class Stage:
         session = self.sessions.get(session_id, owner=owner)
         if not isinstance(position, int) or position < 0:
             raise InvalidRequest("position must be a non-negative integer", param="position")
-        tensor = self._check_inputs(token_ids, hidden)
+        tensor = self.check_inputs(token_ids, hidden, limit=self.max_merge_tokens)
         num_tokens = tensor.shape[1]
         if position + num_tokens > self.max_positions:
             raise InvalidRequest(
@@ -199,7 +209,7 @@ class Stage:
                 if item.session_id in seen:
                     raise InvalidRequest("one step per session in a batch", param="session_id")
                 session = self.sessions.get(item.session_id, owner=item.owner)
-                tensor = self._check_inputs(item.token_ids, item.hidden)
+                tensor = self.check_inputs(item.token_ids, item.hidden)
                 if tensor.shape[1] != 1 or item.position + 1 > self.max_positions:
                     raise InvalidRequest("a batched step is one token inside the context")
                 self.sessions.reserve(session, item.position, 1)
