@@ -196,13 +196,15 @@ class DecodeBatcher:
     steps arriving while the compute thread is busy are taken together next time.
     """
 
-    def __init__(self, service: NodeService, max_batch: int = 32) -> None:
+    def __init__(self, service: NodeService, max_batch: int = 32, gather_s: float = 0.005) -> None:
         self.service = service
         self.max_batch = max_batch
         self._queue: list[tuple[Stage, DecodeItem, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
         self.batches = 0
         self.batched_steps = 0
+        self.gather_s = gather_s
+        self._arrived = asyncio.Event()
 
     async def submit(self, stage: Stage, item: DecodeItem) -> StepOutput:
         if not self._queue and self.service.inline_ok(stage):
@@ -215,9 +217,30 @@ class DecodeBatcher:
             )  # fmt: skip
         future = asyncio.get_running_loop().create_future()
         self._queue.append((stage, item, future))
+        self._arrived.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.ensure_future(self._drain())
         return await future
+
+    async def _gather(self) -> None:
+        """Give the steps of other sessions a moment to arrive before a pass starts.
+
+        Sessions decode in lockstep along a chain: when one session's step reaches this node,
+        the others' are usually a few milliseconds behind it (still being parsed, or on the
+        previous hop). Waiting up to ``gather_s`` — less once every open session has a step
+        queued — turns a run of small passes into one large one.
+        """
+        stage = self._queue[0][0]
+        deadline = asyncio.get_running_loop().time() + self.gather_s
+        while len(self._queue) < min(len(stage.sessions), self.max_batch):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return
 
     def _take(self) -> tuple[Stage, list[tuple[DecodeItem, asyncio.Future]]]:
         stage = self._queue[0][0]
@@ -234,6 +257,8 @@ class DecodeBatcher:
 
     async def _drain(self) -> None:
         while self._queue:
+            if self.gather_s > 0:
+                await self._gather()
             stage, taken = self._take()
             items = [item for item, _ in taken]
             try:
