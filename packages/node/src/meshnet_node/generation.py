@@ -376,6 +376,7 @@ class HeadGenerator:
 
     async def _local(self, stage, session_id, key, token_ids, position, sample) -> StepOutput:
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
+        self.service.tokens_served += sample  # a sampled step: one more token through the head
         return await self.service.run_stage(
             stage,
             session_id,

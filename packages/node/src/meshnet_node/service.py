@@ -340,7 +340,6 @@ class NodeService:
         sample: bool = True,
     ) -> StepOutput:
         """Run a step on the compute thread; single-token decode steps may be batched."""
-        self.tokens_served += sample
         tensor = token_ids if token_ids is not None else hidden
         if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
             item = DecodeItem(session_id, position, token_ids, hidden, owner, sample)
@@ -452,6 +451,7 @@ class NodeService:
             if opened:  # an opening step that failed leaves no session behind
                 stage.close_session(req.session_id)
             raise
+        self.tokens_served += req.sample  # a sampled step: one more token through this stage
         if stage.shard.is_tail:
             if out.token is None:
                 return StepResult(compute_ms=[out.compute_s * 1000])
