@@ -326,3 +326,21 @@ def test_split_planes_shrink_activation_like_bf16(tokens):
     assert frame[5] == SPLIT
     assert len(frame) <= 0.85 * hidden.numel() * 2
     assert torch.equal(wire.decode_tensor(frame).view(torch.int16), hidden.view(torch.int16))
+
+
+def test_frames_encode_and_decode_on_many_threads_at_once():
+    """Chunks of one pass are packed in parallel: zstd contexts must not be shared."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = [torch.randn(1, 128, 256).to(torch.bfloat16) for _ in range(8)]
+
+    def round_trip(t: torch.Tensor) -> bool:
+        return all(
+            torch.equal(
+                wire.decode_tensor(wire.encode_tensor(t)).view(torch.int16), t.view(torch.int16)
+            )
+            for _ in range(20)
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(round_trip, tensors))

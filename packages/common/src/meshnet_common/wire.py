@@ -23,6 +23,7 @@ declare that content size, and decompression never produces more than it.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,8 +51,9 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 }
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
-_compressors: dict[int, zstandard.ZstdCompressor] = {}
-_DECOMPRESSOR = zstandard.ZstdDecompressor(max_window_size=1 << 27)
+# zstd contexts are not thread-safe, and frames are packed on several threads at once
+# (a pass's chunks are encoded in parallel): one set of contexts per thread.
+_local = threading.local()
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,18 @@ class WireOptions:
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
-    comp = _compressors.get(level)
+    compressors = _local.__dict__.setdefault("compressors", {})
+    comp = compressors.get(level)
     if comp is None:
-        comp = _compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        comp = compressors[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
     return comp
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_local, "decompressor", None)
+    if dctx is None:
+        dctx = _local.decompressor = zstandard.ZstdDecompressor(max_window_size=1 << 27)
+    return dctx
 
 
 def _shuffle(raw: np.ndarray, itemsize: int) -> bytes:
@@ -121,7 +131,7 @@ def _decompress_exact(body: bytes, expected: int) -> bytes:
         )
     # One pass, no stream reader: zstd checks the output against the declared size
     # (verified above), so the output stays bounded. Exactly one frame, nothing after it.
-    inflater = _DECOMPRESSOR.decompressobj()
+    inflater = _decompressor().decompressobj()
     try:
         out = inflater.decompress(body)
     except zstandard.ZstdError as exc:

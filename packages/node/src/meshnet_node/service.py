@@ -632,10 +632,12 @@ class NodeService:
         if session.owner is not None and session.owner != session_key:
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
         stage.close_session(session_id)
-        self._turns.pop(session_id, None)
         for member in self._waiting.pop(session_id, {}).values():
-            if not member.future.done():
+            if not member.future.done():  # its waiter wakes below and raises this
+                member.taken = True
                 member.future.set_exception(NotFound(f"session {session_id!r} was closed"))
+        await self._advance(session_id)
+        self._turns.pop(session_id, None)
         if route:
             await self.close_remote(route[0], session_id, session_key or "", route[1:])
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache, PreTrainedConfig
 
-from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, NotFound
+from meshnet_common.errors import CapacityExceeded, Conflict, NotFound
+from meshnet_common.protocol import validate_session_id
 from meshnet_node.sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,16 +33,8 @@ class Session:
 
 
 def check_session_id(session_id: object) -> str:
-    """Session ids are short printable tokens chosen by the head."""
-    if (
-        not isinstance(session_id, str)
-        or not 0 < len(session_id) <= MAX_SESSION_ID_LEN
-        or not all(c.isalnum() or c in "-_." for c in session_id)
-    ):
-        raise InvalidRequest(
-            "session id must be 1-128 characters of [A-Za-z0-9._-]", param="session_id"
-        )
-    return session_id
+    """Session ids are short URL-safe tokens chosen by the head (one rule, in protocol)."""
+    return validate_session_id(session_id if isinstance(session_id, str) else None)
 
 
 class SessionStore:
