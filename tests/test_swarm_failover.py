@@ -25,15 +25,23 @@ def swarm(smollm2_snapshot, models_dir, tmp_path):
         tracker = swarm.tracker(
             "--model-id", MODEL, "--shard-start", "0", "--shard-end", "10", *F32
         )
+        # The tail first: a middle node that registers while [20, 30) is still a gap would
+        # (rightly) be moved there by the tracker's coverage-first balancer.
+        swarm.node(tracker, MODEL, 20, 30, *F32, "--node-id", "tail").wait_healthy()
+        wait_for(lambda: gaps(tracker) == [[10, 20]], timeout=60)
         mid_a = swarm.node(tracker, MODEL, 10, 20, *F32, "--node-id", "mid-a")
         mid_b = swarm.node(tracker, MODEL, 10, 20, *F32, "--node-id", "mid-b")
-        swarm.node(tracker, MODEL, 20, 30, *F32, "--node-id", "tail")
         for proc in swarm.procs:
             proc.wait_healthy()
         wait_for(lambda: covered(tracker, MODEL), timeout=60)
         yield tracker, mid_a, mid_b
     finally:
         swarm.close()
+
+
+def gaps(tracker) -> list:
+    models = httpx.get(f"{tracker.url}/v1/coverage", timeout=5).json()["models"]
+    return next((m["gaps"] for m in models if m["id"] == MODEL), [])
 
 
 def idle(mids) -> bool:
