@@ -43,9 +43,10 @@ models: install
 	$(VENV)/bin/meshnet-models import-smollm2 --models-dir $(MODELS_DIR)
 	$(VENV)/bin/meshnet-models list --models-dir $(MODELS_DIR)
 
-# Benchmarks (2-core CPU: ~5-10 min; BENCH_ARGS=--quick for a fast pass). Results: bench/results/.
+# Benchmark suite (bench/perf.py; 2-core CPU: ~8-9 min, BENCH_ARGS=--quick: ~4 min;
+# e.g. BENCH_ARGS="--sections decode,ttft"). Tables on stdout, JSON in bench/results/.
 bench: install
-	$(PY) bench/shard_memory.py $(BENCH_ARGS) && $(PY) bench/pipeline.py $(BENCH_ARGS)
+	$(PY) bench/perf.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -28,6 +28,25 @@ def summary(values: Sequence[float]) -> dict:
     }
 
 
+def ratio_summary(numerators: Sequence[float], denominators: Sequence[float]) -> dict:
+    """Summary of ``numerators[i] / denominators[i]``: ratios computed pair by pair.
+
+    Each pair was measured back to back, so slow drift of the machine cancels out.
+    """
+    return summary([n / d for n, d in zip(numerators, denominators, strict=True)])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks."""
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
 def fmt_summary(stats: dict, digits: int = 1) -> str:
     """``median [min-max]`` with a fixed number of decimals."""
     return f"{stats['median']:.{digits}f} [{stats['min']:.{digits}f}-{stats['max']:.{digits}f}]"
@@ -121,9 +140,26 @@ def busy_flag(other_cores: float) -> str:
     return " (BUSY)" if other_cores > BUSY_CORES else ""
 
 
-def wait_quiet(max_wait_s: float, label: str) -> float:
+class Slack:
+    """Seconds a whole benchmark may spend, in all, waiting for quiet and redoing runs.
+
+    On a machine that stays busy, waiting and redoing do not help; this caps what they
+    cost so that a suite keeps its time budget (its results are then marked BUSY).
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.left = seconds
+
+    def spend(self, seconds: float) -> None:
+        self.left = max(0.0, self.left - seconds)
+
+
+def wait_quiet(max_wait_s: float, label: str, slack: Slack | None = None) -> float:
     """Wait (up to ``max_wait_s``) until other processes use < BUSY_CORES; return their use."""
-    deadline = time.monotonic() + max_wait_s
+    if slack is not None:
+        max_wait_s = min(max_wait_s, slack.left)
+    started = time.monotonic()
+    deadline = started + max_wait_s
     waited = False
     while True:
         with CpuWatch() as watch:
@@ -134,6 +170,8 @@ def wait_quiet(max_wait_s: float, label: str) -> float:
             print(f"[{label}] other processes use {watch.other_cores:.2f} cores; waiting "
                   f"up to {max_wait_s:.0f} s for a quiet machine", flush=True)  # fmt: skip
             waited = True
+    if slack is not None and waited:
+        slack.spend(time.monotonic() - started)
     note = busy_flag(watch.other_cores) and "  WARNING: busy machine, timings will be noisy"
     print(f"[{label}] load average {os.getloadavg()[0]:.2f}, other processes "
           f"{watch.other_cores:.2f} cores{note}", flush=True)  # fmt: skip
@@ -160,21 +198,27 @@ def steady_runs(
     pids: Callable[[], Iterable[int]] = lambda: (),
     retries: int = 2,
     wait_s: float = 60.0,
+    slack: Slack | None = None,
 ) -> tuple[list, float]:
     """Call ``one_run`` until ``runs`` results are kept; redo a run other processes disturbed.
 
-    At most ``retries`` runs are redone in all (after waiting for a quiet machine); returns
-    the kept results and the largest "other cores" seen among them.
+    At most ``retries`` runs are redone in all (after waiting for a quiet machine), and none
+    once ``slack`` is used up (a redone run and its wait are charged to it); returns the
+    kept results and the largest "other cores" seen among them.
     """
     kept: list = []
     worst = 0.0
     while len(kept) < runs:
+        started = time.monotonic()
         with CpuWatch(pids) as watch:
             value = one_run()
-        if watch.other_cores > BUSY_CORES and retries > 0:
+        disturbed = watch.other_cores > BUSY_CORES
+        if disturbed and retries > 0 and (slack is None or slack.left > 0):
             retries -= 1
             print(f"  run disturbed ({watch.other_cores:.2f} other cores); redoing it", flush=True)
-            wait_quiet(wait_s, "retry")
+            if slack is not None:
+                slack.spend(time.monotonic() - started)
+            wait_quiet(wait_s, "retry", slack)
             continue
         kept.append(value)
         worst = max(worst, watch.other_cores)

@@ -2,8 +2,8 @@
 
 On SmolLM2-135M-Instruct (bf16, 30 layers), in one run:
 
-(a) HF baseline: ``AutoModelForCausalLM.generate`` greedy with a KV cache, 128 new tokens
-    (min_new_tokens = max_new_tokens), same torch threads as the nodes;
+(a) HF baseline: ``AutoModelForCausalLM.generate`` greedy with a KV cache, exactly 128 new
+    tokens (EOS off, see ``hf_ref.py``), same torch threads as the nodes;
 (b) meshnet as real processes on 127.0.0.1: a tracker node alone serving [0, 30); a tracker
     node [0, 15) + a node [15, 30); a tracker node [0, 10) + nodes [10, 20) and [20, 30).
     POST /v1/completions, temperature 0, max_tokens 128, ignore_eos: tokens/s from
@@ -14,7 +14,8 @@ On SmolLM2-135M-Instruct (bf16, 30 layers), in one run:
     boundaries (layers run in-process), against raw bf16 and base64-in-JSON; codec speed.
 
 Every timing is the median of N runs (default 3) with min and max. Prints tables and
-writes ``bench/results/pipeline.json``.
+writes ``bench/results/pipeline.json``. ``make bench`` runs ``perf.py`` instead, which
+covers more; this script remains for the 1/2/3-process comparison in one table.
 
     .venv/bin/python bench/pipeline.py [--quick] [--runs N] [--models-dir DIR] [--threads T]
 """
@@ -23,19 +24,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from benchlib import (
     REPO_ROOT,
-    RESULTS_DIR,
     busy_flag,
     environment,
     fmt_summary,
@@ -45,6 +40,8 @@ from benchlib import (
     wait_quiet,
     write_json,
 )
+from hf_ref import greedy, load_model, prefill_ms
+from swarm import REQUEST_TIMEOUT_S, Swarm, complete, running_swarm, stop_on_sigterm, ttft_ms
 from wire_bench import WIRE_BOUNDARIES, measure_wire, print_wire
 
 from meshnet_common.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
@@ -59,8 +56,6 @@ CONFIGS: dict[str, list[tuple[int, int]]] = {  # name -> layer ranges, tracker n
 }
 SHORT_PROMPT = "The capital of France is Paris. Once upon a time there was a small cat who"
 LONG_PROMPT_TOKENS = 384  # three 128-token prefill chunks
-START_TIMEOUT_S = 180.0
-REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -95,38 +90,16 @@ def make_prompts(snapshot: Path) -> Prompts:
 # -- (a) single-process HF baseline ----------------------------------------------------------
 
 
-def _timed_generate(model, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
-    import torch
-
-    inputs = torch.tensor([ids])
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            inputs,
-            attention_mask=torch.ones_like(inputs),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=model.generation_config.eos_token_id,
-            use_cache=True,
-        )
-    elapsed = time.perf_counter() - t0
-    return elapsed, out[0, len(ids) :].tolist()
-
-
 def hf_baseline(snapshot: Path, prompts: Prompts, plan: Plan) -> dict:
     """Tokens/s and TTFT of plain ``generate`` in this process."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.bfloat16).eval()
-    _timed_generate(model, prompts.short, 8)  # warm-up
+    model = load_model(snapshot)
+    greedy(model, prompts.short, 8)  # warm-up
 
     def one_run() -> tuple[float, float, float, list[int]]:
-        elapsed, tokens = _timed_generate(model, prompts.short, plan.new_tokens)
-        short = _timed_generate(model, prompts.short, 1)[0] * 1000
-        long_ = _timed_generate(model, prompts.long, 1)[0] * 1000
-        return len(tokens) / elapsed, short, long_, tokens
+        run = greedy(model, prompts.short, plan.new_tokens)
+        short = prefill_ms(model, prompts.short)
+        long_ = prefill_ms(model, prompts.long)
+        return len(run.token_ids) / run.elapsed_s, short, long_, run.token_ids
 
     kept, other = steady_runs(plan.runs, one_run, retries=plan.retries, wait_s=plan.wait_idle)
     return {
@@ -142,144 +115,21 @@ def hf_baseline(snapshot: Path, prompts: Prompts, plan: Plan) -> dict:
 # -- (b) meshnet swarm as real processes -----------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Swarm:
-    """A tracker node plus nodes, started as processes; ``stop`` always cleans up."""
-
-    models_dir: Path
-    ranges: list[tuple[int, int]]
-    threads: int
-    log_dir: Path
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    urls: list[str] = field(default_factory=list)
-
-    @property
-    def tracker_url(self) -> str:
-        return self.urls[0]
-
-    def _spawn(self, module: str, args: list[str], port: int, name: str) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", module, *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
-        proc.log = log  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        self.urls.append(f"http://127.0.0.1:{port}")
-
-    def start(self) -> Swarm:
-        common = ["--models-dir", str(self.models_dir), "--model-id", MODEL_ID,
-                  "--threads", str(self.threads)]  # fmt: skip
-        for i, (start, end) in enumerate(self.ranges):
-            port = free_port()
-            shard = ["--shard-start", str(start), "--shard-end", str(end), "--port", str(port)]
-            if i == 0:
-                self._spawn("meshnet_tracker.cli", common + shard, port, f"tracker-{start}-{end}")
-            else:
-                args = ["--tracker", self.tracker_url, *common, *shard]
-                self._spawn("meshnet_node.cli", args, port, f"node-{start}-{end}")
-        return self
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
-        """Wait for every /health, then for full coverage; returns seconds waited."""
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout
-        for proc, url in zip(self.procs, self.urls, strict=True):
-            _poll(lambda p=proc, u=url: _healthy(p, u), deadline, f"{url}/health")
-        _poll(lambda: _covered(self.tracker_url), deadline, "coverage")
-        return time.perf_counter() - t0
-
-    def rss_mib(self) -> list[float]:
-        import psutil
-
-        return [psutil.Process(p.pid).memory_info().rss / 2**20 for p in self.procs]
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            proc.log.close()  # type: ignore[attr-defined]
-
-
-def _healthy(proc: subprocess.Popen, url: str) -> bool:
-    if proc.poll() is not None:
-        raise RuntimeError(f"{proc.args[2]} exited with {proc.returncode}; see bench logs")
-    try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _covered(tracker_url: str) -> bool:
-    models = httpx.get(f"{tracker_url}/v1/coverage", timeout=5.0).json()["models"]
-    return any(m["id"] == MODEL_ID and m["covered"] for m in models)
-
-
-def _poll(predicate, deadline: float, what: str) -> None:
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
-def complete(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> dict:
-    """A non-streamed greedy completion; returns wall time, usage and text."""
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
-    t0 = time.perf_counter()
-    resp = client.post(f"{url}/v1/completions", json=body)
-    elapsed = time.perf_counter() - t0
-    resp.raise_for_status()
-    data = resp.json()
-    return {"wall_s": elapsed, "tokens": data["usage"]["completion_tokens"],
-            "text": data["choices"][0]["text"]}  # fmt: skip
-
-
-def ttft_ms(client: httpx.Client, url: str, prompt: list[int]) -> float:
-    """Milliseconds from sending a streamed request to its first SSE data chunk."""
-    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    t0 = time.perf_counter()
-    first = None
-    with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():  # read to the end so the connection is reusable
-            if first is None and line.startswith("data:"):
-                first = (time.perf_counter() - t0) * 1000
-    if first is None:
-        raise RuntimeError("stream ended without a data chunk")
-    return first
-
-
 def measure_swarm(swarm: Swarm, prompts: Prompts, plan: Plan) -> dict:
     """Tokens/s and TTFT through the tracker's OpenAI endpoint."""
     url = swarm.tracker_url
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-        complete(client, url, prompts.short, 8)  # warm-up (first-request paths, caches)
-        ttft_ms(client, url, prompts.long)
+        complete(client, url, MODEL_ID, prompts.short, 8)  # warm-up (first-request paths)
+        ttft_ms(client, url, MODEL_ID, prompts.long)
 
         def one_run() -> tuple[float, float, float, str]:
-            res = complete(client, url, prompts.short, plan.new_tokens)
-            if res["tokens"] != plan.new_tokens:
-                raise RuntimeError(f"asked for {plan.new_tokens} tokens, got {res['tokens']}")
-            short = ttft_ms(client, url, prompts.short)
-            long_ = ttft_ms(client, url, prompts.long)
+            res = complete(client, url, MODEL_ID, prompts.short, plan.new_tokens)
+            short = ttft_ms(client, url, MODEL_ID, prompts.short)
+            long_ = ttft_ms(client, url, MODEL_ID, prompts.long)
             return res["tokens"] / res["wall_s"], short, long_, res["text"]
 
         kept, other = steady_runs(
-            plan.runs, one_run, pids=lambda: [p.pid for p in swarm.procs],
+            plan.runs, one_run, pids=lambda: swarm.pids,
             retries=plan.retries, wait_s=plan.wait_idle,
         )  # fmt: skip
     return {
@@ -294,18 +144,12 @@ def measure_swarm(swarm: Swarm, prompts: Prompts, plan: Plan) -> dict:
 
 def run_config(plan: Plan, name: str, ranges, prompts: Prompts) -> dict:
     """Start one swarm layout, measure it, and always stop its processes."""
-    log_dir = RESULTS_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    swarm = Swarm(plan.models_dir, ranges, plan.threads, log_dir)
-    try:
-        swarm.start()
-        ready_s = swarm.wait_ready()
-        print(f"  {name}: ready in {ready_s:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    with running_swarm(plan.models_dir, MODEL_ID, ranges, plan.threads, name) as swarm:
+        ready_s = time.perf_counter() - t0
         wait_quiet(plan.wait_idle, name)
         result = measure_swarm(swarm, prompts, plan)
         result["rss_mib_per_process"] = swarm.rss_mib()
-    finally:
-        swarm.stop()
     result["ranges"] = [list(r) for r in ranges]
     result["processes"] = len(ranges)
     result["startup_s"] = ready_s
@@ -398,6 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    stop_on_sigterm()
     import torch
 
     torch.set_num_threads(args.threads)

@@ -1,0 +1,139 @@
+"""The issue's targets, judged on a ``perf.py`` run: measured median [min-max] and PASS/FAIL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from benchlib import busy_flag, fmt_summary, print_table
+
+SMOL = "SmolLM2-135M"
+LLAMA_1B = "Llama-1B (random)"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: where its figure lies in the results, and the bound it must meet."""
+
+    name: str
+    op: str  # ">=" or "<="
+    bound: float
+    find: Callable[[dict], tuple[dict | float | None, float]]  # -> (figure, other cores)
+
+
+def _decode(model: str):
+    def find(results: dict):
+        res = results.get("decode", {}).get(model)
+        return (res["ratio"], res["other_cores"]) if res else (None, 0.0)
+
+    return find
+
+
+def _per_hop(layout: str):
+    def find(results: dict):
+        res = results.get("overhead", {}).get(layout)
+        return (res.get("overhead_per_hop_ms"), res["other_cores"]) if res else (None, 0.0)
+
+    return find
+
+
+def _ttft_longest(results: dict):
+    res = results.get("ttft")
+    if not res:
+        return None, 0.0
+    longest = res["prompts"][max(res["prompts"], key=int)]
+    if "error" in longest:
+        return "error", 0.0
+    return longest["ratio"], longest["other_cores"]
+
+
+def _concurrency_most(results: dict):
+    res = results.get("concurrency")
+    if not res:
+        return None, 0.0
+    most = max(res["sessions"], key=int)
+    return res["sessions"][most]["vs_first"], res["other_cores"]
+
+
+def _wire(payload: str):
+    def find(results: dict):
+        wire = results.get("wire")
+        if not wire:
+            return None, 0.0
+        worst = max(s[payload]["frame"] / s[payload]["raw_bf16"] for s in wire["sizes"].values())
+        return worst, 0.0  # sizes do not depend on CPU load
+
+    return find
+
+
+def _memory(results: dict):
+    res = results.get("memory")
+    return (res["max_net_rss_ratio"], 0.0) if res else (None, 0.0)
+
+
+TARGETS = [
+    Target("decode tok/s meshnet (3 procs) / HF, Llama ~1B", ">=", 0.90, _decode(LLAMA_1B)),
+    Target("decode tok/s meshnet (3 procs) / HF, SmolLM2-135M", ">=", 0.80, _decode(SMOL)),
+    Target("per-hop overhead ms, SmolLM2 3 procs", "<=", 1.5, _per_hop("SmolLM2 3 procs")),
+    Target("per-hop overhead ms, SmolLM2 2 procs", "<=", 1.5, _per_hop("SmolLM2 2 procs")),
+    Target(
+        "per-hop overhead ms, Llama ~1B 3 procs",
+        "<=",
+        1.5,
+        _per_hop("Llama-1B 3 procs (decode runs)"),
+    ),  # fmt: skip
+    Target("TTFT 2048-token prompt, meshnet / HF", "<=", 1.15, _ttft_longest),
+    Target("aggregate tok/s, 16 sessions / 1 session", ">=", 4.0, _concurrency_most),
+    Target("wire bytes / raw bf16, decode token (worst hop)", "<=", 0.85, _wire("decode_token")),
+    Target(
+        "wire bytes / raw bf16, 128-token chunk (worst hop)", "<=", 0.85, _wire("prefill_chunk")
+    ),  # fmt: skip
+    Target("shard memory: quarter / full RSS, net (earlier issue)", "<=", 0.35, _memory),
+]
+
+
+def targets(results: dict) -> list[dict]:
+    """Every target with its measured figure and verdict (None: not measured in this run)."""
+    out = []
+    for target in TARGETS:
+        figure, other = target.find(results)
+        median = figure["median"] if isinstance(figure, dict) else figure
+        ok = None
+        if median == "error":  # the measurement itself failed: a request errored
+            ok = False
+        elif median is not None:
+            ok = median >= target.bound if target.op == ">=" else median <= target.bound
+        out.append({"target": target.name, "goal": f"{target.op} {target.bound:g}",
+                    "measured": figure, "pass": ok, "other_cores": other})  # fmt: skip
+    for model in (SMOL, LLAMA_1B):
+        res = results.get("decode", {}).get(model)
+        out.append({"target": f"greedy tokens equal HF's, {model}", "goal": "yes",
+                    "measured": None if res is None else res["tokens_equal"],
+                    "pass": None if res is None else res["tokens_equal"],
+                    "other_cores": 0.0})  # fmt: skip
+    return out
+
+
+def _fmt(figure) -> str:
+    if figure is None:
+        return "not measured"
+    if isinstance(figure, str):
+        return figure
+    if isinstance(figure, bool):
+        return "yes" if figure else "no"
+    if isinstance(figure, dict):
+        return fmt_summary(figure, 2)
+    return f"{figure:.3f}"
+
+
+def print_summary(results: dict, errors: dict[str, str]) -> None:
+    rows = []
+    for row in targets(results):
+        verdict = {True: "PASS", False: "FAIL", None: "-"}[row["pass"]]
+        rows.append([row["target"], _fmt(row["measured"]), row["goal"],
+                     verdict + busy_flag(row["other_cores"])])  # fmt: skip
+    print_table("Summary against the issue's targets (median [min-max])",
+                ["target", "measured", "goal", "verdict"], rows)  # fmt: skip
+    print("(BUSY): other processes used > 0.25 cores during that figure's runs; re-run it.")
+    for label, error in errors.items():
+        print(f"FAILED section {label}: {error[:400]}")
