@@ -405,6 +405,8 @@ class NodeService:
             try:
                 await asyncio.wait_for(cond.wait_for(ready), timeout)
             except TimeoutError as exc:
+                if me is not None and me.taken:  # a long merged pass holds our result
+                    return
                 if session() is None:
                     self._turns.pop(req.session_id, None)  # nothing will ever wake it
                     raise NotFound(f"unknown session {req.session_id!r}") from exc
