@@ -1,18 +1,18 @@
-"""Node HTTP routes: health, the forward data path, sessions, and (on a head) OpenAI endpoints."""
+"""Node HTTP routes: sessions, node info and (on a head) OpenAI endpoints.
+
+The forward data path, ``POST /v1/forward``, is answered before routing: see forward_path.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
 
-from meshnet_common import wire
 from meshnet_common.errors import ModelNotCovered, NotFound, Unauthorized
 from meshnet_common.protocol import H_ROUTE, H_SESSION_KEY, validate_session_id
 from meshnet_node.auth import has_swarm_token
-from meshnet_node.http_utils import check_content_type, read_body
 from meshnet_node.openai_routes import handle_chat, handle_completions
 from meshnet_node.openai_serving import OpenAIServing
-from meshnet_node.service import NodeService, parse_route, parse_step
+from meshnet_node.service import NodeService, parse_route
 
 
 def _service(request: Request) -> NodeService:
@@ -22,16 +22,6 @@ def _service(request: Request) -> NodeService:
 def node_router() -> APIRouter:
     """Routes every node serves (the tracker node mounts them too)."""
     router = APIRouter()
-
-    @router.post("/v1/forward")
-    async def forward(request: Request):
-        service = _service(request)
-        check_content_type(request, wire.CONTENT_TYPE)
-        body = await read_body(request, service.settings.max_body_bytes)
-        service.metrics.wire_received.inc(len(body))
-        step = parse_step(request.headers, body, max_bytes=service.settings.max_body_bytes)
-        result = await service.handle_step(step)
-        return Response(result.model_dump_json(), media_type="application/json")
 
     @router.delete("/v1/sessions/{session_id}")
     async def close_session(session_id: str, request: Request):

@@ -10,9 +10,9 @@ secrets are never logged. Without them the swarm is open (a trusted LAN or a lap
 from __future__ import annotations
 
 import hmac
+import json
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from meshnet_common.protocol import H_SWARM_TOKEN
 
@@ -40,26 +40,63 @@ def has_swarm_token(request: Request, token: str | None) -> bool:
     return token is None or _same(token, request.headers.get(H_SWARM_TOKEN))
 
 
-def _unauthorized(message: str) -> JSONResponse:
+_UNAUTHORIZED_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+
+
+async def _unauthorized(send, message: str) -> None:
     body = {"error": {"message": message, "type": "authentication_error", "param": None,
                       "code": "invalid_api_key"}}  # fmt: skip
-    return JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
+    payload = json.dumps(body).encode()
+    headers = [*_UNAUTHORIZED_HEADERS, (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class AuthMiddleware:
+    """Pure ASGI: checks secrets before any route runs (one place for the whole app), at a
+    few microseconds a request (the data path crosses it every step)."""
+
+    def __init__(self, app, *, swarm_token: str | None, api_key: str | None) -> None:
+        self.app = app
+        self.swarm_token = swarm_token
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        internal = path.startswith(INTERNAL_PREFIXES)
+        if not internal and path not in OPENAI_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = _first_values(scope["headers"], (_SWARM, _AUTHORIZATION))
+        swarm_ok = _same(self.swarm_token, headers.get(_SWARM))
+        if self.swarm_token and internal and not swarm_ok:
+            await _unauthorized(send, "this route needs the swarm token")
+            return
+        if self.api_key and path in OPENAI_PATHS and not swarm_ok:
+            auth = headers.get(_AUTHORIZATION, "")
+            offered = auth[7:] if auth.lower().startswith("bearer ") else None
+            if not _same(self.api_key, offered):
+                await _unauthorized(send, "missing or wrong API key")
+                return
+        await self.app(scope, receive, send)
+
+
+_SWARM = H_SWARM_TOKEN.encode()
+_AUTHORIZATION = b"authorization"
+
+
+def _first_values(raw, names: tuple[bytes, ...]) -> dict[bytes, str]:
+    found: dict[bytes, str] = {}
+    for name, value in raw:
+        if name in names and name not in found:
+            found[name] = value.decode("latin-1")
+    return found
 
 
 def install_auth(app: FastAPI, *, swarm_token: str | None, api_key: str | None) -> None:
-    """Check secrets before any route runs (one place for the whole app)."""
-    if not swarm_token and not api_key:
-        return
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        path = request.url.path
-        swarm_ok = _same(swarm_token, request.headers.get(H_SWARM_TOKEN))
-        if swarm_token and path.startswith(INTERNAL_PREFIXES) and not swarm_ok:
-            return _unauthorized("this route needs the swarm token")
-        if api_key and path in OPENAI_PATHS and not swarm_ok:
-            auth = request.headers.get("authorization", "")
-            offered = auth[7:] if auth.lower().startswith("bearer ") else None
-            if not _same(api_key, offered):
-                return _unauthorized("missing or wrong API key")
-        return await call_next(request)
+    """Check secrets before any route runs; nothing to check without secrets."""
+    if swarm_token or api_key:
+        app.add_middleware(AuthMiddleware, swarm_token=swarm_token, api_key=api_key)

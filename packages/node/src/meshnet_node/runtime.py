@@ -28,6 +28,7 @@ from meshnet_common.protocol import (
 from meshnet_node.api import head_router, node_router
 from meshnet_node.auth import install_auth
 from meshnet_node.fetch import Trust, fetch_shard_counted
+from meshnet_node.forward_path import install_forward_path
 from meshnet_node.generation import HeadGenerator
 from meshnet_node.http_utils import install_error_handlers, install_observability
 from meshnet_node.loader import load_shard
@@ -274,6 +275,7 @@ def create_app(runtime: NodeRuntime) -> FastAPI:
 
     app = FastAPI(title="meshnet node", lifespan=lifespan)
     install_error_handlers(app)
+    install_forward_path(app)  # inside auth and observability
     install_auth(app, swarm_token=runtime.settings.swarm_token, api_key=runtime.settings.api_key)
     install_observability(app, runtime.service.metrics)  # outermost: sees the 401s too
     watch_shard_server(runtime.service.metrics, app)

@@ -27,7 +27,7 @@ from meshnet_common.protocol import (
     validate_session_id,
 )
 from meshnet_node.auth import swarm_headers
-from meshnet_node.hops import AiohttpHops, HopTransport, HopUnreachable
+from meshnet_node.hops import HopTransport, HopUnreachable, Http11Hops
 from meshnet_node.sampling import SamplingParams
 from meshnet_node.settings import NodeSettings
 from meshnet_node.stage import DecodeItem, Stage, StepOutput
@@ -303,7 +303,7 @@ class NodeService:
         # turn comes takes its waiting successors along into one compute pass.
         self._waiting: dict[str, dict[int, _Waiting]] = {}
         t = settings.timeouts
-        self.hops: HopTransport = AiohttpHops(
+        self.hops: HopTransport = Http11Hops(
             headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect
         )
         self.tokens_generated = 0  # sampled here (tail)

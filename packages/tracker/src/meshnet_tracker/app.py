@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import resolve_snapshot
 from meshnet_node.auth import install_auth, swarm_headers
+from meshnet_node.forward_path import install_forward_path
 from meshnet_node.http_utils import install_error_handlers, install_observability
 from meshnet_node.runtime import NodeRuntime, mount_node, start_background, stop_background
 from meshnet_node.shards_api import ShardServer, shards_router, watch_shard_server
@@ -71,6 +72,7 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
             manifest_key=settings.manifest_key,
         )
     install_error_handlers(app)
+    install_forward_path(app)  # the tracker node's data path; inside auth and observability
     install_auth(app, swarm_token=settings.swarm_token, api_key=settings.api_key)
     # A tracker node reports its own layers and the swarm's numbers in one registry.
     metrics = node.service.metrics if node is not None else Metrics()
