@@ -90,6 +90,18 @@ def test_size_one_last_dim_with_odd_stride_round_trips():
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=repr)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_views_into_larger_storage_round_trip_small_and_large(dtype, options):
+    """Small frames read the tensor's bytes straight from memory: a view that starts inside
+    a larger storage (a decode step sliced from a prefill's output) or skips elements must
+    send exactly its own elements, on both sides of the small-frame size."""
+    for width in (576, 20000):  # below and above wire._SMALL_FRAME bytes
+        base = (torch.arange(3 * 4 * width) % 251).to(dtype).reshape(1, 3 * 4, width)
+        for view in (base[:, 5:6], base[:, 2:4], base[:, ::3], base[0, 1, 1:]):
+            assert_bit_exact(wire.decode_tensor(wire.encode_tensor(view, options)), view)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=repr)
 @pytest.mark.parametrize(
     ("dtype", "patterns"),
     [

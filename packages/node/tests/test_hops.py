@@ -233,6 +233,25 @@ def test_sequential_requests_reuse_one_connection() -> None:
     asyncio.run(run())
 
 
+def test_connection_idle_too_long_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pooled connection idle past MAX_IDLE_S may be being closed by the hop right now:
+    the next request opens a new one instead of racing that close."""
+    import meshnet_node.hops as hops_module
+
+    async def run() -> None:
+        async with RawServer() as server:
+            hops = make_hops()
+            await hops.request("POST", server.url, headers={}, body=b"a", timeout=5.0)
+            monkeypatch.setattr(hops_module, "MAX_IDLE_S", 0.05)
+            await asyncio.sleep(0.1)
+            await hops.request("POST", server.url, headers={}, body=b"b", timeout=5.0)
+            assert server.connections == 2
+            assert [r.conn for r in server.requests] == [0, 1]
+            await hops.aclose()
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     "close_answer",
     [
@@ -889,16 +908,9 @@ def test_uvicorn_concurrent_and_across_event_loops(uvicorn_url: str) -> None:
     assert len(asyncio.run(second())) == 20
 
 
-# --- a known limitation ----------------------------------------------------------------------
+# --- framing corners of HTTP/1.1 -------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LIMITATION in Http11Hops: an answer whose body ends with the connection (no "
-    "content-length, not chunked; valid HTTP/1.1) is reported as HopUnreachable, because the "
-    "httptools parser is never told about the end of stream. uvicorn hops always frame "
-    "their answers, so the data path does not meet this today.",
-)
 def test_answer_delimited_by_connection_close() -> None:
     async def handler(req, reader, writer) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nbody until close")
@@ -914,13 +926,6 @@ def test_answer_delimited_by_connection_close() -> None:
     asyncio.run(run())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG in Http11Hops: an interim 1xx answer (here 100 Continue) before the final "
-    "answer is returned as the answer, HopResponse(100, b''), and the real 200 is dropped. "
-    "RFC 9110 15.2: a client must parse 1xx answers it did not expect. uvicorn sends 100 "
-    "only to requests with 'Expect: 100-continue', which Http11Hops never sends.",
-)
 def test_interim_1xx_answer_is_skipped() -> None:
     async def handler(req, reader, writer) -> None:
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + answer(200, b"final"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from typing import NamedTuple, Protocol
 from urllib.parse import urlsplit
 
@@ -76,6 +77,9 @@ class AiohttpHops:
             await session.close()
 
 
+MAX_IDLE_S = 2.0  # a pooled connection idle longer is closed, not reused
+
+
 class _HopConnection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to a hop; one request at a time."""
 
@@ -89,6 +93,7 @@ class _HopConnection(asyncio.Protocol):
         self._size = 0
         self.received = 0  # bytes of the current answer so far (0: the hop never answered)
         self.keep_alive = False
+        self.idle_since = 0.0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -101,21 +106,40 @@ class _HopConnection(asyncio.Protocol):
         self.answer = asyncio.get_running_loop().create_future()
         self._parser = httptools.HttpResponseParser(self)
         self._body, self._size, self.received = [], 0, 0
+        self._framed = False  # content-length or chunked: else the body ends with the connection
+        self._headers_done = False
+        self._error: str | None = None
         return self.answer
 
     # httptools callbacks
+    def on_header(self, name: bytes, _value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        self._headers_done = True
+
     def on_body(self, data: bytes) -> None:
         self._size += len(data)
         if self._size > self.max_body:
-            raise _TooLarge(f"answer exceeds {self.max_body} bytes")
+            self._error = f"answer exceeds {self.max_body} bytes"
+            raise _TooLarge(self._error)
         self._body.append(data)
 
     def on_message_complete(self) -> None:
         parser = self._parser
+        status = parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (100 Continue, 103 Early Hints): the real one follows.
+            self._body, self._size, self._framed, self._headers_done = [], 0, False, False
+            return
         self.keep_alive = parser.should_keep_alive()
+        self._resolve(status)
+
+    def _resolve(self, status: int) -> None:
         if self.answer is not None and not self.answer.done():
             body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-            self.answer.set_result(HopResponse(parser.get_status_code(), body))
+            self.answer.set_result(HopResponse(status, body))
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
@@ -130,16 +154,23 @@ class _HopConnection(asyncio.Protocol):
             self.closed = True
             self.transport.close()
             if not self.answer.done():
-                self.answer.set_exception(HopUnreachable(f"bad HTTP answer: {exc}"))
+                reason = self._error or str(exc)
+                self.answer.set_exception(HopUnreachable(f"bad HTTP answer: {reason}"))
 
     def eof_received(self):
         return False  # close our side too
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        if self.answer is not None and not self.answer.done():
-            reason = f"{type(exc).__name__}: {exc}" if exc else "connection closed"
-            self.answer.set_exception(HopUnreachable(f"hop closed the connection ({reason})"))
+        if self.answer is None or self.answer.done():
+            return
+        if exc is None and self._headers_done and not self._framed and self._error is None:
+            # HTTP/1.1 lets an answer without length or chunking end with the connection.
+            self.keep_alive = False
+            self._resolve(self._parser.get_status_code())
+            return
+        reason = f"{type(exc).__name__}: {exc}" if exc else "connection closed"
+        self.answer.set_exception(HopUnreachable(f"hop closed the connection ({reason})"))
 
 
 class _TooLarge(Exception):
@@ -183,6 +214,8 @@ class Http11Hops:
                 raise HopUnreachable(f"no host in {url!r}")
             port = parts.port or 80
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            if any(c.isspace() for c in path):
+                raise HopUnreachable(f"whitespace in the path of {url!r}")
             target = (parts.hostname, port, _checked(parts.netloc), _checked(path))
             if len(self._targets) < 4096:
                 self._targets[url] = target
@@ -205,12 +238,15 @@ class Http11Hops:
             )
         host, port, netloc, path = target
         body = body or b""
-        head = (
-            f"{method} {path} HTTP/1.1\r\nhost: {netloc}\r\ncontent-length: {len(body)}\r\n"
-            + self._default
-            + "".join(f"{_checked(k)}: {_checked(v)}\r\n" for k, v in headers.items())
-            + "\r\n"
-        ).encode("latin-1")
+        try:
+            head = (
+                f"{method} {path} HTTP/1.1\r\nhost: {netloc}\r\ncontent-length: {len(body)}\r\n"
+                + self._default
+                + "".join(f"{_checked(k)}: {_checked(v)}\r\n" for k, v in headers.items())
+                + "\r\n"
+            ).encode("latin-1")
+        except UnicodeEncodeError as exc:
+            raise HopUnreachable(f"a header is not latin-1 text: {exc}") from exc
         message = head + body if len(body) < 65536 else None
         try:
             async with asyncio.timeout(timeout):
@@ -222,10 +258,18 @@ class Http11Hops:
         pool = self._pool((host, port))
         while True:
             conn, reused = None, False
+            now = time.monotonic()
             while pool and conn is None:
                 candidate = pool.pop()
-                if not candidate.closed:
-                    conn, reused = candidate, True
+                if candidate.closed:
+                    continue
+                if now - candidate.idle_since > MAX_IDLE_S:
+                    # The hop may be closing it right now (uvicorn: after 5 s): a request
+                    # sent then would be lost. A new connection costs a fraction of a ms.
+                    candidate.closed = True
+                    candidate.transport.close()
+                    continue
+                conn, reused = candidate, True
             if conn is None:
                 conn = await self._connect(host, port)
             answer = conn.begin()
@@ -249,6 +293,7 @@ class Http11Hops:
                 raise
             if conn.keep_alive and not conn.closed and len(pool) < self.max_idle_per_hop:
                 conn.answer = None
+                conn.idle_since = time.monotonic()
                 pool.append(conn)
             else:
                 conn.transport.close()

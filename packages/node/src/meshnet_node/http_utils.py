@@ -83,6 +83,10 @@ def install_observability(app: FastAPI, metrics: Metrics) -> None:
     app.add_middleware(ObservabilityMiddleware, metrics=metrics)
 
 
+_REQUEST_ID = H_REQUEST_ID.encode()
+_SESSION = H_SESSION.encode()
+
+
 class ObservabilityMiddleware:
     """Pure ASGI middleware (streams pass through untouched, context variables stay set)."""
 
@@ -94,10 +98,15 @@ class ObservabilityMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = accept_request_id(headers.get(H_REQUEST_ID))
+        offered_id = session = None
+        for name, value in scope["headers"]:  # only two headers matter here: no dict
+            if name == _REQUEST_ID and offered_id is None:
+                offered_id = value.decode("latin-1")
+            elif name == _SESSION and session is None:
+                session = value.decode("latin-1")
+        request_id = accept_request_id(offered_id)
         request_id_var.set(request_id)
-        bind_session(headers.get(H_SESSION))  # a forward step names its session
+        bind_session(session)  # a forward step names its session
         status = 500
         started = time.perf_counter()
 

@@ -482,12 +482,16 @@ class NodeService:
     async def _run_step(self, stage: Stage, req: StepRequest) -> StepOutput:
         is_head = stage.shard.is_head
         token_ids, hidden = (req.tensor, None) if is_head else (None, req.tensor)
-        tensor = stage.check_inputs(token_ids, hidden)  # one wire chunk at most
+        # One wire chunk at most. Values (token ranges, finiteness) are checked where the
+        # step runs: a decode step is never merged with another's input, and each torch
+        # call here costs tens of microseconds per hop on a CPU that idled (docs/adr/0011).
+        tensor = stage.check_inputs(token_ids, hidden, values=False)
         if tensor.shape[1] == 1 and req.chunk == 0:  # a decode step (may be batched)
             return await self.run_stage(
                 stage, req.session_id, req.position, token_ids=token_ids, hidden=hidden,
                 owner=req.session_key, sample=req.sample,
             )  # fmt: skip
+        stage.check_inputs(token_ids, hidden)  # a bad chunk must not spoil a merged pass
         waiting = self._waiting.setdefault(req.session_id, {})
         if req.position in waiting:
             raise Conflict(f"a chunk at position {req.position} is already waiting", code="dup")

@@ -108,10 +108,14 @@ class Stage:
         hidden: torch.Tensor | None,
         *,
         limit: int | None = None,
+        values: bool = True,
     ) -> torch.Tensor:
         """Validate a step's input and return it shaped (1, T) ids or (1, T, H) hidden.
 
         ``limit``: most tokens in one step (default: a wire chunk, ``max_chunk_tokens``).
+        ``values=False`` checks types and shapes only, not token ranges or finiteness: for a
+        caller that hands the tensor to ``step``/``step_batch``, which check it all again
+        before any layer runs.
         """
         shard = self.shard
         if shard.is_head:
@@ -120,7 +124,11 @@ class Stage:
             if token_ids.dtype not in (torch.int64, torch.int32):
                 raise InvalidRequest(f"token ids must be integers, got {token_ids.dtype}")
             ids = token_ids.reshape(1, -1).to(torch.int64)  # (1, T)
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shard.vocab_size):
+            if (
+                values
+                and ids.numel()
+                and (int(ids.min()) < 0 or int(ids.max()) >= shard.vocab_size)
+            ):
                 raise InvalidRequest(
                     f"token ids must lie in [0, {shard.vocab_size})", param="token_ids"
                 )
@@ -139,7 +147,7 @@ class Stage:
                     f"got {tuple(hidden.shape)}",
                     param="hidden",
                 )
-            if not torch.isfinite(hidden).all():
+            if values and not torch.isfinite(hidden).all():
                 raise InvalidRequest("hidden states contain NaN or inf", param="hidden")
             tensor = hidden
         num_tokens = tensor.shape[1]
