@@ -24,6 +24,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
     H_CHUNK,
+    H_COMPUTE,
     H_OPEN,
     H_POSITION,
     H_ROUTE,
@@ -224,9 +225,10 @@ def step_tail(tail: InProcessNode, session_id: str, position: int, *, key: str =
 def assert_token(resp: httpx.Response) -> int:
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    assert set(body) == {"token_id", "logprob", "top_logprobs", "compute_ms"}
+    assert set(body) == {"token_id", "logprob", "top_logprobs"}
     assert 0 <= body["token_id"] < 512
-    assert body["compute_ms"] and all(ms > 0 for ms in body["compute_ms"])  # one per hop
+    compute = [float(ms) for ms in resp.headers[H_COMPUTE].split(",")]  # one per hop
+    assert compute and all(ms > 0 for ms in compute)
     return body["token_id"]
 
 

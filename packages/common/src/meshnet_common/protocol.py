@@ -53,6 +53,30 @@ H_ROUTE = "x-meshnet-route"  # comma-separated URLs of the hops after this one
 H_OPEN = "x-meshnet-open"  # JSON SamplingSpec: open the session on every hop first
 H_SAMPLE = "x-meshnet-sample"  # "1": the tail samples this step's last token
 H_SWARM_TOKEN = "x-meshnet-swarm-token"
+# On a step's answer: model compute of each hop from this one to the tail, in ms, comma-
+# separated. Each hop prepends its own to what the next one answered and relays the tail's
+# body untouched, so that no hop parses and re-serializes the answer (docs/adr/0011).
+H_COMPUTE = "x-meshnet-compute-ms"
+MAX_HOPS = 64
+
+
+def format_compute(own_ms: float, downstream: str | None = None) -> str:
+    """This hop's compute time, then the hops after it (dropped past MAX_HOPS entries)."""
+    own = f"{own_ms:.3f}"
+    if not downstream or downstream.count(",") >= MAX_HOPS - 1:
+        return own
+    return f"{own},{downstream}"
+
+
+def parse_compute(raw: str | None) -> list[float]:
+    """The compute times of an answer's hops; an absent or malformed header gives []."""
+    if not raw:
+        return []
+    try:
+        values = [float(part) for part in raw.split(",", MAX_HOPS)[:MAX_HOPS]]
+    except ValueError:
+        return []
+    return [v for v in values if 0.0 <= v < 1e9]
 
 
 class Strict(BaseModel):
@@ -168,8 +192,9 @@ class StepResult(BaseModel):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
     # Model compute of each hop for this step, in route order (ms): the head subtracts it
-    # from the step's wall time to see what serving and the network cost per hop.
-    compute_ms: list[float] = Field(default_factory=list, max_length=64)
+    # from the step's wall time to see what serving and the network cost per hop. On the
+    # wire it travels in the H_COMPUTE header, not in the body.
+    compute_ms: list[float] = Field(default_factory=list, max_length=MAX_HOPS)
 
 
 class AssignRequest(Strict):

@@ -1,6 +1,7 @@
-"""Node HTTP routes: sessions, node info and (on a head) OpenAI endpoints.
+"""Node HTTP routes: node info and (on a head) OpenAI endpoints.
 
-The forward data path, ``POST /v1/forward``, is answered before routing: see forward_path.
+The data path (``POST /v1/forward``, ``DELETE /v1/sessions/{id}``) is answered before
+routing: see forward_path.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from meshnet_common.errors import ModelNotCovered, NotFound, Unauthorized
-from meshnet_common.protocol import H_ROUTE, H_SESSION_KEY, validate_session_id
+from meshnet_common.protocol import H_ROUTE
 from meshnet_node.auth import has_swarm_token
 from meshnet_node.openai_routes import handle_chat, handle_completions
 from meshnet_node.openai_serving import OpenAIServing
@@ -22,14 +23,6 @@ def _service(request: Request) -> NodeService:
 def node_router() -> APIRouter:
     """Routes every node serves (the tracker node mounts them too)."""
     router = APIRouter()
-
-    @router.delete("/v1/sessions/{session_id}")
-    async def close_session(session_id: str, request: Request):
-        service = _service(request)
-        validate_session_id(session_id)
-        route = parse_route(request.headers.get(H_ROUTE))
-        await service.close_session(session_id, request.headers.get(H_SESSION_KEY), route)
-        return {"closed": session_id}
 
     @router.get("/v1/node")
     async def info(request: Request):

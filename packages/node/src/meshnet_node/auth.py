@@ -98,5 +98,6 @@ def _first_values(raw, names: tuple[bytes, ...]) -> dict[bytes, str]:
 
 def install_auth(app: FastAPI, *, swarm_token: str | None, api_key: str | None) -> None:
     """Check secrets before any route runs; nothing to check without secrets."""
+    app.state.swarm_token = swarm_token  # the data path's own front end checks it too
     if swarm_token or api_key:
         app.add_middleware(AuthMiddleware, swarm_token=swarm_token, api_key=api_key)

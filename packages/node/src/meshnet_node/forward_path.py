@@ -1,17 +1,25 @@
-"""``POST /v1/forward`` as a plain ASGI handler, in front of FastAPI's router.
+"""The data path's requests, answered without FastAPI: ``POST /v1/forward`` (one step) and
+``DELETE /v1/sessions/{id}`` (free a session down the chain).
 
-Every decode step crosses it once per hop, so its fixed cost is paid per token per hop.
-FastAPI's request objects, routing, dependency and exception machinery cost several
-hundred microseconds a call here; this handler reads the body, runs the step and answers,
-with the same checks and the same OpenAI-style error bodies (docs/adr/0011). It sits inside
-the auth and observability middlewares, so the swarm token, request ids and metrics apply
-as to any other route.
+Every decode step crosses ``/v1/forward`` once per hop, so its fixed cost is paid per token
+per hop. FastAPI's request objects, routing, dependency and exception machinery cost
+several hundred microseconds a call on this kind of host (docs/adr/0011). The functions
+here take parsed headers and a body and return an ``Answer``, with the same checks and the
+same OpenAI-style error bodies as every other route. Two front ends use them:
+
+- ``ForwardPath``, an ASGI middleware in front of the router (inside the auth and
+  observability middlewares): in-process apps and any connection uvicorn serves;
+- ``meshnet_node.data_path``, a lean HTTP/1.1 protocol that takes the connections hops
+  open to each other, so that a step never enters uvicorn or Starlette at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import Mapping
+from typing import NamedTuple
 
 from meshnet_common import wire
 from meshnet_common.errors import (
@@ -20,105 +28,155 @@ from meshnet_common.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from meshnet_common.protocol import H_COMPUTE, H_ROUTE, H_SESSION_KEY, validate_session_id
 from meshnet_node.http_utils import error_body
-from meshnet_node.service import NodeService, parse_step
+from meshnet_node.service import NodeService, parse_route, parse_step
 
 logger = logging.getLogger(__name__)
 
 FORWARD_PATH = "/v1/forward"
+SESSIONS_PREFIX = "/v1/sessions/"
+SESSIONS_ROUTE = "/v1/sessions/{session_id}"  # the metrics label, as FastAPI's route has it
+_JSON = (b"content-type", b"application/json")
+_COMPUTE = H_COMPUTE.encode()
+
+
+class Answer(NamedTuple):
+    status: int
+    body: bytes  # JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    error_code: str | None = None  # for meshnet_errors_total
+
+
+def error_answer(exc: BaseException) -> Answer:
+    """A domain error's status and body; anything else is a 500 that names its type only."""
+    if isinstance(exc, MeshnetError):
+        extra = tuple(
+            (k.encode(), v.encode()) for k, v in (getattr(exc, "headers", None) or {}).items()
+        )
+        return Answer(
+            exc.status, json.dumps(exc.to_openai()).encode(), extra, exc.code or exc.error_type
+        )
+    logger.error("unhandled error on the data path", exc_info=exc)
+    body = error_body(f"internal error: {type(exc).__name__}", "internal_error")
+    return Answer(500, json.dumps(body).encode(), (), "internal_error")
+
+
+def method_not_allowed(path: str, allowed: str) -> Answer:
+    body = error_body(f"use {allowed} for {path}", "invalid_request_error")
+    return Answer(
+        405, json.dumps(body).encode(), ((b"allow", allowed.encode()),), "method_not_allowed"
+    )
+
+
+def check_forward_head(headers: Mapping[str, str], limit: int) -> None:
+    """What can be refused before the body is read: media type (415) and declared size (413)."""
+    declared = headers.get("content-type")
+    if declared and declared.split(";")[0].strip().lower() != wire.CONTENT_TYPE:
+        raise UnsupportedMediaType(
+            f"content-type {declared.split(';')[0]!r} is not accepted here; "
+            f"send {wire.CONTENT_TYPE}",
+            param="content-type",
+        )
+    length = headers.get("content-length")
+    if length is not None:
+        try:
+            size = int(length)
+        except ValueError as exc:
+            raise InvalidRequest("bad content-length") from exc
+        if size > limit:
+            raise PayloadTooLarge(f"body of {length} bytes exceeds the limit of {limit}")
+
+
+async def forward_answer(service: NodeService, headers: Mapping[str, str], body: bytes) -> Answer:
+    """Run one forward step (headers and body already checked against the limits)."""
+    # Counted once this task next waits (off the step's critical path).
+    asyncio.get_running_loop().call_soon(service.metrics.wire_received.inc, len(body))
+    try:
+        step = parse_step(headers, body, max_bytes=service.settings.max_body_bytes)
+        result = await service.handle_step(step)
+    except Exception as exc:  # never kill the node: an error answer
+        return error_answer(exc)
+    return Answer(200, result.body, ((_COMPUTE, result.compute_ms.encode()),))
+
+
+async def close_answer(service: NodeService, session_id: str, headers: Mapping[str, str]) -> Answer:
+    """Free ``session_id`` here and on the hops after this one."""
+    try:
+        validate_session_id(session_id)
+        route = parse_route(headers.get(H_ROUTE))
+        await service.close_session(session_id, headers.get(H_SESSION_KEY), route)
+    except Exception as exc:
+        return error_answer(exc)
+    return Answer(200, json.dumps({"closed": session_id}).encode())
+
+
+def first_values(raw) -> dict[str, str]:
+    """ASGI header pairs by lower-case name; a repeated header keeps its first value, as
+    Starlette's ``Headers.get`` does."""
+    headers: dict[str, str] = {}
+    for name, value in raw:
+        headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return headers
 
 
 class _Route:
     """What ``scope["route"]`` holds after FastAPI's router: the metrics label reads ``path``."""
 
-    path = FORWARD_PATH
+    def __init__(self, path: str) -> None:
+        self.path = path
 
 
-_ROUTE = _Route()
-_JSON = [(b"content-type", b"application/json")]
+_FORWARD_ROUTE = _Route(FORWARD_PATH)
+_SESSIONS_ROUTE = _Route(SESSIONS_ROUTE)
 
 
 class ForwardPath:
-    """ASGI middleware answering ``POST /v1/forward`` for the node in ``app.state.node``."""
+    """ASGI middleware answering the data path for the node in ``app.state.node``."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] != FORWARD_PATH:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
         service: NodeService | None = getattr(scope["app"].state, "node", None)
         if service is None:  # a tracker without its own layers: no data path here
             await self.app(scope, receive, send)
             return
-        scope["route"] = _ROUTE
-        try:
-            if scope["method"] != "POST":
-                raise _MethodNotAllowed()
-            headers = _Headers(scope["headers"])
-            declared = headers.get("content-type")
-            if declared and declared.split(";")[0].strip().lower() != wire.CONTENT_TYPE:
-                raise _unsupported(declared)
-            limit = service.settings.max_body_bytes
-            body = await _read_body(receive, headers.get("content-length"), limit)
-            service.metrics.wire_received.inc(len(body))
-            step = parse_step(headers, body, max_bytes=limit)
-            result = await service.handle_step(step)
-        except _MethodNotAllowed:
-            scope.setdefault("state", {})["error_code"] = "method_not_allowed"
-            message = error_body("use POST for /v1/forward", "invalid_request_error")
-            await _answer(send, 405, message, [(b"allow", b"POST")])
+        if path == FORWARD_PATH:
+            scope["route"] = _FORWARD_ROUTE
+            answer = await self._forward(scope, receive, service)
+        elif path.startswith(SESSIONS_PREFIX) and scope["method"] == "DELETE":
+            scope["route"] = _SESSIONS_ROUTE
+            session_id = path[len(SESSIONS_PREFIX) :]
+            answer = await close_answer(service, session_id, first_values(scope["headers"]))
+        else:
+            await self.app(scope, receive, send)
             return
+        if answer.error_code is not None:
+            scope.setdefault("state", {})["error_code"] = answer.error_code
+        headers = [_JSON, (b"content-length", str(len(answer.body)).encode()), *answer.headers]
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer.body})
+
+    async def _forward(self, scope, receive, service: NodeService) -> Answer:
+        if scope["method"] != "POST":
+            return method_not_allowed(FORWARD_PATH, "POST")
+        headers = first_values(scope["headers"])
+        limit = service.settings.max_body_bytes
+        try:
+            check_forward_head(headers, limit)
+            body = await _read_body(receive, limit)
         except MeshnetError as exc:
-            scope.setdefault("state", {})["error_code"] = exc.code or exc.error_type
-            extra = [
-                (k.encode(), v.encode()) for k, v in (getattr(exc, "headers", None) or {}).items()
-            ]
-            await _answer(send, exc.status, exc.to_openai(), extra)
-            return
-        except Exception as exc:  # never kill the node: a 500 with the error's type
-            logger.exception("unhandled error in a forward step")
-            scope.setdefault("state", {})["error_code"] = "internal_error"
-            message = error_body(f"internal error: {type(exc).__name__}", "internal_error")
-            await _answer(send, 500, message)
-            return
-        payload = result.model_dump_json().encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_JSON, (b"content-length", str(len(payload)).encode())]})  # fmt: skip
-        await send({"type": "http.response.body", "body": payload})
+            return error_answer(exc)
+        return await forward_answer(service, headers, body)
 
 
-class _MethodNotAllowed(Exception):
-    pass
-
-
-class _Headers(dict):
-    """Request headers by lower-case name; a repeated header keeps its first value, as
-    Starlette's ``Headers.get`` does."""
-
-    def __init__(self, raw) -> None:
-        super().__init__()
-        for name, value in raw:
-            self.setdefault(name.decode("latin-1"), value.decode("latin-1"))
-
-
-def _unsupported(declared: str) -> MeshnetError:
-    return UnsupportedMediaType(
-        f"content-type {declared.split(';')[0]!r} is not accepted here; send {wire.CONTENT_TYPE}",
-        param="content-type",
-    )
-
-
-async def _read_body(receive, declared: str | None, limit: int) -> bytes:
+async def _read_body(receive, limit: int) -> bytes:
     """The request body, refusing (413) anything over ``limit`` without buffering it."""
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError as exc:
-            raise InvalidRequest("bad content-length") from exc
-        if size > limit:
-            raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -133,14 +191,7 @@ async def _read_body(receive, declared: str | None, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _answer(send, status: int, body: dict, extra=()) -> None:
-    payload = json.dumps(body).encode()
-    headers = [*_JSON, (b"content-length", str(len(payload)).encode()), *extra]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
 def install_forward_path(app) -> None:
-    """Answer ``/v1/forward`` before routing. Install it before the auth and observability
+    """Answer the data path before routing. Install it before the auth and observability
     middlewares, so that they wrap it."""
     app.add_middleware(ForwardPath)

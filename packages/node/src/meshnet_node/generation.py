@@ -212,10 +212,13 @@ class HeadGenerator:
                 if finish is not None:
                     return
                 started, failovers = time.perf_counter(), chain.failovers
-                with metrics.timer(metrics.decode_seconds):
+                try:
                     result = await self._advance(stage, chain, request, history, token, reroute)
+                finally:
+                    elapsed = time.perf_counter() - started
+                    metrics.decode_seconds.observe(elapsed)
                 if chain.failovers == failovers:  # a replayed step says nothing of overhead
-                    timings.add(time.perf_counter() - started, result.compute_ms, len(chain.route))
+                    timings.add(elapsed, result.compute_ms, len(chain.route))
                 history.append(token)
         finally:
             await self._close(stage, chain.session_id, chain.key, chain.route)

@@ -20,10 +20,13 @@ import aiohttp
 import httptools
 import httpx
 
+from meshnet_common.protocol import H_COMPUTE
+
 
 class HopResponse(NamedTuple):
     status: int
     body: bytes
+    compute_ms: str | None = None  # the x-meshnet-compute-ms header of a step's answer
 
 
 class HopUnreachable(Exception):
@@ -67,7 +70,8 @@ class AiohttpHops:
             async with self._client().request(
                 method, url, data=body, headers=headers, timeout=limits
             ) as resp:
-                return HopResponse(resp.status, await resp.read())
+                body = await resp.read()
+                return HopResponse(resp.status, body, resp.headers.get(H_COMPUTE))
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise HopUnreachable(f"{type(exc).__name__}: {exc}") from exc
 
@@ -77,6 +81,7 @@ class AiohttpHops:
             await session.close()
 
 
+_COMPUTE = H_COMPUTE.encode()
 MAX_IDLE_S = 2.0  # a pooled connection idle longer is closed, not reused
 
 
@@ -104,16 +109,21 @@ class _HopConnection(asyncio.Protocol):
 
     def begin(self) -> asyncio.Future:
         self.answer = asyncio.get_running_loop().create_future()
-        self._parser = httptools.HttpResponseParser(self)
+        if self._parser is None:  # one parser per connection: it reads answer after answer
+            self._parser = httptools.HttpResponseParser(self)
         self._body, self._size, self.received = [], 0, 0
         self._framed = False  # content-length or chunked: else the body ends with the connection
+        self._compute: str | None = None
         self._headers_done = False
         self._error: str | None = None
         return self.answer
 
     # httptools callbacks
-    def on_header(self, name: bytes, _value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == _COMPUTE:
+            self._compute = value.decode("latin-1")
+        elif name in (b"content-length", b"transfer-encoding"):
             self._framed = True
 
     def on_headers_complete(self) -> None:
@@ -132,6 +142,7 @@ class _HopConnection(asyncio.Protocol):
         if 100 <= status < 200 and status != 101:
             # An interim answer (100 Continue, 103 Early Hints): the real one follows.
             self._body, self._size, self._framed, self._headers_done = [], 0, False, False
+            self._compute = None
             return
         self.keep_alive = parser.should_keep_alive()
         self._resolve(status)
@@ -139,7 +150,7 @@ class _HopConnection(asyncio.Protocol):
     def _resolve(self, status: int) -> None:
         if self.answer is not None and not self.answer.done():
             body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-            self.answer.set_result(HopResponse(status, body))
+            self.answer.set_result(HopResponse(status, body, self._compute))
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
@@ -156,6 +167,11 @@ class _HopConnection(asyncio.Protocol):
             if not self.answer.done():
                 reason = self._error or str(exc)
                 self.answer.set_exception(HopUnreachable(f"bad HTTP answer: {reason}"))
+
+    def expire(self) -> None:
+        """The request's deadline passed (a timer set by ``Http11Hops``)."""
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_exception(_Expired())
 
     def eof_received(self):
         return False  # close our side too
@@ -174,6 +190,10 @@ class _HopConnection(asyncio.Protocol):
 
 
 class _TooLarge(Exception):
+    pass
+
+
+class _Expired(Exception):
     pass
 
 
@@ -248,13 +268,15 @@ class Http11Hops:
         except UnicodeEncodeError as exc:
             raise HopUnreachable(f"a header is not latin-1 text: {exc}") from exc
         message = head + body if len(body) < 65536 else None
+        # A timer on the answer, not asyncio.timeout: less code on every step's path.
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout):
-                return await self._exchange(host, port, head, body, message)
-        except TimeoutError as exc:
+            return await self._exchange(host, port, head, body, message, deadline)
+        except (_Expired, TimeoutError) as exc:
             raise HopUnreachable(f"TimeoutError: no answer within {timeout:g}s") from exc
 
-    async def _exchange(self, host, port, head, body, message) -> HopResponse:
+    async def _exchange(self, host, port, head, body, message, deadline) -> HopResponse:
+        loop = asyncio.get_running_loop()
         pool = self._pool((host, port))
         while True:
             conn, reused = None, False
@@ -271,8 +293,9 @@ class Http11Hops:
                     continue
                 conn, reused = candidate, True
             if conn is None:
-                conn = await self._connect(host, port)
+                conn = await self._connect(host, port, deadline)
             answer = conn.begin()
+            timer = loop.call_at(deadline, conn.expire)
             try:
                 if message is not None:
                     conn.transport.write(message)
@@ -291,6 +314,8 @@ class Http11Hops:
                 conn.closed = True
                 conn.transport.close()
                 raise
+            finally:
+                timer.cancel()
             if conn.keep_alive and not conn.closed and len(pool) < self.max_idle_per_hop:
                 conn.answer = None
                 conn.idle_since = time.monotonic()
@@ -299,10 +324,10 @@ class Http11Hops:
                 conn.transport.close()
             return response
 
-    async def _connect(self, host: str, port: int) -> _HopConnection:
+    async def _connect(self, host: str, port: int, deadline: float) -> _HopConnection:
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout_at(min(deadline, loop.time() + self.connect_timeout)):
                 _, conn = await loop.create_connection(
                     lambda: _HopConnection(self.max_body), host, port
                 )
@@ -341,7 +366,7 @@ class HttpxHops:
             )
         except httpx.HTTPError as exc:
             raise HopUnreachable(f"{type(exc).__name__}: {exc}") from exc
-        return HopResponse(resp.status_code, resp.content)
+        return HopResponse(resp.status_code, resp.content, resp.headers.get(H_COMPUTE))
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -126,15 +126,23 @@ class ObservabilityMiddleware:
     def _record(self, scope, status: int, seconds: float) -> None:
         route = scope.get("route")
         path = getattr(route, "path", None) or "unmatched"  # templates: bounded labels
-        self.metrics.requests.labels(path, str(status)).inc()
-        self.metrics.request_seconds.labels(path).observe(seconds)
-        if status >= 400:
-            code = (scope.get("state") or {}).get("error_code") or f"http_{status}"
-            self.metrics.error(status, code)
-            level = logging.WARNING if status >= 500 else logging.INFO
-            logger.log(level, "%s %s answered %d (%s)", scope["method"], path, status, code)
-        else:
-            logger.debug("%s %s answered %d in %.3fs", scope["method"], path, status, seconds)
+        code = (scope.get("state") or {}).get("error_code")
+        record_request(self.metrics, scope["method"], path, status, seconds, code)
+
+
+def record_request(
+    metrics: Metrics, method: str, path: str, status: int, seconds: float, code: str | None
+) -> None:
+    """Count one answered request (``path``: a route template) and log a failure."""
+    metrics.requests.labels(path, str(status)).inc()
+    metrics.request_seconds.labels(path).observe(seconds)
+    if status >= 400:
+        code = code or f"http_{status}"
+        metrics.error(status, code)
+        level = logging.WARNING if status >= 500 else logging.INFO
+        logger.log(level, "%s %s answered %d (%s)", method, path, status, code)
+    else:
+        logger.debug("%s %s answered %d in %.3fs", method, path, status, seconds)
 
 
 DEFAULT_JSON_LIMIT = 8 << 20  # OpenAI-style JSON bodies

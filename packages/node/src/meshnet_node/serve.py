@@ -9,6 +9,8 @@ import sys
 import uvicorn
 from fastapi import FastAPI
 
+from meshnet_node.data_path import protocol_factory
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -28,9 +30,13 @@ def check_port(host: str, port: int) -> None:
 
 async def _serve(app: FastAPI, host: str, port: int, ready_line: str, log_level: str) -> None:
     # log_config=None: uvicorn's own lines go through meshnet's one-line formatter.
+    # No server/date headers: two fewer headers to build, check and parse on every
+    # answer, which every hop of every decode step pays (docs/adr/0011).
+    # Connections start in the data-path protocol: hops' steps skip uvicorn's request
+    # cycle and Starlette; every other request goes to uvicorn's own protocol.
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-        log_config=None,
+        log_config=None, server_header=False, date_header=False, http=protocol_factory(app),
     )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
