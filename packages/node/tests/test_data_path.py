@@ -795,14 +795,6 @@ def test_graceful_shutdown_with_idle_connections_does_not_hang(snapshot, expecte
                 conn.sock.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: HopConnection.shutdown() only marks a connection 'closing' while it is "
-    "'reading', and 'reading' starts with the first bytes of a data-path request line; a "
-    "client that stalls after sending part of a request head (e.g. 'POST /v1/forward HTT') "
-    "is never closed, so uvicorn's graceful shutdown waits for it forever (uvicorn's own "
-    "protocol closes a connection whose next request has no complete head yet)",
-)
 def test_graceful_shutdown_with_a_half_sent_request_head_does_not_hang(snapshot):
     with serving(snapshot) as node, node.connect() as stalled:
         stalled.send(b"POST /v1/forward HTTP/1.1\r\nhost: x\r\n")  # and nothing more
@@ -811,13 +803,6 @@ def test_graceful_shutdown_with_a_half_sent_request_head_does_not_hang(snapshot)
         assert not node.thread.is_alive(), "uvicorn hung on shutdown"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the data path never answers 'expect: 100-continue' (uvicorn's protocol sends "
-    "'HTTP/1.1 100 Continue' once the app reads the body; RFC 9110 10.1.1 requires a 100 or "
-    "a final status): a client that waits for it (curl for large bodies) stalls its timeout "
-    "(about 1 s) before sending the body of every step",
-)
 def test_expect_100_continue_is_answered(token_node, expected):
     token = {H_SWARM_TOKEN: "s3cret"}
     head, body = canonical("expect-1", 0)

@@ -112,8 +112,9 @@ class HopConnection(asyncio.Protocol):
         self.transport = None  # an answer still being computed is dropped when it is done
 
     def shutdown(self) -> None:
-        """uvicorn's graceful shutdown: close now, or once the answer in progress is out."""
-        if self.answering or self.reading:
+        """uvicorn's graceful shutdown: close now, or once the answer in progress is out
+        (a request still arriving is dropped, as uvicorn does)."""
+        if self.answering:
             self.closing = True
         elif self.transport is not None:
             self.transport.close()
@@ -198,8 +199,14 @@ class HopConnection(asyncio.Protocol):
                 check_forward_head(self.headers, service.settings.max_body_bytes)
             except PayloadTooLarge as exc:
                 self._refuse_now(exc)  # never read a body that is already too large
+                return
             except Exception as exc:
                 self.refused = error_answer(exc)
+        if self.headers.get("expect", "").lower() == "100-continue":
+            if self.refused is not None:  # the client waits before sending a body: answer
+                self._refuse_now(self.refused)
+            elif self.transport is not None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         if self.answering or self.refused is not None:
@@ -280,9 +287,9 @@ class HopConnection(asyncio.Protocol):
         head.append(b"\r\n")
         self.transport.write(b"".join(head) + answer.body)
 
-    def _refuse_now(self, exc: Exception) -> None:
+    def _refuse_now(self, refusal: Exception | Answer) -> None:
         """Answer at once and close: the rest of this request will not be read."""
-        answer = error_answer(exc)
+        answer = refusal if isinstance(refusal, Answer) else error_answer(refusal)
         if self.transport is not None:
             self._write(answer, accept_request_id(self.headers.get(H_REQUEST_ID)), False)
             self.transport.close()
