@@ -239,7 +239,9 @@ class HopConnection(asyncio.Protocol):
         request_id = accept_request_id(headers.get(H_REQUEST_ID))
         request_id_var.set(request_id)
         bind_session(headers.get(H_SESSION))
-        path = unquote(url.split(b"?", 1)[0].decode("latin-1"))
+        path = url.split(b"?", 1)[0].decode("latin-1")
+        if "%" in path:
+            path = unquote(path)
         label = FORWARD_PATH
         service = self._service()
         if refused is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 
 from meshnet_common import wire
 from meshnet_common.errors import Conflict, InvalidRequest, MeshnetError, NotFound
+from meshnet_common.logs import H_REQUEST_ID, request_id_var
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import (
     H_CHUNK,
@@ -84,6 +86,23 @@ class StepAnswer(NamedTuple):
 
 
 _EMPTY_RESULT = StepResult().model_dump_json(exclude={"compute_ms"}).encode()
+
+
+LOGPROB_FLOOR = -1e30  # how a log-probability of -inf (or NaN) travels: JSON has neither
+
+
+def wire_logprob(value: float) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def _token_json(token) -> bytes:
+    """A sampled token as the JSON of a ``StepResult``, formatted by hand: this runs on
+    every decode step, and a JSON library's first call after an idle gap costs ~80 µs here
+    (ADR-0011). ``repr`` of a finite float is valid JSON."""
+    tops = ",".join(f"[{int(i)},{wire_logprob(lp)!r}]" for i, lp in token.top_logprobs)
+    text = f'{{"token_id":{int(token.token_id)},"logprob":{wire_logprob(token.logprob)!r},'
+    return f'{text}"top_logprobs":[{tops}]}}'.encode()
 
 
 @dataclass(frozen=True)
@@ -473,13 +492,7 @@ class NodeService:
             if out.token is None:
                 return StepAnswer(_EMPTY_RESULT, format_compute(own_ms))
             self.tokens_generated += 1
-            result = StepResult(
-                token_id=out.token.token_id,
-                logprob=out.token.logprob,
-                top_logprobs=out.token.top_logprobs,
-            )
-            return StepAnswer(result.model_dump_json(exclude={"compute_ms"}).encode(),
-                              format_compute(own_ms))  # fmt: skip
+            return StepAnswer(_token_json(out.token), format_compute(own_ms))
         resp = await self.relay(
             req.route[0],
             out.hidden,
@@ -625,6 +638,9 @@ class NodeService:
             sample=sample,
             open_spec=open_spec,
         )
+        request_id = request_id_var.get()
+        if request_id is not None:  # every hop's log lines of this step carry the same id
+            headers[H_REQUEST_ID] = request_id
         t = self.settings.timeouts
         timeout = t.prefill_chunk if hidden.shape[1] > 1 else t.decode_step
         # Metrics are recorded off the step's critical path: once the frame is on its way
