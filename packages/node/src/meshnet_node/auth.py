@@ -43,10 +43,18 @@ def has_swarm_token(request: Request, token: str | None) -> bool:
 _UNAUTHORIZED_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
 
 
-async def _unauthorized(send, message: str) -> None:
+NEEDS_SWARM_TOKEN = "this route needs the swarm token"
+
+
+def unauthorized_body(message: str) -> bytes:
+    """The OpenAI-style body of a 401 (also the data path's, meshnet_node.data_path)."""
     body = {"error": {"message": message, "type": "authentication_error", "param": None,
                       "code": "invalid_api_key"}}  # fmt: skip
-    payload = json.dumps(body).encode()
+    return json.dumps(body).encode()
+
+
+async def _unauthorized(send, message: str) -> None:
+    payload = unauthorized_body(message)
     headers = [*_UNAUTHORIZED_HEADERS, (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": 401, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
@@ -73,7 +81,7 @@ class AuthMiddleware:
         headers = _first_values(scope["headers"], (_SWARM, _AUTHORIZATION))
         swarm_ok = _same(self.swarm_token, headers.get(_SWARM))
         if self.swarm_token and internal and not swarm_ok:
-            await _unauthorized(send, "this route needs the swarm token")
+            await _unauthorized(send, NEEDS_SWARM_TOKEN)
             return
         if self.api_key and path in OPENAI_PATHS and not swarm_ok:
             auth = headers.get(_AUTHORIZATION, "")

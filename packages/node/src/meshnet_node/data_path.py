@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import http
-import json
 import logging
 import time
 from urllib.parse import unquote
@@ -35,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from meshnet_common.errors import InvalidRequest, PayloadTooLarge
 from meshnet_common.logs import H_REQUEST_ID, accept_request_id, bind_session, request_id_var
 from meshnet_common.protocol import H_SESSION, H_SWARM_TOKEN
+from meshnet_node.auth import NEEDS_SWARM_TOKEN, unauthorized_body
 from meshnet_node.forward_path import (
     FORWARD_PATH,
     SESSIONS_PREFIX,
@@ -57,11 +57,8 @@ _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
 
 def _unauthorized() -> Answer:
-    body = {"error": {"message": "this route needs the swarm token",
-                      "type": "authentication_error", "param": None, "code": "invalid_api_key"}}  # fmt: skip
-    return Answer(
-        401, json.dumps(body).encode(), ((b"www-authenticate", b"Bearer"),), "unauthorized"
-    )
+    body = unauthorized_body(NEEDS_SWARM_TOKEN)
+    return Answer(401, body, ((b"www-authenticate", b"Bearer"),), "unauthorized")
 
 
 def protocol_factory(app):
