@@ -6,6 +6,8 @@ PIP := $(PY) -m pip
 # The CPU wheel of torch lies on this kind of machine's disk; on a CUDA box: make install TORCH_SPEC="torch==2.13.0 --index-url ..."
 TORCH_SPEC ?= torch==2.13.0
 MODELS_DIR ?= $(CURDIR)/models
+# The tracker's port for make swarm / make demo (make swarm PORT=8090).
+PORT ?= 8080
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
@@ -34,10 +36,10 @@ format: install
 	$(VENV)/bin/ruff format .
 
 swarm: install
-	$(PY) scripts/local_swarm.py --models-dir $(MODELS_DIR)
+	$(PY) scripts/local_swarm.py --models-dir $(MODELS_DIR) --port $(PORT)
 
 demo: install
-	$(PY) scripts/local_swarm.py --models-dir $(MODELS_DIR) --demo
+	$(PY) scripts/local_swarm.py --models-dir $(MODELS_DIR) --port $(PORT) --demo
 
 models: install
 	$(VENV)/bin/meshnet-models import-smollm2 --models-dir $(MODELS_DIR)

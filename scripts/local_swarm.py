@@ -5,7 +5,8 @@
 tracker assigns it the uncovered layers and sends it just those weights — waits until every
 layer is covered, prints the dashboard URL and working ``curl`` and ``openai`` examples, and
 serves until Ctrl-C, then stops both processes cleanly. ``--demo`` (``make demo``) runs one
-completion instead and exits.
+completion instead and exits. The tracker listens on ``--port`` (``make swarm PORT=8090``;
+default 8080); a port already in use stops the script with one line before anything starts.
 """
 
 from __future__ import annotations
@@ -127,16 +128,20 @@ def demo(url: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models-dir", default="models", help="where SmolLM2 is (imported)")
-    parser.add_argument("--port", type=int, default=8080, help="the tracker's port")
+    parser.add_argument("--port", type=int, default=8080, help="the tracker's port (8080)")
     parser.add_argument(
         "--run-dir", default=".cache/local-swarm", help="logs and the joining node's cache"
     )
     parser.add_argument("--demo", action="store_true", help="run one completion, then exit")
     args = parser.parse_args()
+    if not 1 <= args.port <= 65535:
+        parser.error(f"--port must be 1..65535, not {args.port}")
     try:
         check_port("127.0.0.1", args.port)
     except OSError as exc:
-        raise SystemExit(f"local_swarm: {exc} (another swarm running? try --port)") from None
+        raise SystemExit(
+            f"local_swarm: {exc} (another swarm running? try --port N, or make swarm PORT=N)"
+        ) from None
     models_dir = Path(args.models_dir)
     models_dir.mkdir(parents=True, exist_ok=True)
     if find_snapshot(models_dir, MODEL, "plain") is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,10 +30,20 @@ def test_help_documents_every_flag(build):
         flag = action.option_strings[-1]
         assert flag in text, flag
         assert action.help and len(action.help) > 10, f"{flag} has no real help"
-        if action.dest != "help":
+        if action.dest not in ("help", "version"):
             assert f"[env MESHNET_{action.dest.upper()}]" in action.help, flag
     for must in ("--log-level", "--log-format", "--swarm-token", "examples:", "(default: "):
         assert must in text
+
+
+@pytest.mark.parametrize("module", ["meshnet_tracker.cli", "meshnet_node.cli"])
+def test_version(module):
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    prog = "meshnet-tracker" if "tracker" in module else "meshnet-node"
+    assert re.fullmatch(rf"{prog} \d+\.\d+\.\d+\S*\n", out.stdout), out.stdout
 
 
 @pytest.mark.integration
@@ -67,6 +78,33 @@ def test_startup_errors_are_one_clear_line(models_dir, tiny_snapshot, swarm_fact
         "node: tracker unreachable": (
             ["meshnet_node.cli", "--tracker", nowhere, "--tracker-wait", "1", *quiet],
             f"meshnet-node: error: tracker {nowhere} unreachable after 1s",
+        ),
+        "tracker node: not the first layers": (
+            ["meshnet_tracker.cli", "--models-dir", str(models_dir), "--port", str(free_port()),
+             "--model-id", MODEL, "--shard-start", "2", "--shard-end", "4"],
+            "meshnet-tracker: error: the tracker node serves the first layers",
+        ),
+        "tracker node: range past the model": (
+            ["meshnet_tracker.cli", "--models-dir", str(models_dir), "--port", str(free_port()),
+             "--model-id", MODEL, "--shard-start", "0", "--shard-end", "99"],
+            "meshnet-tracker: error: --shard-start/--shard-end",
+        ),
+        "node: range past the model": (
+            ["meshnet_node.cli", "--models-dir", str(models_dir), "--model-id", MODEL,
+             "--shard-start", "2", "--shard-end", "99"],
+            "meshnet-node: error: --shard-start/--shard-end",
+        ),
+        "node: wildcard advertise url": (
+            ["meshnet_node.cli", "--tracker", tracker.url, "--advertise-url", "http://0.0.0.0:9",
+             "--models-dir", str(models_dir), "--model-id", MODEL, "--shard-start", "0",
+             "--shard-end", "6"],
+            "meshnet-node: error: --advertise-url http://0.0.0.0:9",
+        ),
+        "node: the tracker cannot call it back": (
+            ["meshnet_node.cli", "--tracker", tracker.url, "--advertise-url", nowhere,
+             "--models-dir", str(models_dir), "--model-id", MODEL, "--shard-start", "0",
+             "--shard-end", "6", *quiet],
+            "meshnet-node: error: the tracker refused this node: the tracker cannot reach node",
         ),
         "node: unknown model": (
             ["meshnet_node.cli", "--tracker", tracker.url, "--model-id", "nope/none",

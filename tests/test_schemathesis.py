@@ -104,7 +104,7 @@ def _refuse(request: httpx.Request) -> httpx.Response:
 @pytest.fixture(scope="module")
 def tracker(models_dir: Path, tiny_snapshot) -> Iterator[Service]:
     tiny_snapshot("llama")  # in the models dir before the tracker indexes it
-    app = create_tracker_app(TrackerSettings(models_dir=models_dir), node=None)
+    app = create_tracker_app(TrackerSettings(models_dir=models_dir, verify_nodes=False), node=None)
     app.state.tracker.client = httpx.AsyncClient(transport=httpx.MockTransport(_refuse))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield Service("tracker", client, list)

@@ -23,9 +23,12 @@ def test_secrets_guard_the_swarm(tiny_snapshot, swarm_factory):
     head = swarm.node(tracker, MODEL, 0, 3, *auth, "--api-key", KEY)
     tail = swarm.node(tracker, MODEL, 3, 6, *auth)
     intruder = swarm.node(tracker, MODEL, 3, 6, "--swarm-token", "wrong", "--node-id", "intruder")
-    for proc in (head, tail, intruder):
+    for proc in (head, tail):
         proc.wait_healthy()
     wait_for(lambda: covered(tracker, MODEL), timeout=30)
+    # A node with the wrong token is refused at once and says so in one line.
+    assert intruder.popen.wait(timeout=60) == 1
+    assert "meshnet-node: error: the tracker refused this node: " in intruder.log()
 
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0}
     url = f"{tracker.url}/v1/completions"

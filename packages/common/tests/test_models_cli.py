@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -206,3 +207,12 @@ def test_console_script_is_installed():
     assert result.returncode == 0
     for command in ("import-smollm2", "import-gguf", "make-tiny", "list"):
         assert command in result.stdout
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"meshnet-models {importlib.metadata.version('meshnet-common')}"
+    assert out.split()[1][0].isdigit()  # installed in the venv, so not "unknown"

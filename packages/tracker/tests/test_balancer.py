@@ -40,10 +40,14 @@ def node_memory(layers: int) -> int:
     )  # room for embeddings
 
 
-def setup(clock: Clock) -> tuple[Registry, Balancer]:
+def setup(clock: Clock, grace_s: float = 0.0) -> tuple[Registry, Balancer]:
     registry = Registry(1.0, clock=clock)
     registry.note_model(MODEL, 12)
-    return registry, Balancer(registry, {MODEL: COSTS}, Counter(), clock=clock, move_cooldown_s=30)
+    balancer = Balancer(
+        registry, {MODEL: COSTS}, Counter(), clock=clock, move_cooldown_s=30, move_grace_s=grace_s,
+        joining_ttl_s=600,
+    )  # fmt: skip
+    return registry, balancer
 
 
 def ask(node_id: str, layers: int) -> AssignRequest:
@@ -51,16 +55,25 @@ def ask(node_id: str, layers: int) -> AssignRequest:
                          kv_tokens=16)  # fmt: skip
 
 
-def announce(registry: Registry, node_id: str, start: int, end: int, layers_memory: int) -> None:
+def announce(
+    registry: Registry, node_id: str, start: int, end: int, layers_memory: int,
+    *, movable: bool = True, state: NodeState = NodeState.SERVING,
+) -> None:  # fmt: skip
     registry.register(
         NodeAnnouncement(
             node_id=node_id, url=f"http://127.0.0.1:{9000 + len(node_id)}",
             shard=ShardSpec(model_id=MODEL, shard_start=start, shard_end=end), num_layers=12,
             quantization=Precision.BFLOAT16, device="cpu",
             memory_declared_bytes=node_memory(layers_memory), memory_free_bytes=0,
-            kv_budget_tokens=16, state=NodeState.SERVING,
+            kv_budget_tokens=16, state=state, movable=movable,
         )
     )  # fmt: skip
+
+
+def beat(registry: Registry, *node_ids: str, state: NodeState = NodeState.SERVING) -> None:
+    for node_id in node_ids:
+        registry.heartbeat(Heartbeat(node_id=node_id, state=state, active_sessions=0,
+                                     kv_tokens=0, memory_free_bytes=0))  # fmt: skip
 
 
 def test_simultaneous_joins_take_different_gaps():
@@ -103,3 +116,69 @@ def test_gap_is_closed_by_moving_a_redundant_node_once():
                                  kv_tokens=0, memory_free_bytes=0))  # fmt: skip
     assert balancer.plan_moves() == 1
     assert balancer.peek_directives("head")  # its cool-down has passed
+
+
+def test_a_range_given_by_hand_is_never_moved():
+    clock = Clock()
+    registry, balancer = setup(clock)
+    announce(registry, "head", 0, 6, 6, movable=False)
+    announce(registry, "spare", 0, 6, 6, movable=False)  # redundant, but placed by an operator
+    assert balancer.plan_moves() == 0  # [6, 12) is a gap, and nobody may close it
+    clock.now += 100
+    beat(registry, "head", "spare")
+    assert balancer.plan_moves() == 0
+    assert balancer.peek_directives("head") == balancer.peek_directives("spare") == ()
+    assert balancer.move_counts == Counter()
+
+
+def test_a_node_still_loading_is_no_gap_to_close():
+    """The order that churned ranges: [0, 6) twice serving, [6, 12) still loading."""
+    clock = Clock()
+    registry, balancer = setup(clock)
+    announce(registry, "head", 0, 6, 6)
+    announce(registry, "spare", 0, 6, 6)
+    announce(registry, "tail", 6, 12, 6, state=NodeState.JOINING)
+    for _ in range(20):  # it loads for a long while, heartbeating as joining
+        clock.now += 0.5
+        beat(registry, "head", "spare")
+        beat(registry, "tail", state=NodeState.JOINING)
+        assert balancer.plan_moves() == 0
+    # placement sees [6, 12) as on its way: a new node gets redundancy, not that range
+    assert [v.capacity for v in balancer.views()] == [(2,) * 6 + (1,) * 6]
+
+
+def test_a_node_loading_past_its_ttl_no_longer_holds_the_range():
+    clock = Clock()
+    registry, balancer = setup(clock)
+    announce(registry, "head", 0, 6, 6)
+    announce(registry, "spare", 0, 6, 6)
+    announce(registry, "tail", 6, 12, 6, state=NodeState.JOINING)
+    clock.now += 601  # joining for longer than the TTL (heartbeating all along)
+    beat(registry, "head", "spare")
+    beat(registry, "tail", state=NodeState.JOINING)
+    assert balancer.plan_moves() == 1
+
+
+def test_a_gap_shorter_than_the_grace_period_moves_nobody():
+    clock = Clock()
+    registry, balancer = setup(clock, grace_s=10.0)
+    announce(registry, "head", 0, 6, 6)
+    announce(registry, "tail", 6, 12, 6)
+    announce(registry, "spare", 0, 6, 6)
+    registry.remove("tail")
+    assert balancer.plan_moves() == 0  # the gap just opened
+    clock.now += 5
+    beat(registry, "head", "spare")
+    assert balancer.plan_moves() == 0
+    announce(registry, "tail", 6, 12, 6)  # the tail came back (a restart): no move at all
+    clock.now += 6
+    beat(registry, "head", "spare", "tail")
+    assert balancer.plan_moves() == 0
+    registry.remove("tail")  # gone again: the grace period starts over
+    clock.now += 1
+    beat(registry, "head", "spare")
+    assert balancer.plan_moves() == 0
+    clock.now += 10
+    beat(registry, "head", "spare")
+    assert balancer.plan_moves() == 1
+    assert balancer.move_counts == Counter({(MODEL, "gap"): 1})

@@ -82,7 +82,7 @@ def llama_snapshot(tiny_snapshot) -> Path:
 
 @pytest.fixture
 def tracker(models_dir, llama_snapshot) -> Iterator[TestClient]:
-    app = create_app(TrackerSettings(models_dir=models_dir), node=None)
+    app = create_app(TrackerSettings(models_dir=models_dir, verify_nodes=False), node=None)
     with TestClient(app) as client:
         yield client
 
@@ -115,7 +115,11 @@ def test_models_dir_models_are_known_but_uncovered(tracker):
 
 def test_register_shows_node_and_gaps(tracker):
     resp = register(tracker, node_id="head", start=0, end=3)
-    assert resp.json() == {"node_id": "head", "heartbeat_interval_s": 2.0}
+    assert resp.json() == {
+        "node_id": "head",
+        "heartbeat_interval_s": 2.0,
+        "url": "http://head.test:8000",
+    }
     model = llama_coverage(tracker)
     assert model["covered"] is False
     assert model["gaps"] == [[3, 6]]
@@ -361,3 +365,33 @@ def test_covered_model_is_proxied_to_the_head(tracker, whole_node):
     # Errors from the head come back with their status and body.
     resp = tracker.post("/v1/completions", json={**request, "temperature": 9})
     assert assert_error(resp, 400)["param"] == "temperature"
+
+
+# -- admission: the tracker calls a registering node back ----------------------------------
+
+
+def test_registration_is_confirmed_by_calling_the_node_back(models_dir, llama_snapshot, whole_node):
+    app = create_app(TrackerSettings(models_dir=models_dir), node=None)  # verify_nodes: on
+    with TestClient(app) as tracker:
+        state = tracker.app.state.tracker
+        state.client = httpx.AsyncClient(transport=AppsTransport({"node.test": whole_node.app}))
+        node_id = whole_node.app.state.runtime.node_id
+        body = announcement(node_id=node_id, url="http://node.test:8000")
+        ok = tracker.post("/v1/nodes/register", json=body)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["url"] == "http://node.test:8000"
+        # Another process answers at the address: not this node, so it is refused.
+        impostor = announcement(node_id="impostor", url="http://node.test:8000")
+        error = assert_error(tracker.post("/v1/nodes/register", json=impostor), 400)
+        assert error["code"] == "node_unreachable" and "answered as node" in error["message"]
+        # Nothing answers: refused with the flag to fix it, and never put on the map.
+        far = announcement(node_id="far", start=0, end=3)
+        error = assert_error(tracker.post("/v1/nodes/register", json=far), 400)
+        assert error["code"] == "node_unreachable" and "--advertise-url" in error["message"]
+        # A node still loading is not called back: it is on the map as joining, not routed.
+        loading = {**announcement(node_id="loading", start=0, end=3), "state": "joining"}
+        assert tracker.post("/v1/nodes/register", json=loading).status_code == 200
+        nodes = {n["node_id"]: n["state"] for n in llama_coverage(tracker)["nodes"]}
+        assert nodes == {node_id: "serving", "loading": "joining"}
+        route = tracker.get("/v1/route", params={"model": LLAMA}).json()
+        assert [h["node_id"] for h in route["hops"]] == [node_id]

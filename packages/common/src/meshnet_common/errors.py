@@ -77,6 +77,17 @@ class Conflict(MeshnetError):
     error_type = "invalid_request_error"
 
 
+class ClientDisconnected(MeshnetError):
+    """The client went away before its answer (499, nginx's "client closed request"): an
+    ordinary event, logged at info; the work it asked for has been stopped."""
+
+    status = 499
+    error_type = "client_closed_request"
+
+    def __init__(self, message: str = "client disconnected") -> None:
+        super().__init__(message, code="client_disconnected")
+
+
 class CapacityExceeded(MeshnetError):
     """Retryable refusal: a KV budget or concurrency limit is full (503)."""
 

@@ -7,6 +7,7 @@ listed); 2 bad arguments or an error that stopped the command (one line on stder
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from meshnet_common.tiny import FAMILIES  # cheap: tiny imports torch only when 
 logger = logging.getLogger(__name__)
 
 PROG = "meshnet-models"
+DISTRIBUTION = "meshnet-common"  # the package that installs this command
 MODELS_DIR_ENV = "MESHNET_MODELS_DIR"
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
 
@@ -128,9 +130,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _version() -> str:
+    """The installed ``meshnet-common`` version, or "unknown" when run from a bare tree."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (``--models-dir`` defaults to $MESHNET_MODELS_DIR)."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     env_dir = os.environ.get(MODELS_DIR_ENV)
     common.add_argument(

@@ -260,6 +260,20 @@ def scan_models_dir(models_dir: Path | str) -> ModelScan:
     return ModelScan(entries, problems)
 
 
+def snapshot_fingerprint(path: Path | str) -> tuple:
+    """What changes when a snapshot's files change: (name, size, mtime) of each file in it
+    (symlinks followed, as in the hub layout). Cheap: stats, no reads."""
+    items = []
+    for child in sorted(Path(path).iterdir()):
+        try:
+            st = child.stat()
+        except OSError:
+            continue
+        if child.is_file():
+            items.append((child.name, st.st_size, st.st_mtime_ns))
+    return tuple(items)
+
+
 def _with_path(path: Path, message: str) -> str:
     # checkpoint.py names the file at fault most of the time; add the snapshot when it doesn't.
     return message if str(path) in message else f"{path}: {message}"

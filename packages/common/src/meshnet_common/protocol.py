@@ -122,12 +122,22 @@ class NodeAnnouncement(Strict):
     memory_declared_bytes: int = Field(ge=0)
     memory_free_bytes: int = Field(ge=0)
     kv_budget_tokens: int = Field(gt=0, default=32768)
+    # JOINING: announced when loading starts (placement counts it as pending capacity, routing
+    # ignores it); SERVING once the node listens and its layers are loaded.
     state: NodeState = NodeState.SERVING
+    # True: the operator gave ``url`` (--advertise-url) and the tracker uses it as given.
+    # False: ``url`` is the bind address; the tracker replaces a wildcard host, or a loopback
+    # one when the node connects from another host, with the address it sees the node at.
+    url_explicit: bool = False
+    # Whether the tracker may move this node to another range: a node the tracker placed, or
+    # one started with --allow-rebalance. A range given by hand is the operator's decision.
+    movable: bool = False
 
 
 class RegisterResponse(Strict):
     node_id: NodeId
     heartbeat_interval_s: float
+    url: Url | None = None  # where the tracker (and the swarm) will reach this node
 
 
 class Heartbeat(Strict):
@@ -215,3 +225,4 @@ class AssignResponse(Strict):
     num_layers: int
     reason: str
     sources: tuple[Url, ...] = ()
+    memory_bytes: int = Field(ge=0, default=0)  # what the shard needs (weights + KV budget)

@@ -91,6 +91,23 @@ class EnvArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def package_version(distribution: str) -> str:
+    """The installed version of ``distribution``, or "unknown" when run from a bare tree."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def add_version_flag(parser: argparse.ArgumentParser, distribution: str) -> None:
+    """``--version``: the program name and its package's installed version."""
+    parser.add_argument(
+        "--version", action="version", version=f"{parser.prog} {package_version(distribution)}"
+    )
+
+
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("logging")
     group.add_argument(

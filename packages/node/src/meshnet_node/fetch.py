@@ -1,13 +1,16 @@
 """Getting a shard's files onto a node: from peers or the tracker (layer subsets, verified
-against a manifest), then the HF hub with ``allow_patterns``, then a full snapshot.
+against a manifest), then the HF hub with ``allow_patterns``, then a filtered full snapshot.
 
-Cache layout (meshnet's own, never the HF cache)::
+Cache layout of shards from peers and the tracker (meshnet's own)::
 
     CACHE/ORG/NAME/layers-START-END/        verified shard (manifest written last)
     CACHE/ORG/NAME/.partial-START-END/      an unfinished download (resumable)
 
 A file whose size or sha256 disagrees with the manifest is deleted and the source is
 abandoned; nothing unverified is ever moved into place.
+
+The HF hub fallback uses huggingface_hub's standard cache (``HF_HUB_CACHE`` / ``HF_HOME``),
+so a model already fetched by ``hf download`` or vLLM is not downloaded again.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from pathlib import Path
 
 import httpx
 
-from meshnet_common.checkpoint import CheckpointIndex
+from meshnet_common.checkpoint import (
+    INDEX_FILE,
+    CheckpointIndex,
+    TensorInfo,
+    architecture_of,
+    num_layers_of,
+    read_config,
+)
 from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
@@ -36,6 +46,17 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 2.0
 RESUME_ATTEMPTS = 3
+
+# Hub files a node loads besides weights: config, tokenizer (incl. sentencepiece), template.
+HUB_SMALL_FILE_PATTERNS = ("*.json", "*.txt", "*.jinja", "tokenizer*", "*.model")
+# A full snapshot fetches the safetensors weights and those small files, nothing else.
+HUB_SNAPSHOT_PATTERNS = ("*.safetensors", *HUB_SMALL_FILE_PATTERNS)
+# Other formats and duplicate checkpoints (original/, consolidated.*) no node loads; ``*/*``
+# drops every subfolder (onnx/, original/, ...) since patterns' ``*`` also matches "/".
+HUB_IGNORE_PATTERNS = (
+    "original/*", "*.gguf", "*.bin", "*.pth", "*.pt", "*.onnx", "*.msgpack", "*.h5",
+    "consolidated*", "*/*",
+)  # fmt: skip
 
 
 class FetchError(Exception):
@@ -200,29 +221,102 @@ def fetch_from(
     return target
 
 
-def fetch_from_hub(model_id: str, layers: LayerRange, cache_dir: Path) -> Path:
-    """HF hub: the index first, then only the files holding the range (``allow_patterns``)."""
+def _hub_files_for(index_file: Path, config_file: Path, layers: LayerRange) -> list[str]:
+    """Weight files holding ``layers``, read from the index's weight_map alone (the weight
+    files are not downloaded yet, so their headers cannot be read)."""
+    config = read_config(Path(config_file).parent)
+    architecture = architecture_of(config, config_file)
+    weight_map = json.loads(Path(index_file).read_text())["weight_map"]
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelError(f"{index_file}: empty or malformed weight_map")
+    index = CheckpointIndex(
+        root=Path(index_file).parent,
+        config=config,
+        architecture=architecture,
+        num_layers=num_layers_of(config),
+        tensors={name: TensorInfo(name, str(file), "", (), 0) for name, file in weight_map.items()},
+    )
+    return index.files_for(layers)
+
+
+def hub_view(snapshot: Path, cache_dir: Path, model_id: str, layers: LayerRange) -> Path:
+    """A loadable folder for a partial hub snapshot: links to the files it holds and an index
+    naming only their tensors (the hub's index lists every weight file, and the HF cache's
+    own files must not be rewritten)."""
+    org, name = validate_model_id(model_id)
+    label = f"hub-{snapshot.name}-layers-{layers.start}-{layers.end}"
+    view = Path(cache_dir) / org / name / label
+    staging = view.parent / f".partial-{label}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    index = json.loads((snapshot / INDEX_FILE).read_text())
+    held = set()
+    for path in sorted(snapshot.rglob("*")):
+        rel = path.relative_to(snapshot)
+        if path.is_dir() or rel.as_posix() == INDEX_FILE:
+            continue
+        held.add(rel.as_posix())
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staging / rel).symlink_to(path.resolve())
+    index["weight_map"] = {t: f for t, f in index["weight_map"].items() if f in held}
+    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if view.exists():
+        shutil.rmtree(view)
+    os.replace(staging, view)
+    return view
+
+
+def fetch_from_hub(
+    model_id: str,
+    layers: LayerRange,
+    cache_dir: Path,
+    *,
+    revision: str | None = None,
+    hub_cache: Path | None = None,
+) -> Path:
+    """HF hub: the index first, then only the files holding the range (``allow_patterns``),
+    presented through ``hub_view`` under ``cache_dir``; without a readable index (e.g. a
+    single ``model.safetensors``), a snapshot filtered to what a node loads. Downloads go to
+    the standard HF cache unless ``hub_cache`` overrides it."""
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
     except ImportError as exc:  # pragma: no cover - a dependency
         raise FetchError("huggingface_hub is not installed") from exc
-    hub_cache = Path(cache_dir) / ".hub"
+    where: dict = {"revision": revision}
+    if hub_cache is not None:  # otherwise HF_HUB_CACHE / HF_HOME decide, as for `hf download`
+        where["cache_dir"] = hub_cache
     try:
-        index_file = hf_hub_download(model_id, "model.safetensors.index.json", cache_dir=hub_cache)
-        hf_hub_download(model_id, "config.json", cache_dir=hub_cache)
-        index = CheckpointIndex.load(Path(index_file).parent)
-        wanted = index.files_for(layers)
+        index_file = hf_hub_download(model_id, "model.safetensors.index.json", **where)
+        config_file = hf_hub_download(model_id, "config.json", **where)
+        wanted = _hub_files_for(Path(index_file), Path(config_file), layers)
     except Exception as first:  # noqa: BLE001 - any hub failure means: try the next way
         logger.warning("hub subset for %s failed (%s); trying the full snapshot", model_id, first)
         try:
-            return Path(snapshot_download(model_id, cache_dir=hub_cache))
+            return Path(
+                snapshot_download(
+                    model_id,
+                    allow_patterns=list(HUB_SNAPSHOT_PATTERNS),
+                    ignore_patterns=list(HUB_IGNORE_PATTERNS),
+                    **where,
+                )
+            )
         except Exception as exc:  # noqa: BLE001
             raise FetchError(f"HF hub: {exc}") from exc
-    patterns = [*wanted, "*.json", "*.txt", "*.jinja", "tokenizer*"]
+    ignore = list(HUB_IGNORE_PATTERNS)
+    if any("/" in name for name in wanted):  # weights in a subfolder: keep that folder
+        ignore.remove("*/*")
+    logger.info("fetching %s layers %s from the HF hub: %s", model_id, layers, ", ".join(wanted))
     try:
-        return Path(snapshot_download(model_id, cache_dir=hub_cache, allow_patterns=patterns))
+        snapshot = snapshot_download(
+            model_id, allow_patterns=[*wanted, *HUB_SMALL_FILE_PATTERNS], ignore_patterns=ignore,
+            **where,
+        )  # fmt: skip
     except Exception as exc:  # noqa: BLE001
         raise FetchError(f"HF hub: {exc}") from exc
+    try:
+        return hub_view(Path(snapshot), cache_dir, model_id, layers)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FetchError(f"HF hub snapshot {snapshot}: {exc}") from exc
 
 
 def fetch_shard(
@@ -233,8 +327,10 @@ def fetch_shard(
     *,
     trust: Trust = Trust(),
     hub: bool = True,
+    revision: str | None = None,
 ) -> Path:
-    """Try each source in order (peers, tracker), then the hub; ModelError if all fail."""
+    """Try each source in order (peers, tracker), then the hub (at ``revision``, default: its
+    main branch); ModelError if all fail."""
     cached = cached_shard(cache_dir, model_id, layers)
     if cached is not None:
         logger.info("using cached %s layers %s", model_id, layers)
@@ -248,7 +344,7 @@ def fetch_shard(
             failures.append(f"{source}: {exc}")
     if hub:
         try:
-            return fetch_from_hub(model_id, layers, cache_dir)
+            return fetch_from_hub(model_id, layers, cache_dir, revision=revision)
         except FetchError as exc:
             logger.warning("HF hub failed: %s", exc)
             failures.append(f"hub: {exc}")
@@ -265,14 +361,15 @@ def fetch_shard_counted(
     *,
     metrics: Metrics,
     trust: Trust = Trust(),
+    revision: str | None = None,
 ) -> Path:
     """``fetch_shard``, counted in ``meshnet_shard_fetches_total{result}`` and
     ``meshnet_shard_fetched_bytes_total``."""
     if cached_shard(cache_dir, model_id, layers) is not None:
         metrics.shard_fetches.labels("cached").inc()
-        return fetch_shard(model_id, layers, sources, cache_dir, trust=trust)
+        return fetch_shard(model_id, layers, sources, cache_dir, trust=trust, revision=revision)
     try:
-        path = fetch_shard(model_id, layers, sources, cache_dir, trust=trust)
+        path = fetch_shard(model_id, layers, sources, cache_dir, trust=trust, revision=revision)
     except ModelError:
         metrics.shard_fetches.labels("failed").inc()
         raise

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet_common.errors import (
+    ClientDisconnected,
     InvalidRequest,
     MeshnetError,
     PayloadTooLarge,
@@ -140,7 +141,10 @@ def record_request(
         code = code or f"http_{status}"
         metrics.error(status, code)
         level = logging.WARNING if status >= 500 else logging.INFO
-        logger.log(level, "%s %s answered %d (%s)", method, path, status, code)
+        if status == ClientDisconnected.status:
+            logger.info("%s %s: the client went away; its generation was stopped", method, path)
+        else:
+            logger.log(level, "%s %s answered %d (%s)", method, path, status, code)
     else:
         logger.debug("%s %s answered %d in %.3fs", method, path, status, seconds)
 
@@ -222,7 +226,9 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
             if await request.is_disconnected():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                raise asyncio.CancelledError("client disconnected")
+                # Not a CancelledError: an abandoned request is an ordinary answer (499,
+                # logged at info, counted under its own code), not a crash with a traceback.
+                raise ClientDisconnected()
     finally:
         if not task.done():
             task.cancel()

@@ -1,9 +1,15 @@
-"""A node's membership in a swarm: register, heartbeat, re-register, deregister."""
+"""A node's membership in a swarm: register, heartbeat, re-register, deregister.
+
+Membership runs on a thread of its own with a blocking HTTP client, not on the event loop:
+a node's heartbeats keep their schedule whatever the loop or the compute thread is doing
+(a long decode step, a shard loading), so a busy node never falls off the coverage map.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -22,10 +28,24 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_START_S = 0.5
 BACKOFF_CAP_S = 5.0
+# A registration answered with one of these is final: retrying cannot change the answer.
+REFUSED = frozenset({400, 401, 403, 409, 422})
+
+
+class RegistrationRefused(Exception):
+    """The tracker answered a registration with a final 4xx (its message inside)."""
+
+
+def error_message(resp: httpx.Response) -> str:
+    """The message of an OpenAI-style error body, else the start of the body."""
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:200] or f"HTTP {resp.status_code}"
 
 
 class TrackerClient:
-    """Talks to the tracker on behalf of one node."""
+    """Asks the tracker for routes on behalf of a head (on the event loop)."""
 
     def __init__(
         self, tracker_url: str, *, timeout: float = 5.0, swarm_token: str | None = None
@@ -35,25 +55,6 @@ class TrackerClient:
 
     async def aclose(self) -> None:
         await self.client.aclose()
-
-    async def register(self, announcement: NodeAnnouncement) -> RegisterResponse:
-        resp = await self.client.post(
-            f"{self.base}/v1/nodes/register", content=announcement.model_dump_json()
-        )
-        resp.raise_for_status()
-        return RegisterResponse.model_validate_json(resp.content)
-
-    async def heartbeat(self, beat: Heartbeat) -> HeartbeatResponse:
-        resp = await self.client.post(
-            f"{self.base}/v1/nodes/heartbeat", content=beat.model_dump_json()
-        )
-        resp.raise_for_status()
-        return HeartbeatResponse.model_validate_json(resp.content)
-
-    async def deregister(self, node_id: str) -> None:
-        resp = await self.client.delete(f"{self.base}/v1/nodes/{node_id}")
-        if resp.status_code not in (200, 404):
-            resp.raise_for_status()
 
     async def route(
         self, model_id: str, head_node_id: str, exclude: frozenset[str] = frozenset()
@@ -71,10 +72,7 @@ class TrackerClient:
         except httpx.HTTPError as exc:
             raise ModelNotCovered(f"tracker unreachable for routing: {exc}") from exc
         if resp.status_code != 200:
-            try:
-                message = resp.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = resp.text[:200]
+            message = error_message(resp)
             if resp.status_code == 503:  # no chain right now: the head may ask again
                 raise ModelNotCovered(message, code="model_not_covered")
             error = MeshnetError(message)
@@ -84,63 +82,172 @@ class TrackerClient:
 
 
 class Membership:
-    """Keeps a node registered: heartbeats every interval, re-registers when forgotten."""
+    """Keeps a node registered from its own thread: heartbeats every interval, registers
+    again when the tracker forgot the node or when what the node serves changed.
+
+    ``announcement`` and ``heartbeat`` are read on the membership thread; ``serve`` swaps
+    them (a joining node becomes a serving one). ``on_directives``, ``on_refused`` and
+    ``on_url`` are called on the membership thread too: hand work to the loop from there.
+    """
 
     def __init__(
         self,
-        client: TrackerClient,
+        tracker_url: str,
         announcement: Callable[[], NodeAnnouncement],
         heartbeat: Callable[[], Heartbeat],
         interval_s: float,
+        *,
+        swarm_token: str | None = None,
         on_directives: Callable[[tuple], None] | None = None,
+        on_refused: Callable[[str], None] | None = None,
+        on_url: Callable[[str], None] | None = None,
+        on_registered: Callable[[NodeAnnouncement], None] | None = None,
+        timeout_s: float = 5.0,
     ) -> None:
-        self.client = client
+        self.base = tracker_url.rstrip("/")
         self.announcement = announcement
         self.heartbeat = heartbeat
         self.interval_s = interval_s
         self.on_directives = on_directives
-        self.registered = asyncio.Event()
+        self.on_refused = on_refused
+        self.on_url = on_url
+        self.on_registered = on_registered
+        self.registered = threading.Event()
+        self.refused: str | None = None
+        self.url: str | None = None  # where the tracker reaches this node (its answer)
+        self.heartbeats = 0
+        self._client = httpx.Client(timeout=timeout_s, headers=swarm_headers(swarm_token))
+        self._stop = threading.Event()
+        self._again = threading.Event()  # register again before the next heartbeat
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one registration at a time
 
-    async def register_until_accepted(self) -> None:
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
+            self._thread.start()
+
+    def serve(
+        self, announcement: Callable[[], NodeAnnouncement], heartbeat: Callable[[], Heartbeat]
+    ) -> None:
+        """From now on report ``announcement`` / ``heartbeat``, registering them at once."""
+        self.announcement, self.heartbeat = announcement, heartbeat
+        self.register_again()
+
+    def register_again(self) -> None:
+        """Register the current announcement on the membership thread, before the next beat."""
+        self._again.set()
+
+    def stop(self, *, deregister: bool = True, node_id: str | None = None) -> None:
+        """Stop heartbeating; tell the tracker this node leaves (when it was registered)."""
+        self._stop.set()
+        self._again.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + 6.0)
+        if deregister and self.registered.is_set():
+            self.leave(node_id or self.announcement().node_id)
+        self._client.close()
+
+    # -- the calls ---------------------------------------------------------------------------
+
+    def register_once(self) -> RegisterResponse:
+        """One registration; RegistrationRefused on a final 4xx, httpx errors otherwise."""
+        announcement = self.announcement()
+        with self._lock:
+            resp = self._client.post(
+                f"{self.base}/v1/nodes/register", content=announcement.model_dump_json()
+            )
+        if resp.status_code in REFUSED:
+            raise RegistrationRefused(error_message(resp))
+        resp.raise_for_status()
+        reply = RegisterResponse.model_validate_json(resp.content)
+        self.interval_s = reply.heartbeat_interval_s
+        self.registered.set()
+        if reply.url and reply.url != self.url:
+            self.url = reply.url
+            if self.on_url is not None:
+                self.on_url(reply.url)
+        logger.info(
+            "registered with tracker %s as %s (%s)",
+            self.base, reply.url or announcement.url, announcement.state.value,
+        )  # fmt: skip
+        if self.on_registered is not None:
+            self.on_registered(announcement)
+        return reply
+
+    def register_until_accepted(self) -> bool:
+        """Register, retrying with capped backoff; False when refused or stopped."""
         delay = BACKOFF_START_S
         attempt = 0
-        while True:
+        while not self._stop.is_set():
             attempt += 1
             try:
-                reply = await self.client.register(self.announcement())
-                self.interval_s = reply.heartbeat_interval_s
-                self.registered.set()
-                logger.info("registered with tracker %s", self.client.base)
-                return
+                self.register_once()
+                return True
+            except RegistrationRefused as exc:
+                self.refused = str(exc)
+                if self.on_refused is not None:
+                    self.on_refused(str(exc))  # it reports the refusal (one line, then exit)
+                else:
+                    logger.error("the tracker refused this node: %s", exc)
+                return False
             except (httpx.HTTPError, ValueError) as exc:
                 # The tracker may simply still be starting: only persistent failure is a warning.
                 level = logging.INFO if attempt <= 5 else logging.WARNING
                 logger.log(level, "tracker registration failed (%s); retry in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
+                self._stop.wait(delay)
                 delay = min(delay * 2, BACKOFF_CAP_S)
+        return False
 
-    async def run(self) -> None:
-        """Register, then heartbeat forever (cancel to stop)."""
-        await self.register_until_accepted()
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                reply = await self.client.heartbeat(self.heartbeat())
-            except (httpx.HTTPError, ValueError) as exc:
-                logger.warning("heartbeat failed: %s", exc)
+    def beat(self) -> HeartbeatResponse | None:
+        """One heartbeat; None when it failed (the next one may get through)."""
+        try:
+            resp = self._client.post(
+                f"{self.base}/v1/nodes/heartbeat", content=self.heartbeat().model_dump_json()
+            )
+            resp.raise_for_status()
+            reply = HeartbeatResponse.model_validate_json(resp.content)
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.warning("heartbeat failed: %s", exc)
+            return None
+        self.heartbeats += 1
+        return reply
+
+    def leave(self, node_id: str) -> None:
+        try:
+            resp = self._client.delete(f"{self.base}/v1/nodes/{node_id}")
+            if resp.status_code not in (200, 404):
+                resp.raise_for_status()
+            logger.info("deregistered from tracker")
+        except httpx.HTTPError as exc:
+            logger.warning("could not deregister: %s", exc)
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if not self.registered.is_set() and not self.register_until_accepted():
+            return
+        next_beat = time.monotonic() + self.interval_s
+        while not self._stop.is_set():
+            if self._again.wait(max(0.0, next_beat - time.monotonic())):
+                self._again.clear()
+                if self._stop.is_set():
+                    return
+                if not self.register_until_accepted():
+                    return
+                continue
+            next_beat = time.monotonic() + self.interval_s  # the schedule, not the reply time
+            reply = self.beat()
+            if reply is None:
                 continue
             if not reply.known:  # the tracker restarted and lost its soft state
                 logger.info("tracker does not know this node; registering again")
-                await self.register_until_accepted()
+                if not self.register_until_accepted():
+                    return
             if reply.directives:
                 for directive in reply.directives:
                     logger.info("directive %s %s", directive.kind.value, directive.shard)
                 if self.on_directives is not None:
                     self.on_directives(reply.directives)
-
-    async def leave(self, node_id: str) -> None:
-        try:
-            await self.client.deregister(node_id)
-            logger.info("deregistered from tracker")
-        except httpx.HTTPError as exc:
-            logger.warning("could not deregister: %s", exc)

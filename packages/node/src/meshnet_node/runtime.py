@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import MeshnetError, ModelError, NotFound
+from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import resolve_snapshot
 from meshnet_common.protocol import (
@@ -60,10 +62,31 @@ class NodeRuntime:
     tasks: list[asyncio.Task] = field(default_factory=list)
     resharding: asyncio.Task | None = None
     cache_dir: Path | None = None  # where shards fetched from peers/tracker are kept
+    reached_at: str | None = None  # the URL the tracker reaches this node at (its answer)
+    # False: the server is not listening yet when the app starts (meshnet-node): the node
+    # registers as serving once it is (``serving``), since the tracker calls it back.
+    listening_at_start: bool = True
+    on_refused: Callable[[str], None] | None = None  # the tracker refused this node
 
     @property
     def url(self) -> str:
-        return self.settings.advertise_url or f"http://{self.settings.host}:{self.settings.port}"
+        return self.reached_at or announced_url(self.settings)
+
+    def adopt_url(self, url: str) -> None:
+        """The tracker said where it reaches this node; log it when it is not the bind URL."""
+        if url != self.reached_at and url != announced_url(self.settings):
+            logger.info("the tracker reaches this node at %s (listening on %s:%d)",
+                        url, self.settings.host, self.settings.port)  # fmt: skip
+        self.reached_at = url
+
+    def serving(self) -> None:
+        """The server listens: register as serving (the tracker may call back now)."""
+        if self.membership is not None:
+            self.membership.serve(self.announcement, self.heartbeat)
+
+    def refused(self, message: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(message)
 
     def own_snapshot(self, model_id: str) -> Path:
         """What this node can serve to peers: its own (possibly partial) snapshot."""
@@ -75,7 +98,9 @@ class NodeRuntime:
         shard = self.service.stage.shard
         return NodeAnnouncement(
             node_id=self.node_id,
-            url=self.url,
+            url=announced_url(self.settings),
+            url_explicit=self.settings.advertise_url is not None,
+            movable=self.settings.movable,
             shard=ShardSpec(
                 model_id=self.settings.model_id,
                 shard_start=shard.layers.start,
@@ -101,6 +126,17 @@ class NodeRuntime:
             tokens_generated=self.service.tokens_generated,
             tokens_served=self.service.tokens_served,
         )
+
+
+def bind_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` with an IPv6 host in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def announced_url(settings: NodeSettings) -> str:
+    """What the node tells the tracker: --advertise-url, else its bind address (which the
+    tracker replaces when it is a wildcard, or loopback seen from another host)."""
+    return (settings.advertise_url or bind_url(settings.host, settings.port)).rstrip("/")
 
 
 def load_stage(settings: NodeSettings) -> Stage:
@@ -131,10 +167,15 @@ def build_runtime(
     *,
     route_provider: RouteProvider | None = None,
     metrics: Metrics | None = None,
+    membership: Membership | None = None,
+    memory_declared_bytes: int | None = None,
 ) -> NodeRuntime:
     """Load the shard and build the services; ``route_provider`` overrides asking the tracker.
 
     ``metrics``: the registry to report into (the CLI's, which already counted the fetch).
+    ``membership``: the one that announced this node as joining (meshnet-node), if any.
+    ``memory_declared_bytes``: what the node declares; default --memory-gb, else what the
+    shard needs (weights + KV budget + margin), never the whole host's memory.
     """
     stage = load_stage(settings)
     service = NodeService(stage, settings, model_id=settings.model_id, metrics=metrics)
@@ -148,12 +189,18 @@ def build_runtime(
     if route_provider is None:
         route_provider = _tracker_routes(tracker, node_id, service)
     openai = build_openai(settings, service, route_provider)
-    declared = (
-        int(settings.memory_gb * 1024**3)
-        if settings.memory_gb is not None
-        else int(psutil.virtual_memory().total)
-    )
-    return NodeRuntime(settings, node_id, service, openai, declared, tracker, route_provider)
+    if memory_declared_bytes is None:
+        if settings.memory_gb is not None:
+            memory_declared_bytes = int(settings.memory_gb * 1024**3)
+        else:
+            costs = ModelCosts.from_index(CheckpointIndex.load(settings.model_path))
+            memory_declared_bytes = costs.shard_bytes(
+                settings.layers, settings.quantization, settings.kv_budget_tokens
+            )
+    return NodeRuntime(
+        settings, node_id, service, openai, memory_declared_bytes, tracker, route_provider,
+        membership=membership,
+    )  # fmt: skip
 
 
 def watch_node(service: NodeService) -> None:
@@ -230,7 +277,7 @@ def mount_node(app: FastAPI, runtime: NodeRuntime, *, openai_routes: bool = True
 
 
 async def start_background(runtime: NodeRuntime) -> None:
-    """Session expiry and (when a tracker is set) membership."""
+    """Session expiry and (when a tracker is set) membership, on its own thread."""
 
     async def sweep() -> None:
         while True:
@@ -238,15 +285,27 @@ async def start_background(runtime: NodeRuntime) -> None:
             runtime.service.stage.sessions.expire_idle()
 
     runtime.tasks.append(asyncio.ensure_future(sweep()))
-    if runtime.tracker is not None:
-        runtime.membership = Membership(
-            runtime.tracker,
-            runtime.announcement,
-            runtime.heartbeat,
-            runtime.settings.heartbeat_interval_s,
-            on_directives=lambda directives: apply_directives(runtime, directives),
-        )
-        runtime.tasks.append(asyncio.ensure_future(runtime.membership.run()))
+    settings = runtime.settings
+    if settings.tracker_url is None:
+        return
+    membership = runtime.membership
+    if membership is None:  # no joining announcement was made (e.g. built in-process)
+        membership = runtime.membership = Membership(
+            settings.tracker_url, runtime.announcement, runtime.heartbeat,
+            settings.heartbeat_interval_s, swarm_token=settings.swarm_token,
+        )  # fmt: skip
+    loop = asyncio.get_running_loop()
+    # Called on the membership thread: the work itself belongs to the loop.
+    membership.on_directives = lambda directives: loop.call_soon_threadsafe(
+        apply_directives, runtime, directives
+    )
+    membership.on_url = runtime.adopt_url
+    if membership.url is not None:  # answered to the joining announcement already
+        runtime.adopt_url(membership.url)
+    membership.on_refused = lambda message: loop.call_soon_threadsafe(runtime.refused, message)
+    membership.start()
+    if runtime.listening_at_start:
+        runtime.serving()
 
 
 async def stop_background(runtime: NodeRuntime) -> None:
@@ -255,8 +314,8 @@ async def stop_background(runtime: NodeRuntime) -> None:
     for task in runtime.tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-    if runtime.membership is not None and runtime.membership.registered.is_set():
-        await runtime.membership.leave(runtime.node_id)
+    if runtime.membership is not None:
+        await asyncio.to_thread(runtime.membership.stop, node_id=runtime.node_id)
     if runtime.tracker is not None:
         await runtime.tracker.aclose()
     await runtime.service.aclose()
@@ -326,7 +385,7 @@ async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
     service.swap(stage)
     runtime.openai = build_openai(new_settings, service, runtime.route_provider)
     if runtime.membership is not None:
-        await runtime.membership.register_until_accepted()
+        runtime.membership.register_again()  # on the membership thread, before its next beat
     logger.info("now serving %s layers %s", spec.model_id, spec.layers)
     retiring = service.retiring
     while retiring is not None and len(retiring.sessions):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,7 +29,9 @@ def check_port(host: str, port: int) -> None:
             raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
-async def _serve(app: FastAPI, host: str, port: int, ready_line: str, log_level: str) -> None:
+async def _serve(
+    app: FastAPI, host: str, port: int, ready_line: str | None, log_level: str, on_started
+) -> None:
     # log_config=None: uvicorn's own lines go through meshnet's one-line formatter.
     # No server/date headers: two fewer headers to build, check and parse on every
     # answer, which every hop of every decode step pays (docs/adr/0011).
@@ -39,14 +42,27 @@ async def _serve(app: FastAPI, host: str, port: int, ready_line: str, log_level:
         log_config=None, server_header=False, date_header=False, http=protocol_factory(app),
     )  # fmt: skip
     server = uvicorn.Server(config)
+    exit_code = 0
+
+    def request_exit(code: int) -> None:  # e.g. the tracker refused this node
+        nonlocal exit_code
+        exit_code = code
+        server.should_exit = True
+
+    app.state.request_exit = request_exit
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
-        print(ready_line, flush=True)
+        if ready_line:
+            print(ready_line, flush=True)
+        if on_started is not None:
+            on_started()
     await task
     if not server.started:
         sys.exit(1)
+    if exit_code:
+        sys.exit(exit_code)
 
 
 def _loop_factory():
@@ -58,6 +74,15 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
-def run(app: FastAPI, host: str, port: int, ready_line: str, log_level: str = "warning") -> None:
+def run(
+    app: FastAPI,
+    host: str,
+    port: int,
+    ready_line: str | None,
+    log_level: str = "warning",
+    on_started: Callable[[], None] | None = None,
+) -> None:
+    """Serve until stopped; once the socket listens, print ``ready_line`` (if any) and call
+    ``on_started``."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_serve(app, host, port, ready_line, log_level))
+        runner.run(_serve(app, host, port, ready_line, log_level, on_started))

@@ -200,9 +200,14 @@ def step_headers(
     return headers
 
 
-def _timed(fn, *args, **kwargs):
-    """Call ``fn``; StepOutputs it returns learn how long it took (a batch shares it)."""
+def _timed(fn, *args, delay_s: float = 0.0, **kwargs):
+    """Call ``fn``; StepOutputs it returns learn how long it took (a batch shares it).
+
+    ``delay_s`` (tests only) makes the step that much slower, holding the calling thread as
+    real compute would."""
     started = time.perf_counter()
+    if delay_s:
+        time.sleep(delay_s)
     result = fn(*args, **kwargs)
     elapsed = time.perf_counter() - started
     for out in result if isinstance(result, list) else (result,):
@@ -225,8 +230,9 @@ class DecodeBatcher:
     """Merges decode steps of different sessions that wait for the compute thread into one
     forward pass (``Stage.step_batch``): weights are read once for the whole batch.
 
-    Nothing waits on purpose: a lone step runs alone (unbatched, bit-identical to ``step``);
-    steps arriving while the compute thread is busy are taken together next time.
+    A lone step runs alone (unbatched, bit-identical to ``step``); steps arriving while the
+    compute thread is busy are taken together next time, after a gather window of up to
+    ``gather_s`` for the other sessions' steps (see ``_gather``).
     """
 
     def __init__(self, service: NodeService, max_batch: int = 32, gather_s: float = 0.005) -> None:
@@ -244,10 +250,14 @@ class DecodeBatcher:
             # The only session on an idle node: run on the event loop's thread. A hand-off
             # to the compute thread and back costs two wake-ups (milliseconds on a busy or
             # virtualized host), and with no other session there is nothing to batch with.
-            return self.service.compute_inline(
+            out = self.service.compute_inline(
                 stage.step, item.session_id, item.position, token_ids=item.token_ids,
                 hidden=item.hidden, owner=item.owner, sample=item.sample,
             )  # fmt: skip
+            # A head generating alone awaits nothing else between its steps: give the loop
+            # one turn so /health and other connections are answered between tokens.
+            await asyncio.sleep(0)
+            return out
         future = asyncio.get_running_loop().create_future()
         self._queue.append((stage, item, future))
         self._arrived.set()
@@ -303,8 +313,10 @@ class DecodeBatcher:
                             hidden=item.hidden, owner=item.owner, sample=item.sample,
                         )
                     ]  # fmt: skip
+                    self.service.note_decode(results)
                 else:
                     results = await self.service.compute(stage.step_batch, items)
+                    self.service.note_decode(results)
                     self.batches += 1
                     self.batched_steps += len(items)
             except Exception as exc:  # the single-step path raises instead of returning
@@ -345,6 +357,11 @@ class NodeService:
         self.batcher = DecodeBatcher(self, max_batch=settings.max_decode_batch)
         self._in_flight = 0  # steps on the compute thread (or inline) right now
         self.inline_decode = settings.inline_decode
+        # A decode step runs on the loop's thread only while steps are known to be short:
+        # a long one there would stall /health, heartbeats' I/O and every other connection.
+        self.inline_max_s = settings.inline_decode_max_ms / 1000.0
+        self.decode_s: float | None = None  # the last decode pass's compute time (None: unknown)
+        self.step_delay_s = settings.step_delay_ms / 1000.0  # tests only: slower compute
 
     def stage_for(self, session_id: str) -> Stage:
         """The stage holding ``session_id``: sessions opened before a reshard stay put."""
@@ -356,6 +373,7 @@ class NodeService:
     def swap(self, stage: Stage) -> None:
         """Serve new sessions from ``stage``; the old one drains its sessions."""
         self.retiring, self.stage = self.stage, stage
+        self.decode_s = None  # another shard: its step time is not known yet
 
     async def aclose(self) -> None:
         await self.hops.aclose()
@@ -387,16 +405,27 @@ class NodeService:
         self._in_flight += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: _timed(fn, *args, **kwargs)
+                self.executor, lambda: _timed(fn, *args, delay_s=self.step_delay_s, **kwargs)
             )
         finally:
             self._in_flight -= 1
 
+    def note_decode(self, results) -> None:
+        """Remember how long a decode pass took (it decides whether the next may run inline)."""
+        for out in results:
+            if isinstance(out, StepOutput) and out.compute_s is not None:
+                self.decode_s = out.compute_s
+                return
+
     def inline_ok(self, stage: Stage) -> bool:
         """Whether a decode step may run on the caller's thread: allowed by the settings,
-        nothing else computing, and no other session that could send a step to batch."""
+        nothing else computing, no other session that could send a step to batch, and this
+        stage's decode steps known to be short (``--inline-decode-max-ms``): the first step of
+        a shard, and every step of a slow one, runs on the compute thread."""
         return (
             self.inline_decode
+            and self.decode_s is not None
+            and self.decode_s < self.inline_max_s
             and self._in_flight == 0
             and self.retiring is None
             and len(stage.sessions) <= 1
@@ -405,9 +434,11 @@ class NodeService:
     def compute_inline(self, fn, *args, **kwargs):
         self._in_flight += 1
         try:
-            return _timed(fn, *args, **kwargs)
+            out = _timed(fn, *args, delay_s=self.step_delay_s, **kwargs)
         finally:
             self._in_flight -= 1
+        self.note_decode((out,))
+        return out
 
     # -- ordering of pipelined chunks --------------------------------------------------------
 

@@ -37,7 +37,9 @@ class NodeSettings:
     session_idle_timeout_s: float = 300.0
     chunk_tokens: int = 128
     max_decode_batch: int = 32  # decode steps of different sessions merged per pass (1: off)
-    inline_decode: bool = True  # a lone decode step runs on the event loop's thread
+    inline_decode: bool = True  # a lone decode step runs on the event loop's thread ...
+    inline_decode_max_ms: float = 100.0  # ... while the last decode pass took less than this
+    step_delay_ms: float = 0.0  # tests only: every compute pass takes this much longer
     max_body_bytes: int = 64 * 1024 * 1024  # one activation frame
     max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body
     heartbeat_interval_s: float = 2.0
@@ -45,6 +47,7 @@ class NodeSettings:
     threads: int | None = None
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
     node_id: str | None = None
+    movable: bool = False  # the tracker may move this node (assigned, or --allow-rebalance)
     models_dir: Path | None = None  # where to find snapshots for assigned or moved shards
     swarm_token: str | None = field(default=None, repr=False)  # shared secret between services
     api_key: str | None = field(default=None, repr=False)  # clients' key for the OpenAI routes

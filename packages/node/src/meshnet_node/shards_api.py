@@ -25,7 +25,7 @@ from meshnet_common.errors import InvalidRequest, ModelError, NotFound, RangeNot
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import event
 from meshnet_common.metrics import Metrics
-from meshnet_common.models_dir import validate_model_id
+from meshnet_common.models_dir import snapshot_fingerprint, validate_model_id
 from meshnet_common.shardfiles import (
     H_MANIFEST_SIGNATURE,
     SUBSET_FILE,
@@ -91,7 +91,8 @@ class ShardServer:
         missing = [layer for layer in layers if layer not in held]
         if missing:
             raise NotFound(f"layers {missing[0]}.. of {model_id} are not held here", param="start")
-        key = (model_id, snapshot_revision(index), start, end)
+        # The fingerprint: a snapshot whose files changed in place is hashed anew.
+        key = (model_id, snapshot_revision(index), start, end, snapshot_fingerprint(index.root))
         cached = self._sources.get(key)
         if cached is None:
             cached = self._sources[key] = ShardSource(index, model_id, layers, key[1])

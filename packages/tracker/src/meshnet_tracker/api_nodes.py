@@ -11,12 +11,14 @@ from meshnet_common.protocol import (
     Heartbeat,
     HeartbeatResponse,
     NodeAnnouncement,
+    NodeState,
     RegisterResponse,
     RouteHop,
     RouteResponse,
     ShardSpec,
 )
 from meshnet_node.http_utils import parse_model
+from meshnet_tracker.admission import confirm_reachable, reachable_url
 from meshnet_tracker.state import TrackerState
 
 
@@ -41,11 +43,22 @@ def nodes_router() -> APIRouter:
                 f"{announcement.shard.model_id} has {known} layers, not {announcement.num_layers}",
                 param="num_layers",
             )
+        source = request.client.host if request.client else None
+        url = reachable_url(announcement.url, announcement.url_explicit, source)
+        serving = announcement.state == NodeState.SERVING
+        if serving and state.settings.verify_nodes:
+            await confirm_reachable(
+                state.client, url, announcement.node_id, explicit=announcement.url_explicit
+            )
+        if url != announcement.url:
+            announcement = announcement.model_copy(update={"url": url})
         state.registry.register(announcement)
-        state.balancer.registered(announcement.node_id)
+        if serving:
+            state.balancer.registered(announcement.node_id)
         return RegisterResponse(
             node_id=announcement.node_id,
             heartbeat_interval_s=state.registry.heartbeat_interval_s,
+            url=url,
         )
 
     @router.post("/v1/nodes/heartbeat")
@@ -60,16 +73,19 @@ def nodes_router() -> APIRouter:
     async def assign(request: Request) -> AssignResponse:
         state = _state(request)
         ask = await parse_model(request, AssignRequest, limit=64 * 1024)
+        state.rescan_models_dir()  # a model copied in since the last scan gets this node
         placement = state.balancer.assign(ask)
+        costs = state.costs[placement.model_id]
         return AssignResponse(
             shard=ShardSpec(
                 model_id=placement.model_id,
                 shard_start=placement.layers.start,
                 shard_end=placement.layers.end,
             ),
-            num_layers=state.costs[placement.model_id].num_layers,
+            num_layers=costs.num_layers,
             reason=placement.reason,
-            sources=_sources(state, placement.model_id, placement.layers),
+            sources=_sources(state, placement.model_id, placement.layers, _own_url(request)),
+            memory_bytes=costs.shard_bytes(placement.layers, ask.quantization, ask.kv_tokens),
         )
 
     @router.delete("/v1/nodes/{node_id}")
@@ -85,13 +101,16 @@ def nodes_router() -> APIRouter:
         model: str, request: Request, head: str | None = None, exclude: str = ""
     ) -> RouteResponse:
         avoid = frozenset(u for u in exclude.split(",") if u)
-        hops = _state(request).route(model, head=head, exclude_urls=avoid)
+        state = _state(request)
+        hops = state.route(model, head=head, exclude_urls=avoid)
+        own = _own_url(request)
         return RouteResponse(
             model_id=model,
             hops=tuple(
                 RouteHop(
                     node_id=h.node.node_id,
-                    url=h.node.url,
+                    # The tracker node is reached where the asking head reached the tracker.
+                    url=state.hop_url(h, own),
                     shard_start=h.start_layer,
                     shard_end=h.node.layers.end,
                 )
@@ -102,17 +121,25 @@ def nodes_router() -> APIRouter:
     return router
 
 
-def _sources(state: TrackerState, model_id: str, layers) -> tuple[str, ...]:
+def _own_url(request: Request) -> str:
+    """The tracker's own URL for this caller: --advertise-url, else the address it dialed."""
+    settings = _state(request).settings
+    if settings.advertise_url:
+        return settings.advertise_url.rstrip("/")
+    return str(request.base_url).rstrip("/")
+
+
+def _sources(state: TrackerState, model_id: str, layers, own_url: str) -> tuple[str, ...]:
     """Where a joining node can get its weights: peers serving exactly that range, then peers
     whose range contains it (they serve the subset), then the tracker itself."""
     exact, containing = [], []
     for record in state.registry.records():
         shard = record.announcement.shard
-        if record.local or shard.model_id != model_id:
+        if record.local or shard.model_id != model_id or record.state != NodeState.SERVING:
             continue
         if shard.layers == layers:
             exact.append(record.announcement.url)
         elif shard.shard_start <= layers.start and layers.end <= shard.shard_end:
             containing.append(record.announcement.url)
-    own = (state.settings.url,) if state.settings.models_dir is not None else ()
+    own = (own_url,) if state.settings.models_dir is not None else ()
     return (*sorted(exact), *sorted(containing), *own)

@@ -93,7 +93,8 @@ async def _entry(request: Request, path: str) -> Response:
         raise InvalidRequest("model is required", param="model")
     hops = state.route(model_id)
     state.demand[model_id] += 1
-    rest = tuple(h.node.url for h in hops[1:])
+    own = state.settings.advertise_url or str(request.base_url)
+    rest = tuple(state.hop_url(h, own.rstrip("/")) for h in hops[1:])
     head = hops[0].node
     event(
         logger, logging.INFO, "request routed", path=path, model=model_id, head=head.node_id,

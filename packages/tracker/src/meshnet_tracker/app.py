@@ -89,9 +89,26 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
 
 
 async def _prune_loop(state: TrackerState) -> None:
+    """Every heartbeat interval: expire silent nodes, plan moves; rescan the models dir on
+    its own (slower) timer."""
+    loop = asyncio.get_running_loop()
+    interval = state.settings.heartbeat_interval_s
+    rescan_s = state.settings.models_rescan_s
+    last = last_scan = loop.time()
     while True:
-        await asyncio.sleep(state.settings.heartbeat_interval_s)
+        await asyncio.sleep(interval)
+        now = loop.time()
+        stalled = now - last - interval
+        last = now
+        if stalled > interval:
+            # This loop could not run (the process was busy or suspended): the heartbeats sent
+            # meanwhile may still be unread. Count none of that time against the nodes.
+            logger.warning("tracker loop stalled for %.1fs; heartbeat expiry paused", stalled)
+            state.registry.forgive(stalled)
         if state.node is not None:  # the tracker node reports its load like any node
             state.registry.heartbeat(state.node.heartbeat())
+        if rescan_s > 0 and now - last_scan >= rescan_s:
+            last_scan = now
+            state.rescan_models_dir()
         state.registry.prune()
         state.balancer.plan_moves()

@@ -1,9 +1,13 @@
 """Assignment bookkeeping and rebalancing: the stateful shell around the pure placement policy.
 
-Assignments handed out but not yet serving count as coverage ("pending"), so simultaneous
-joins do not pile onto one gap. When a node leaves and opens a gap, a redundant node is sent
-LOAD_SHARD (new range) + DROP_SHARD (old range) in its next heartbeat reply; moves are
-rate-limited per node.
+Capacity that is on its way counts as coverage: assignments handed out but not yet serving
+("pending"), and nodes that announced their range and are still loading it ("joining", until
+``joining_ttl_s``). So simultaneous joins do not pile onto one gap, and a node still loading
+is no gap to close. When a gap lasts ``move_grace_s`` (hysteresis: a node restarting or a
+heartbeat late does not churn ranges), a redundant *movable* node — one the tracker placed,
+or one started with ``--allow-rebalance`` — is sent LOAD_SHARD (new range) + DROP_SHARD (old
+range) in its next heartbeat reply. A range given by hand is never moved. Moves are
+rate-limited per node, logged with their reason and counted per model.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from dataclasses import dataclass
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
-from meshnet_common.protocol import AssignRequest, Directive, DirectiveKind, ShardSpec
+from meshnet_common.protocol import (
+    AssignRequest,
+    Directive,
+    DirectiveKind,
+    NodeState,
+    ShardSpec,
+)
 from meshnet_tracker.placement import (
     ModelView,
     MoveCandidate,
@@ -52,6 +62,8 @@ class Balancer:
         *,
         pending_ttl_s: float = 180.0,
         move_cooldown_s: float = 30.0,
+        move_grace_s: float = 10.0,
+        joining_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
@@ -59,11 +71,15 @@ class Balancer:
         self.demand = demand
         self.pending_ttl_s = pending_ttl_s
         self.move_cooldown_s = move_cooldown_s
+        self.move_grace_s = move_grace_s
+        self.joining_ttl_s = joining_ttl_s
         self.clock = clock
         self._pending: dict[str, Pending] = {}
         self._directives: dict[str, list[Directive]] = {}
         self._last_move: dict[str, float] = {}
+        self._gap_since: dict[str, float] = {}  # model -> when its (pending-aware) gap opened
         self.moves = 0
+        self.move_counts: Counter = Counter()  # (model, reason) -> moves planned
         self._lock = threading.Lock()
 
     def _live_pending(self) -> list[Pending]:
@@ -76,14 +92,27 @@ class Balancer:
         coverage = self.registry.coverage()
         return {m: coverage[m].layer_counts() for m in self.costs if m in coverage}
 
+    def _joining(self) -> dict[str, Pending]:
+        """Nodes that announced a range and are loading it (not for longer than the TTL)."""
+        now = self.clock()
+        return {
+            r.node_id: Pending(r.node_id, r.announcement.shard.model_id,
+                               r.announcement.shard.layers, r.since + self.joining_ttl_s)
+            for r in self.registry.records()
+            if r.state == NodeState.JOINING and now - r.since < self.joining_ttl_s
+        }  # fmt: skip
+
     def views(self) -> list[ModelView]:
-        """Placement's view: serving capacity plus pending assignments."""
+        """Placement's view: serving capacity plus pending assignments and joining nodes."""
         capacity = self._serving_capacity()
-        for pending in self._live_pending():
-            counts = capacity.get(pending.model_id)
+        joining = self._joining()
+        pending = [p for p in self._live_pending() if p.node_id not in joining]
+        for entry in (*pending, *joining.values()):
+            counts = capacity.get(entry.model_id)
             if counts is not None:
-                for layer in pending.layers:
-                    counts[layer] += 1
+                for layer in entry.layers:
+                    if layer < len(counts):
+                        counts[layer] += 1
         return [
             ModelView(model_id, self.costs[model_id], tuple(counts), self.demand[model_id])
             for model_id, counts in sorted(capacity.items())
@@ -125,7 +154,8 @@ class Balancer:
             return tuple(self._directives.pop(node_id, ()))
 
     def plan_moves(self) -> int:
-        """Direct redundant nodes into gaps; returns how many moves were planned."""
+        """Direct redundant movable nodes into gaps that outlasted the grace period; returns
+        how many moves were planned."""
         planned = 0
         with self._lock:
             serving = self._serving_capacity()
@@ -133,6 +163,12 @@ class Balancer:
             now = self.clock()
             records = self.registry.records()
             for view in self.views():
+                if not view.gaps():
+                    self._gap_since.pop(view.model_id, None)
+                    continue
+                opened = self._gap_since.setdefault(view.model_id, now)
+                if now - opened < self.move_grace_s:
+                    continue  # hysteresis: a gap that closes by itself moves nobody
                 candidates = [
                     MoveCandidate(
                         r.node_id,
@@ -147,6 +183,8 @@ class Balancer:
                     for r in records
                     if r.announcement.shard.model_id == view.model_id
                     and not r.local
+                    and r.announcement.movable
+                    and r.state == NodeState.SERVING
                     and r.node_id not in busy
                     and now - self._last_move.get(r.node_id, -1e18) >= self.move_cooldown_s
                 ]
@@ -167,9 +205,13 @@ class Balancer:
                 busy.add(cand.node_id)
                 planned += 1
                 self.moves += 1
+                self.move_counts[(view.model_id, "gap")] += 1
+                gap = view.gaps()[0]
                 logger.info(
-                    "move %s: %s %s -> %s to close a gap",
-                    cand.node_id, view.model_id, cand.layers, layers,
+                    "move %s: %s %s -> %s (reason=gap: layers %s uncovered for %.0fs, no node "
+                    "joining them; %s is redundant)",
+                    cand.node_id, view.model_id, cand.layers, layers, gap, now - opened,
+                    cand.layers,
                 )  # fmt: skip
         return planned
 

@@ -7,10 +7,17 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import MeshnetError
 from meshnet_common.models_dir import resolve_snapshot
-from meshnet_common.settings import EnvArgumentParser, add_logging_flags, fail, setup_logging
-from meshnet_node.cli import add_shard_flags, shard_settings
+from meshnet_common.settings import (
+    EnvArgumentParser,
+    add_logging_flags,
+    add_version_flag,
+    fail,
+    setup_logging,
+)
+from meshnet_node.cli import add_shard_flags, check_advertise_url, check_range, shard_settings
 from meshnet_node.shards_api import FAULTS
 
 PROG = "meshnet-tracker"
@@ -42,8 +49,31 @@ def build_parser() -> EnvArgumentParser:
         help="folder of HF snapshots (both layouts): models known to placement, and the "
         "weights served to joining nodes",
     )
-    tracker.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    tracker.add_argument(
+        "--host", default="127.0.0.1",
+        help="address to listen on (0.0.0.0: every interface, for nodes on other machines)",
+    )  # fmt: skip
     tracker.add_argument("--port", type=int, default=8080, help="port")
+    tracker.add_argument(
+        "--advertise-url",
+        help="URL nodes and clients reach the tracker at, given to joining nodes as a weight "
+        "source and in routes through the tracker node (default: the address each caller "
+        "dialed)",
+    )
+    tracker.add_argument(
+        "--models-rescan", type=float, default=10.0,
+        help="seconds between scans of --models-dir for added, changed or removed models "
+        "(also scanned whenever a node asks for an assignment; 0: only then)",
+    )  # fmt: skip
+    tracker.add_argument(
+        "--move-grace", type=float, default=10.0,
+        help="seconds a coverage gap must last before the tracker moves a redundant node "
+        "into it (nodes still loading count as coverage)",
+    )  # fmt: skip
+    tracker.add_argument(
+        "--verify-nodes", action=argparse.BooleanOptionalAction, default=True,
+        help="call a registering node back on /health at its address before routing to it",
+    )  # fmt: skip
     tracker.add_argument(
         "--heartbeat-interval", type=float, default=2.0,
         help="seconds between node heartbeats; 3 missed ones drop a node from the map",
@@ -55,6 +85,7 @@ def build_parser() -> EnvArgumentParser:
     tracker.add_argument("--fault-inject", choices=FAULTS, help=argparse.SUPPRESS)
     add_shard_flags(parser, tracker_node=True)
     add_logging_flags(parser)
+    add_version_flag(parser, "meshnet-tracker")
     return parser
 
 
@@ -71,6 +102,25 @@ def _main(argv: Sequence[str] | None) -> None:
     models_dir = Path(args.models_dir) if args.models_dir else None
     if models_dir is not None and not models_dir.is_dir():  # before the slow imports
         fail(PROG, f"--models-dir {models_dir}: no such directory", code=1)
+    snapshot = None
+    try:  # every argument is checked before the weights load
+        check_advertise_url(args.advertise_url)
+        if args.model_id:
+            if models_dir is None:
+                raise ValueError("--model-id needs --models-dir to find the snapshot")
+            if args.shard_start is None or args.shard_end is None:
+                raise ValueError("--model-id needs --shard-start and --shard-end")
+            if args.shard_start != 0:
+                raise ValueError(
+                    "the tracker node serves the first layers: use --shard-start 0 "
+                    f"(not {args.shard_start}); start other ranges with meshnet-node"
+                )
+            snapshot = resolve_snapshot(models_dir, args.model_id)
+            check_range(args, CheckpointIndex.load(snapshot).num_layers)
+        elif args.shard_start is not None or args.shard_end is not None:
+            raise ValueError("--shard-start/--shard-end need --model-id")
+    except (MeshnetError, ValueError) as exc:
+        fail(PROG, str(exc), code=1)
     from meshnet_node.serve import check_port, run
 
     try:
@@ -82,29 +132,27 @@ def _main(argv: Sequence[str] | None) -> None:
     from meshnet_tracker.settings import TrackerSettings
 
     try:
-        url = f"http://{args.host}:{args.port}"
+        url = (args.advertise_url or f"http://{args.host}:{args.port}").rstrip("/")
         node = None
         state_ref: list = []
-        if args.model_id:
-            if models_dir is None:
-                raise ValueError("--model-id needs --models-dir to find the snapshot")
-            if args.shard_start is None or args.shard_end is None:
-                raise ValueError("--model-id needs --shard-start and --shard-end")
+        if snapshot is not None:
             node_settings = shard_settings(
                 args,
-                model_path=resolve_snapshot(models_dir, args.model_id),
+                model_path=snapshot,
                 host=args.host,
                 port=args.port,
                 advertise_url=url,
                 node_id="tracker-node",
             )
             node = build_runtime(node_settings, route_provider=_local_route_provider(state_ref))
-            if not node.service.stage.shard.is_head:
-                raise ValueError("the tracker node serves the first layers: use --shard-start 0")
         settings = TrackerSettings(
             models_dir=models_dir,
             host=args.host,
             port=args.port,
+            advertise_url=args.advertise_url,
+            models_rescan_s=args.models_rescan,
+            move_grace_s=args.move_grace,
+            verify_nodes=args.verify_nodes,
             heartbeat_interval_s=args.heartbeat_interval,
             max_concurrent_downloads=args.max_concurrent_downloads,
             fault_inject=args.fault_inject,

@@ -97,7 +97,15 @@ def watch_swarm(metrics: Metrics, state: TrackerState) -> None:
             for model in state.registry.coverage().values()
         ]
 
+    def moves():
+        counts = state.balancer.move_counts
+        return [({"model": m, "reason": r}, n) for (m, r), n in sorted(counts.items())]
+
     metrics.watch("swarm_nodes", "Nodes in the registry, by model and state", nodes)
+    metrics.watch(
+        "rebalance_moves", "Nodes the tracker moved to another range, by model and reason",
+        moves, kind="counter",
+    )  # fmt: skip
     metrics.watch("swarm_uncovered_layers", "Layers no serving node holds, by model", uncovered)
 
 

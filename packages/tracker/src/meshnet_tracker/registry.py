@@ -30,6 +30,7 @@ class NodeRecord:
     tokens_served: int | None = None  # None until the first heartbeat after registering
     tokens_per_s: float = 0.0  # tokens generated through the node over the last interval
     local: bool = False  # the tracker node itself: never expires
+    since: float = 0.0  # when it registered (a joining node's loading started then)
 
     @property
     def node_id(self) -> str:
@@ -69,12 +70,21 @@ class Registry:
                 memory_free_bytes=announcement.memory_free_bytes,
                 local=local,
             )
+            record.since = record.last_heartbeat
+            previous = self._nodes.get(announcement.node_id)
+            if (
+                previous is not None
+                and previous.state == announcement.state
+                and previous.announcement.shard == announcement.shard
+            ):
+                record.since = previous.since
             self._nodes[announcement.node_id] = record
             self._model_layers.setdefault(announcement.shard.model_id, announcement.num_layers)
         logger.info(
-            "node %s registered: %s layers %s at %s",
-            announcement.node_id, announcement.shard.model_id, announcement.shard.layers,
-            announcement.url,
+            "node %s %s: %s layers %s at %s",
+            announcement.node_id,
+            "joining (loading)" if announcement.state == NodeState.JOINING else "registered",
+            announcement.shard.model_id, announcement.shard.layers, announcement.url,
         )  # fmt: skip
         return record
 
@@ -105,6 +115,13 @@ class Registry:
             logger.info("node %s left", node_id)
         return removed
 
+    def forgive(self, seconds: float) -> None:
+        """The tracker itself stalled for ``seconds``: heartbeats that arrived meanwhile may
+        still wait unread, so no node is blamed for that time."""
+        with self._lock:
+            for record in self._nodes.values():
+                record.last_heartbeat += seconds
+
     def prune(self) -> list[str]:
         """Drop nodes silent for MISSED_HEARTBEATS intervals; returns their ids."""
         deadline = self.clock() - MISSED_HEARTBEATS * self.heartbeat_interval_s
@@ -134,6 +151,13 @@ class Registry:
         """Make a model known (e.g. found in the models dir) even before any node serves it."""
         with self._lock:
             self._model_layers[model_id] = num_layers
+
+    def forget_model(self, model_id: str) -> bool:
+        """Forget a model no node holds (it left the models dir); False while nodes hold it."""
+        with self._lock:
+            if any(r.announcement.shard.model_id == model_id for r in self._nodes.values()):
+                return False
+            return self._model_layers.pop(model_id, None) is not None
 
     def coverage(self) -> dict[str, ModelCoverage]:
         records = self.records()

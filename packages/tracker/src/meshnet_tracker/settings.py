@@ -15,7 +15,12 @@ class TrackerSettings:
     models_dir: Path | None
     host: str = "127.0.0.1"
     port: int = 8080
+    advertise_url: str | None = None  # how nodes reach the tracker (default: what they dial)
     heartbeat_interval_s: float = 2.0
+    verify_nodes: bool = True  # call a registering node back on /health before routing to it
+    models_rescan_s: float = 10.0  # how often the models dir is indexed again (0: never)
+    move_grace_s: float = 10.0  # a gap must last this long before a node is moved into it
+    joining_ttl_s: float = 600.0  # a node loading longer than this no longer holds its range
     proxy_timeout_s: float = 600.0
     node: NodeSettings | None = None  # set when the tracker also serves layers (tracker node)
     max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body; larger -> 413
@@ -27,4 +32,5 @@ class TrackerSettings:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The tracker's URL as configured (--advertise-url, else the bind address)."""
+        return self.advertise_url or f"http://{self.host}:{self.port}"

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from meshnet_common.checkpoint import CheckpointIndex
-from meshnet_common.errors import ModelNotCovered, NotFound
+from meshnet_common.errors import ModelError, ModelNotCovered, NotFound
 from meshnet_common.memory import ModelCosts
-from meshnet_common.models_dir import scan_models_dir
+from meshnet_common.models_dir import scan_models_dir, snapshot_fingerprint
 from meshnet_node.runtime import NodeRuntime
 from meshnet_tracker.balancer import Balancer
 from meshnet_tracker.coverage import ModelCoverage
@@ -34,19 +34,61 @@ class TrackerState:
     demand: Counter = field(default_factory=Counter)  # requests per model
     balancer: Balancer = field(init=False)
 
+    indexed: dict[str, tuple] = field(default_factory=dict)  # model -> snapshot fingerprint
+    _problems: set[str] = field(default_factory=set)  # models-dir problems already logged
+
     def __post_init__(self) -> None:
-        self.balancer = Balancer(self.registry, self.costs, self.demand)
+        self.balancer = Balancer(
+            self.registry, self.costs, self.demand,
+            move_grace_s=self.settings.move_grace_s, joining_ttl_s=self.settings.joining_ttl_s,
+        )  # fmt: skip
 
     def index_models_dir(self) -> None:
         """Make every model in the models dir known to the coverage map and to placement."""
+        self.rescan_models_dir()
+
+    def rescan_models_dir(self) -> None:
+        """Index the models dir again: new snapshots become placeable, changed ones are
+        re-indexed, removed ones are forgotten (once no node holds them). The same scan as
+        ``meshnet-models list``; a snapshot whose files did not change costs a few stats."""
         if self.settings.models_dir is None:
             return
-        scan = scan_models_dir(self.settings.models_dir)
+        try:
+            scan = scan_models_dir(self.settings.models_dir)
+        except ModelError as exc:
+            logger.warning("models dir: %s", exc)
+            return
+        present: set[str] = set()
         for entry in scan.entries:
+            present.add(entry.model_id)
+            fingerprint = snapshot_fingerprint(entry.path)
+            if self.indexed.get(entry.model_id) == fingerprint:
+                continue
+            try:
+                costs = ModelCosts.from_index(CheckpointIndex.load(entry.path))
+            except ModelError as exc:
+                logger.warning("models dir: %s", exc)
+                continue
+            change = "changed" if entry.model_id in self.indexed else "found"
+            self.indexed[entry.model_id] = fingerprint
             self.registry.note_model(entry.model_id, entry.num_layers)
-            self.costs[entry.model_id] = ModelCosts.from_index(CheckpointIndex.load(entry.path))
-        for problem in scan.problems:
+            self.costs[entry.model_id] = costs
+            logger.info(
+                "models dir: %s %s (%d layers) at %s",
+                change, entry.model_id, entry.num_layers, entry.path,
+            )  # fmt: skip
+        for model_id in sorted(set(self.indexed) - present):
+            del self.indexed[model_id]
+            self.costs.pop(model_id, None)
+            forgotten = self.registry.forget_model(model_id)
+            logger.info(
+                "models dir: %s removed%s", model_id,
+                "" if forgotten else " (still on the map: nodes serve it)",
+            )  # fmt: skip
+        problems = {p.message for p in scan.problems}
+        for problem in sorted(problems - self._problems):
             logger.warning("models dir: %s", problem)
+        self._problems = problems
 
     def model(self, model_id: str) -> ModelCoverage:
         coverage = self.registry.coverage()
@@ -70,3 +112,10 @@ class TrackerState:
             )
         exclude = {n.node_id for n in model.nodes if n.url in exclude_urls}
         return choose_route(model, head=head, exclude=exclude)
+
+    def hop_url(self, hop: Hop, own_url: str) -> str:
+        """Where a hop is reached; the tracker node at ``own_url`` (the tracker's address as
+        the caller knows it: a tracker bound to 0.0.0.0 has no one address of its own)."""
+        if self.node is not None and hop.node.node_id == self.node.node_id:
+            return own_url
+        return hop.node.url
