@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported only where a dtype is asked for (never on a tracker)
+    import torch
 
 
 class Precision(StrEnum):
@@ -18,6 +20,8 @@ class Precision(StrEnum):
     @property
     def compute_dtype(self) -> torch.dtype:
         """dtype of activations, norms and embeddings on a shard of this precision."""
+        import torch
+
         return torch.float32 if self is Precision.FLOAT32 else torch.bfloat16
 
     @property

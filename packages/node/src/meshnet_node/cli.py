@@ -94,7 +94,7 @@ def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) ->
         "decode steps take under --inline-decode-max-ms",
     )  # fmt: skip
     data.add_argument(
-        "--inline-decode-max-ms", type=float, default=100.0,
+        "--inline-decode-max-ms", type=float, default=250.0,
         help="longest decode step run on the event loop's thread; slower shards always use "
         "the compute thread, so /health and the other connections never wait long",
     )  # fmt: skip

@@ -38,7 +38,7 @@ class NodeSettings:
     chunk_tokens: int = 128
     max_decode_batch: int = 32  # decode steps of different sessions merged per pass (1: off)
     inline_decode: bool = True  # a lone decode step runs on the event loop's thread ...
-    inline_decode_max_ms: float = 100.0  # ... while the last decode pass took less than this
+    inline_decode_max_ms: float = 250.0  # ... while the last decode pass took less than this
     step_delay_ms: float = 0.0  # tests only: every compute pass takes this much longer
     max_body_bytes: int = 64 * 1024 * 1024  # one activation frame
     max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body
