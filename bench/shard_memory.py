@@ -3,9 +3,9 @@
 Builds (once, cached) a random ~1B-parameter Llama (24 layers, hidden 2048, intermediate
 5632, vocab 32000, tied embeddings) with ``meshnet_common.tiny.make_tiny``. Then, for the
 full model and each quarter, a FRESH Python process loads the layer range with
-``meshnet_node.loader.load_shard`` in bfloat16, touches every parameter, and reports its
+``meshnet_node.engine.loader.load_shard`` in bfloat16, touches every parameter, and reports its
 RSS (psutil), peak RSS (``ru_maxrss``) and load time. The middle quarter [6, 12) also
-times single-token decode steps through ``meshnet_node.stage.Stage``.
+times single-token decode steps through ``meshnet_node.engine.stage.Stage``.
 
 Prints a table and the ratio of each quarter's RSS to the full model's; writes
 ``bench/results/shard_memory.json``. Target (issue): quarter / full RSS <= 0.35, judged
@@ -90,7 +90,7 @@ def _time_decode(shard, steps: int) -> dict:
     """Prefill 16 random hidden states, then time ``steps`` single-token decode steps."""
     import torch
 
-    from meshnet_node.stage import Stage
+    from meshnet_node.engine.stage import Stage
 
     stage = Stage(shard)
     stage.open_session("bench")
@@ -117,7 +117,7 @@ def child(args: argparse.Namespace) -> None:
 
     from meshnet_common.layers import LayerRange
     from meshnet_common.precision import Precision
-    from meshnet_node.loader import load_shard
+    from meshnet_node.engine.loader import load_shard
 
     torch.set_num_threads(args.threads)
     rss_imports = _rss_mib()

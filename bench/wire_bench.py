@@ -28,8 +28,8 @@ def boundary_activations(snapshot: Path, token_ids: list[int]) -> dict[int, dict
 
     from meshnet_common.layers import LayerRange
     from meshnet_common.precision import Precision
-    from meshnet_node.loader import load_shard
-    from meshnet_node.stage import Stage
+    from meshnet_node.engine.loader import load_shard
+    from meshnet_node.engine.stage import Stage
 
     edges = (0, *WIRE_BOUNDARIES)
     stages = [
@@ -118,7 +118,7 @@ def codec_speed(tensor, repeats: int) -> dict:
 
 def header_bytes() -> int:
     """meshnet's own headers on a decode-step POST (route with one more hop)."""
-    from meshnet_node.service import step_headers
+    from meshnet_node.dataplane.steps import step_headers
 
     headers = step_headers(session_id="0" * 32, session_key="0" * 32, position=1000, chunk=0,
                            route=("http://127.0.0.1:65535",), sample=True, open_spec=None)  # fmt: skip

@@ -24,7 +24,7 @@ import httpx
 
 from meshnet_common.gguf_import import import_smollm2
 from meshnet_common.models_dir import find_snapshot
-from meshnet_node.serve import check_port, free_port
+from meshnet_common.web.serve import check_port, free_port
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HEAD_LAYERS = 15  # the tracker node serves [0, 15); the joining node is assigned the rest

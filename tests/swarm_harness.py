@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshnet_node.serve import free_port
+from meshnet_common.web.serve import free_port
 
 STARTUP_TIMEOUT_S = 180.0
 

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from meshnet_common.web.serve import free_port
 from meshnet_node.cli import build_parser as node_parser
-from meshnet_node.serve import free_port
 from meshnet_tracker.cli import build_parser as tracker_parser
 
 MODEL = "meshnet-tiny/llama"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from swarm_harness import Proc, covered, wait_for
 
-from meshnet_node.serve import free_port
+from meshnet_common.web.serve import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -51,11 +51,11 @@ from meshnet_common.protocol import (
     H_SESSION,
     H_SESSION_KEY,
 )
-from meshnet_node.hops import HttpxHops
+from meshnet_common.web.shards import ShardServer
+from meshnet_node.dataplane.hop_client import HttpxHops
 from meshnet_node.runtime import NodeRuntime, build_runtime
 from meshnet_node.runtime import create_app as create_node_app
 from meshnet_node.settings import NodeSettings
-from meshnet_node.shards_api import ShardServer
 from meshnet_tracker.app import create_app as create_tracker_app
 from meshnet_tracker.settings import TrackerSettings
 
@@ -627,8 +627,8 @@ def test_forward_steps(node: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     A step that opened a session is followed by a valid one-token decode step (200), and the
     session is closed again."""
     # a later chunk of a session that is not there yet waits for its turn: not for long here
-    monkeypatch.setattr("meshnet_node.service.TURN_TIMEOUT_S", 0.05)
-    monkeypatch.setattr("meshnet_node.service.OPEN_TIMEOUT_S", 0.05, raising=False)
+    monkeypatch.setattr("meshnet_node.dataplane.service.TURN_TIMEOUT_S", 0.05)
+    monkeypatch.setattr("meshnet_node.dataplane.service.OPEN_TIMEOUT_S", 0.05, raising=False)
 
     @FUZZ
     @given(headers=forward_headers, body=frames, next_token=st.integers(0, VOCAB - 1))
@@ -861,8 +861,8 @@ def test_chunk_of_unknown_session_is_404_and_forgotten(
 ) -> None:
     """A later chunk of a session that never opens waited the whole turn timeout (60 s),
     then 409, and left its turn condition in NodeService._turns for good."""
-    monkeypatch.setattr("meshnet_node.service.TURN_TIMEOUT_S", 0.05)
-    monkeypatch.setattr("meshnet_node.service.OPEN_TIMEOUT_S", 0.05, raising=False)
+    monkeypatch.setattr("meshnet_node.dataplane.service.TURN_TIMEOUT_S", 0.05)
+    monkeypatch.setattr("meshnet_node.dataplane.service.OPEN_TIMEOUT_S", 0.05, raising=False)
     headers = {
         "content-type": wire.CONTENT_TYPE,
         H_SESSION: "never-opened",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from meshnet_node.reference import hf_chunked_greedy
+from meshnet_node.engine.reference import hf_chunked_greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -1,6 +1,6 @@
-"""The data path's own HTTP/1.1 front end (``HopConnection``) in a real uvicorn server.
+"""The data path's own HTTP/1.1 front end (``HopServerConnection``) in a real uvicorn server.
 
-A tail node built from the tiny test model is served the way ``meshnet_node.serve`` serves
+A tail node built from the tiny test model is served the way ``meshnet_common.web.serve`` serves
 it (``http=protocol_factory(app)``, no server/date headers) by uvicorn in a thread, on a
 loopback socket. The tests talk to it byte for byte over raw sockets (and with httpx): the
 data path's answers, the hand-over of a connection to uvicorn for every other request,
@@ -43,9 +43,9 @@ from meshnet_common.protocol import (
     H_SWARM_TOKEN,
     SamplingSpec,
 )
-from meshnet_node.data_path import protocol_factory
+from meshnet_node.dataplane.hop_server import protocol_factory
+from meshnet_node.dataplane.steps import step_headers
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
-from meshnet_node.service import step_headers
 from meshnet_node.settings import NodeSettings
 
 HOST = "127.0.0.1"  # every server here listens on loopback only
@@ -106,7 +106,7 @@ class Served:
 
 @contextmanager
 def serving(snapshot: Path, *, loop: str = "auto", **config) -> Iterator[Served]:
-    """A tail node under uvicorn in a thread, configured as ``meshnet_node.serve`` does."""
+    """A tail node under uvicorn in a thread, configured as ``meshnet_common.web.serve`` does."""
     overrides = {k: config.pop(k) for k in ("swarm_token",) if k in config}
     runtime = build_runtime(settings_for(snapshot, **overrides), route_provider=no_route)
     app = create_app(runtime)

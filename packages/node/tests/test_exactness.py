@@ -7,9 +7,9 @@ import torch
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_node.loader import load_shard
-from meshnet_node.reference import hf_chunked_greedy, load_reference_model, split_greedy
-from meshnet_node.stage import Stage
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy
+from meshnet_node.engine.stage import Stage
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
 PRECISIONS = [(Precision.FLOAT32, 1e-4), (Precision.BFLOAT16, 2e-2)]

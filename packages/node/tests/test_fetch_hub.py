@@ -22,7 +22,7 @@ from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
-from meshnet_node.fetch import (
+from meshnet_node.swarm.fetch import (
     HUB_IGNORE_PATTERNS,
     HUB_SNAPSHOT_PATTERNS,
     FetchError,
@@ -197,7 +197,7 @@ def test_the_subset_asks_only_for_the_ranges_files(monkeypatch, sharded_repo, tm
 
 
 def test_a_partial_snapshot_is_loadable_through_its_view(monkeypatch, sharded_repo, tmp_path):
-    from meshnet_node.loader import load_shard
+    from meshnet_node.engine.loader import load_shard
 
     full = CheckpointIndex.load(sharded_repo)
     layers = LayerRange(3, full.num_layers)  # the tail: layers, final norm, lm_head

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from meshnet_common.shardfiles import H_MANIFEST_SIGNATURE, canonical_json, sign_manifest
-from meshnet_node.fetch import FetchError, Trust, get_manifest
+from meshnet_node.swarm.fetch import FetchError, Trust, get_manifest
 
 TRACKER = "http://tracker.test"
 PEER = "http://peer.test"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-from meshnet_node.hops import HopResponse, HopUnreachable, Http11Hops
+from meshnet_node.dataplane.hop_client import HopResponse, HopUnreachable, Http11Hops
 
 TOKEN = {"x-meshnet-swarm-token": "s3cret-token"}
 HOST = "127.0.0.1"  # every server here listens on loopback only
@@ -236,7 +236,7 @@ def test_sequential_requests_reuse_one_connection() -> None:
 def test_connection_idle_too_long_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pooled connection idle past MAX_IDLE_S may be being closed by the hop right now:
     the next request opens a new one instead of racing that close."""
-    import meshnet_node.hops as hops_module
+    import meshnet_node.dataplane.hop_client as hops_module
 
     async def run() -> None:
         async with RawServer() as server:

@@ -9,7 +9,7 @@ import sys
 import psutil
 import pytest
 
-from meshnet_node.host_memory import GIB, HostClaims
+from meshnet_node.swarm.host_memory import GIB, HostClaims
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InsufficientMemory, ModelError, UnsupportedArchitecture
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_node.loader import load_shard
-from meshnet_node.preflight import preflight, weight_bytes
-from meshnet_node.quantization import check_nf4_widths
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.preflight import preflight, weight_bytes
+from meshnet_node.engine.quantization import check_nf4_widths
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])

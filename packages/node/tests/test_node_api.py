@@ -32,13 +32,13 @@ from meshnet_common.protocol import (
     H_SESSION_KEY,
     SamplingSpec,
 )
-from meshnet_node.hops import HttpxHops
-from meshnet_node.loader import load_shard
-from meshnet_node.reference import hf_chunked_greedy, load_reference_model
+from meshnet_node.dataplane.hop_client import HttpxHops
+from meshnet_node.dataplane.steps import step_headers
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
+from meshnet_node.engine.stage import Stage
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
-from meshnet_node.service import step_headers
 from meshnet_node.settings import NodeSettings
-from meshnet_node.stage import Stage
 
 MODEL_ID = "meshnet-tiny/llama"
 HIDDEN = 64  # the tiny models' hidden size

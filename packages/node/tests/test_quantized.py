@@ -7,9 +7,9 @@ import torch
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_node.loader import load_shard
-from meshnet_node.reference import split_greedy
-from meshnet_node.stage import Stage
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.reference import split_greedy
+from meshnet_node.engine.stage import Stage
 
 pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.bnb

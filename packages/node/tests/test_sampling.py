@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_node.sampling import Sampler, SamplingParams
+from meshnet_node.engine.sampling import Sampler, SamplingParams
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
 

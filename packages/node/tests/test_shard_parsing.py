@@ -25,7 +25,7 @@ from meshnet_common.errors import InvalidRequest, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
 from meshnet_common.models_dir import resolve_snapshot
 from meshnet_common.shardfiles import SUBSET_FILE, ShardSource, SubsetFile
-from meshnet_node.shards_api import ShardServer, _parse_range
+from meshnet_common.web.shards import ShardServer, _parse_range
 
 FULL = "meshnet-tiny/llama"  # 6 layers
 HALF = "meshnet-tiny/half"  # a subset snapshot holding layers [0, 3) of FULL

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshnet_common.protocol import StepResult, format_compute, parse_compute
-from meshnet_node.sampling import SampledToken
-from meshnet_node.service import LOGPROB_FLOOR, _token_json, wire_logprob
+from meshnet_node.dataplane.steps import LOGPROB_FLOOR, _token_json, wire_logprob
+from meshnet_node.engine.sampling import SampledToken
 
 logprobs = st.floats(max_value=0.0) | st.sampled_from([math.nan, -math.inf])
 

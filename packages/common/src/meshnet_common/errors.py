@@ -118,3 +118,37 @@ class InsufficientMemory(MeshnetError):
 
     status = 507
     error_type = "insufficient_memory"
+
+
+class HopError(MeshnetError):
+    """A downstream hop failed or answered with an error (502 unless it sent a 4xx)."""
+
+    status = 502
+    error_type = "upstream_error"
+
+    def __init__(self, message: str, *, status: int = 502, hop: str | None = None, body=None):
+        super().__init__(message, code="hop_failed")
+        self.status = status
+        self.hop = hop
+        self.body = body
+
+    def to_openai(self) -> dict:
+        if isinstance(self.body, dict) and "error" in self.body:
+            return self.body  # relay the deepest failure unchanged
+        body = super().to_openai()
+        body["error"]["param"] = self.hop  # which hop failed: the head routes around it
+        return body
+
+    @property
+    def failed_url(self) -> str | None:
+        """The hop that actually failed (a downstream hop may have reported it)."""
+        if isinstance(self.body, dict):
+            error = self.body.get("error") or {}
+            if error.get("code") == "hop_failed" and error.get("param"):
+                return error["param"]
+        return self.hop
+
+    @property
+    def recoverable(self) -> bool:
+        """Worth routing around: the hop is gone, broken, or lost the session."""
+        return self.status >= 500 or self.status in (404, 409)

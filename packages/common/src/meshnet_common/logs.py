@@ -3,7 +3,7 @@
 Lines are logfmt by default (``key=value``, values with spaces quoted) or JSON
 (``--log-format json``)::
 
-    ts=2026-12-01T10:00:00.123Z level=info logger=meshnet_node.openai_routes
+    ts=2026-12-01T10:00:00.123Z level=info logger=meshnet_node.head.routes
         request_id=req-1a2b3c4d5e6f session_id=9f8e... msg="generation done" tokens=16 ...
 
 The request id comes from the HTTP layer (``x-request-id``, kept when a caller sends a sane

@@ -10,10 +10,11 @@ from fastapi import APIRouter, Request
 
 from meshnet_common.errors import ModelNotCovered, NotFound, Unauthorized
 from meshnet_common.protocol import H_ROUTE
-from meshnet_node.auth import has_swarm_token
-from meshnet_node.openai_routes import handle_chat, handle_completions
-from meshnet_node.openai_serving import OpenAIServing
-from meshnet_node.service import NodeService, parse_route
+from meshnet_common.web.auth import has_swarm_token
+from meshnet_node.dataplane.service import NodeService
+from meshnet_node.dataplane.steps import parse_route
+from meshnet_node.head.routes import handle_chat, handle_completions
+from meshnet_node.head.serving import OpenAIServing
 
 
 def _service(request: Request) -> NodeService:

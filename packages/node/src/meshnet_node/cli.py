@@ -36,13 +36,13 @@ from meshnet_common.settings import (
     fail,
     setup_logging,
 )
-from meshnet_node.auth import swarm_headers
-from meshnet_node.fetch import Trust, fetch_shard_counted
-from meshnet_node.host_memory import HostClaims, Offer
-from meshnet_node.membership import Membership, RegistrationRefused, error_message
-from meshnet_node.preflight import resolve_device
+from meshnet_common.web.auth import swarm_headers
+from meshnet_common.web.shards import FAULTS, ShardServer
+from meshnet_node.engine.preflight import resolve_device
 from meshnet_node.settings import HopTimeouts, NodeSettings
-from meshnet_node.shards_api import FAULTS, ShardServer
+from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
+from meshnet_node.swarm.host_memory import HostClaims, Offer
+from meshnet_node.swarm.membership import Membership, RegistrationRefused, error_message
 
 PROG = "meshnet-node"
 logger = logging.getLogger("meshnet_node.cli")  # also when run as __main__
@@ -448,7 +448,7 @@ def _main(argv: Sequence[str] | None) -> None:
             check_range(args, None)
     except ValueError as exc:
         fail(PROG, str(exc))
-    from meshnet_node.serve import check_port, free_port, run
+    from meshnet_common.web.serve import check_port, free_port, run
 
     try:  # the cheap checks first: a typo should not wait for torch to import
         port = args.port or free_port(args.host)
@@ -460,6 +460,7 @@ def _main(argv: Sequence[str] | None) -> None:
             "listening on every interface: the tracker tells which address it reaches this "
             "node at (--advertise-url sets it)"
         )
+    from meshnet_node.dataplane.hop_server import protocol_factory
     from meshnet_node.runtime import bind_url, build_runtime, create_app
 
     metrics = Metrics()  # this node's registry: counts the shard fetch below too
@@ -563,6 +564,7 @@ def _main(argv: Sequence[str] | None) -> None:
             None if membership is not None else ready_line(),
             log_level="warning",
             on_started=runtime.serving,
+            http=protocol_factory(app),  # hops' steps skip uvicorn's request cycle (ADR-0011)
         )
     finally:
         claims.release()

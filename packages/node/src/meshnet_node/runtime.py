@@ -27,20 +27,20 @@ from meshnet_common.protocol import (
     NodeState,
     ShardSpec,
 )
+from meshnet_common.web.auth import install_auth
+from meshnet_common.web.http import install_error_handlers, install_observability
+from meshnet_common.web.shards import shards_router, watch_shard_server
 from meshnet_node.api import head_router, node_router
-from meshnet_node.auth import install_auth
-from meshnet_node.fetch import Trust, fetch_shard_counted
-from meshnet_node.forward_path import install_forward_path
-from meshnet_node.generation import HeadGenerator
-from meshnet_node.http_utils import install_error_handlers, install_observability
-from meshnet_node.loader import load_shard
-from meshnet_node.membership import Membership, TrackerClient
-from meshnet_node.openai_serving import OpenAIServing, RouteProvider
-from meshnet_node.preflight import preflight
-from meshnet_node.service import NodeService
+from meshnet_node.dataplane.forward import install_forward_path
+from meshnet_node.dataplane.service import NodeService
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.preflight import preflight
+from meshnet_node.engine.stage import Stage
+from meshnet_node.head.generation import HeadGenerator
+from meshnet_node.head.serving import OpenAIServing, RouteProvider
 from meshnet_node.settings import NodeSettings
-from meshnet_node.shards_api import shards_router, watch_shard_server
-from meshnet_node.stage import Stage
+from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
+from meshnet_node.swarm.membership import Membership, TrackerClient
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from meshnet_common.protocol import (
     RouteResponse,
     ShardSpec,
 )
-from meshnet_node.http_utils import parse_model
+from meshnet_common.web.http import parse_model
 from meshnet_tracker.admission import confirm_reachable, reachable_url
 from meshnet_tracker.state import TrackerState
 

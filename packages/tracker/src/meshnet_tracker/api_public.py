@@ -8,12 +8,11 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from meshnet_common.errors import InvalidRequest
+from meshnet_common.errors import HopError, InvalidRequest
 from meshnet_common.logs import H_REQUEST_ID, event, request_id_var
 from meshnet_common.protocol import H_ROUTE
-from meshnet_node.http_utils import check_content_type, json_limit, loads_object, read_body
-from meshnet_node.openai_routes import handle_chat, handle_completions
-from meshnet_node.service import HopError
+from meshnet_common.web.http import check_content_type, json_limit, loads_object, read_body
+from meshnet_node.head.routes import handle_chat, handle_completions
 from meshnet_tracker.state import TrackerState
 
 logger = logging.getLogger(__name__)

@@ -11,11 +11,11 @@ from fastapi import FastAPI
 
 from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import resolve_snapshot
-from meshnet_node.auth import install_auth, swarm_headers
-from meshnet_node.forward_path import install_forward_path
-from meshnet_node.http_utils import install_error_handlers, install_observability
+from meshnet_common.web.auth import install_auth, swarm_headers
+from meshnet_common.web.http import install_error_handlers, install_observability
+from meshnet_common.web.shards import ShardServer, shards_router, watch_shard_server
+from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.runtime import NodeRuntime, mount_node, start_background, stop_background
-from meshnet_node.shards_api import ShardServer, shards_router, watch_shard_server
 from meshnet_tracker.api_nodes import nodes_router
 from meshnet_tracker.api_public import public_router
 from meshnet_tracker.dashboard import dashboard_router, watch_swarm

@@ -17,8 +17,8 @@ from meshnet_common.settings import (
     fail,
     setup_logging,
 )
+from meshnet_common.web.shards import FAULTS
 from meshnet_node.cli import add_shard_flags, check_advertise_url, check_range, shard_settings
-from meshnet_node.shards_api import FAULTS
 
 PROG = "meshnet-tracker"
 logger = logging.getLogger("meshnet_tracker.cli")  # also when run as __main__
@@ -121,7 +121,7 @@ def _main(argv: Sequence[str] | None) -> None:
             raise ValueError("--shard-start/--shard-end need --model-id")
     except (MeshnetError, ValueError) as exc:
         fail(PROG, str(exc), code=1)
-    from meshnet_node.serve import check_port, run
+    from meshnet_common.web.serve import check_port, run
 
     try:
         check_port(args.host, args.port)
@@ -168,10 +168,15 @@ def _main(argv: Sequence[str] | None) -> None:
     extra = ""
     if node is not None:
         extra = f" (tracker node: {args.model_id} layers {node.service.stage.shard.layers})"
+    http = None
+    if node is not None:  # the tracker node's hops skip uvicorn's request cycle (ADR-0011)
+        from meshnet_node.dataplane.hop_server import protocol_factory
+
+        http = protocol_factory(app)
     run(
         app, args.host, args.port,
         f"meshnet-tracker ready: {url}{extra}; dashboard: {url}/",
-        log_level="warning",
+        log_level="warning", http=http,
     )  # fmt: skip
 
 

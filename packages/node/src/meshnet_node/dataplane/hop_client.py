@@ -85,7 +85,7 @@ _COMPUTE = H_COMPUTE.encode()
 MAX_IDLE_S = 2.0  # a pooled connection idle longer is closed, not reused
 
 
-class _HopConnection(asyncio.Protocol):
+class _HopClientConnection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to a hop; one request at a time."""
 
     def __init__(self, max_body: int) -> None:
@@ -219,7 +219,7 @@ class Http11Hops:
         self.max_idle_per_hop = max_idle_per_hop
         self._default = "".join(f"{_checked(k)}: {_checked(v)}\r\n" for k, v in headers.items())
         self.fallback = AiohttpHops(headers=headers, connect_timeout=connect_timeout)
-        self._idle: dict[tuple[str, int], list[_HopConnection]] = {}
+        self._idle: dict[tuple[str, int], list[_HopClientConnection]] = {}
         self._targets: dict[str, tuple[str, int, str, str]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -241,7 +241,7 @@ class Http11Hops:
                 self._targets[url] = target
         return target
 
-    def _pool(self, key: tuple[str, int]) -> list[_HopConnection]:
+    def _pool(self, key: tuple[str, int]) -> list[_HopClientConnection]:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # connections belong to the loop that made them
             self._loop = loop
@@ -324,12 +324,12 @@ class Http11Hops:
                 conn.transport.close()
             return response
 
-    async def _connect(self, host: str, port: int, deadline: float) -> _HopConnection:
+    async def _connect(self, host: str, port: int, deadline: float) -> _HopClientConnection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(min(deadline, loop.time() + self.connect_timeout)):
                 _, conn = await loop.create_connection(
-                    lambda: _HopConnection(self.max_body), host, port
+                    lambda: _HopClientConnection(self.max_body), host, port
                 )
         except (OSError, TimeoutError) as exc:
             raise HopUnreachable(f"cannot connect to {host}:{port}: {exc}") from exc

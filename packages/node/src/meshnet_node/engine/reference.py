@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from meshnet_node.stage import DEFAULT_CHUNK_TOKENS, Stage
+from meshnet_node.engine.stage import DEFAULT_CHUNK_TOKENS, Stage
 
 
 def load_reference_model(snapshot: Path | str, dtype: torch.dtype) -> torch.nn.Module:

@@ -3,7 +3,7 @@
 Each connection starts here. When its first request (or any later one, at a request
 boundary) is a data-path request, ``POST /v1/forward`` or ``DELETE /v1/sessions/{id}``,
 this protocol parses it with httptools and answers it directly through
-``meshnet_node.forward_path``, in one write. Any other request hands the whole connection
+``meshnet_node.dataplane.forward``, in one write. Any other request hands the whole connection
 to uvicorn's own protocol (``HttpToolsProtocol``), untouched from its first byte, so every
 other route, streaming included, is served exactly as before.
 
@@ -34,8 +34,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from meshnet_common.errors import InvalidRequest, PayloadTooLarge
 from meshnet_common.logs import H_REQUEST_ID, accept_request_id, bind_session, request_id_var
 from meshnet_common.protocol import H_SESSION, H_SWARM_TOKEN
-from meshnet_node.auth import NEEDS_SWARM_TOKEN, unauthorized_body
-from meshnet_node.forward_path import (
+from meshnet_common.web.auth import NEEDS_SWARM_TOKEN, unauthorized_body
+from meshnet_common.web.http import record_request
+from meshnet_node.dataplane.forward import (
     FORWARD_PATH,
     SESSIONS_PREFIX,
     SESSIONS_ROUTE,
@@ -46,7 +47,6 @@ from meshnet_node.forward_path import (
     forward_answer,
     method_not_allowed,
 )
-from meshnet_node.http_utils import record_request
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +62,15 @@ def _unauthorized() -> Answer:
 
 
 def protocol_factory(app):
-    """uvicorn's ``http=`` option: connections of ``app`` start with ``HopConnection``."""
+    """uvicorn's ``http=`` option: connections of ``app`` start with ``HopServerConnection``."""
 
-    def create(config, server_state, app_state, _loop=None) -> HopConnection:
-        return HopConnection(app, config, server_state, app_state, _loop)
+    def create(config, server_state, app_state, _loop=None) -> HopServerConnection:
+        return HopServerConnection(app, config, server_state, app_state, _loop)
 
     return create
 
 
-class HopConnection(asyncio.Protocol):
+class HopServerConnection(asyncio.Protocol):
     """One TCP connection: data-path requests answered here, the rest by uvicorn."""
 
     def __init__(self, app, config, server_state, app_state, _loop=None) -> None:

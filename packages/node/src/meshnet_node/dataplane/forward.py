@@ -9,7 +9,7 @@ same OpenAI-style error bodies as every other route. Two front ends use them:
 
 - ``ForwardPath``, an ASGI middleware in front of the router (inside the auth and
   observability middlewares): in-process apps and any connection uvicorn serves;
-- ``meshnet_node.data_path``, a lean HTTP/1.1 protocol that takes the connections hops
+- ``meshnet_node.dataplane.hop_server``, a lean HTTP/1.1 protocol that takes the connections hops
   open to each other, so that a step never enters uvicorn or Starlette at all.
 """
 
@@ -29,8 +29,9 @@ from meshnet_common.errors import (
     UnsupportedMediaType,
 )
 from meshnet_common.protocol import H_COMPUTE, H_ROUTE, H_SESSION_KEY, validate_session_id
-from meshnet_node.http_utils import error_body
-from meshnet_node.service import NodeService, parse_route, parse_step
+from meshnet_common.web.http import error_body
+from meshnet_node.dataplane.service import NodeService
+from meshnet_node.dataplane.steps import parse_route, parse_step
 
 logger = logging.getLogger(__name__)
 

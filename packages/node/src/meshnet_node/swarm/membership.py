@@ -22,7 +22,7 @@ from meshnet_common.protocol import (
     RegisterResponse,
     RouteResponse,
 )
-from meshnet_node.auth import swarm_headers
+from meshnet_common.web.auth import swarm_headers
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from meshnet_common.errors import InsufficientMemory
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
 from meshnet_common.precision import Precision
-from meshnet_node.quantization import check_nf4_widths
+from meshnet_node.engine.quantization import check_nf4_widths
 
 logger = logging.getLogger(__name__)
 

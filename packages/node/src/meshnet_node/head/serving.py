@@ -19,7 +19,7 @@ from meshnet_common.openai_protocol import (
     usage,
 )
 from meshnet_common.protocol import SamplingSpec
-from meshnet_node.generation import GeneratedToken, GenerationRequest, HeadGenerator
+from meshnet_node.head.generation import GeneratedToken, GenerationRequest, HeadGenerator
 
 logger = logging.getLogger(__name__)
 

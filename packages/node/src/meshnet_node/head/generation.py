@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from meshnet_common.errors import ModelNotCovered
+from meshnet_common.errors import HopError, ModelNotCovered
 from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
-from meshnet_node.sampling import SamplingParams
-from meshnet_node.service import HopError, NodeService
-from meshnet_node.stage import Stage, StepOutput
+from meshnet_node.dataplane.service import NodeService
+from meshnet_node.engine.sampling import SamplingParams
+from meshnet_node.engine.stage import Stage, StepOutput
 
 logger = logging.getLogger(__name__)
 

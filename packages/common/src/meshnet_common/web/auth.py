@@ -47,7 +47,7 @@ NEEDS_SWARM_TOKEN = "this route needs the swarm token"
 
 
 def unauthorized_body(message: str) -> bytes:
-    """The OpenAI-style body of a 401 (also the data path's, meshnet_node.data_path)."""
+    """The OpenAI-style body of a 401 (also the data path's, meshnet_node.dataplane.hop_server)."""
     body = {"error": {"message": message, "type": "authentication_error", "param": None,
                       "code": "invalid_api_key"}}  # fmt: skip
     return json.dumps(body).encode()

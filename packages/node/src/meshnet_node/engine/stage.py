@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from meshnet_common.errors import InvalidRequest, MeshnetError
-from meshnet_node.families import SessionContext, build_masks
-from meshnet_node.loader import LoadedShard
-from meshnet_node.sampling import SampledToken, SamplingParams
-from meshnet_node.sessions import Session, SessionStore
+from meshnet_node.engine.families import SessionContext, build_masks
+from meshnet_node.engine.loader import LoadedShard
+from meshnet_node.engine.sampling import SampledToken, SamplingParams
+from meshnet_node.engine.sessions import Session, SessionStore
 
 logger = logging.getLogger(__name__)
 

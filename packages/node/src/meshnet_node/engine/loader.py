@@ -22,8 +22,8 @@ from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_node.families import FamilyAdapter, adapter_for
-from meshnet_node.quantization import quantize_linears
+from meshnet_node.engine.families import FamilyAdapter, adapter_for
+from meshnet_node.engine.quantization import quantize_linears
 
 logger = logging.getLogger(__name__)
 

@@ -1,219 +1,47 @@
-"""The node's data path: run a forward step on the local stage and relay it down the chain."""
+"""The node's data path: run a forward step on the local stage and relay it down the chain;
+pipelined prefill chunks taken in order (and merged into one pass when they wait)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from meshnet_common import wire
-from meshnet_common.errors import Conflict, InvalidRequest, MeshnetError, NotFound
+from meshnet_common.errors import Conflict, HopError, InvalidRequest, MeshnetError, NotFound
 from meshnet_common.logs import H_REQUEST_ID, request_id_var
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import (
-    H_CHUNK,
     H_OPEN,
-    H_POSITION,
     H_ROUTE,
-    H_SAMPLE,
-    H_SESSION,
     H_SESSION_KEY,
-    SamplingSpec,
     StepResult,
     format_compute,
     parse_compute,
-    validate_session_id,
 )
-from meshnet_node.auth import swarm_headers
-from meshnet_node.hops import HopResponse, HopTransport, HopUnreachable, Http11Hops
-from meshnet_node.sampling import SamplingParams
+from meshnet_common.web.auth import swarm_headers
+from meshnet_node.dataplane.batching import DecodeBatcher, _timed
+from meshnet_node.dataplane.hop_client import HopResponse, HopTransport, HopUnreachable, Http11Hops
+from meshnet_node.dataplane.steps import (
+    _EMPTY_RESULT,
+    StepAnswer,
+    StepRequest,
+    _token_json,
+    step_headers,
+)
+from meshnet_node.engine.sampling import SamplingParams
+from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.settings import NodeSettings
-from meshnet_node.stage import DecodeItem, Stage, StepOutput
 
 logger = logging.getLogger(__name__)
 
 TURN_TIMEOUT_S = 60.0  # an earlier chunk of a live session may still be computing
 OPEN_TIMEOUT_S = 5.0  # chunk 0 (which opens the session) is never that far behind
-
-
-class HopError(MeshnetError):
-    """A downstream hop failed or answered with an error (502 unless it sent a 4xx)."""
-
-    status = 502
-    error_type = "upstream_error"
-
-    def __init__(self, message: str, *, status: int = 502, hop: str | None = None, body=None):
-        super().__init__(message, code="hop_failed")
-        self.status = status
-        self.hop = hop
-        self.body = body
-
-    def to_openai(self) -> dict:
-        if isinstance(self.body, dict) and "error" in self.body:
-            return self.body  # relay the deepest failure unchanged
-        body = super().to_openai()
-        body["error"]["param"] = self.hop  # which hop failed: the head routes around it
-        return body
-
-    @property
-    def failed_url(self) -> str | None:
-        """The hop that actually failed (a downstream hop may have reported it)."""
-        if isinstance(self.body, dict):
-            error = self.body.get("error") or {}
-            if error.get("code") == "hop_failed" and error.get("param"):
-                return error["param"]
-        return self.hop
-
-    @property
-    def recoverable(self) -> bool:
-        """Worth routing around: the hop is gone, broken, or lost the session."""
-        return self.status >= 500 or self.status in (404, 409)
-
-
-class StepAnswer(NamedTuple):
-    """A step's answer as it goes back up the chain: the tail's JSON ``StepResult`` (without
-    compute times) and the ``x-meshnet-compute-ms`` header, this hop's time first."""
-
-    body: bytes
-    compute_ms: str
-
-
-_EMPTY_RESULT = StepResult().model_dump_json(exclude={"compute_ms"}).encode()
-
-
-LOGPROB_FLOOR = -1e30  # how a log-probability of -inf (or NaN) travels: JSON has neither
-
-
-def wire_logprob(value: float) -> float:
-    value = float(value)
-    return value if math.isfinite(value) else LOGPROB_FLOOR
-
-
-def _token_json(token) -> bytes:
-    """A sampled token as the JSON of a ``StepResult``, formatted by hand: this runs on
-    every decode step, and a JSON library's first call after an idle gap costs ~80 µs here
-    (ADR-0011). ``repr`` of a finite float is valid JSON."""
-    tops = ",".join(f"[{int(i)},{wire_logprob(lp)!r}]" for i, lp in token.top_logprobs)
-    text = f'{{"token_id":{int(token.token_id)},"logprob":{wire_logprob(token.logprob)!r},'
-    return f'{text}"top_logprobs":[{tops}]}}'.encode()
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    """A forward step as parsed from HTTP headers + tensor frame."""
-
-    session_id: str
-    session_key: str | None
-    position: int
-    chunk: int
-    route: tuple[str, ...]
-    open_spec: SamplingSpec | None
-    start_layer: int | None
-    sample: bool
-    tensor: torch.Tensor
-
-
-def _int_header(headers, name: str, default: int | None = None) -> int:
-    raw = headers.get(name)
-    if raw is None:
-        if default is None:
-            raise InvalidRequest(f"missing header {name}", param=name)
-        return default
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"header {name} must be an integer", param=name) from exc
-    if value < 0:
-        raise InvalidRequest(f"header {name} must be >= 0", param=name)
-    return value
-
-
-def parse_route(raw: str | None) -> tuple[str, ...]:
-    if not raw:
-        return ()
-    hops = tuple(h.strip() for h in raw.split(",") if h.strip())
-    for hop in hops:
-        if not hop.startswith(("http://", "https://")) or len(hop) > 300:
-            raise InvalidRequest(f"bad hop URL in route: {hop[:80]!r}", param=H_ROUTE)
-    if len(hops) > 64:
-        raise InvalidRequest("route too long", param=H_ROUTE)
-    return hops
-
-
-def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
-    """Validate a step's headers and decode its tensor frame (bounded)."""
-    session_id = headers.get(H_SESSION)
-    if not session_id:
-        raise InvalidRequest(f"missing header {H_SESSION}", param=H_SESSION)
-    validate_session_id(session_id, param=H_SESSION)
-    open_spec = None
-    start_layer = None
-    if headers.get(H_OPEN):
-        try:
-            raw = json.loads(headers[H_OPEN])
-            start_layer = raw.pop("start_layer", None)
-            open_spec = SamplingSpec.model_validate(raw)
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise InvalidRequest(f"malformed {H_OPEN} header: {exc}", param=H_OPEN) from exc
-    return StepRequest(
-        session_id=session_id,
-        session_key=headers.get(H_SESSION_KEY),
-        position=_int_header(headers, H_POSITION),
-        chunk=_int_header(headers, H_CHUNK, 0),
-        route=parse_route(headers.get(H_ROUTE)),
-        open_spec=open_spec,
-        start_layer=start_layer,
-        sample=headers.get(H_SAMPLE) == "1",
-        tensor=wire.decode_tensor(body, max_bytes=max_bytes),
-    )
-
-
-def step_headers(
-    *,
-    session_id: str,
-    session_key: str,
-    position: int,
-    chunk: int,
-    route: tuple[str, ...],
-    sample: bool,
-    open_spec: dict | None,
-) -> dict[str, str]:
-    headers = {
-        "content-type": wire.CONTENT_TYPE,
-        H_SESSION: session_id,
-        H_SESSION_KEY: session_key,
-        H_POSITION: str(position),
-        H_CHUNK: str(chunk),
-        H_SAMPLE: "1" if sample else "0",
-    }
-    if route:
-        headers[H_ROUTE] = ",".join(route)
-    if open_spec is not None:
-        headers[H_OPEN] = json.dumps(open_spec)
-    return headers
-
-
-def _timed(fn, *args, delay_s: float = 0.0, **kwargs):
-    """Call ``fn``; StepOutputs it returns learn how long it took (a batch shares it).
-
-    ``delay_s`` (tests only) makes the step that much slower, holding the calling thread as
-    real compute would."""
-    started = time.perf_counter()
-    if delay_s:
-        time.sleep(delay_s)
-    result = fn(*args, **kwargs)
-    elapsed = time.perf_counter() - started
-    for out in result if isinstance(result, list) else (result,):
-        if isinstance(out, StepOutput):
-            out.compute_s = elapsed
-    return result
 
 
 @dataclass
@@ -224,110 +52,6 @@ class _Waiting:
     tensor: torch.Tensor
     future: asyncio.Future
     taken: bool = False
-
-
-class DecodeBatcher:
-    """Merges decode steps of different sessions that wait for the compute thread into one
-    forward pass (``Stage.step_batch``): weights are read once for the whole batch.
-
-    A lone step runs alone (unbatched, bit-identical to ``step``); steps arriving while the
-    compute thread is busy are taken together next time, after a gather window of up to
-    ``gather_s`` for the other sessions' steps (see ``_gather``).
-    """
-
-    def __init__(self, service: NodeService, max_batch: int = 32, gather_s: float = 0.005) -> None:
-        self.service = service
-        self.max_batch = max_batch
-        self._queue: list[tuple[Stage, DecodeItem, asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-        self.batches = 0
-        self.batched_steps = 0
-        self.gather_s = gather_s
-        self._arrived = asyncio.Event()
-
-    async def submit(self, stage: Stage, item: DecodeItem) -> StepOutput:
-        if not self._queue and self.service.inline_ok(stage):
-            # The only session on an idle node: run on the event loop's thread. A hand-off
-            # to the compute thread and back costs two wake-ups (milliseconds on a busy or
-            # virtualized host), and with no other session there is nothing to batch with.
-            out = self.service.compute_inline(
-                stage.step, item.session_id, item.position, token_ids=item.token_ids,
-                hidden=item.hidden, owner=item.owner, sample=item.sample,
-            )  # fmt: skip
-            # A head generating alone awaits nothing else between its steps: give the loop
-            # one turn so /health and other connections are answered between tokens.
-            await asyncio.sleep(0)
-            return out
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append((stage, item, future))
-        self._arrived.set()
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.ensure_future(self._drain())
-        return await future
-
-    async def _gather(self) -> None:
-        """Give the steps of other sessions a moment to arrive before a pass starts.
-
-        Sessions decode in lockstep along a chain: when one session's step reaches this node,
-        the others' are usually a few milliseconds behind it (still being parsed, or on the
-        previous hop). Waiting up to ``gather_s`` — less once every open session has a step
-        queued — turns a run of small passes into one large one.
-        """
-        stage = self._queue[0][0]
-        deadline = asyncio.get_running_loop().time() + self.gather_s
-        while len(self._queue) < min(len(stage.sessions), self.max_batch):
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), left)
-            except TimeoutError:
-                return
-
-    def _take(self) -> tuple[Stage, list[tuple[DecodeItem, asyncio.Future]]]:
-        stage = self._queue[0][0]
-        taken, rest, sessions = [], [], set()
-        for entry in self._queue:
-            s, item, future = entry
-            if s is stage and item.session_id not in sessions and len(taken) < self.max_batch:
-                sessions.add(item.session_id)
-                taken.append((item, future))
-            else:
-                rest.append(entry)
-        self._queue = rest
-        return stage, taken
-
-    async def _drain(self) -> None:
-        while self._queue:
-            if self.gather_s > 0:
-                await self._gather()
-            stage, taken = self._take()
-            items = [item for item, _ in taken]
-            try:
-                if len(items) == 1:
-                    item = items[0]
-                    results = [
-                        await self.service.compute(
-                            stage.step, item.session_id, item.position, token_ids=item.token_ids,
-                            hidden=item.hidden, owner=item.owner, sample=item.sample,
-                        )
-                    ]  # fmt: skip
-                    self.service.note_decode(results)
-                else:
-                    results = await self.service.compute(stage.step_batch, items)
-                    self.service.note_decode(results)
-                    self.batches += 1
-                    self.batched_steps += len(items)
-            except Exception as exc:  # the single-step path raises instead of returning
-                results = [exc] * len(items)
-            for (_, future), result in zip(taken, results, strict=True):
-                if future.done():
-                    continue
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
 
 
 class NodeService:

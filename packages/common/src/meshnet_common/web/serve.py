@@ -10,8 +10,6 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
-from meshnet_node.data_path import protocol_factory
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -30,16 +28,14 @@ def check_port(host: str, port: int) -> None:
 
 
 async def _serve(
-    app: FastAPI, host: str, port: int, ready_line: str | None, log_level: str, on_started
+    app: FastAPI, host: str, port: int, ready_line: str | None, log_level: str, on_started, http
 ) -> None:
     # log_config=None: uvicorn's own lines go through meshnet's one-line formatter.
     # No server/date headers: two fewer headers to build, check and parse on every
     # answer, which every hop of every decode step pays (docs/adr/0011).
-    # Connections start in the data-path protocol: hops' steps skip uvicorn's request
-    # cycle and Starlette; every other request goes to uvicorn's own protocol.
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-        log_config=None, server_header=False, date_header=False, http=protocol_factory(app),
+        log_config=None, server_header=False, date_header=False, http=http or "auto",
     )  # fmt: skip
     server = uvicorn.Server(config)
     exit_code = 0
@@ -81,8 +77,10 @@ def run(
     ready_line: str | None,
     log_level: str = "warning",
     on_started: Callable[[], None] | None = None,
+    http=None,
 ) -> None:
     """Serve until stopped; once the socket listens, print ``ready_line`` (if any) and call
-    ``on_started``."""
+    ``on_started``. ``http``: uvicorn's HTTP protocol (a node passes its hop-connection
+    factory, see meshnet_node.dataplane.hop_server)."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_serve(app, host, port, ready_line, log_level, on_started))
+        runner.run(_serve(app, host, port, ready_line, log_level, on_started, http))

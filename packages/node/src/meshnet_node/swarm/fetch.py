@@ -40,7 +40,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.models_dir import validate_model_id
 from meshnet_common.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
-from meshnet_node.auth import swarm_headers
+from meshnet_common.web.auth import swarm_headers
 
 logger = logging.getLogger(__name__)
 

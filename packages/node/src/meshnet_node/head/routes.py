@@ -9,14 +9,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet_common.logs import event
 from meshnet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
-from meshnet_node.http_utils import (
+from meshnet_common.web.http import (
     cancel_on_disconnect,
     check_content_type,
     json_limit,
     parse_json,
     read_body,
 )
-from meshnet_node.openai_serving import OpenAIServing
+from meshnet_node.head.serving import OpenAIServing
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 

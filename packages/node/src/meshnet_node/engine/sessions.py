@@ -11,7 +11,7 @@ from transformers import DynamicCache, PreTrainedConfig
 
 from meshnet_common.errors import CapacityExceeded, Conflict, NotFound
 from meshnet_common.protocol import validate_session_id
-from meshnet_node.sampling import Sampler, SamplingParams
+from meshnet_node.engine.sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,149 @@
+"""The step message: one forward step as it crosses a hop — parsed from HTTP headers and a
+tensor frame (``parse_step``), written back to headers (``step_headers``) — and its answer."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from meshnet_common import wire
+from meshnet_common.errors import InvalidRequest
+from meshnet_common.protocol import (
+    H_CHUNK,
+    H_OPEN,
+    H_POSITION,
+    H_ROUTE,
+    H_SAMPLE,
+    H_SESSION,
+    H_SESSION_KEY,
+    SamplingSpec,
+    StepResult,
+    validate_session_id,
+)
+
+
+class StepAnswer(NamedTuple):
+    """A step's answer as it goes back up the chain: the tail's JSON ``StepResult`` (without
+    compute times) and the ``x-meshnet-compute-ms`` header, this hop's time first."""
+
+    body: bytes
+    compute_ms: str
+
+
+_EMPTY_RESULT = StepResult().model_dump_json(exclude={"compute_ms"}).encode()
+
+
+LOGPROB_FLOOR = -1e30  # how a log-probability of -inf (or NaN) travels: JSON has neither
+
+
+def wire_logprob(value: float) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def _token_json(token) -> bytes:
+    """A sampled token as the JSON of a ``StepResult``, formatted by hand: this runs on
+    every decode step, and a JSON library's first call after an idle gap costs ~80 µs here
+    (ADR-0011). ``repr`` of a finite float is valid JSON."""
+    tops = ",".join(f"[{int(i)},{wire_logprob(lp)!r}]" for i, lp in token.top_logprobs)
+    text = f'{{"token_id":{int(token.token_id)},"logprob":{wire_logprob(token.logprob)!r},'
+    return f'{text}"top_logprobs":[{tops}]}}'.encode()
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """A forward step as parsed from HTTP headers + tensor frame."""
+
+    session_id: str
+    session_key: str | None
+    position: int
+    chunk: int
+    route: tuple[str, ...]
+    open_spec: SamplingSpec | None
+    start_layer: int | None
+    sample: bool
+    tensor: torch.Tensor
+
+
+def _int_header(headers, name: str, default: int | None = None) -> int:
+    raw = headers.get(name)
+    if raw is None:
+        if default is None:
+            raise InvalidRequest(f"missing header {name}", param=name)
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"header {name} must be an integer", param=name) from exc
+    if value < 0:
+        raise InvalidRequest(f"header {name} must be >= 0", param=name)
+    return value
+
+
+def parse_route(raw: str | None) -> tuple[str, ...]:
+    if not raw:
+        return ()
+    hops = tuple(h.strip() for h in raw.split(",") if h.strip())
+    for hop in hops:
+        if not hop.startswith(("http://", "https://")) or len(hop) > 300:
+            raise InvalidRequest(f"bad hop URL in route: {hop[:80]!r}", param=H_ROUTE)
+    if len(hops) > 64:
+        raise InvalidRequest("route too long", param=H_ROUTE)
+    return hops
+
+
+def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
+    """Validate a step's headers and decode its tensor frame (bounded)."""
+    session_id = headers.get(H_SESSION)
+    if not session_id:
+        raise InvalidRequest(f"missing header {H_SESSION}", param=H_SESSION)
+    validate_session_id(session_id, param=H_SESSION)
+    open_spec = None
+    start_layer = None
+    if headers.get(H_OPEN):
+        try:
+            raw = json.loads(headers[H_OPEN])
+            start_layer = raw.pop("start_layer", None)
+            open_spec = SamplingSpec.model_validate(raw)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise InvalidRequest(f"malformed {H_OPEN} header: {exc}", param=H_OPEN) from exc
+    return StepRequest(
+        session_id=session_id,
+        session_key=headers.get(H_SESSION_KEY),
+        position=_int_header(headers, H_POSITION),
+        chunk=_int_header(headers, H_CHUNK, 0),
+        route=parse_route(headers.get(H_ROUTE)),
+        open_spec=open_spec,
+        start_layer=start_layer,
+        sample=headers.get(H_SAMPLE) == "1",
+        tensor=wire.decode_tensor(body, max_bytes=max_bytes),
+    )
+
+
+def step_headers(
+    *,
+    session_id: str,
+    session_key: str,
+    position: int,
+    chunk: int,
+    route: tuple[str, ...],
+    sample: bool,
+    open_spec: dict | None,
+) -> dict[str, str]:
+    headers = {
+        "content-type": wire.CONTENT_TYPE,
+        H_SESSION: session_id,
+        H_SESSION_KEY: session_key,
+        H_POSITION: str(position),
+        H_CHUNK: str(chunk),
+        H_SAMPLE: "1" if sample else "0",
+    }
+    if route:
+        headers[H_ROUTE] = ",".join(route)
+    if open_spec is not None:
+        headers[H_OPEN] = json.dumps(open_spec)
+    return headers

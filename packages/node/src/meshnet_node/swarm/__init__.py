@@ -1,0 +1,3 @@
+"""A node's place in the swarm: membership (register, heartbeat, directives), joining
+(assignment, the joining announcement), fetching a shard's weights, resharding, and the
+host's memory claims."""
