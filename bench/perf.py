@@ -55,8 +55,8 @@ from perf_summary import LLAMA_1B, SMOL, print_summary, targets
 from swarm import Swarm, running_swarm, stop_on_sigterm
 from wire_bench import measure_wire, print_wire
 
-from meshnet_common.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
-from meshnet_common.tiny import CORPUS
+from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
+from meshnet_common.models.tiny import CORPUS
 
 SECTIONS = ("memory", "wire", "decode", "ttft", "concurrency", "overhead")
 SMOL_LAYOUTS = {  # processes -> layer ranges, tracker node first

@@ -44,8 +44,8 @@ from hf_ref import greedy, load_model, prefill_ms
 from swarm import REQUEST_TIMEOUT_S, Swarm, complete, running_swarm, stop_on_sigterm, ttft_ms
 from wire_bench import WIRE_BOUNDARIES, measure_wire, print_wire
 
-from meshnet_common.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
-from meshnet_common.tiny import CORPUS
+from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
+from meshnet_common.models.tiny import CORPUS
 
 MODEL_ID = SMOLLM2_MODEL_ID
 NUM_LAYERS = 30

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from meshnet_common.gguf_import import import_smollm2
-from meshnet_common.models_dir import find_snapshot
+from meshnet_common.models.gguf_import import import_smollm2
+from meshnet_common.models.models_dir import find_snapshot
 from meshnet_common.web.serve import check_port, free_port
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -134,7 +134,7 @@ def test_a_model_copied_into_the_models_dir_gets_the_next_joining_node(
     assert f"tracker assigned {qwen} layers [0, " in joiner.log()
     wait_for(lambda: covered(tracker, qwen), timeout=30)
     listed = subprocess.run(
-        [sys.executable, "-m", "meshnet_common.models_cli", "list", "--models-dir",
+        [sys.executable, "-m", "meshnet_common.models.cli", "list", "--models-dir",
          str(llama_dir), "--json"], capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert {m["model_id"] for m in json.loads(listed.stdout)["models"]} == set(coverage(tracker))

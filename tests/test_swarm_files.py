@@ -11,8 +11,8 @@ from safetensors import safe_open
 from swarm_harness import Swarm, covered, wait_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.layers import LayerRange
+from meshnet_common.models.checkpoint import CheckpointIndex
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

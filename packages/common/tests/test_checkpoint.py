@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.errors import ModelError, UnsupportedArchitecture
 from meshnet_common.layers import LayerRange
+from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 
 HEAD, MIDDLE, TAIL = LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 6)
 

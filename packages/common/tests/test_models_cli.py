@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
-from meshnet_common.models_cli import main
-from meshnet_common.models_dir import find_snapshot, scan_models_dir
-from meshnet_common.tiny import FAMILIES
+from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
+from meshnet_common.models.cli import main
+from meshnet_common.models.models_dir import find_snapshot, scan_models_dir
+from meshnet_common.models.tiny import FAMILIES
 
 LAYOUTS = ("plain", "hub")
 EXPECTED = {
@@ -34,7 +34,7 @@ def run_cli(*args: str, models_dir_env: Path | None = None) -> subprocess.Comple
     if models_dir_env is not None:
         env["MESHNET_MODELS_DIR"] = str(models_dir_env)
     return subprocess.run(
-        [sys.executable, "-m", "meshnet_common.models_cli", *args],
+        [sys.executable, "-m", "meshnet_common.models.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,

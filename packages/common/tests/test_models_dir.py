@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.errors import InvalidRequest, ModelError, NotFound
-from meshnet_common.models_dir import (
+from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
+from meshnet_common.models.models_dir import (
     find_snapshot,
     load_entry,
     resolve_snapshot,

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from meshnet_common import gguf_import
-from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.errors import ModelError
-from meshnet_common.models_dir import load_entry
+from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
+from meshnet_common.models.models_dir import load_entry
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ import torch
 from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import save_file
 
-from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
+from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_node.swarm.fetch import (
     HUB_IGNORE_PATTERNS,
     HUB_SNAPSHOT_PATTERNS,

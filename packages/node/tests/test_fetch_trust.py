@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from meshnet_common.shardfiles import H_MANIFEST_SIGNATURE, canonical_json, sign_manifest
+from meshnet_common.models.shardfiles import H_MANIFEST_SIGNATURE, canonical_json, sign_manifest
 from meshnet_node.swarm.fetch import FetchError, Trust, get_manifest
 
 TRACKER = "http://tracker.test"

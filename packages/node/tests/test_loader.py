@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InsufficientMemory, ModelError, UnsupportedArchitecture
 from meshnet_common.layers import LayerRange
+from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.preflight import preflight, weight_bytes

@@ -20,11 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
 from meshnet_common import shardfiles
-from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.errors import InvalidRequest, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
-from meshnet_common.models_dir import resolve_snapshot
-from meshnet_common.shardfiles import SUBSET_FILE, ShardSource, SubsetFile
+from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
+from meshnet_common.models.models_dir import resolve_snapshot
+from meshnet_common.models.shardfiles import SUBSET_FILE, ShardSource, SubsetFile
 from meshnet_common.web.shards import ShardServer, _parse_range
 
 FULL = "meshnet-tiny/llama"  # 6 layers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_tracker.admission import reachable_url
+from meshnet_tracker.api.admission import reachable_url
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.layers import LayerRange
+from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.precision import Precision
 
 # Loading briefly holds one extra tensor, plus allocator slack: keep a margin.

@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
-from meshnet_common.models_dir import validate_model_id
+from meshnet_common.models.models_dir import validate_model_id
 from meshnet_common.precision import Precision
 
 PROTOCOL_VERSION = 1

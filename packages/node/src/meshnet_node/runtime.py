@@ -15,11 +15,11 @@ import torch
 from fastapi import FastAPI
 from transformers import AutoTokenizer, GenerationConfig
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import MeshnetError, ModelError, NotFound
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
-from meshnet_common.models_dir import resolve_snapshot
+from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.protocol import (
     DirectiveKind,
     Heartbeat,

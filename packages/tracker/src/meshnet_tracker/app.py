@@ -10,15 +10,14 @@ import httpx
 from fastapi import FastAPI
 
 from meshnet_common.metrics import Metrics
-from meshnet_common.models_dir import resolve_snapshot
+from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.web.auth import install_auth, swarm_headers
 from meshnet_common.web.http import install_error_handlers, install_observability
 from meshnet_common.web.shards import ShardServer, shards_router, watch_shard_server
-from meshnet_node.dataplane.forward import install_forward_path
-from meshnet_node.runtime import NodeRuntime, mount_node, start_background, stop_background
-from meshnet_tracker.api_nodes import nodes_router
-from meshnet_tracker.api_public import public_router
-from meshnet_tracker.dashboard import dashboard_router, watch_swarm
+from meshnet_tracker.api.dashboard import dashboard_router, watch_swarm
+from meshnet_tracker.api.nodes import nodes_router
+from meshnet_tracker.api.public import public_router
+from meshnet_tracker.heads import LocalNode
 from meshnet_tracker.registry import Registry
 from meshnet_tracker.settings import TrackerSettings
 from meshnet_tracker.state import TrackerState
@@ -26,16 +25,7 @@ from meshnet_tracker.state import TrackerState
 logger = logging.getLogger(__name__)
 
 
-def _local_route_provider(state_ref: list):
-    async def provider(model_id: str, exclude: frozenset[str] = frozenset()) -> tuple[str, ...]:
-        state: TrackerState = state_ref[0]
-        hops = state.route(model_id, head=state.node.node_id, exclude_urls=exclude)
-        return tuple(h.node.url for h in hops[1:])
-
-    return provider
-
-
-def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> FastAPI:
+def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> FastAPI:
     """The tracker's FastAPI app; ``node`` makes it a tracker node serving those layers."""
     registry = Registry(settings.heartbeat_interval_s)
     client = httpx.AsyncClient(
@@ -44,12 +34,14 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
     )
     state = TrackerState(settings=settings, registry=registry, node=node, client=client)
     state.index_models_dir()
+    if node is not None:
+        node.attach(state)  # the tracker node routes through this coverage map
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         tasks = [asyncio.ensure_future(_prune_loop(state))]
         if node is not None:
-            await start_background(node)
+            await node.start()
             registry.register(node.announcement(), local=True)
         try:
             yield
@@ -57,7 +49,7 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
             for task in tasks:
                 task.cancel()
             if node is not None:
-                await stop_background(node)
+                await node.stop()
             await client.aclose()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan)
@@ -72,10 +64,11 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
             manifest_key=settings.manifest_key,
         )
     install_error_handlers(app)
-    install_forward_path(app)  # the tracker node's data path; inside auth and observability
+    if node is not None:
+        node.install_data_path(app)  # the tracker node's data path; inside auth and observability
     install_auth(app, swarm_token=settings.swarm_token, api_key=settings.api_key)
     # A tracker node reports its own layers and the swarm's numbers in one registry.
-    metrics = node.service.metrics if node is not None else Metrics()
+    metrics = node.metrics if node is not None else Metrics()
     install_observability(app, metrics)  # outermost: sees the 401s too
     watch_swarm(metrics, state)
     watch_shard_server(metrics, app)
@@ -84,7 +77,7 @@ def create_app(settings: TrackerSettings, node: NodeRuntime | None = None) -> Fa
     app.include_router(nodes_router())
     app.include_router(shards_router())
     if node is not None:
-        mount_node(app, node, openai_routes=False)  # the tracker's own routes take OpenAI calls
+        node.mount(app)  # node info; the tracker's own routes take the OpenAI calls
     return app
 
 

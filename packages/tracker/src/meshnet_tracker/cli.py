@@ -7,9 +7,10 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import MeshnetError
-from meshnet_common.models_dir import resolve_snapshot
+from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.models_dir import resolve_snapshot
+from meshnet_common.node_flags import add_shard_flags, check_advertise_url, check_range
 from meshnet_common.settings import (
     EnvArgumentParser,
     add_logging_flags,
@@ -18,7 +19,6 @@ from meshnet_common.settings import (
     setup_logging,
 )
 from meshnet_common.web.shards import FAULTS
-from meshnet_node.cli import add_shard_flags, check_advertise_url, check_range, shard_settings
 
 PROG = "meshnet-tracker"
 logger = logging.getLogger("meshnet_tracker.cli")  # also when run as __main__
@@ -127,24 +127,21 @@ def _main(argv: Sequence[str] | None) -> None:
         check_port(args.host, args.port)
     except OSError as exc:
         fail(PROG, str(exc), code=1)
-    from meshnet_node.runtime import build_runtime
-    from meshnet_tracker.app import _local_route_provider, create_app
+    from meshnet_tracker.app import create_app
     from meshnet_tracker.settings import TrackerSettings
 
     try:
         url = (args.advertise_url or f"http://{args.host}:{args.port}").rstrip("/")
         node = None
-        state_ref: list = []
         if snapshot is not None:
-            node_settings = shard_settings(
-                args,
-                model_path=snapshot,
-                host=args.host,
-                port=args.port,
-                advertise_url=url,
-                node_id="tracker-node",
-            )
-            node = build_runtime(node_settings, route_provider=_local_route_provider(state_ref))
+            try:  # the only place the tracker imports the node package
+                from meshnet_tracker.tracker_node import TrackerNode
+            except ImportError as exc:
+                raise ValueError(
+                    f"serving layers in the tracker needs the node package ({exc.name} is "
+                    "missing): pip install 'meshnet-tracker[node]'"
+                ) from exc
+            node = TrackerNode.build(args, snapshot, url)
         settings = TrackerSettings(
             models_dir=models_dir,
             host=args.host,
@@ -162,21 +159,13 @@ def _main(argv: Sequence[str] | None) -> None:
             max_request_bytes=int(args.max_request_mb * 2**20),
         )
         app = create_app(settings, node)
-        state_ref.append(app.state.tracker)
     except (MeshnetError, ValueError, OSError) as exc:
         fail(PROG, str(exc), code=1)
-    extra = ""
-    if node is not None:
-        extra = f" (tracker node: {args.model_id} layers {node.service.stage.shard.layers})"
-    http = None
-    if node is not None:  # the tracker node's hops skip uvicorn's request cycle (ADR-0011)
-        from meshnet_node.dataplane.hop_server import protocol_factory
-
-        http = protocol_factory(app)
+    extra = "" if node is None else f" (tracker node: {args.model_id} layers {node.layers})"
     run(
         app, args.host, args.port,
         f"meshnet-tracker ready: {url}{extra}; dashboard: {url}/",
-        log_level="warning", http=http,
+        log_level="warning", http=None if node is None else node.http_protocol(app),
     )  # fmt: skip
 
 

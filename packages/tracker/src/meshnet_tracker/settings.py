@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshnet_node.settings import NodeSettings
-
 
 @dataclass(frozen=True)
 class TrackerSettings:
@@ -22,7 +20,6 @@ class TrackerSettings:
     move_grace_s: float = 10.0  # a gap must last this long before a node is moved into it
     joining_ttl_s: float = 600.0  # a node loading longer than this no longer holds its range
     proxy_timeout_s: float = 600.0
-    node: NodeSettings | None = None  # set when the tracker also serves layers (tracker node)
     max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body; larger -> 413
     max_concurrent_downloads: int = 4  # shard downloads served at once; the rest queue
     fault_inject: str | None = None  # tests only: corrupt or truncate served weights

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import ModelError, ModelNotCovered, NotFound
 from meshnet_common.memory import ModelCosts
-from meshnet_common.models_dir import scan_models_dir, snapshot_fingerprint
-from meshnet_node.runtime import NodeRuntime
+from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.models_dir import scan_models_dir, snapshot_fingerprint
 from meshnet_tracker.balancer import Balancer
 from meshnet_tracker.coverage import ModelCoverage
+from meshnet_tracker.heads import LocalNode
 from meshnet_tracker.registry import Registry
 from meshnet_tracker.routing import Hop, choose_route
 from meshnet_tracker.settings import TrackerSettings
@@ -28,7 +28,7 @@ class TrackerState:
 
     settings: TrackerSettings
     registry: Registry
-    node: NodeRuntime | None
+    node: LocalNode | None  # the tracker node (meshnet_tracker.tracker_node), if any
     client: httpx.AsyncClient
     costs: dict[str, ModelCosts] = field(default_factory=dict)  # models we can place nodes on
     demand: Counter = field(default_factory=Counter)  # requests per model

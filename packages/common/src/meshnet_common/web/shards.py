@@ -20,13 +20,13 @@ from pathlib import Path
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InvalidRequest, ModelError, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import event
 from meshnet_common.metrics import Metrics
-from meshnet_common.models_dir import snapshot_fingerprint, validate_model_id
-from meshnet_common.shardfiles import (
+from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.models_dir import snapshot_fingerprint, validate_model_id
+from meshnet_common.models.shardfiles import (
     H_MANIFEST_SIGNATURE,
     SUBSET_FILE,
     ShardSource,

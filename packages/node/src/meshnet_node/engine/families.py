@@ -25,8 +25,8 @@ from transformers import (
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from meshnet_common.checkpoint import SUPPORTED_ARCHITECTURES
 from meshnet_common.errors import UnsupportedArchitecture
+from meshnet_common.models.checkpoint import SUPPORTED_ARCHITECTURES
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"

@@ -18,9 +18,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PreTrainedConfig
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
+from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.precision import Precision
 from meshnet_node.engine.families import FamilyAdapter, adapter_for
 from meshnet_node.engine.quantization import quantize_linears

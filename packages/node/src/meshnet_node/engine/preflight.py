@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InsufficientMemory
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
+from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.precision import Precision
 from meshnet_node.engine.quantization import check_nf4_widths
 

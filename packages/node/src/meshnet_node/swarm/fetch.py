@@ -27,7 +27,10 @@ from pathlib import Path
 
 import httpx
 
-from meshnet_common.checkpoint import (
+from meshnet_common.errors import ModelError
+from meshnet_common.layers import LayerRange
+from meshnet_common.metrics import Metrics
+from meshnet_common.models.checkpoint import (
     INDEX_FILE,
     CheckpointIndex,
     TensorInfo,
@@ -35,11 +38,8 @@ from meshnet_common.checkpoint import (
     num_layers_of,
     read_config,
 )
-from meshnet_common.errors import ModelError
-from meshnet_common.layers import LayerRange
-from meshnet_common.metrics import Metrics
-from meshnet_common.models_dir import validate_model_id
-from meshnet_common.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
+from meshnet_common.models.models_dir import validate_model_id
+from meshnet_common.models.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
 from meshnet_common.web.auth import swarm_headers
 
 logger = logging.getLogger(__name__)

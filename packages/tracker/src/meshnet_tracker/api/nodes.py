@@ -18,7 +18,7 @@ from meshnet_common.protocol import (
     ShardSpec,
 )
 from meshnet_common.web.http import parse_model
-from meshnet_tracker.admission import confirm_reachable, reachable_url
+from meshnet_tracker.api.admission import confirm_reachable, reachable_url
 from meshnet_tracker.state import TrackerState
 
 

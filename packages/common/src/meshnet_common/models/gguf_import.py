@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet_common.checkpoint import INDEX_FILE, SUPPORTED_ARCHITECTURES, CheckpointIndex
 from meshnet_common.errors import ModelError
-from meshnet_common.models_dir import Layout, find_snapshot, staged_snapshot
+from meshnet_common.models.checkpoint import INDEX_FILE, SUPPORTED_ARCHITECTURES, CheckpointIndex
+from meshnet_common.models.models_dir import Layout, find_snapshot, staged_snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from meshnet_common.checkpoint import CheckpointIndex
 from meshnet_common.errors import InvalidRequest, ModelError, NotFound
+from meshnet_common.models.checkpoint import CheckpointIndex
 
 logger = logging.getLogger(__name__)
 

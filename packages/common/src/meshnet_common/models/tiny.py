@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.errors import InvalidRequest, ModelError
-from meshnet_common.models_dir import Layout, find_snapshot, staged_snapshot
+from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
+from meshnet_common.models.models_dir import Layout, find_snapshot, staged_snapshot
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast

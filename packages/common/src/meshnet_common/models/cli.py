@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshnet_common.errors import MeshnetError
-from meshnet_common.models_dir import LAYOUTS, ModelEntry, load_entry, scan_models_dir
-from meshnet_common.tiny import FAMILIES  # cheap: tiny imports torch only when building
+from meshnet_common.models.models_dir import LAYOUTS, ModelEntry, load_entry, scan_models_dir
+from meshnet_common.models.tiny import FAMILIES  # cheap: tiny imports torch only when building
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def _describe(entry: ModelEntry) -> str:
 
 
 def _cmd_import_smollm2(args: argparse.Namespace) -> int:
-    from meshnet_common.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
+    from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
 
     import_smollm2(args.models_dir, args.layout)
     print(_describe(load_entry(args.models_dir, SMOLLM2_MODEL_ID, args.layout)))
@@ -53,7 +53,7 @@ def _cmd_import_smollm2(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
-    from meshnet_common.gguf_import import import_gguf
+    from meshnet_common.models.gguf_import import import_gguf
 
     import_gguf(args.gguf_path, args.model_id, args.models_dir, args.layout)
     print(_describe(load_entry(args.models_dir, args.model_id, args.layout)))
@@ -61,7 +61,7 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from meshnet_common.tiny import make_tiny
+    from meshnet_common.models.tiny import make_tiny
 
     make_tiny(
         args.models_dir,

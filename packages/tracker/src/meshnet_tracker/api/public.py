@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import httpx
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from meshnet_common.errors import HopError, InvalidRequest
-from meshnet_common.logs import H_REQUEST_ID, event, request_id_var
-from meshnet_common.protocol import H_ROUTE
+from meshnet_common.errors import InvalidRequest
+from meshnet_common.logs import event
 from meshnet_common.web.http import check_content_type, json_limit, loads_object, read_body
-from meshnet_node.head.routes import handle_chat, handle_completions
+from meshnet_tracker.heads import Head, RemoteHead
 from meshnet_tracker.state import TrackerState
 
 logger = logging.getLogger(__name__)
@@ -99,42 +97,6 @@ async def _entry(request: Request, path: str) -> Response:
         logger, logging.INFO, "request routed", path=path, model=model_id, head=head.node_id,
         route=",".join(h.node.node_id for h in hops),
     )  # fmt: skip
-    if state.node is not None and head.node_id == state.node.node_id:
-        handler = handle_completions if path == "/v1/completions" else handle_chat
-        return await handler(state.node.openai, request, rest, raw=body)
-    auth = request.headers.get("authorization")
-    return await _proxy(state, head.url + path, body, rest, bool(payload.get("stream")), auth)
-
-
-async def _proxy(
-    state: TrackerState, url: str, body: bytes, rest, stream: bool, auth: str | None
-) -> Response:
-    headers = {"content-type": "application/json", H_ROUTE: ",".join(rest)}
-    if request_id := request_id_var.get():  # the head logs under the same request id
-        headers[H_REQUEST_ID] = request_id
-    if auth:  # a head that checks API keys sees the client's
-        headers["authorization"] = auth
-    client = state.client
-    try:
-        upstream = await client.send(
-            client.build_request("POST", url, content=body, headers=headers), stream=True
-        )
-    except httpx.HTTPError as exc:
-        raise HopError(f"head node {url} unreachable: {exc}", hop=url) from exc
-    if not stream or upstream.status_code != 200:
-        content = await upstream.aread()
-        await upstream.aclose()
-        return Response(
-            content,
-            status_code=upstream.status_code,
-            media_type=upstream.headers.get("content-type", "application/json"),
-        )
-
-    async def relay():
-        try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        finally:
-            await upstream.aclose()
-
-    return StreamingResponse(relay(), media_type="text/event-stream")
+    local = state.node is not None and head.node_id == state.node.node_id
+    target: Head = state.node if local else RemoteHead(state.client, head.url)
+    return await target.answer(path, request, rest, body)

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet_common.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.layers import LayerRange
+from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 
 SUBSET_FILE = "model.safetensors"
 H_MANIFEST_SIGNATURE = "x-meshnet-manifest-signature"

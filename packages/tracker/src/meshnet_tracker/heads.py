@@ -1,0 +1,92 @@
+"""Where the tracker sends an OpenAI request: the head of the chosen chain. A head is either
+remote (another node: the request is proxied to it) or the tracker node in this process
+(``meshnet_tracker.tracker_node``, which needs the node package). Both answer one way."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from meshnet_common.errors import HopError
+from meshnet_common.logs import H_REQUEST_ID, request_id_var
+from meshnet_common.metrics import Metrics
+from meshnet_common.protocol import H_ROUTE, Heartbeat, NodeAnnouncement
+
+
+class Head(Protocol):
+    """Answers one OpenAI request along the route ``rest`` (the hops after the head)."""
+
+    async def answer(
+        self, path: str, request: Request, rest: tuple[str, ...], body: bytes
+    ) -> Response: ...
+
+
+class LocalNode(Head, Protocol):
+    """The tracker node as the tracker sees it: a head it can call in-process, a node it
+    registers and heartbeats for, a data path and routes it mounts on its own app."""
+
+    node_id: str
+    metrics: Metrics
+
+    def announcement(self) -> NodeAnnouncement: ...
+
+    def heartbeat(self) -> Heartbeat: ...
+
+    def attach(self, state) -> None:
+        """Route through ``state`` (the tracker's own coverage map) from now on."""
+
+    def install_data_path(self, app) -> None: ...
+
+    def mount(self, app) -> None: ...
+
+    def http_protocol(self, app): ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class RemoteHead:
+    """A head node elsewhere: the request is proxied, streams relayed as they come."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
+        self.client = client
+        self.url = url
+
+    async def answer(
+        self, path: str, request: Request, rest: tuple[str, ...], body: bytes
+    ) -> Response:
+        headers = {"content-type": "application/json", H_ROUTE: ",".join(rest)}
+        if request_id := request_id_var.get():  # the head logs under the same request id
+            headers[H_REQUEST_ID] = request_id
+        if auth := request.headers.get("authorization"):  # a head checking API keys sees it
+            headers["authorization"] = auth
+        url = self.url + path
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", url, content=body, headers=headers),
+                stream=True,
+            )
+        except httpx.HTTPError as exc:
+            raise HopError(f"head node {url} unreachable: {exc}", hop=url) from exc
+        streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        if not streaming or upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            return Response(
+                content,
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type", "application/json"),
+            )
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
+        return StreamingResponse(relay(), media_type="text/event-stream")

@@ -1,0 +1,101 @@
+"""The tracker node: a node runtime serving the first layers inside the tracker process.
+
+The one tracker module that imports the node package (``pip install 'meshnet-tracker[node]'``);
+the tracker imports it only when started with ``--model-id``, so a plain tracker never loads
+torch. It implements ``heads.LocalNode``: the tracker routes through its own coverage map
+(``attach``) and calls the head in-process (``answer``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from meshnet_common.metrics import Metrics
+from meshnet_common.protocol import Heartbeat, NodeAnnouncement
+from meshnet_node.dataplane.forward import install_forward_path
+from meshnet_node.dataplane.hop_server import protocol_factory
+from meshnet_node.head.routes import handle_chat, handle_completions
+from meshnet_node.launch import shard_settings
+from meshnet_node.runtime import (
+    NodeRuntime,
+    build_runtime,
+    mount_node,
+    start_background,
+    stop_background,
+)
+
+NODE_ID = "tracker-node"
+
+
+class TrackerNode:
+    """A ``NodeRuntime`` as the tracker's ``LocalNode``."""
+
+    def __init__(self) -> None:
+        self.runtime: NodeRuntime | None = None
+        self._state = None  # the tracker's state, for routes (set by ``attach``)
+
+    @classmethod
+    def build(cls, args, snapshot: Path, url: str) -> TrackerNode:
+        """Load ``[0, --shard-end)`` of the snapshot from the tracker's parsed flags."""
+        node = cls()
+        settings = shard_settings(
+            args, model_path=snapshot, host=args.host, port=args.port, advertise_url=url,
+            node_id=NODE_ID,
+        )  # fmt: skip
+        node.runtime = build_runtime(settings, route_provider=node._routes)
+        return node
+
+    @classmethod
+    def of(cls, runtime: NodeRuntime) -> TrackerNode:
+        """Wrap a runtime built elsewhere (tests); its route provider must be ``_routes``."""
+        node = cls()
+        node.runtime = runtime
+        return node
+
+    async def _routes(self, model_id: str, exclude: frozenset[str] = frozenset()):
+        hops = self._state.route(model_id, head=self.node_id, exclude_urls=exclude)
+        return tuple(h.node.url for h in hops[1:])
+
+    @property
+    def node_id(self) -> str:
+        return self.runtime.node_id
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.runtime.service.metrics
+
+    @property
+    def layers(self):
+        return self.runtime.service.stage.shard.layers
+
+    def announcement(self) -> NodeAnnouncement:
+        return self.runtime.announcement()
+
+    def heartbeat(self) -> Heartbeat:
+        return self.runtime.heartbeat()
+
+    def attach(self, state) -> None:
+        self._state = state
+
+    def install_data_path(self, app) -> None:
+        install_forward_path(app)
+
+    def mount(self, app) -> None:
+        mount_node(app, self.runtime, openai_routes=False)  # the tracker's own take OpenAI calls
+
+    def http_protocol(self, app):
+        return protocol_factory(app)  # hops' steps skip uvicorn's request cycle (ADR-0011)
+
+    async def start(self) -> None:
+        await start_background(self.runtime)
+
+    async def stop(self) -> None:
+        await stop_background(self.runtime)
+
+    async def answer(
+        self, path: str, request: Request, rest: tuple[str, ...], body: bytes
+    ) -> Response:
+        handler = handle_completions if path == "/v1/completions" else handle_chat
+        return await handler(self.runtime.openai, request, rest, raw=body)

@@ -1,0 +1,120 @@
+"""The layout's rules (docs/adr/0013), checked on the source: module and folder sizes, imports
+flowing one way, and a tracker that runs without torch or the node package."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshnet_common.web.serve import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [ROOT / "packages" / p / "src" for p in ("common", "node", "tracker")]
+MAX_LINES = 500
+MAX_MODULES = 12
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every source module of the three packages."""
+    found = {}
+    for src in SOURCES:
+        for path in src.rglob("*.py"):
+            if "egg-info" in str(path):
+                continue
+            parts = path.relative_to(src).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module an import statement in ``path`` names, at any depth (lazy ones too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_no_module_over_500_lines_and_no_folder_over_12_modules():
+    too_long = {
+        name: n
+        for name, path in modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not too_long
+    folders: dict[Path, int] = {}
+    for path in modules().values():
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+    assert not {str(f): n for f, n in folders.items() if n > MAX_MODULES}
+
+
+def _importers(prefix: str) -> dict[str, set[str]]:
+    return {name: imports_of(path) for name, path in modules().items() if name.startswith(prefix)}
+
+
+def test_imports_flow_one_way():
+    def offenders(prefix: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()):
+        return {
+            name: sorted(i for i in imported if i.startswith(forbidden))
+            for name, imported in _importers(prefix).items()
+            if name not in allowed and any(i.startswith(forbidden) for i in imported)
+        }
+
+    # common depends on neither service; the tracker only through its tracker-node module
+    assert offenders("meshnet_common", ("meshnet_node", "meshnet_tracker")) == {}
+    assert offenders("meshnet_tracker", ("meshnet_node",), ("meshnet_tracker.tracker_node",)) == {}
+    # the engine is torch only: no web, no data plane, head or swarm
+    web = ("fastapi", "starlette", "uvicorn", "httpx", "aiohttp", "meshnet_common.web")
+    upper = ("meshnet_node.dataplane", "meshnet_node.head", "meshnet_node.swarm")
+    assert offenders("meshnet_node.engine", (*web, *upper, "meshnet_node.runtime")) == {}
+    # the data plane never reaches up into the head or the swarm
+    assert offenders("meshnet_node.dataplane", ("meshnet_node.head", "meshnet_node.swarm")) == {}
+
+
+def test_a_plain_tracker_imports_no_torch_and_no_node():
+    code = (
+        "import sys\n"
+        "import meshnet_tracker.cli, meshnet_tracker.app, meshnet_tracker.api.public\n"
+        "meshnet_tracker.cli.build_parser().format_help()\n"
+        "heavy = ('torch', 'transformers', 'meshnet_node', 'bitsandbytes')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_tracker_node_without_the_node_package_is_one_clear_line(models_dir, tiny_snapshot):
+    tiny_snapshot("llama")
+    code = (
+        "import sys\n"
+        "sys.modules['meshnet_node'] = None  # as if meshnet-tracker[node] were not installed\n"
+        "from meshnet_tracker.cli import main\n"
+        f"main(['--models-dir', {str(models_dir)!r}, '--port', '{free_port()}', '--model-id',"
+        " 'meshnet-tiny/llama', '--shard-start', '0', '--shard-end', '6'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 1, out.stderr
+    assert len(lines) == 1 and "pip install 'meshnet-tracker[node]'" in lines[0], out.stderr
+
+
+@pytest.mark.integration
+def test_a_running_plain_tracker_maps_no_libtorch(swarm_factory, tiny_snapshot):
+    tiny_snapshot("llama")
+    tracker = swarm_factory().tracker().wait_healthy()
+    assert httpx.get(f"{tracker.url}/v1/coverage").status_code == 200
+    pid = tracker.popen.pid
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" not in maps
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+    assert rss_kib < 150 * 1024, f"{rss_kib / 1024:.0f} MiB"
