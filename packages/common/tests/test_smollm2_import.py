@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from meshnet_common import gguf_import
 from meshnet_common.errors import ModelError
+from meshnet_common.models import gguf_import
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.models.models_dir import load_entry
 

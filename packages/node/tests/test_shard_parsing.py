@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
-from meshnet_common import shardfiles
 from meshnet_common.errors import InvalidRequest, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
+from meshnet_common.models import shardfiles
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.models.shardfiles import SUBSET_FILE, ShardSource, SubsetFile
