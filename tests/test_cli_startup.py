@@ -140,3 +140,14 @@ def test_startup_errors_are_one_clear_line(models_dir, tiny_snapshot, swarm_fact
         assert len(lines) == 1, f"{name}: want one line, got:\n{stderr}"
         assert lines[0].startswith(expected), f"{name}: {lines[0]!r}"
         assert stdout == "", f"{name}: {stdout!r}"
+
+
+def test_make_swarm_takes_another_port():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for target in ("swarm", "demo"):
+        out = subprocess.run(
+            ["make", "-n", target, "PORT=8090"], cwd=root, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "scripts/local_swarm.py" in out.stdout and "--port 8090" in out.stdout

@@ -190,6 +190,18 @@ def test_ranges_given_by_hand_never_move_under_load(swarm):
     assert all(len(ranges) == 1 for ranges in seen.values()), seen
     assert set(statuses) == {200}, statuses
     assert "move " not in tracker.log()
+    dashboard = httpx.get(f"{tracker.url}/v1/dashboard").json()
+    assert not any(n["movable"] for n in dashboard["nodes"])  # all placed by hand
+
+
+def test_assigned_and_opted_in_nodes_are_movable(swarm):
+    tracker = swarm.tracker().wait_healthy()
+    swarm.node(tracker, LLAMA, 0, 3, *F32, "--allow-rebalance").wait_healthy()
+    swarm.join(tracker, "1", "node-placed", *F32).wait_healthy()
+    swarm.node(tracker, LLAMA, 0, 6, *F32).wait_healthy()
+    nodes = httpx.get(f"{tracker.url}/v1/dashboard").json()["nodes"]
+    movable = {(n["node_id"] == "node-placed", n["shard_end"]): n["movable"] for n in nodes}
+    assert movable == {(False, 3): True, (True, 6): True, (False, 6): False}
 
 
 def test_a_client_that_gives_up_is_an_info_line(swarm):

@@ -37,6 +37,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
+from inprocess_hops import HttpxHops
 from schemathesis import GenerationMode
 
 from meshnet_common import wire
@@ -52,7 +53,6 @@ from meshnet_common.protocol import (
     H_SESSION_KEY,
 )
 from meshnet_common.web.shards import ShardServer
-from meshnet_node.dataplane.hop_client import HttpxHops
 from meshnet_node.runtime import NodeRuntime, build_runtime
 from meshnet_node.runtime import create_app as create_node_app
 from meshnet_node.settings import NodeSettings

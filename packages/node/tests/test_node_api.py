@@ -18,6 +18,7 @@ import torch
 import zstandard
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from inprocess_hops import HttpxHops
 
 from meshnet_common import wire
 from meshnet_common.layers import LayerRange
@@ -32,7 +33,6 @@ from meshnet_common.protocol import (
     H_SESSION_KEY,
     SamplingSpec,
 )
-from meshnet_node.dataplane.hop_client import HttpxHops
 from meshnet_node.dataplane.steps import step_headers
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model

@@ -33,7 +33,7 @@ session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 H_REQUEST_ID = "x-request-id"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_SESSION_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")  # the rule of check_session_id
+_SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # protocol.validate_session_id's rule
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("logfmt", "json")
 

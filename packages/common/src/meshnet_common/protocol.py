@@ -1,4 +1,6 @@
-"""Internal messages between tracker and nodes: strict, frozen, versioned pydantic models.
+"""Internal messages between tracker and nodes: strict pydantic models (unknown fields are
+an error), frozen except ``StepResult`` (the head adds the hops' compute times to it);
+registrations carry a protocol ``version``.
 
 Layer ranges travel as ``shard_start`` / ``shard_end`` (half-open, see ``LayerRange``).
 """

@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
 
 from meshnet_common.logs import FORMATS, LEVELS
 from meshnet_common.logs import setup_logging as _setup_logging
@@ -128,7 +127,3 @@ def fail(prog: str, message: str, code: int = 2) -> None:
 
 def setup_logging(level: str, fmt: str = "logfmt") -> None:
     _setup_logging(level, fmt)
-
-
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    return parser.parse_args(argv)

@@ -259,15 +259,6 @@ class CheckpointIndex:
         """Bytes of the checkpoint's tensors for ``layers`` (at the checkpoint's dtype)."""
         return sum(self.tensors[n].nbytes for n in self.tensors_for(layers))
 
-    def numel_for(self, layers: LayerRange) -> int:
-        total = 0
-        for n in self.tensors_for(layers):
-            numel = 1
-            for d in self.tensors[n].shape:
-                numel *= d
-            total += numel
-        return total
-
     def auxiliary_files(self) -> list[str]:
         """Config/tokenizer/generation files present in the snapshot."""
         return [f for f in AUXILIARY_FILES if (self.root / f).exists()]

@@ -26,7 +26,6 @@ SMOLLM2_PROMPT = "The capital of France is"
 SMOLLM2_EXPECTED = " Paris"
 
 MIN_WEIGHT_FILES = 4
-SAVE_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 Every decode step crosses each hop once, so the client's own cost is paid per token per
 hop. ``Http11Hops`` is a lean HTTP/1.1 client over pooled keep-alive connections: about a
 fifth of the Python per request of aiohttp, which itself costs a third of httpx
-(docs/adr/0010, 0011). aiohttp carries ``https://`` hops; ``HttpxHops`` lets in-process
-tests route hops to ASGI apps through an httpx transport.
+(docs/adr/0010, 0011). aiohttp carries ``https://`` hops. (In-process tests swap in
+``tests/inprocess_hops.HttpxHops``, the same contract over an httpx transport.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import httptools
-import httpx
 
 from meshnet_common.protocol import H_COMPUTE
 
@@ -349,24 +348,3 @@ def _checked(text: str) -> str:
     if "\r" in text or "\n" in text or "\0" in text:
         raise HopUnreachable(f"refusing a header with a line break: {text[:40]!r}")
     return text
-
-
-class HttpxHops:
-    """The same contract over an ``httpx.AsyncClient`` (in-process tests use its transports)."""
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
-
-    async def request(
-        self, method: str, url: str, *, headers: dict[str, str], body: bytes | None, timeout: float
-    ) -> HopResponse:
-        try:
-            resp = await self.client.request(
-                method, url, content=body, headers=headers, timeout=timeout
-            )
-        except httpx.HTTPError as exc:
-            raise HopUnreachable(f"{type(exc).__name__}: {exc}") from exc
-        return HopResponse(resp.status_code, resp.content, resp.headers.get(H_COMPUTE))
-
-    async def aclose(self) -> None:
-        await self.client.aclose()

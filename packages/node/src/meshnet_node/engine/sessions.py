@@ -15,8 +15,6 @@ from meshnet_node.engine.sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_SESSION_ID_LEN = 128
-
 
 @dataclass
 class Session:

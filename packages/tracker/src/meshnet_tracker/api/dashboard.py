@@ -47,6 +47,7 @@ def _node(record: NodeRecord, now: float) -> dict:
         "tokens_served": record.tokens_served or 0,
         "last_heartbeat_s": round(max(0.0, now - record.last_heartbeat), 2),
         "local": record.local,
+        "movable": announcement.movable,  # the tracker may move it (placed, or --allow-rebalance)
     }
 
 
