@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -627,8 +627,9 @@ def test_forward_steps(node: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     A step that opened a session is followed by a valid one-token decode step (200), and the
     session is closed again."""
     # a later chunk of a session that is not there yet waits for its turn: not for long here
-    monkeypatch.setattr("meshnet_node.dataplane.service.TURN_TIMEOUT_S", 0.05)
-    monkeypatch.setattr("meshnet_node.dataplane.service.OPEN_TIMEOUT_S", 0.05, raising=False)
+    service = node.runtime.service
+    quick = replace(service.settings, turn_timeout_s=0.05, open_timeout_s=0.05)
+    monkeypatch.setattr(service, "settings", quick)
 
     @FUZZ
     @given(headers=forward_headers, body=frames, next_token=st.integers(0, VOCAB - 1))
@@ -861,8 +862,9 @@ def test_chunk_of_unknown_session_is_404_and_forgotten(
 ) -> None:
     """A later chunk of a session that never opens waited the whole turn timeout (60 s),
     then 409, and left its turn condition in NodeService._turns for good."""
-    monkeypatch.setattr("meshnet_node.dataplane.service.TURN_TIMEOUT_S", 0.05)
-    monkeypatch.setattr("meshnet_node.dataplane.service.OPEN_TIMEOUT_S", 0.05, raising=False)
+    service = node.runtime.service
+    quick = replace(service.settings, turn_timeout_s=0.05, open_timeout_s=0.05)
+    monkeypatch.setattr(service, "settings", quick)
     headers = {
         "content-type": wire.CONTENT_TYPE,
         H_SESSION: "never-opened",

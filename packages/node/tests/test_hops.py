@@ -233,16 +233,15 @@ def test_sequential_requests_reuse_one_connection() -> None:
     asyncio.run(run())
 
 
-def test_connection_idle_too_long_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pooled connection idle past MAX_IDLE_S may be being closed by the hop right now:
+def test_connection_idle_too_long_is_not_reused() -> None:
+    """A pooled connection idle past ``max_idle_s`` may be being closed by the hop right now:
     the next request opens a new one instead of racing that close."""
-    import meshnet_node.dataplane.hop_client as hops_module
 
     async def run() -> None:
         async with RawServer() as server:
             hops = make_hops()
             await hops.request("POST", server.url, headers={}, body=b"a", timeout=5.0)
-            monkeypatch.setattr(hops_module, "MAX_IDLE_S", 0.05)
+            hops.max_idle_s = 0.05
             await asyncio.sleep(0.1)
             await hops.request("POST", server.url, headers={}, body=b"b", timeout=5.0)
             assert server.connections == 2

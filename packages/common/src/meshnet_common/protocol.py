@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.models_dir import validate_model_id
@@ -123,7 +124,7 @@ class NodeAnnouncement(Strict):
     device: str = Field(max_length=32)
     memory_declared_bytes: int = Field(ge=0)
     memory_free_bytes: int = Field(ge=0)
-    kv_budget_tokens: int = Field(gt=0, default=32768)
+    kv_budget_tokens: int = Field(gt=0, default=defaults.KV_BUDGET_TOKENS)
     # JOINING: announced when loading starts (placement counts it as pending capacity, routing
     # ignores it); SERVING once the node listens and its layers are loaded.
     state: NodeState = NodeState.SERVING

@@ -9,8 +9,9 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshnet_common.node_flags import add_shard_flags
-from meshnet_common.settings import EnvArgumentParser, add_logging_flags, add_version_flag
+from meshnet_common.config import defaults
+from meshnet_common.config.cli import EnvArgumentParser, add_logging_flags, add_version_flag
+from meshnet_common.config.node_flags import add_shard_flags
 from meshnet_common.web.shards import FAULTS
 
 PROG = "meshnet-node"
@@ -59,7 +60,7 @@ def build_parser() -> EnvArgumentParser:
     )  # fmt: skip
     swarm.add_argument("--node-id", help="stable node id (default: random)")
     swarm.add_argument(
-        "--heartbeat-interval", type=float, default=2.0,
+        "--heartbeat-interval", type=float, default=defaults.HEARTBEAT_INTERVAL_S,
         help="seconds between heartbeats (the tracker's own interval wins once registered)",
     )  # fmt: skip
     add_shard_flags(parser)

@@ -9,15 +9,15 @@ import time
 import uuid
 from pathlib import Path
 
+from meshnet_common.config.cli import fail, setup_logging
+from meshnet_common.config.node_flags import check_advertise_url, check_range
 from meshnet_common.errors import MeshnetError
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.node_flags import check_advertise_url, check_range
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import NodeAnnouncement, NodeState
-from meshnet_common.settings import fail, setup_logging
 from meshnet_common.web.shards import ShardServer
 from meshnet_node.engine.preflight import resolve_device
 from meshnet_node.settings import HopTimeouts, NodeSettings

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshnet_common.config import defaults
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 
@@ -32,17 +33,20 @@ class NodeSettings:
     quantization: Precision = Precision.BFLOAT16
     device: str = "cpu"
     memory_gb: float | None = None
-    kv_budget_tokens: int = 32768
+    kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS
     max_sessions: int = 256
     session_idle_timeout_s: float = 300.0
-    chunk_tokens: int = 128
+    chunk_tokens: int = defaults.CHUNK_TOKENS
     max_decode_batch: int = 32  # decode steps of different sessions merged per pass (1: off)
     inline_decode: bool = True  # a lone decode step runs on the event loop's thread ...
     inline_decode_max_ms: float = 250.0  # ... while the last decode pass took less than this
     step_delay_ms: float = 0.0  # tests only: every compute pass takes this much longer
     max_body_bytes: int = 64 * 1024 * 1024  # one activation frame
     max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body
-    heartbeat_interval_s: float = 2.0
+    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
+    turn_timeout_s: float = defaults.TURN_TIMEOUT_S  # a chunk waiting for an earlier one
+    open_timeout_s: float = defaults.OPEN_TIMEOUT_S  # ... for its session to open
+    pool_max_idle_s: float = defaults.POOL_MAX_IDLE_S  # hop connections idle longer: closed
     zstd_level: int = 1
     threads: int | None = None
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)

@@ -7,17 +7,18 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshnet_common.errors import MeshnetError
-from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.models.models_dir import resolve_snapshot
-from meshnet_common.node_flags import add_shard_flags, check_advertise_url, check_range
-from meshnet_common.settings import (
+from meshnet_common.config import defaults
+from meshnet_common.config.cli import (
     EnvArgumentParser,
     add_logging_flags,
     add_version_flag,
     fail,
     setup_logging,
 )
+from meshnet_common.config.node_flags import add_shard_flags, check_advertise_url, check_range
+from meshnet_common.errors import MeshnetError
+from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.web.shards import FAULTS
 
 PROG = "meshnet-tracker"
@@ -75,7 +76,7 @@ def build_parser() -> EnvArgumentParser:
         help="call a registering node back on /health at its address before routing to it",
     )  # fmt: skip
     tracker.add_argument(
-        "--heartbeat-interval", type=float, default=2.0,
+        "--heartbeat-interval", type=float, default=defaults.HEARTBEAT_INTERVAL_S,
         help="seconds between node heartbeats; 3 missed ones drop a node from the map",
     )  # fmt: skip
     tracker.add_argument(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshnet_common.config import defaults
 from meshnet_common.errors import InsufficientMemory
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
@@ -25,7 +26,7 @@ class NodeRequest:
 
     memory_bytes: int
     precision: Precision = Precision.BFLOAT16
-    kv_tokens: int = 32768
+    kv_tokens: int = defaults.KV_BUDGET_TOKENS
     held_models: frozenset[str] = frozenset()
 
 

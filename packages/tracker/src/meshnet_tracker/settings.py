@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshnet_common.config import defaults
+
 
 @dataclass(frozen=True)
 class TrackerSettings:
@@ -14,7 +16,7 @@ class TrackerSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     advertise_url: str | None = None  # how nodes reach the tracker (default: what they dial)
-    heartbeat_interval_s: float = 2.0
+    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
     verify_nodes: bool = True  # call a registering node back on /health before routing to it
     models_rescan_s: float = 10.0  # how often the models dir is indexed again (0: never)
     move_grace_s: float = 10.0  # a gap must last this long before a node is moved into it

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import httptools
 
+from meshnet_common.config import defaults
 from meshnet_common.protocol import H_COMPUTE
 
 
@@ -81,7 +82,6 @@ class AiohttpHops:
 
 
 _COMPUTE = H_COMPUTE.encode()
-MAX_IDLE_S = 2.0  # a pooled connection idle longer is closed, not reused
 
 
 class _HopClientConnection(asyncio.Protocol):
@@ -212,8 +212,10 @@ class Http11Hops:
         connect_timeout: float,
         max_body: int = 256 << 20,
         max_idle_per_hop: int = 64,
+        max_idle_s: float = defaults.POOL_MAX_IDLE_S,
     ) -> None:
         self.connect_timeout = connect_timeout
+        self.max_idle_s = max_idle_s  # a pooled connection idle longer is closed, not reused
         self.max_body = max_body
         self.max_idle_per_hop = max_idle_per_hop
         self._default = "".join(f"{_checked(k)}: {_checked(v)}\r\n" for k, v in headers.items())
@@ -284,7 +286,7 @@ class Http11Hops:
                 candidate = pool.pop()
                 if candidate.closed:
                     continue
-                if now - candidate.idle_since > MAX_IDLE_S:
+                if now - candidate.idle_since > self.max_idle_s:
                     # The hop may be closing it right now (uvicorn: after 5 s): a request
                     # sent then would be lost. A new connection costs a fraction of a ms.
                     candidate.closed = True

@@ -40,9 +40,6 @@ from meshnet_node.settings import NodeSettings
 
 logger = logging.getLogger(__name__)
 
-TURN_TIMEOUT_S = 60.0  # an earlier chunk of a live session may still be computing
-OPEN_TIMEOUT_S = 5.0  # chunk 0 (which opens the session) is never that far behind
-
 
 @dataclass
 class _Waiting:
@@ -73,8 +70,9 @@ class NodeService:
         self._waiting: dict[str, dict[int, _Waiting]] = {}
         t = settings.timeouts
         self.hops: HopTransport = Http11Hops(
-            headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect
-        )
+            headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect,
+            max_idle_s=settings.pool_max_idle_s,
+        )  # fmt: skip
         self.tokens_generated = 0  # sampled here (tail)
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
         self.metrics = metrics or Metrics()
@@ -188,7 +186,10 @@ class NodeService:
             current = session()
             return current is not None and current.length >= req.position
 
-        timeout = TURN_TIMEOUT_S if session() is not None else OPEN_TIMEOUT_S
+        # An earlier chunk of a live session may still be computing; chunk 0 (which opens
+        # the session) is never that far behind.
+        settings = self.settings
+        timeout = settings.turn_timeout_s if session() is not None else settings.open_timeout_s
         async with cond:
             try:
                 await asyncio.wait_for(cond.wait_for(ready), timeout)

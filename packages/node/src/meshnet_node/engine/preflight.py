@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from meshnet_common.config import defaults
 from meshnet_common.errors import InsufficientMemory
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
@@ -68,7 +69,7 @@ def estimate(
     precision: Precision,
     *,
     device: str = "cpu",
-    kv_budget_tokens: int = 65536,
+    kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS,
     declared_gb: float | None = None,
 ) -> MemoryEstimate:
     costs = ModelCosts.from_index(index)
@@ -101,7 +102,7 @@ def preflight(
     precision: Precision,
     *,
     device: str = "cpu",
-    kv_budget_tokens: int = 65536,
+    kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS,
     declared_gb: float | None = None,
 ) -> MemoryEstimate:
     """Raise InsufficientMemory (or ModelError for nf4 widths) unless the shard fits."""

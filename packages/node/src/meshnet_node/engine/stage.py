@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest, MeshnetError
 from meshnet_node.engine.families import SessionContext, build_masks
 from meshnet_node.engine.loader import LoadedShard
@@ -15,7 +16,7 @@ from meshnet_node.engine.sessions import Session, SessionStore
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_TOKENS = 128
+DEFAULT_CHUNK_TOKENS = defaults.CHUNK_TOKENS
 _ACCEPTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -50,7 +51,7 @@ class Stage:
         *,
         max_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         max_merge_tokens: int = 2048,
-        kv_budget_tokens: int = 65536,
+        kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS,
         idle_timeout_s: float = 300.0,
         max_sessions: int = 256,
     ) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 from urllib.parse import urlsplit
 
+from meshnet_common.config import defaults
+from meshnet_common.config.cli import EnvArgumentParser
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_common.settings import EnvArgumentParser
 
 
 def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) -> None:
@@ -43,11 +44,13 @@ def add_shard_flags(parser: EnvArgumentParser, *, tracker_node: bool = False) ->
     model.add_argument("--device", default="auto", help="auto, cpu or cuda")
     model.add_argument("--threads", type=int, help="torch compute threads (default: torch's)")
     model.add_argument(
-        "--kv-budget-tokens", type=int, default=32768,
+        "--kv-budget-tokens", type=int, default=defaults.KV_BUDGET_TOKENS,
         help="most tokens held in KV caches across sessions (beyond: 503)",
     )  # fmt: skip
     data = parser.add_argument_group("data path")
-    data.add_argument("--chunk-tokens", type=int, default=128, help="prefill chunk size, tokens")
+    data.add_argument(
+        "--chunk-tokens", type=int, default=defaults.CHUNK_TOKENS, help="prefill chunk size, tokens"
+    )
     data.add_argument(
         "--max-decode-batch", type=int, default=32,
         help="decode steps of concurrent sessions merged into one pass (1: no batching)",
