@@ -395,8 +395,8 @@ def test_bad_step_is_rejected_and_session_survives(tail, case):
         json.dumps(open_spec(1)),  # start layer outside [4, 6)
         json.dumps(open_spec(6)),
         json.dumps({**open_spec(4), "start_layer": "4"}),
-        json.dumps(open_spec(4, temperature=-1.0)),
-        json.dumps(open_spec(4, top_p=0.0)),
+        json.dumps({**open_spec(4), "temperature": -1.0}),  # out of SamplingSpec's bounds
+        json.dumps({**open_spec(4), "top_p": 0.0}),
     ],
 )
 def test_bad_open_header_opens_nothing(tail, raw_open):

@@ -6,30 +6,31 @@ import pytest
 import torch
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_node.engine.sampling import Sampler, SamplingParams
+from meshnet_common.protocol import SamplingSpec
+from meshnet_node.engine.sampling import Sampler
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5])
 
 
 def test_greedy_picks_argmax_and_reports_logprobs():
-    token = Sampler(SamplingParams(logprobs=2))(LOGITS)
+    token = Sampler(SamplingSpec(logprobs=2))(LOGITS)
     assert token.token_id == 1
     assert token.logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[1]))
     assert [t for t, _ in token.top_logprobs] == [1, 2]
 
 
 def test_seed_reproduces_a_sequence():
-    params = SamplingParams(temperature=1.0, seed=42)
+    params = SamplingSpec(temperature=1.0, seed=42)
     a, b = Sampler(params), Sampler(params)
     assert [a(LOGITS).token_id for _ in range(20)] == [b(LOGITS).token_id for _ in range(20)]
 
 
 def test_top_k_one_is_greedy_and_top_p_keeps_the_head():
     assert {
-        Sampler(SamplingParams(temperature=1.0, top_k=1))(LOGITS).token_id for _ in range(20)
+        Sampler(SamplingSpec(temperature=1.0, top_k=1))(LOGITS).token_id for _ in range(20)
     } == {1}
     picks = {
-        Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s))(LOGITS).token_id
+        Sampler(SamplingSpec(temperature=1.0, top_p=0.5, seed=s))(LOGITS).token_id
         for s in range(50)
     }
     assert picks <= {1, 2}
@@ -42,5 +43,5 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_head():
 )  # fmt: skip
 def test_invalid_parameters_are_refused(field, value):
     with pytest.raises(InvalidRequest) as info:
-        SamplingParams(**{field: value})
+        SamplingSpec(**{field: value})
     assert info.value.param == field

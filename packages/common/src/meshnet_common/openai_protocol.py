@@ -10,8 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from meshnet_common.errors import InvalidRequest
-
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+from meshnet_common.protocol import SEED_MAX, SEED_MIN, TEMPERATURE_MAX  # the one set of bounds
 
 
 class Lenient(BaseModel):
@@ -66,8 +65,10 @@ class _SamplingFields(Lenient):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise InvalidRequest(f"{name} must be a finite number", param=name)
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
+        if not 0.0 <= self.temperature <= TEMPERATURE_MAX:
+            raise InvalidRequest(
+                f"temperature must be between 0 and {TEMPERATURE_MAX:g}", param="temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
         if self.top_k < 0:

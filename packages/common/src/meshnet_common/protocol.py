@@ -7,6 +7,7 @@ Layer ranges travel as ``shard_start`` / ``shard_end`` (half-open, see ``LayerRa
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -186,14 +187,36 @@ class RouteResponse(Strict):
     hops: tuple[RouteHop, ...]
 
 
+TEMPERATURE_MAX = 2.0  # the OpenAI API's bound
+TOP_LOGPROBS_MAX = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 class SamplingSpec(Strict):
-    """Sampling parameters sent to the tail when a session opens."""
+    """How the tail picks the next token — the one sampling type, with one set of bounds:
+    the OpenAI request builds it, the open header carries it to every hop as it is, and the
+    tail's sampler reads it. ``temperature`` 0 is greedy; ``top_k`` 0 means no limit."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    logprobs: int = 0
+    logprobs: int = 0  # how many top alternatives to report (0 = none)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> SamplingSpec:
+        checks = (
+            ("temperature", math.isfinite(self.temperature)
+             and 0.0 <= self.temperature <= TEMPERATURE_MAX),
+            ("top_p", math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0),
+            ("top_k", self.top_k >= 0),
+            ("logprobs", 0 <= self.logprobs <= TOP_LOGPROBS_MAX),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX),
+        )  # fmt: skip
+        for param, ok in checks:
+            if not ok:  # not a ValueError: pydantic lets it through, param and all
+                raise InvalidRequest(f"invalid {param}: {getattr(self, param)!r}", param=param)
+        return self
 
 
 class StepResult(BaseModel):

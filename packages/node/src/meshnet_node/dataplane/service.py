@@ -34,7 +34,6 @@ from meshnet_node.dataplane.steps import (
     _token_json,
     step_headers,
 )
-from meshnet_node.engine.sampling import SamplingParams
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.settings import NodeSettings
 
@@ -229,9 +228,7 @@ class NodeService:
                 raise InvalidRequest("a session opens at position 0", param=H_OPEN)
             stage.open_session(
                 req.session_id,
-                sampling=SamplingParams(**req.open_spec.model_dump())
-                if stage.shard.is_tail
-                else None,
+                sampling=req.open_spec if stage.shard.is_tail else None,
                 owner=req.session_key,
                 start_layer=req.start_layer,
             )

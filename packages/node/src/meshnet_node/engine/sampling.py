@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from meshnet_common.errors import InvalidRequest
+from meshnet_common.protocol import SamplingSpec
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the tail picks the next token. ``temperature == 0`` means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = no limit
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int = 0  # how many top alternatives to report (0 = none)
-
-    def __post_init__(self) -> None:
-        checks = (
-            ("temperature", math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0),
-            ("top_p", math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0),
-            ("logprobs", isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63),
-        )
-        for param, ok in checks:
-            if not ok:
-                raise InvalidRequest(f"invalid {param}: {getattr(self, param)!r}", param=param)
+# The one sampling type lives with the other messages between hops; this alias goes once
+# the head builds it directly (issue 14).
+SamplingParams = SamplingSpec
 
 
 @dataclass
@@ -47,7 +28,7 @@ class SampledToken:
 class Sampler:
     """Samples from last-position logits; one per session so a seed reproduces a sequence."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingSpec) -> None:
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:

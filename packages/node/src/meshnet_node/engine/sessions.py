@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from transformers import DynamicCache, PreTrainedConfig
 
 from meshnet_common.errors import CapacityExceeded, Conflict, NotFound
-from meshnet_common.protocol import validate_session_id
-from meshnet_node.engine.sampling import Sampler, SamplingParams
+from meshnet_common.protocol import SamplingSpec, validate_session_id
+from meshnet_node.engine.sampling import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class SessionStore:
         self,
         session_id: str,
         *,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingSpec | None = None,
         owner: str | None = None,
         first_layer: int = 0,
     ) -> Session:

@@ -9,9 +9,10 @@ import torch
 
 from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest, MeshnetError
+from meshnet_common.protocol import SamplingSpec
 from meshnet_node.engine.families import SessionContext, build_masks
 from meshnet_node.engine.loader import LoadedShard
-from meshnet_node.engine.sampling import SampledToken, SamplingParams
+from meshnet_node.engine.sampling import SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class Stage:
         self,
         session_id: str,
         *,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingSpec | None = None,
         owner: str | None = None,
         start_layer: int | None = None,
     ) -> Session:
@@ -90,7 +91,7 @@ class Stage:
         if start_layer != layers.start and self.shard.is_head:
             raise InvalidRequest("a head stage runs from layer 0", param="start_layer")
         if sampling is None and self.shard.is_tail:
-            sampling = SamplingParams()
+            sampling = SamplingSpec()
         return self.sessions.open(
             session_id,
             sampling=sampling if self.shard.is_tail else None,
