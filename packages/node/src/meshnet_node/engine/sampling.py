@@ -11,11 +11,6 @@ from meshnet_common.protocol import SamplingSpec
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
 
 
-# The one sampling type lives with the other messages between hops; this alias goes once
-# the head builds it directly (issue 14).
-SamplingParams = SamplingSpec
-
-
 @dataclass
 class SampledToken:
     """The chosen token, its log-probability and the top alternatives."""

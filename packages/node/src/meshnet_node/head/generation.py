@@ -13,7 +13,7 @@ import secrets
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -22,8 +22,9 @@ from meshnet_common.errors import HopError, ModelNotCovered
 from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.dataplane.service import NodeService
-from meshnet_node.engine.sampling import SamplingParams
 from meshnet_node.engine.stage import Stage, StepOutput
+from meshnet_node.head.text import TextAssembler
+from meshnet_node.retry import BanList, Clock, RetryBudget, RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -84,41 +85,6 @@ class StepTimings:
         return out
 
 
-class TextAssembler:
-    """Turns token ids into text deltas, holding back partial UTF-8 and possible stop prefixes."""
-
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.emitted = 0  # characters of the final text already sent
-        self.text = ""
-
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Add a token; returns (text delta safe to emit, whether a stop string was hit)."""
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for stop in self.stop:
-            cut = text.find(stop)
-            if cut != -1:
-                self.text = text[:cut]
-                return self._flush_to(len(self.text)), True
-        self.text = text
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-            return "", False
-        return self._flush_to(max(self.emitted, len(text) - self.holdback)), False
-
-    def finish(self) -> str:
-        text = self.text.rstrip("\ufffd")
-        return self._flush_to(len(text))
-
-    def _flush_to(self, end: int) -> str:
-        delta = self.text[self.emitted : end]
-        self.emitted = max(self.emitted, end)
-        return delta
-
-
 def eos_ids(tokenizer, generation_config) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
@@ -131,12 +97,12 @@ def eos_ids(tokenizer, generation_config) -> set[int]:
 
 Reroute = Callable[[frozenset[str]], Awaitable[tuple[str, ...]]]
 
-# Failover policy (ADR 0007): bounded, backed off, with a temporary ban of the failed hop.
-MAX_FAILOVERS = 4
-FAILOVER_DEADLINE_S = 120.0
-BACKOFF_BASE_S = 0.2
-BACKOFF_CAP_S = 2.0
-BAN_S = 30.0
+# Failover policy (ADR 0007), per request: the first try and up to 4 failovers within 120 s,
+# backing off 0.2 s doubling to at most 2 s; a failed hop is banned for 30 s.
+FAILOVER_POLICY = RetryPolicy(
+    max_attempts=1 + 4, deadline_s=120.0, backoff_base_s=0.2, backoff_cap_s=2.0
+)
+FAILOVER_BAN_S = 30.0
 # Prefill: tokens the head runs through its layers per pass before sending them on in wire
 # chunks (ADR 0010). Larger passes cost less per token; smaller ones start the next hop sooner.
 PREFILL_PIECE_TOKENS = 512
@@ -150,20 +116,36 @@ class _Chain:
     session_id: str = ""
     key: str = ""
     replay: bool = False  # the next step must rebuild the chain's caches from the history
-    failovers: int = 0
-    deadline: float | None = None  # loop time after which no more failovers are tried
+    budget: RetryBudget | None = None  # the request's failovers and deadline (set once)
+
+    @property
+    def failovers(self) -> int:
+        return 0 if self.budget is None else self.budget.failures
 
 
 class HeadGenerator:
     """Drives generation from a head stage through the hops of a route."""
 
-    def __init__(self, service: NodeService, tokenizer, generation_config=None) -> None:
+    def __init__(
+        self,
+        service: NodeService,
+        tokenizer,
+        generation_config=None,
+        *,
+        failover: RetryPolicy = FAILOVER_POLICY,
+        ban_s: float = FAILOVER_BAN_S,
+        clock: Clock = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         if not service.stage.shard.is_head:
             raise ValueError("only a head stage can drive generation")
         self.service = service
         self.tokenizer = tokenizer
         self.eos = eos_ids(tokenizer, generation_config)
-        self.banned: dict[str, float] = {}  # hop URL -> loop time its ban ends
+        self.failover = failover
+        self.clock = clock
+        self.sleep = sleep
+        self.bans = BanList(ban_s, clock)  # failed hops, per head process
 
     @property
     def context_window(self) -> int:
@@ -229,7 +211,7 @@ class HeadGenerator:
         bind_session(chain.session_id)  # this generation's log lines carry its session
         stage.open_session(
             chain.session_id,
-            sampling=SamplingParams(**request.sampling.model_dump()),
+            sampling=request.sampling,
             owner=chain.key,
         )
 
@@ -244,9 +226,8 @@ class HeadGenerator:
     ) -> StepResult:
         """Prefill (``token`` None) or one decode step, failing over to a new route if a hop
         dies: bounded attempts, capped exponential backoff, an overall deadline."""
-        loop = asyncio.get_running_loop()
-        if chain.deadline is None:  # the limits hold for the whole request, not per step
-            chain.deadline = loop.time() + FAILOVER_DEADLINE_S
+        if chain.budget is None:  # the limits hold for the whole request, not per step
+            chain.budget = self.failover.start(self.clock)
         while True:
             phase = "prefill" if token is None or chain.replay else "decode"
             try:
@@ -261,34 +242,26 @@ class HeadGenerator:
                     stage, chain.session_id, chain.key, [token], len(history), chain.route
                 )
             except HopError as exc:
-                chain.failovers += 1
-                if (
-                    reroute is None
-                    or not exc.recoverable
-                    or chain.failovers > MAX_FAILOVERS
-                    or loop.time() > chain.deadline
-                ):
+                may_retry = chain.budget.failed()
+                if reroute is None or not exc.recoverable or not may_retry:
                     raise
                 await self._abandon(stage, chain, exc, phase)
                 await self._reroute(stage, chain, request, exc, reroute)
 
     async def _abandon(self, stage: Stage, chain: _Chain, exc: HopError, phase: str) -> None:
         """Ban the failed hop, free the chain's session on the hops still alive, back off."""
-        loop = asyncio.get_running_loop()
         failed = exc.failed_url
         logger.warning(
             "hop %s failed during %s (%s); failing over (attempt %d)",
             failed, phase, exc, chain.failovers,
         )  # fmt: skip
         self.service.metrics.failovers.inc()
-        now = loop.time()
-        for url in [u for u, until in self.banned.items() if until <= now]:
-            del self.banned[url]  # expired bans
+        self.bans.expire()
         if failed and exc.status != 503:  # a full node is busy, not broken: avoid, don't ban
-            self.banned[failed] = now + BAN_S
+            self.bans.ban(failed)
         old_session, old_key, old_route = chain.session_id, chain.key, chain.route
         await self._close(stage, old_session, old_key, tuple(u for u in old_route if u != failed))
-        await self._backoff(chain.failovers)
+        await self.sleep(chain.budget.backoff())
 
     async def _reroute(
         self, stage: Stage, chain: _Chain, request: GenerationRequest, exc: HopError, reroute
@@ -299,28 +272,21 @@ class HeadGenerator:
         re-registers on its next one): asking again is bounded by the same attempt budget
         and deadline; once they are spent the client gets the tracker's 503.
         """
-        loop = asyncio.get_running_loop()
         failed = exc.failed_url
         while True:
-            now = loop.time()
-            exclude = frozenset(url for url, until in self.banned.items() if until > now)
+            exclude = self.bans.banned()
             if failed and exc.status == 503:
                 exclude |= {failed}
             try:
                 chain.route = await reroute(exclude)
                 break
             except ModelNotCovered as missing:
-                chain.failovers += 1
-                if chain.failovers > MAX_FAILOVERS or loop.time() > chain.deadline:
+                if not chain.budget.failed():
                     raise
                 logger.warning("no replacement route yet (%s); asking again", missing)
-                await self._backoff(chain.failovers)
+                await self.sleep(chain.budget.backoff())
         self._open_local(stage, chain, request)
         chain.replay = True
-
-    @staticmethod
-    async def _backoff(attempt: int) -> None:
-        await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
 
     async def _prefill(
         self,

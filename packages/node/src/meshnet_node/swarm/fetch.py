@@ -41,11 +41,13 @@ from meshnet_common.models.checkpoint import (
 from meshnet_common.models.models_dir import validate_model_id
 from meshnet_common.models.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
 from meshnet_common.web.auth import swarm_headers
+from meshnet_node.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 2.0
-RESUME_ATTEMPTS = 3
+# A file's transfer: 3 attempts in all (a broken one resumes where it stopped), no waiting.
+RESUME_RETRY = RetryPolicy(max_attempts=3)
 
 # Hub files a node loads besides weights: config, tokenizer (incl. sentencepiece), template.
 HUB_SMALL_FILE_PATTERNS = ("*.json", "*.txt", "*.jinja", "tokenizer*", "*.model")
@@ -107,7 +109,8 @@ def _download_file(
     client: httpx.Client, url: str, params: dict, entry: dict, dest: Path, progress: Progress
 ) -> None:
     """Download one file (resuming a partial one), then check its size and sha256."""
-    for _attempt in range(RESUME_ATTEMPTS):
+    budget = RESUME_RETRY.start()
+    while True:
         have = dest.stat().st_size if dest.exists() else 0
         if have > entry["size"]:
             dest.unlink()
@@ -130,7 +133,10 @@ def _download_file(
                             progress.add(len(chunk))
             except httpx.HTTPError as exc:
                 logger.warning("%s: transfer broke (%s); resuming", entry["name"], exc)
-                continue
+                if budget.failed():
+                    if pause := budget.backoff():
+                        time.sleep(pause)
+                    continue
         break
     if not dest.exists() or dest.stat().st_size != entry["size"]:
         size = dest.stat().st_size if dest.exists() else 0

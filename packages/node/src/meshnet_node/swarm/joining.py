@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -26,6 +28,7 @@ from meshnet_common.protocol import (
 )
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.engine.preflight import resolve_device
+from meshnet_node.retry import Clock, RetryPolicy
 from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
 from meshnet_node.swarm.host_memory import Offer
 from meshnet_node.swarm.membership import Membership, RegistrationRefused, error_message
@@ -75,21 +78,32 @@ def resolve_model_path(
     )
 
 
-def wait_for_tracker(url: str, wait_s: float) -> None:
+# Waiting for the tracker at start: once a second until --tracker-wait has passed.
+TRACKER_WAIT_RETRY = RetryPolicy(max_attempts=None, backoff_base_s=1.0, backoff_cap_s=1.0)
+
+
+def wait_for_tracker(
+    url: str,
+    wait_s: float,
+    *,
+    clock: Clock = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    get: Callable[..., object] = httpx.get,
+) -> None:
     """Return once the tracker answers HTTP at all; OSError after ``wait_s`` seconds."""
-    deadline = time.monotonic() + wait_s
+    budget = replace(TRACKER_WAIT_RETRY, deadline_s=max(0.0, wait_s)).start(clock)
     while True:
         try:
-            httpx.get(f"{url.rstrip('/')}/health", timeout=2.0)
+            get(f"{url.rstrip('/')}/health", timeout=2.0)
             return
         except httpx.HTTPError as exc:
-            if time.monotonic() >= deadline:
+            if not budget.failed():
                 raise OSError(
                     f"tracker {url} unreachable after {wait_s:g}s ({type(exc).__name__}); "
                     "is it running, and is --tracker right?"
                 ) from exc
             logger.info("waiting for tracker %s (%s)", url, type(exc).__name__)
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            sleep(min(budget.backoff(), budget.remaining()))
 
 
 def tracker_models(args) -> dict[str, int] | None:

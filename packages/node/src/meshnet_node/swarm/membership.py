@@ -23,11 +23,13 @@ from meshnet_common.protocol import (
     RouteResponse,
 )
 from meshnet_common.web.auth import swarm_headers
+from meshnet_node.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_START_S = 0.5
-BACKOFF_CAP_S = 5.0
+# Registration retries until accepted, refused or stopped: the node's one retry loop with
+# no bound (a node outlives a tracker restart), backing off 0.5 s doubling to 5 s.
+REGISTRATION_RETRY = RetryPolicy(max_attempts=None, backoff_base_s=0.5, backoff_cap_s=5.0)
 # A registration answered with one of these is final: retrying cannot change the answer.
 REFUSED = frozenset({400, 401, 403, 409, 422})
 
@@ -103,6 +105,7 @@ class Membership:
         on_url: Callable[[str], None] | None = None,
         on_registered: Callable[[NodeAnnouncement], None] | None = None,
         timeout_s: float = 5.0,
+        retry: RetryPolicy = REGISTRATION_RETRY,
     ) -> None:
         self.base = tracker_url.rstrip("/")
         self.announcement = announcement
@@ -112,6 +115,7 @@ class Membership:
         self.on_refused = on_refused
         self.on_url = on_url
         self.on_registered = on_registered
+        self.retry = retry
         self.registered = threading.Event()
         self.refused: str | None = None
         self.url: str | None = None  # where the tracker reaches this node (its answer)
@@ -178,11 +182,10 @@ class Membership:
         return reply
 
     def register_until_accepted(self) -> bool:
-        """Register, retrying with capped backoff; False when refused or stopped."""
-        delay = BACKOFF_START_S
-        attempt = 0
+        """Register, retrying with capped backoff; False when refused, stopped, or (with a
+        bounded ``retry``) out of attempts."""
+        budget = self.retry.start()
         while not self._stop.is_set():
-            attempt += 1
             try:
                 self.register_once()
                 return True
@@ -194,11 +197,14 @@ class Membership:
                     logger.error("the tracker refused this node: %s", exc)
                 return False
             except (httpx.HTTPError, ValueError) as exc:
+                if not budget.failed():
+                    logger.error("tracker registration failed (%s); giving up", exc)
+                    return False
                 # The tracker may simply still be starting: only persistent failure is a warning.
-                level = logging.INFO if attempt <= 5 else logging.WARNING
+                level = logging.INFO if budget.failures <= 5 else logging.WARNING
+                delay = budget.backoff()
                 logger.log(level, "tracker registration failed (%s); retry in %.1fs", exc, delay)
                 self._stop.wait(delay)
-                delay = min(delay * 2, BACKOFF_CAP_S)
         return False
 
     def beat(self) -> HeartbeatResponse | None:
