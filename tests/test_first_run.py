@@ -80,7 +80,7 @@ def test_a_node_busy_with_slow_steps_stays_on_the_map(swarm):
     worker.join()
     assert answer[0].status_code == 200, answer[0].text
     assert len(health_s) >= 20  # polled through the whole ~6 s generation
-    assert max(health_s) < 1.0, health_s  # /health never waited for a step
+    assert max(health_s) < 1.5, health_s  # /health never waited for a 2 s step
     assert "missed" not in tracker.log()
     assert "registering again" not in node.log()
 
