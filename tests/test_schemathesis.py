@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -628,7 +628,7 @@ def test_forward_steps(node: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     session is closed again."""
     # a later chunk of a session that is not there yet waits for its turn: not for long here
     service = node.runtime.service
-    quick = replace(service.settings, turn_timeout_s=0.05, open_timeout_s=0.05)
+    quick = service.settings.replace(turn_timeout_s=0.05, open_timeout_s=0.05)
     monkeypatch.setattr(service, "settings", quick)
 
     @FUZZ
@@ -863,7 +863,7 @@ def test_chunk_of_unknown_session_is_404_and_forgotten(
     """A later chunk of a session that never opens waited the whole turn timeout (60 s),
     then 409, and left its turn condition in NodeService._turns for good."""
     service = node.runtime.service
-    quick = replace(service.settings, turn_timeout_s=0.05, open_timeout_s=0.05)
+    quick = service.settings.replace(turn_timeout_s=0.05, open_timeout_s=0.05)
     monkeypatch.setattr(service, "settings", quick)
     headers = {
         "content-type": wire.CONTENT_TYPE,

@@ -68,7 +68,7 @@ def settings_for(snapshot: Path, **overrides) -> NodeSettings:
         model_path=snapshot,
         layers=LayerRange(4, 6),
         quantization=Precision.FLOAT32,
-        max_body_bytes=LIMIT,
+        max_frame_mb=LIMIT / 2**20,
         **overrides,
     )
 

@@ -180,7 +180,7 @@ def middle(snapshot, tail) -> Iterator[InProcessNode]:
 
 @pytest.fixture(scope="module")
 def small_tail(snapshot) -> Iterator[InProcessNode]:
-    with running(settings_for(snapshot, 4, 6, max_body_bytes=4096)) as node:
+    with running(settings_for(snapshot, 4, 6, max_frame_mb=4096 / 2**20)) as node:
         yield node
 
 
@@ -710,7 +710,7 @@ def test_json_bodies_have_a_size_limit_and_a_media_type(tiny_snapshot):
         model_path=tiny_snapshot("llama"),
         layers=LayerRange(0, 6),
         quantization=Precision.FLOAT32,
-        max_request_bytes=1024,
+        max_request_mb=1024 / 2**20,
     )
 
     async def no_route(_model_id: str, _exclude=frozenset()) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -34,7 +34,7 @@ from meshnet_node.api import head_router, node_router
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.preflight import preflight
+from meshnet_node.engine.preflight import preflight, resolve_device
 from meshnet_node.engine.stage import Stage
 from meshnet_node.head.generation import HeadGenerator
 from meshnet_node.head.serving import OpenAIServing, RouteProvider
@@ -61,7 +61,6 @@ class NodeRuntime:
     membership: Membership | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     resharding: asyncio.Task | None = None
-    cache_dir: Path | None = None  # where shards fetched from peers/tracker are kept
     reached_at: str | None = None  # the URL the tracker reaches this node at (its answer)
     # False: the server is not listening yet when the app starts (meshnet-node): the node
     # registers as serving once it is (``serving``), since the tracker calls it back.
@@ -177,6 +176,8 @@ def build_runtime(
     ``memory_declared_bytes``: what the node declares; default --memory-gb, else what the
     shard needs (weights + KV budget + margin), never the whole host's memory.
     """
+    if settings.device == "auto":
+        settings = settings.replace(device=resolve_device(settings.device))
     stage = load_stage(settings)
     service = NodeService(stage, settings, model_id=settings.model_id, metrics=metrics)
     watch_node(service)
@@ -370,9 +371,7 @@ async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
     settings = runtime.settings
     try:
         model_path = await asyncio.to_thread(_locate_shard, runtime, spec)
-        new_settings = replace(
-            settings, model_id=spec.model_id, model_path=model_path, layers=spec.layers
-        )
+        new_settings = settings.with_shard(spec.model_id, spec.layers, model_path)
         logger.info("resharding to %s layers %s", spec.model_id, spec.layers)
         stage = await asyncio.to_thread(load_stage, new_settings)
     except (MeshnetError, ValueError, OSError) as exc:
@@ -408,10 +407,13 @@ def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
             return resolve_snapshot(settings.models_dir, spec.model_id)
         except NotFound:
             pass
-    if runtime.tracker is None or runtime.cache_dir is None:
+    if runtime.tracker is None:
         raise ModelError(f"no local snapshot of {spec.model_id} and nowhere to fetch it from")
-    trust = Trust(tracker=runtime.tracker.base, swarm_token=settings.swarm_token)
+    trust = Trust(
+        tracker=runtime.tracker.base, manifest_key=settings.manifest_key,
+        swarm_token=settings.swarm_token,
+    )  # fmt: skip
     return fetch_shard_counted(
-        spec.model_id, spec.layers, (runtime.tracker.base,), runtime.cache_dir,
+        spec.model_id, spec.layers, (runtime.tracker.base,), settings.cache_dir,
         trust=trust, metrics=runtime.service.metrics,
     )  # fmt: skip

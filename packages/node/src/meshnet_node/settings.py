@@ -1,57 +1,118 @@
-"""Node settings: one frozen object built from CLI flags / env vars at start-up."""
+"""Node settings: one frozen object built once from flags + ``MESHNET_*`` env at start-up
+(ADR-0014). The shard the tracker assigns completes a copy (``with_shard``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, ClassVar
+
+from pydantic import field_validator
+from pydantic_settings import NoDecode
 
 from meshnet_common.config import defaults
+from meshnet_common.config.settings import internal, knob
+from meshnet_common.config.shard import DATA, LOGGING, MODEL, SECURITY, ShardSettings
 from meshnet_common.layers import LayerRange
-from meshnet_common.precision import Precision
+from meshnet_common.web.shards import FAULTS
+
+SWARM = "swarm"
+WEIGHTS = "weights"
 
 
 @dataclass(frozen=True)
 class HopTimeouts:
-    """Per-hop HTTP timeouts in seconds."""
+    """Per-hop HTTP timeouts in seconds (--connect-timeout, --chunk-timeout, --step-timeout)."""
 
-    connect: float = 5.0
-    prefill_chunk: float = 120.0
-    decode_step: float = 60.0
+    connect: float
+    prefill_chunk: float
+    decode_step: float
 
 
-@dataclass(frozen=True)
-class NodeSettings:
+class NodeSettings(ShardSettings):
     """Everything a node process needs to know, fixed at start-up."""
 
-    model_id: str
-    model_path: Path
-    layers: LayerRange
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_url: str | None = None
-    tracker_url: str | None = None
-    quantization: Precision = Precision.BFLOAT16
-    device: str = "cpu"
-    memory_gb: float | None = None
-    kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS
-    max_sessions: int = 256
-    session_idle_timeout_s: float = 300.0
-    chunk_tokens: int = defaults.CHUNK_TOKENS
-    max_decode_batch: int = 32  # decode steps of different sessions merged per pass (1: off)
-    inline_decode: bool = True  # a lone decode step runs on the event loop's thread ...
-    inline_decode_max_ms: float = 250.0  # ... while the last decode pass took less than this
-    step_delay_ms: float = 0.0  # tests only: every compute pass takes this much longer
-    max_body_bytes: int = 64 * 1024 * 1024  # one activation frame
-    max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body
-    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
-    turn_timeout_s: float = defaults.TURN_TIMEOUT_S  # a chunk waiting for an earlier one
-    open_timeout_s: float = defaults.OPEN_TIMEOUT_S  # ... for its session to open
-    pool_max_idle_s: float = defaults.POOL_MAX_IDLE_S  # hop connections idle longer: closed
-    zstd_level: int = 1
-    threads: int | None = None
-    timeouts: HopTimeouts = field(default_factory=HopTimeouts)
-    node_id: str | None = None
-    movable: bool = False  # the tracker may move this node (assigned, or --allow-rebalance)
-    models_dir: Path | None = None  # where to find snapshots for assigned or moved shards
-    swarm_token: str | None = field(default=None, repr=False)  # shared secret between services
-    api_key: str | None = field(default=None, repr=False)  # clients' key for the OpenAI routes
+    GROUPS: ClassVar[dict[str, str | None]] = {
+        SWARM: None,
+        MODEL: ShardSettings.GROUPS[MODEL],
+        DATA: None,
+        WEIGHTS: "Where the shard comes from: --model-path, else --models-dir, else fetched "
+        "(only its layers) from --shard-source peers, the tracker, then the HF hub.",
+        SECURITY: ShardSettings.GROUPS[SECURITY],
+        LOGGING: None,
+    }
+
+    # -- swarm --
+    tracker_url: str | None = knob(
+        None, "tracker URL, e.g. http://127.0.0.1:8080", group=SWARM, flag="--tracker"
+    )
+    tracker_wait_s: float = knob(
+        60.0, "seconds to wait at start-up for the tracker to answer (it may still be loading)",
+        group=SWARM, flag="--tracker-wait",
+    )  # fmt: skip
+    host: str = knob(
+        "127.0.0.1", "address to listen on (0.0.0.0: every interface, for a swarm across "
+        "machines)", group=SWARM,
+    )  # fmt: skip
+    port: int = knob(0, "port (0: pick a free one)", group=SWARM)
+    advertise_url: str | None = knob(
+        None, "URL the tracker and other nodes reach this one at (default: the address the "
+        "tracker sees this node's registration come from, with --port; the tracker calls it "
+        "back before routing to it)", group=SWARM,
+    )  # fmt: skip
+    allow_rebalance: bool = knob(
+        False, "let the tracker move this node to another layer range to close a gap (a node "
+        "started with no range is always movable)", group=SWARM,
+    )  # fmt: skip
+    node_id: str | None = knob(None, "stable node id (default: random)", group=SWARM)
+    heartbeat_interval_s: float = knob(
+        defaults.HEARTBEAT_INTERVAL_S, "seconds between heartbeats (the tracker's own interval "
+        "wins once registered)", group=SWARM, flag="--heartbeat-interval",
+    )  # fmt: skip
+
+    # -- weights --
+    model_path: Path | None = knob(
+        None, "local snapshot folder (holding config.json); once started: the snapshot the "
+        "shard is loaded from", group=WEIGHTS,
+    )  # fmt: skip
+    models_dir: Path | None = knob(
+        None, "models dir to find --model-id in (both layouts)", group=WEIGHTS
+    )
+    cache_dir: Path = knob(
+        Path.home() / ".cache" / "meshnet", "where fetched shards are kept", group=WEIGHTS
+    )
+    shard_sources: Annotated[tuple[str, ...], NoDecode] = knob(
+        (), "peer or tracker URL to fetch weights from, tried in order before the tracker "
+        "(repeatable; env: comma-separated)", group=WEIGHTS, flag="--shard-source",
+        action="append",
+    )  # fmt: skip
+    revision: str | None = knob(
+        None, "HF hub revision (branch, tag or commit) when the hub is the source", group=WEIGHTS
+    )
+    manifest_key: str | None = knob(
+        None, "shared key: weight manifests must be signed with it (HMAC)", group=WEIGHTS,
+        secret=True,
+    )  # fmt: skip
+    max_concurrent_downloads: int = knob(4, "peers fetching from us at once", group=WEIGHTS)
+    fault_inject: str | None = knob(None, "", group=WEIGHTS, choices=FAULTS, hidden=True)
+
+    # -- decided by the process itself --
+    movable: bool = internal(False, "the tracker may move this node (assigned, or rebalance)")
+
+    @field_validator("shard_sources", mode="before")
+    @classmethod
+    def _split(cls, value):
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return tuple(value)
+
+    @property
+    def timeouts(self) -> HopTimeouts:
+        return HopTimeouts(self.connect_timeout, self.chunk_timeout, self.step_timeout)
+
+    def with_shard(self, model_id: str, layers: LayerRange, model_path: Path) -> NodeSettings:
+        """A copy serving ``layers`` of ``model_id`` from the snapshot at ``model_path``."""
+        return self.replace(
+            model_id=model_id, shard_start=layers.start, shard_end=layers.end,
+            model_path=model_path,
+        )  # fmt: skip

@@ -1,33 +1,76 @@
-"""Tracker settings, fixed at start-up."""
+"""Tracker settings: one frozen object built once from flags + ``MESHNET_*`` env (ADR-0014).
+Its shard knobs (the tracker node's) are the node's, from ``meshnet_common``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from meshnet_common.config import defaults
+from meshnet_common.config.settings import knob
+from meshnet_common.config.shard import DATA, LOGGING, MODEL, SECURITY, ShardSettings
+from meshnet_common.web.shards import FAULTS
+
+TRACKER = "tracker"
 
 
-@dataclass(frozen=True)
-class TrackerSettings:
+class TrackerSettings(ShardSettings):
     """What the tracker process is configured with."""
 
-    models_dir: Path | None
-    host: str = "127.0.0.1"
-    port: int = 8080
-    advertise_url: str | None = None  # how nodes reach the tracker (default: what they dial)
-    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
-    verify_nodes: bool = True  # call a registering node back on /health before routing to it
-    models_rescan_s: float = 10.0  # how often the models dir is indexed again (0: never)
-    move_grace_s: float = 10.0  # a gap must last this long before a node is moved into it
-    joining_ttl_s: float = 600.0  # a node loading longer than this no longer holds its range
-    proxy_timeout_s: float = 600.0
-    max_request_bytes: int = 8 * 1024 * 1024  # one OpenAI JSON body; larger -> 413
-    max_concurrent_downloads: int = 4  # shard downloads served at once; the rest queue
-    fault_inject: str | None = None  # tests only: corrupt or truncate served weights
-    manifest_key: str | None = field(default=None, repr=False)  # HMAC key signing manifests
-    swarm_token: str | None = field(default=None, repr=False)  # secret between services
-    api_key: str | None = field(default=None, repr=False)  # clients' key for OpenAI routes
+    GROUPS: ClassVar[dict[str, str | None]] = {
+        TRACKER: None,
+        MODEL: "Also serve the first layers [0, K) of a model in the tracker process: give all "
+        "of --model-id, --shard-start 0 and --shard-end K.",
+        DATA: None,
+        SECURITY: ShardSettings.GROUPS[SECURITY],
+        LOGGING: None,
+    }
+    GROUP_TITLES: ClassVar[dict[str, str]] = {MODEL: "tracker node (optional)"}
+
+    models_dir: Path | None = knob(
+        None, "folder of HF snapshots (both layouts): models known to placement, and the "
+        "weights served to joining nodes", group=TRACKER,
+    )  # fmt: skip
+    host: str = knob(
+        "127.0.0.1", "address to listen on (0.0.0.0: every interface, for nodes on other "
+        "machines)", group=TRACKER,
+    )  # fmt: skip
+    port: int = knob(8080, "port", group=TRACKER)
+    advertise_url: str | None = knob(
+        None, "URL nodes and clients reach the tracker at, given to joining nodes as a weight "
+        "source and in routes through the tracker node (default: the address each caller "
+        "dialed)", group=TRACKER,
+    )  # fmt: skip
+    models_rescan_s: float = knob(
+        10.0, "seconds between scans of --models-dir for added, changed or removed models "
+        "(also scanned whenever a node asks for an assignment; 0: only then)",
+        group=TRACKER, flag="--models-rescan",
+    )  # fmt: skip
+    move_grace_s: float = knob(
+        10.0, "seconds a coverage gap must last before the tracker moves a redundant node into "
+        "it (nodes still loading count as coverage)", group=TRACKER, flag="--move-grace",
+    )  # fmt: skip
+    joining_ttl_s: float = knob(
+        600.0, "seconds a node may stay loading before it no longer holds its range",
+        group=TRACKER, flag="--joining-ttl",
+    )  # fmt: skip
+    verify_nodes: bool = knob(
+        True, "call a registering node back on /health at its address before routing to it",
+        group=TRACKER, action="bool",
+    )  # fmt: skip
+    heartbeat_interval_s: float = knob(
+        defaults.HEARTBEAT_INTERVAL_S, "seconds between node heartbeats; 3 missed ones drop a "
+        "node from the map", group=TRACKER, flag="--heartbeat-interval",
+    )  # fmt: skip
+    proxy_timeout_s: float = knob(
+        600.0, "seconds a request proxied to a head node may take", group=TRACKER,
+        flag="--proxy-timeout",
+    )  # fmt: skip
+    max_concurrent_downloads: int = knob(4, "shard downloads served at once", group=TRACKER)
+    manifest_key: str | None = knob(
+        None, "sign weight manifests with this shared key (HMAC)", group=TRACKER, secret=True
+    )
+    fault_inject: str | None = knob(None, "", group=TRACKER, choices=FAULTS, hidden=True)
 
     @property
     def url(self) -> str:

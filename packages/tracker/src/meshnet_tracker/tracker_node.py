@@ -17,7 +17,6 @@ from meshnet_common.protocol import Heartbeat, NodeAnnouncement
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.hop_server import protocol_factory
 from meshnet_node.head.routes import handle_chat, handle_completions
-from meshnet_node.launch import shard_settings
 from meshnet_node.runtime import (
     NodeRuntime,
     build_runtime,
@@ -25,6 +24,8 @@ from meshnet_node.runtime import (
     start_background,
     stop_background,
 )
+from meshnet_node.settings import NodeSettings
+from meshnet_tracker.settings import TrackerSettings
 
 NODE_ID = "tracker-node"
 
@@ -37,12 +38,12 @@ class TrackerNode:
         self._state = None  # the tracker's state, for routes (set by ``attach``)
 
     @classmethod
-    def build(cls, args, snapshot: Path, url: str) -> TrackerNode:
-        """Load ``[0, --shard-end)`` of the snapshot from the tracker's parsed flags."""
+    def build(cls, tracker: TrackerSettings, snapshot: Path, url: str) -> TrackerNode:
+        """Load ``[0, --shard-end)`` of the snapshot with the tracker's shard knobs."""
         node = cls()
-        settings = shard_settings(
-            args, model_path=snapshot, host=args.host, port=args.port, advertise_url=url,
-            node_id=NODE_ID,
+        settings = NodeSettings.exactly(  # the tracker's env is not a node's (no --tracker)
+            **tracker.shard_values(), model_path=snapshot, host=tracker.host,
+            port=tracker.port, advertise_url=url, node_id=NODE_ID,
         )  # fmt: skip
         node.runtime = build_runtime(settings, route_provider=node._routes)
         return node

@@ -1,2 +1,3 @@
-"""Configuration: every shared default defined once (``defaults``), CLI flags that also read
-``MESHNET_*`` env vars (``cli``), and the flags of a layer-serving process (``node_flags``)."""
+"""Configuration: every shared default defined once (``defaults``), one settings object per
+service whose fields generate the CLI and read ``MESHNET_*`` env (``settings``), the knobs of
+a layer-serving process (``shard``), and the services' CLI helpers (``cli``)."""

@@ -17,7 +17,6 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot, scan_models_dir
-from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
     AssignRequest,
     AssignResponse,
@@ -29,6 +28,7 @@ from meshnet_common.protocol import (
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.engine.preflight import resolve_device
 from meshnet_node.retry import Clock, RetryPolicy
+from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
 from meshnet_node.swarm.host_memory import Offer
 from meshnet_node.swarm.membership import Membership, RegistrationRefused, error_message
@@ -36,45 +36,50 @@ from meshnet_node.swarm.membership import Membership, RegistrationRefused, error
 logger = logging.getLogger(__name__)
 
 
-def local_snapshot(args) -> Path | None:
+def local_snapshot(settings: NodeSettings, model_id: str) -> Path | None:
     """The snapshot on this machine (--model-path, else --models-dir), or None."""
-    if args.model_path:
-        path = Path(args.model_path)
+    if settings.model_path:
+        path = Path(settings.model_path)
         if not (path / "config.json").exists():
             raise ValueError(f"--model-path {path}: no config.json there")
         return path
-    if getattr(args, "models_dir", None):
+    if settings.models_dir:
         try:
-            return resolve_snapshot(args.models_dir, args.model_id)
+            return resolve_snapshot(settings.models_dir, model_id)
         except NotFound:
             return None
     return None
 
 
 def resolve_model_path(
-    args, sources: tuple[str, ...] = (), metrics: Metrics | None = None, local: Path | None = None
+    settings: NodeSettings,
+    model_id: str,
+    layers: LayerRange,
+    sources: tuple[str, ...] = (),
+    metrics: Metrics | None = None,
+    local: Path | None = None,
 ) -> Path:
     """A local snapshot (--model-path / --models-dir), else the shard fetched from sources."""
-    local = local or local_snapshot(args)
+    local = local or local_snapshot(settings, model_id)
     if local is not None:
         return local
-    tracker = (args.tracker,) if getattr(args, "tracker", None) else ()
-    sources = (*getattr(args, "shard_source", ()), *(sources or tracker))
+    tracker = (settings.tracker_url,) if settings.tracker_url else ()
+    sources = (*settings.shard_sources, *(sources or tracker))
     if not sources:
-        raise ValueError(f"no local snapshot of {args.model_id} and no tracker to fetch it from")
+        raise ValueError(f"no local snapshot of {model_id} and no tracker to fetch it from")
     trust = Trust(
-        tracker=getattr(args, "tracker", None),
-        manifest_key=args.manifest_key,
-        swarm_token=args.swarm_token,
+        tracker=settings.tracker_url,
+        manifest_key=settings.manifest_key,
+        swarm_token=settings.swarm_token,
     )
     return fetch_shard_counted(
-        args.model_id,
-        LayerRange(args.shard_start, args.shard_end),
+        model_id,
+        layers,
         sources,
-        Path(args.cache_dir),
+        settings.cache_dir,
         trust=trust,
         metrics=metrics or Metrics(),
-        revision=getattr(args, "revision", None),
+        revision=settings.revision,
     )
 
 
@@ -106,96 +111,94 @@ def wait_for_tracker(
             sleep(min(budget.backoff(), budget.remaining()))
 
 
-def tracker_models(args) -> dict[str, int] | None:
+def tracker_models(tracker_url: str) -> dict[str, int] | None:
     """Models the tracker knows -> their layer counts; None when it cannot be asked."""
     try:
-        resp = httpx.get(f"{args.tracker.rstrip('/')}/v1/coverage", timeout=10.0)
+        resp = httpx.get(f"{tracker_url.rstrip('/')}/v1/coverage", timeout=10.0)
         return {m["id"]: int(m["num_layers"]) for m in resp.json()["models"]}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None  # an old or odd tracker: let the fetch report what goes wrong
 
 
-def model_layers(args, local: Path | None) -> int | None:
+def model_layers(settings: NodeSettings, model_id: str, local: Path | None) -> int | None:
     """The model's layer count, checked before any heavy work: from the local snapshot's
     config, else from the tracker (which also refuses a model it has never heard of)."""
     if local is not None:
         return CheckpointIndex.load(local).num_layers
-    if not getattr(args, "tracker", None):
+    if not settings.tracker_url:
         return None
-    known = tracker_models(args)
+    known = tracker_models(settings.tracker_url)
     if known is None:
         return None
-    if args.model_id not in known:
-        if args.shard_source:
+    if model_id not in known:
+        if settings.shard_sources:
             return None  # peers may have it even if the tracker does not
         raise ValueError(
-            f"unknown model {args.model_id!r}: not on this node and the tracker knows "
+            f"unknown model {model_id!r}: not on this node and the tracker knows "
             f"{', '.join(known) or 'no model'}"
         )
-    return known[args.model_id]
+    return known[model_id]
 
 
-def ask_assignment(args, offer: Offer) -> AssignResponse:
-    """Ask the tracker which shard to serve (coverage first); fills args in place and
-    returns its answer (with where the weights can be fetched: peers first, then it)."""
+def ask_assignment(settings: NodeSettings, node_id: str, offer: Offer) -> AssignResponse:
+    """Ask the tracker which shard to serve (coverage first): its answer, with where the
+    weights can be fetched (peers first, then it)."""
     held: tuple[str, ...] = ()
-    if args.models_dir:
-        held = tuple(e.model_id for e in scan_models_dir(args.models_dir).entries)
+    if settings.models_dir:
+        held = tuple(e.model_id for e in scan_models_dir(settings.models_dir).entries)
     if offer.bytes <= 0:
         raise ValueError(f"no memory to offer: {offer.describe()}")
     ask = AssignRequest(
-        node_id=args.node_id,
+        node_id=node_id,
         memory_bytes=offer.bytes,
-        device=resolve_device(args.device),
-        quantization=Precision(args.quantization),
-        kv_tokens=args.kv_budget_tokens,
+        device=resolve_device(settings.device),
+        quantization=settings.quantization,
+        kv_tokens=settings.kv_budget_tokens,
         held_models=held,
     )
     try:
         resp = httpx.post(
-            f"{args.tracker.rstrip('/')}/v1/nodes/assign",
+            f"{settings.tracker_url.rstrip('/')}/v1/nodes/assign",
             content=ask.model_dump_json(),
-            headers=swarm_headers(args.swarm_token),
+            headers=swarm_headers(settings.swarm_token),
             timeout=30,
         )
     except httpx.HTTPError as exc:
-        raise OSError(f"tracker {args.tracker} unreachable: {exc}") from exc
+        raise OSError(f"tracker {settings.tracker_url} unreachable: {exc}") from exc
     if resp.status_code != 200:
         raise ValueError(f"the tracker refused to assign a shard: {error_message(resp)}")
     assignment = AssignResponse.model_validate_json(resp.content)
-    args.model_id = assignment.shard.model_id
-    args.shard_start, args.shard_end = assignment.shard.shard_start, assignment.shard.shard_end
     logger.info(
         "tracker assigned %s layers %s (%s)",
-        args.model_id, assignment.shard.layers, assignment.reason,
+        assignment.shard.model_id, assignment.shard.layers, assignment.reason,
     )  # fmt: skip
     return assignment
 
 
 def announce_joining(
-    args, *, url: str, num_layers: int, layers: LayerRange, declared: int, movable: bool
-) -> Membership:
+    settings: NodeSettings, *, node_id: str, url: str, model_id: str, num_layers: int,
+    layers: LayerRange, declared: int, movable: bool,
+) -> Membership:  # fmt: skip
     """Tell the tracker this node is loading ``layers`` (state joining) and keep heartbeating
     while it loads: placement counts the range as on its way, routing ignores it."""
-    precision = Precision(args.quantization)
     announcement = NodeAnnouncement(
-        node_id=args.node_id,
+        node_id=node_id,
         url=url,
-        url_explicit=args.advertise_url is not None,
+        url_explicit=settings.advertise_url is not None,
         movable=movable,
-        shard=ShardSpec(model_id=args.model_id, shard_start=layers.start, shard_end=layers.end),
+        shard=ShardSpec(model_id=model_id, shard_start=layers.start, shard_end=layers.end),
         num_layers=num_layers,
-        quantization=precision,
-        device=resolve_device(args.device),
+        quantization=settings.quantization,
+        device=resolve_device(settings.device),
         memory_declared_bytes=declared,
         memory_free_bytes=int(psutil.virtual_memory().available),
-        kv_budget_tokens=args.kv_budget_tokens,
+        kv_budget_tokens=settings.kv_budget_tokens,
         state=NodeState.JOINING,
     )
 
     def heartbeat() -> Heartbeat:
         return Heartbeat(
-            node_id=args.node_id,
+            node_id=node_id,
             state=NodeState.JOINING,
             active_sessions=0,
             kv_tokens=0,
@@ -203,8 +206,8 @@ def announce_joining(
         )
 
     membership = Membership(
-        args.tracker, lambda: announcement, heartbeat, args.heartbeat_interval,
-        swarm_token=args.swarm_token,
+        settings.tracker_url, lambda: announcement, heartbeat, settings.heartbeat_interval_s,
+        swarm_token=settings.swarm_token,
     )  # fmt: skip
     try:
         membership.register_once()

@@ -1,0 +1,187 @@
+"""The settings of a process that serves layers (meshnet-node, and the tracker node) and
+the checks on them that need no model: pydantic only, so ``--help`` stays fast and the
+tracker can offer these knobs without the node package."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+from urllib.parse import urlsplit
+
+from pydantic import field_validator, model_validator
+
+from meshnet_common.config import defaults
+from meshnet_common.config.settings import ServiceSettings, knob
+from meshnet_common.layers import LayerRange
+from meshnet_common.logs import FORMATS, LEVELS
+from meshnet_common.precision import Precision
+
+MODEL = "model and layer range"
+DATA = "data path"
+SECURITY = "security"
+LOGGING = "logging"
+
+
+class ShardSettings(ServiceSettings):
+    """Knobs every layer-serving process has: the shard, its compute, the data path,
+    secrets and logging. Subclasses add their own (the node's swarm and weights, the
+    tracker's map)."""
+
+    GROUPS: ClassVar[dict[str, str | None]] = {
+        MODEL: "Give all of --model-id, --shard-start and --shard-end, or none of them: then "
+        "the tracker assigns a shard (coverage first) and the weights are fetched if needed.",
+        DATA: None,
+        SECURITY: "Prefer the env vars for secrets: process arguments are visible to others.",
+        LOGGING: None,
+    }
+
+    # -- model and layer range --
+    model_id: str | None = knob(None, "model id ORG/NAME", group=MODEL)
+    shard_start: int | None = knob(None, "first layer served (inclusive)", group=MODEL)
+    shard_end: int | None = knob(None, "end of the layer range (exclusive)", group=MODEL)
+    quantization: Precision = knob(
+        Precision.BFLOAT16, "weight precision (float32 for exactness checks on CPU)",
+        group=MODEL, choices=[p.value for p in Precision],
+    )  # fmt: skip
+    memory_gb: float | None = knob(
+        None, "memory this node offers, GiB (default: what is available on the host, less "
+        "what other meshnet nodes there claimed; once the range is known, what it needs)",
+        group=MODEL,
+    )  # fmt: skip
+    device: str = knob("auto", "auto, cpu or cuda", group=MODEL)
+    threads: int | None = knob(None, "torch compute threads (default: torch's)", group=MODEL)
+    kv_budget_tokens: int = knob(
+        defaults.KV_BUDGET_TOKENS, "most tokens held in KV caches across sessions (beyond: 503)",
+        group=MODEL,
+    )  # fmt: skip
+    max_sessions: int = knob(256, "most sessions open at once (beyond: 503)", group=MODEL)
+    session_idle_timeout_s: float = knob(
+        300.0, "seconds a session may sit idle before its KV cache is freed",
+        group=MODEL, flag="--session-idle-timeout",
+    )  # fmt: skip
+
+    # -- data path --
+    chunk_tokens: int = knob(defaults.CHUNK_TOKENS, "prefill chunk size, tokens", group=DATA)
+    max_decode_batch: int = knob(
+        32, "decode steps of concurrent sessions merged into one pass (1: no batching)",
+        group=DATA,
+    )  # fmt: skip
+    inline_decode: bool = knob(
+        True, "run a lone decode step on the event loop's thread (no thread hand-off) while "
+        "decode steps take under --inline-decode-max-ms", group=DATA, action="bool",
+    )  # fmt: skip
+    inline_decode_max_ms: float = knob(
+        250.0, "longest decode step run on the event loop's thread; slower shards always use "
+        "the compute thread, so /health and the other connections never wait long",
+        group=DATA,
+    )  # fmt: skip
+    # Tests only: a slow shard (every compute pass) and a slow load, as on a big model.
+    step_delay_ms: float = knob(0.0, "", group=DATA, hidden=True)
+    load_delay_ms: float = knob(0.0, "", group=DATA, hidden=True)
+    zstd_level: int = knob(1, "activation compression level", group=DATA)
+    connect_timeout: float = knob(5.0, "per-hop connect timeout, seconds", group=DATA)
+    chunk_timeout: float = knob(120.0, "per-hop prefill chunk timeout, seconds", group=DATA)
+    step_timeout: float = knob(60.0, "per-hop decode step timeout, seconds", group=DATA)
+    turn_timeout_s: float = knob(
+        defaults.TURN_TIMEOUT_S, "seconds a prefill chunk waits for an earlier chunk of its "
+        "session", group=DATA, flag="--turn-timeout",
+    )  # fmt: skip
+    open_timeout_s: float = knob(
+        defaults.OPEN_TIMEOUT_S, "seconds a chunk waits for its session to open (chunk 0 late)",
+        group=DATA, flag="--open-timeout",
+    )  # fmt: skip
+    pool_max_idle_s: float = knob(
+        defaults.POOL_MAX_IDLE_S, "seconds a pooled hop connection may idle before it is "
+        "closed instead of reused", group=DATA, flag="--pool-max-idle",
+    )  # fmt: skip
+    max_frame_mb: float = knob(64.0, "largest activation frame accepted, MiB", group=DATA)
+
+    # -- security --
+    swarm_token: str | None = knob(
+        None, "shared secret required between tracker and nodes", group=SECURITY, secret=True
+    )
+    api_key: str | None = knob(
+        None, "clients must send it as 'Authorization: Bearer KEY'", group=SECURITY, secret=True
+    )
+    max_request_mb: float = knob(8.0, "largest OpenAI JSON body (413 above)", group=SECURITY)
+
+    # -- logging --
+    log_level: str = knob(
+        "info", "least severe events logged (prompt text appears only at debug)",
+        group=LOGGING, choices=LEVELS,
+    )  # fmt: skip
+    log_format: str = knob(
+        "logfmt", "one line per event: key=value pairs, or one JSON object",
+        group=LOGGING, choices=FORMATS,
+    )  # fmt: skip
+
+    @model_validator(mode="before")
+    @classmethod
+    def _range(cls, values):
+        """``layers=LayerRange(a, b)`` is short for ``shard_start=a, shard_end=b``."""
+        if isinstance(values, dict) and isinstance(values.get("layers"), LayerRange):
+            values = dict(values)
+            layers = values.pop("layers")
+            values.update(shard_start=layers.start, shard_end=layers.end)
+        return values
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value):
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("log_level", "log_format")
+    @classmethod
+    def _known(cls, value: str, info):
+        allowed = LEVELS if info.field_name == "log_level" else FORMATS
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return value
+
+    # -- derived --
+
+    @property
+    def explicit_shard(self) -> bool:
+        """All of model id and range given (none given: the tracker assigns them)."""
+        return None not in (self.model_id, self.shard_start, self.shard_end)
+
+    @property
+    def layers(self) -> LayerRange:
+        """The range; ValueError naming the flags when it is missing or empty."""
+        return check_range(self.shard_start, self.shard_end, None)
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * 2**20)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_frame_mb * 2**20)
+
+    def shard_values(self) -> dict:
+        """This object's ``ShardSettings`` fields: what a derived node's settings inherit."""
+        return {n: getattr(self, n) for n in ShardSettings.model_fields}
+
+
+def check_range(start: int | None, end: int | None, num_layers: int | None) -> LayerRange:
+    """The range from the flags, refused in one line when the model has no such layers."""
+    try:
+        layers = LayerRange(start, end)
+        if num_layers is not None:
+            layers.check_within(num_layers)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--shard-start/--shard-end: {exc}") from exc
+    return layers
+
+
+def check_advertise_url(url: str | None) -> None:
+    """A URL other machines could dial: http(s), a host that is not a wildcard, a port."""
+    if url is None:
+        return
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--advertise-url {url}: expected http://HOST:PORT")
+    if parts.hostname in ("0.0.0.0", "::") or parts.path not in ("", "/"):
+        raise ValueError(
+            f"--advertise-url {url}: give this machine's address as other machines dial it "
+            "(e.g. http://192.168.1.20:8000), not a wildcard or a path"
+        )

@@ -1,0 +1,111 @@
+"""One settings object per service: flags, ``MESHNET_*`` env and defaults, each knob
+declared once (ADR-0014)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshnet_common.config.shard import ShardSettings
+from meshnet_common.layers import LayerRange
+from meshnet_node.cli import build_parser as node_parser
+from meshnet_node.settings import NodeSettings
+from meshnet_tracker.cli import build_parser as tracker_parser
+from meshnet_tracker.settings import TrackerSettings
+
+
+@pytest.fixture(autouse=True)
+def _no_meshnet_env(monkeypatch):
+    import os
+
+    for name in [n for n in os.environ if n.startswith("MESHNET_")]:
+        monkeypatch.delenv(name)
+
+
+def node(*argv: str) -> NodeSettings:
+    return NodeSettings.from_args(node_parser().parse_args(list(argv)))
+
+
+def test_flags_win_over_env_and_env_over_defaults(monkeypatch):
+    assert node().heartbeat_interval_s == 2.0
+    monkeypatch.setenv("MESHNET_HEARTBEAT_INTERVAL", "3.5")  # env name follows the flag
+    monkeypatch.setenv("MESHNET_KV_BUDGET_TOKENS", "1024")
+    monkeypatch.setenv("MESHNET_INLINE_DECODE", "false")
+    got = node("--heartbeat-interval", "1.25")
+    assert got.heartbeat_interval_s == 1.25 and got.kv_budget_tokens == 1024
+    assert got.inline_decode is False
+    assert node("--inline-decode").inline_decode is True
+
+
+def test_every_knob_is_reachable_by_flag_and_env(monkeypatch):
+    monkeypatch.setenv("MESHNET_SHARD_SOURCE", "http://127.0.0.1:1, http://127.0.0.1:2")
+    monkeypatch.setenv("MESHNET_CACHE_DIR", "/tmp/meshnet-cache")
+    monkeypatch.setenv("MESHNET_TURN_TIMEOUT", "7")
+    got = node("--pool-max-idle", "0.5", "--max-frame-mb", "1", "--open-timeout", "2")
+    assert got.shard_sources == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert got.cache_dir == Path("/tmp/meshnet-cache") and got.turn_timeout_s == 7.0
+    assert (got.pool_max_idle_s, got.open_timeout_s, got.max_body_bytes) == (0.5, 2.0, 2**20)
+    flags = node("--shard-source", "http://127.0.0.1:3", "--shard-source", "http://127.0.0.1:4")
+    assert flags.shard_sources == ("http://127.0.0.1:3", "http://127.0.0.1:4")
+    assert got.timeouts.connect == 5.0 and got.max_request_bytes == 8 * 2**20
+
+
+def test_a_bad_env_value_names_its_flag_and_env(monkeypatch):
+    monkeypatch.setenv("MESHNET_PORT", "eighty")
+    with pytest.raises(ValueError, match=r"--port \[env MESHNET_PORT\]: .*integer"):
+        node()
+    monkeypatch.delenv("MESHNET_PORT")
+    monkeypatch.setenv("MESHNET_HEARTBEAT_INTERVAL", "soon")
+    with pytest.raises(ValueError, match=r"--heartbeat-interval \[env MESHNET_HEARTBEAT_INTERVAL\]"):
+        node()
+
+
+def test_a_bad_env_value_is_one_cli_line(monkeypatch):
+    env = {"MESHNET_MAX_DECODE_BATCH": "many", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-m", "meshnet_node.cli", "--model-id", "x/y"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--max-decode-batch [env MESHNET_MAX_DECODE_BATCH]" in lines[0]
+
+
+def test_settings_are_frozen_and_replaced_by_copies():
+    base = NodeSettings(model_id="a/b", layers=LayerRange(0, 2), model_path=Path("/x"))
+    with pytest.raises(ValueError):
+        base.port = 1  # type: ignore[misc]
+    moved = base.with_shard("a/b", LayerRange(2, 4), Path("/y"))
+    assert (moved.layers, moved.model_path, base.layers) == (LayerRange(2, 4), Path("/y"),
+                                                             LayerRange(0, 2))  # fmt: skip
+    with pytest.raises(ValueError):
+        base.replace(max_decode_batch="lots")
+
+
+def test_exactly_ignores_the_environment(monkeypatch):
+    """The tracker node's node settings come from the tracker's, never from node env vars."""
+    monkeypatch.setenv("MESHNET_TRACKER", "http://127.0.0.1:9")
+    assert NodeSettings().tracker_url == "http://127.0.0.1:9"
+    assert NodeSettings.exactly(model_id="a/b").tracker_url is None
+
+
+def test_each_default_is_defined_once_and_shown_in_help():
+    """The tracker node and a node share every shard knob and its default; --help shows the
+    default of each field from the field itself."""
+    for name in ShardSettings.model_fields:
+        assert NodeSettings.model_fields[name].default == TrackerSettings.model_fields[name].default
+    for build, cls in ((node_parser, NodeSettings), (tracker_parser, TrackerSettings)):
+        parser = build()
+        by_dest = {a.dest: a for a in parser._actions}
+        for name, info in cls.flag_fields().items():
+            meta = info.json_schema_extra or {}
+            dest = (meta.get("flag") or "--" + name.replace("_", "-")).lstrip("-").replace("-", "_")
+            action = by_dest[dest]
+            if meta.get("hidden"):
+                continue
+            default = getattr(info.default, "value", info.default)
+            if default not in (None, False, 0, (), ""):
+                assert f"(default: {default})" in action.help, (name, action.help)
