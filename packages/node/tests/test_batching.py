@@ -9,13 +9,14 @@ import torch
 
 from meshnet_common.errors import Conflict, NotFound
 from meshnet_common.layers import LayerRange
+from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import DecodeItem, Stage
 from meshnet_node.settings import NodeSettings
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+FAMILIES = list(tiny.FAMILIES)
 
 
 def prompts() -> list[list[int]]:

@@ -6,18 +6,28 @@ import pytest
 import torch
 
 from meshnet_common.layers import LayerRange
+from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy
 from meshnet_node.engine.stage import Stage
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+FAMILIES = list(tiny.FAMILIES)
 PRECISIONS = [(Precision.FLOAT32, 1e-4), (Precision.BFLOAT16, 2e-2)]
+# Expert routing is a top-k over router scores: in bfloat16 a near-tie can pick another expert
+# than the unsplit model does (different rounding of the same sums), so MoE families are held
+# to float32 exactness; their bfloat16 runs must agree on the first tokens and the prefill's logits.
+BF16_EXACT = [f for f in FAMILIES if f not in tiny.MOE_FAMILIES]
 
 
 def three_stages(snapshot, num_layers: int, precision: Precision) -> list[Stage]:
     a, b = num_layers // 3, 2 * num_layers // 3
     bounds = [(0, a), (a, b), (b, num_layers)]
+    return [Stage(load_shard(snapshot, LayerRange(s, e), precision)) for s, e in bounds]
+
+
+def two_stages(snapshot, num_layers: int, precision: Precision) -> list[Stage]:
+    bounds = [(0, num_layers // 2), (num_layers // 2, num_layers)]
     return [Stage(load_shard(snapshot, LayerRange(s, e), precision)) for s, e in bounds]
 
 
@@ -29,15 +39,32 @@ def prompt_ids(vocab: int, length: int = 300, seed: int = 7) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("precision", "tol"), PRECISIONS, ids=["float32", "bfloat16"])
 def test_split_matches_single_process(tiny_snapshot, family, precision, tol):
+    """Three stages, a 300-token prompt (chunked prefill, past every sliding window)."""
     snapshot = tiny_snapshot(family)
     model = load_reference_model(snapshot, precision.compute_dtype)
     prompt = prompt_ids(min(model.config.vocab_size, 200))  # > 128 tokens: chunked prefill
     ref_tokens, ref_logits = hf_chunked_greedy(model, prompt, 20)
     stages = three_stages(snapshot, model.config.num_hidden_layers, precision)
     tokens, logits = split_greedy(stages, prompt, 20)
+    if precision is Precision.BFLOAT16 and family not in BF16_EXACT:
+        assert tokens[:3] == ref_tokens[:3]  # until the first near-tie flips a route
+        assert float((logits[0] - ref_logits[0]).abs().max()) <= tol
+        return
     assert tokens == ref_tokens
     worst = max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits, strict=True))
     assert worst <= tol
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_stages_match_single_process(tiny_snapshot, family):
+    snapshot = tiny_snapshot(family)
+    model = load_reference_model(snapshot, torch.float32)
+    prompt = prompt_ids(min(model.config.vocab_size, 200), length=180, seed=11)
+    ref_tokens, ref_logits = hf_chunked_greedy(model, prompt, 12)
+    tokens, logits = split_greedy(two_stages(snapshot, 6, Precision.FLOAT32), prompt, 12)
+    assert tokens == ref_tokens
+    worst = max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits, strict=True))
+    assert worst <= 1e-4
 
 
 def test_qwen2_tiny_has_mixed_sliding_layers(tiny_snapshot):

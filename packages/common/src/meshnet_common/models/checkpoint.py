@@ -63,6 +63,15 @@ NAMING_BY_ARCHITECTURE: dict[str, CheckpointNaming] = {
     "Qwen2ForCausalLM": _DECODER,
     "Qwen3ForCausalLM": _DECODER,
     "GPT2LMHeadModel": _GPT2,
+    "Gemma2ForCausalLM": _DECODER,
+    "Gemma3ForCausalLM": _DECODER,
+    "Phi3ForCausalLM": _DECODER,
+    "MixtralForCausalLM": _DECODER,
+    "Qwen2MoeForCausalLM": _DECODER,
+    "Qwen3MoeForCausalLM": _DECODER,
+    "DeepseekV3ForCausalLM": _DECODER,
+    "Glm4MoeForCausalLM": _DECODER,
+    "GptOssForCausalLM": _DECODER,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(NAMING_BY_ARCHITECTURE))
 

@@ -15,12 +15,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import (
+    DeepseekV3ForCausalLM,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Glm4MoeForCausalLM,
     GPT2LMHeadModel,
+    GptOssForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
+    MixtralForCausalLM,
+    Phi3ForCausalLM,
     PreTrainedConfig,
     Qwen2ForCausalLM,
+    Qwen2MoeForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -84,6 +93,44 @@ def _batched_decoder_layer(layer, hidden, sessions: list[SessionContext]) -> tor
     return residual + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
+class SessionAttention(nn.Module):
+    """Wraps a decoder layer's ``self_attn`` so that the whole layer can run a batched decode
+    step: given ``meshnet_sessions`` (one ``SessionContext`` per row), attention runs row by
+    row against each session's own cache, mask and positions; norms, MLP and MoE routing run
+    batched in the layer's own code. Without it, calls pass straight through.
+
+    This keeps every family's decoder layer as transformers wrote it (Gemma's four norms,
+    gpt-oss's router scores, Phi-3's dropouts) instead of mirroring each one here."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, *args, meshnet_sessions=None, **kwargs):
+        if meshnet_sessions is None:
+            return self.inner(hidden_states, *args, **kwargs)
+        for name in ("attention_mask", "position_ids", "cache", "position_embeddings"):
+            kwargs.pop(name, None)
+        rows = [
+            self.inner(
+                hidden_states=hidden_states[b : b + 1],
+                attention_mask=ctx.mask,
+                position_ids=ctx.position_ids,
+                cache=ctx.cache,
+                position_embeddings=ctx.position_embeddings,
+                **kwargs,
+            )[0]
+            for b, ctx in enumerate(meshnet_sessions)
+        ]
+        return torch.cat(rows), None
+
+
+def _batched_any_layer(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
+    """B sessions' decode tokens through one decoder layer whose ``self_attn`` is a
+    ``SessionAttention`` (installed by the loader)."""
+    return layer(hidden, use_cache=True, meshnet_sessions=sessions)
+
+
 def _batched_gpt2_block(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
     """GPT2Block.forward for B sessions' decode tokens (no cross-attention)."""
     residual = hidden
@@ -119,6 +166,9 @@ class FamilyAdapter:
     rotary: bool
     call_layer: LayerCall
     call_layer_batched: Callable[..., torch.Tensor]
+    rotary_per_type: bool = False  # one rotary per attention type (Gemma 3: local/global)
+    split_attention: bool = False  # batched decode through ``SessionAttention``
+    moe: bool = False  # fused expert weights (3D parameters, not nn.Linear)
 
     def layer_types(self, config: PreTrainedConfig) -> list[str]:
         """Attention type of every global layer (full or sliding window)."""
@@ -126,9 +176,39 @@ class FamilyAdapter:
         declared = getattr(config, "layer_types", None)
         if declared:
             return list(declared[:n])
-        if self.family == "mistral" and getattr(config, "sliding_window", None):
-            return [SLIDING] * n
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return [SLIDING] * n  # Mistral, Mixtral: every layer slides when a window is set
         return [FULL] * n
+
+    def position_embeddings(
+        self, rotary: nn.Module | None, hidden: torch.Tensor, position_ids: torch.Tensor,
+        layer_types: list[str],
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
+        """The rotary (cos, sin) each attention type among ``layer_types`` gets."""
+        if rotary is None:
+            return {t: None for t in set(layer_types)}
+        if self.rotary_per_type:
+            return {t: rotary(hidden, position_ids, t) for t in set(layer_types)}
+        shared = rotary(hidden, position_ids)
+        return {t: shared for t in set(layer_types)}
+
+
+def final_logits(config: PreTrainedConfig, lm_head: nn.Module, hidden: torch.Tensor):
+    """``lm_head`` and the final logit soft-cap of families that have one (Gemma 2/3)."""
+    logits = lm_head(hidden)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _decoder(family: str, model_class: type[nn.Module], **flags) -> FamilyAdapter:
+    """A family whose layers, embeddings and norm sit where Llama's do (``model.layers`` ...)
+    and whose decoder layers run unchanged, batched through ``SessionAttention``."""
+    return FamilyAdapter(
+        family, model_class, "model", "layers", "embed_tokens", None, "norm", True,
+        _call_decoder_layer, _batched_any_layer, split_attention=True, **flags,
+    )  # fmt: skip
 
 
 ADAPTERS: dict[str, FamilyAdapter] = {
@@ -152,6 +232,15 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         "gpt2", GPT2LMHeadModel, "transformer", "h", "wte", "wpe", "ln_f", False,
         _call_gpt2_block, _batched_gpt2_block,
     ),
+    "Gemma2ForCausalLM": _decoder("gemma2", Gemma2ForCausalLM),
+    "Gemma3ForCausalLM": _decoder("gemma3", Gemma3ForCausalLM, rotary_per_type=True),
+    "Phi3ForCausalLM": _decoder("phi3", Phi3ForCausalLM),
+    "MixtralForCausalLM": _decoder("mixtral", MixtralForCausalLM, moe=True),
+    "Qwen2MoeForCausalLM": _decoder("qwen2_moe", Qwen2MoeForCausalLM, moe=True),
+    "Qwen3MoeForCausalLM": _decoder("qwen3_moe", Qwen3MoeForCausalLM, moe=True),
+    "DeepseekV3ForCausalLM": _decoder("deepseek_v3", DeepseekV3ForCausalLM, moe=True),
+    "Glm4MoeForCausalLM": _decoder("glm4_moe", Glm4MoeForCausalLM, moe=True),
+    "GptOssForCausalLM": _decoder("gpt_oss", GptOssForCausalLM, moe=True),
 }  # fmt: skip
 
 if set(ADAPTERS) != set(SUPPORTED_ARCHITECTURES):  # keep common's naming table in step

@@ -22,7 +22,7 @@ from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.precision import Precision
-from meshnet_node.engine.families import FamilyAdapter, adapter_for
+from meshnet_node.engine.families import FamilyAdapter, SessionAttention, adapter_for
 from meshnet_node.engine.quantization import quantize_linears
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,44 @@ def _read_tensors(
     return out
 
 
+def _load_converted(
+    model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, root: Path
+) -> None:
+    """Load checkpoint tensors (hub names: per-expert ``experts.E.w1``, ``block_sparse_moe``,
+    fused ``qkv_proj`` ...) into the meta ``model`` through transformers' own checkpoint
+    conversion mapping, as ``from_pretrained`` does: experts are stacked into the fused 3D
+    parameters the modules hold. Modules whose tensors are not given stay on meta."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model), dtype=dtype)
+    info = convert_and_load_state_dict_in_model(model, tensors, config)[0]
+    unexpected = sorted(getattr(info, "unexpected_keys", ()) or ())
+    if unexpected:
+        raise ModelError(f"{root}: checkpoint tensors with no module: {unexpected[:5]}")
+    errors = getattr(info, "conversion_errors", None) or getattr(info, "error_msgs", None)
+    if errors:
+        raise ModelError(f"{root}: cannot convert checkpoint tensors: {str(errors)[:300]}")
+
+
+def _finish_converted(
+    modules: StageModules, base: nn.Module, adapter: FamilyAdapter, is_tail: bool
+) -> None:
+    """What loading leaves undone: a tied ``lm_head`` and non-persistent buffers that a
+    checkpoint never holds (Gemma's embedding scale)."""
+    if is_tail and modules.lm_head.weight.is_meta:
+        embed = getattr(base, adapter.embed_attr).weight
+        if embed.is_meta:
+            raise ModelError("no lm_head weight and no tied embedding in the checkpoint")
+        modules.lm_head.weight = embed
+    if modules.embed is not None and hasattr(modules.embed, "scalar_embed_scale"):
+        scale = torch.tensor(float(modules.embed.scalar_embed_scale))
+        modules.embed.register_buffer("embed_scale", scale, persistent=False)
+
+
 def _still_meta(module: nn.Module) -> list[str]:
     names = [n for n, p in module.named_parameters() if p.is_meta]
     names += [n for n, b in module.named_buffers() if b.is_meta]
@@ -144,8 +182,8 @@ def load_shard(
     config = AutoConfig.from_pretrained(index.root)
     adapter = adapter_for(config)
     dtype = precision.compute_dtype
-    with torch.device("meta"):
-        full = adapter.model_class(config)
+    with torch.device("meta"):  # in the compute dtype, as from_pretrained(dtype=...) builds it
+        full = adapter.model_class._from_config(config, dtype=dtype)
     config = full.config  # carries the resolved attention implementation
     base = getattr(full, adapter.base_attr)
     modules = StageModules()
@@ -166,17 +204,21 @@ def load_shard(
         modules.norm = getattr(base, adapter.norm_attr)
         modules.lm_head = full.lm_head
     rotary_cls = type(base.rotary_emb) if adapter.rotary else None
-    del full, base
 
     names = index.tensors_for(layers)
     tensors = _read_tensors(index, names, dtype)
+    if adapter.split_attention:
+        _load_converted(full, tensors, dtype, index.root)
+        _finish_converted(modules, base, adapter, is_tail)
+        tensors = {}  # loaded: the state below is empty
     state = {_local_name(n, adapter, index, layers.start): t for n, t in tensors.items()}
-    if is_tail and "lm_head.weight" not in state:
+    del full, base
+    if is_tail and "lm_head.weight" not in state and not adapter.split_attention:
         tied = index.naming.tied_embedding
         if tied not in tensors:
             raise ModelError(f"{index.root}: no lm_head.weight and no tied embedding {tied}")
         state["lm_head.weight"] = tensors[tied]
-    expected = set(modules.state_dict().keys())
+    expected = set(modules.state_dict().keys()) if not adapter.split_attention else set()
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
     for key in unexpected:
@@ -191,6 +233,9 @@ def load_shard(
     if missing:
         raise ModelError(f"{index.root}: checkpoint lacks tensors for {missing[:5]}")
     quantize_linears(modules.layers, precision, device)
+    if adapter.split_attention:
+        for layer in modules.layers:  # batched decode steps split attention by session
+            layer.self_attn = SessionAttention(layer.self_attn)
     modules.to(device)
     meta_left = _still_meta(modules)
     if meta_left:

@@ -10,7 +10,7 @@ import torch
 from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest, MeshnetError
 from meshnet_common.protocol import SamplingSpec
-from meshnet_node.engine.families import SessionContext, build_masks
+from meshnet_node.engine.families import SessionContext, build_masks, final_logits
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.sampling import SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore
@@ -275,20 +275,24 @@ class Stage:
             masks = build_masks(
                 shard.stage_config, shard.layer_types, one, session.cache, position_ids[b], first
             )
-            rotary = mods.rotary(one, position_ids[b]) if mods.rotary is not None else None
+            rotary = shard.adapter.position_embeddings(
+                mods.rotary, one, position_ids[b], shard.layer_types[first:]
+            )
             contexts.append((masks, rotary))
         batched = shard.adapter.call_layer_batched
         for offset, layer in enumerate(mods.layers[first:]):
             layer_type = shard.layer_types[first + offset]
             per_session = [
-                SessionContext(session.cache, masks[layer_type], position_ids[b], rotary)
+                SessionContext(
+                    session.cache, masks[layer_type], position_ids[b], rotary[layer_type]
+                )
                 for b, (session, (masks, rotary)) in enumerate(zip(sessions, contexts, strict=True))
             ]
             hidden = batched(layer, hidden, per_session)  # (B, 1, H)
         if not shard.is_tail:
             out = hidden.to(shard.activation_dtype)
             return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]
-        logits = mods.lm_head(mods.norm(hidden)).float().cpu()  # (B, 1, V)
+        logits = final_logits(shard.config, mods.lm_head, mods.norm(hidden)).float().cpu()
         return [StepOutput(logits=logits[b].reshape(-1)) for b in range(len(sessions))]
 
     @torch.inference_mode()
@@ -309,7 +313,9 @@ class Stage:
         masks = build_masks(
             shard.stage_config, shard.layer_types, hidden, cache, position_ids, first
         )
-        rotary = mods.rotary(hidden, position_ids) if mods.rotary is not None else None
+        rotary = shard.adapter.position_embeddings(
+            mods.rotary, hidden, position_ids, shard.layer_types[first:]
+        )
         call = shard.adapter.call_layer
         for layer, layer_type in zip(mods.layers[first:], shard.layer_types[first:], strict=True):
             hidden = call(
@@ -318,10 +324,10 @@ class Stage:
                 mask=masks[layer_type],
                 position_ids=position_ids,
                 cache=cache,
-                position_embeddings=rotary,
+                position_embeddings=rotary[layer_type],
             )
         if not shard.is_tail:
             return StepOutput(hidden=hidden.to(shard.activation_dtype))
         last = mods.norm(hidden[:, -1:, :])  # (1, 1, H)
-        logits = mods.lm_head(last).float().reshape(-1).cpu()  # (V,)
+        logits = final_logits(shard.config, mods.lm_head, last).float().reshape(-1).cpu()  # (V,)
         return StepOutput(logits=logits)
