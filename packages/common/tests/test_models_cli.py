@@ -15,7 +15,7 @@ import pytest
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.models.cli import main
 from meshnet_common.models.models_dir import find_snapshot, scan_models_dir
-from meshnet_common.models.tiny import FAMILIES
+from meshnet_common.models.tiny import FAMILIES, MOE_FAMILIES
 
 LAYOUTS = ("plain", "hub")
 EXPECTED = {
@@ -25,6 +25,15 @@ EXPECTED = {
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", True),
     "gpt2": ("GPT2LMHeadModel", True),
+    "gemma2": ("Gemma2ForCausalLM", True),
+    "gemma3": ("Gemma3ForCausalLM", True),
+    "phi3": ("Phi3ForCausalLM", False),
+    "mixtral": ("MixtralForCausalLM", False),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", False),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", False),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", False),
+    "glm4_moe": ("Glm4MoeForCausalLM", False),
+    "gpt_oss": ("GptOssForCausalLM", False),
 }
 
 
@@ -69,7 +78,9 @@ def test_make_tiny_snapshot_loads_in_transformers(cli_models, family, layout):
     assert len({t.file for t in index.tensors.values()}) >= 3
     assert (snapshot / INDEX_FILE).is_file()
     assert index.dtype == "BF16"
-    assert {t.dtype for t in index.tensors.values()} == {"BF16"}
+    # routers of group-routed MoEs stay float32, as transformers keeps and saves them
+    others = {t.dtype for n, t in index.tensors.items() if ".mlp.gate." not in n}
+    assert others == {"BF16"}
 
     model = AutoModelForCausalLM.from_pretrained(snapshot)
     tokenizer = AutoTokenizer.from_pretrained(snapshot)
@@ -86,9 +97,10 @@ def test_make_tiny_snapshot_loads_in_transformers(cli_models, family, layout):
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MOE_FAMILIES])
 def test_every_linear_width_is_a_multiple_of_32(cli_models, family):
-    """bitsandbytes nf4 on CPU needs it; 1-D tensors (norms, biases) do not matter."""
+    """bitsandbytes nf4 on CPU needs it; 1-D tensors (norms, biases) do not matter. MoE
+    families are never quantized (refused), so their routers may be narrow."""
     index = CheckpointIndex.load(find_snapshot(cli_models, f"t/{family}-plain", "plain"))
     for tensor in index.tensors.values():
         if len(tensor.shape) == 2:

@@ -26,9 +26,15 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def kv_elements_per_token_layer(config: dict) -> int:
-    """K and V elements one token adds to one layer's cache."""
+    """K and V elements one token adds to one layer's cache, as the cache holds them.
+
+    Multi-head latent attention (DeepSeek-V3, Kimi K2) caches one compressed latent per token
+    and layer, shared by all heads: ``kv_lora_rank`` + the ``qk_rope_head_dim`` rotary key
+    (576 elements for DeepSeek-V3, against 2 x 128 x 192 expanded)."""
     hidden = config.get("hidden_size", config.get("n_embd"))
     heads = config.get("num_attention_heads", config.get("n_head"))
+    if config.get("kv_lora_rank"):
+        return config["kv_lora_rank"] + config.get("qk_rope_head_dim", 0)
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
     return 2 * kv_heads * head_dim
@@ -45,6 +51,18 @@ class ModelCosts:
     tail_numel: int  # final norm + lm_head (or the tied embedding)
     tied_numel: int  # numel shared by head and tail when embeddings are tied
     kv_elements: int  # per token per layer
+    moe: bool = False  # has expert weights (fused 3D tensors once loaded)
+
+    def refusal(self, precision: Precision) -> str | None:
+        """Why this model cannot be served at ``precision`` (None: it can)."""
+        if self.moe and precision.is_quantized:
+            return (
+                f"{precision.value} is not supported for Mixture-of-Experts models yet: "
+                "bitsandbytes quantizes nn.Linear layers only, and most of an MoE's weights are "
+                "experts (fused 3D tensors), so the memory would not be saved; serve it in "
+                "bfloat16 or float32"
+            )
+        return None
 
     @classmethod
     def from_index(cls, index: CheckpointIndex) -> ModelCosts:
@@ -74,6 +92,7 @@ class ModelCosts:
                 _numel(index.tensors[t].shape) for t in shared if index.layer_of(t) is None
             ),
             kv_elements=kv_elements_per_token_layer(index.config),
+            moe=any(".experts." in name for name in index.tensors),
         )
 
     @cached_property
@@ -117,6 +136,8 @@ class ModelCosts:
         self, start: int, limit: int, memory_bytes: int, precision: Precision, kv_tokens: int
     ) -> int:
         """Largest k <= limit such that ``[start, start + k)`` fits in ``memory_bytes`` (0 if none)."""
+        if self.refusal(precision) is not None:
+            return 0
         lo, hi = 0, min(limit, self.num_layers - start)
         while lo < hi:  # shard_bytes grows with k: binary search
             mid = (lo + hi + 1) // 2

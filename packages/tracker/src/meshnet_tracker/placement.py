@@ -121,6 +121,8 @@ def add_redundancy(view: ModelView, request: NodeRequest) -> LayerRange | None:
 
 def place(views: Sequence[ModelView], request: NodeRequest) -> Placement:
     """Deterministic placement of one node; InsufficientMemory if it fits nowhere."""
+    refused = [v.model_id for v in views if v.costs.refusal(request.precision)]
+    views = [v for v in views if v.model_id not in refused]
     with_gaps = [v for v in views if 0 in v.capacity]
     with_gaps.sort(
         key=lambda v: (
@@ -147,9 +149,14 @@ def place(views: Sequence[ModelView], request: NodeRequest) -> Placement:
         layers = add_redundancy(view, request)
         if layers is not None:
             return Placement(view.model_id, layers, "redundancy")
+    why = (
+        f" ({', '.join(refused)}: Mixture-of-Experts, served in bfloat16 or float32 only)"
+        if refused
+        else ""
+    )
     raise InsufficientMemory(
         f"{request.memory_bytes / 2**30:.2f} GiB at {request.precision.value} cannot hold even "
-        "one layer of any model this tracker serves",
+        f"one layer of any model this tracker serves{why}",
         code="node_too_small",
     )
 

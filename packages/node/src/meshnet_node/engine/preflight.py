@@ -9,7 +9,7 @@ import psutil
 import torch
 
 from meshnet_common.config import defaults
-from meshnet_common.errors import InsufficientMemory
+from meshnet_common.errors import InsufficientMemory, ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
 from meshnet_common.models.checkpoint import CheckpointIndex
@@ -107,6 +107,9 @@ def preflight(
 ) -> MemoryEstimate:
     """Raise InsufficientMemory (or ModelError for nf4 widths) unless the shard fits."""
     layers.check_within(index.num_layers)
+    refusal = ModelCosts.from_index(index).refusal(precision)
+    if refusal is not None:
+        raise ModelError(f"{index.root.name}: {refusal}")
     if precision is Precision.NF4:
         check_nf4_widths(linear_out_widths(index, layers), device)
     est = estimate(
