@@ -59,7 +59,9 @@ def test_a_bad_env_value_names_its_flag_and_env(monkeypatch):
         node()
     monkeypatch.delenv("MESHNET_PORT")
     monkeypatch.setenv("MESHNET_HEARTBEAT_INTERVAL", "soon")
-    with pytest.raises(ValueError, match=r"--heartbeat-interval \[env MESHNET_HEARTBEAT_INTERVAL\]"):
+    with pytest.raises(
+        ValueError, match=r"--heartbeat-interval \[env MESHNET_HEARTBEAT_INTERVAL\]"
+    ):
         node()
 
 
