@@ -21,15 +21,23 @@ FP32 = ("--quantization", "float32", "--kv-budget-tokens", "2048")
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
-@pytest.fixture
-def deepseek_models(tiny_snapshot, tiny_model_id, tmp_path):
-    snapshot = tiny_snapshot("deepseek_v3", "hub")  # hub-cache layout, layers straddle files
+@pytest.fixture(params=["bf16", "fp8"])
+def deepseek_models(request, tiny_snapshot, tiny_model_id, tmp_path):
+    """The tiny DeepSeek-V3 in the hub-cache layout (layers straddle files), as stored on
+    the hub: bfloat16, or FP8 with block scales as DeepSeek-V3 itself ships."""
     models = tmp_path / "tracker-models"
     models.mkdir()
-    (models / "models--meshnet-tiny--deepseek_v3-hub").symlink_to(
-        snapshot.parent.parent, target_is_directory=True
-    )
-    return models, snapshot, tiny_model_id("deepseek_v3", "hub")
+    if request.param == "bf16":
+        snapshot = tiny_snapshot("deepseek_v3", "hub")
+        (models / "models--meshnet-tiny--deepseek_v3-hub").symlink_to(
+            snapshot.parent.parent, target_is_directory=True
+        )
+        return models, snapshot, tiny_model_id("deepseek_v3", "hub")
+    from meshnet_common.models.tiny import make_tiny
+
+    model_id = "meshnet-tiny/deepseek_v3-fp8"
+    snapshot = make_tiny(models, "deepseek_v3", model_id, layout="hub", weight_format="fp8")
+    return models, snapshot, model_id
 
 
 def test_deepseek_v3_split_over_processes_fetching_their_experts(deepseek_models, tmp_path):

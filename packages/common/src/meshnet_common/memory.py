@@ -25,6 +25,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return total
 
 
+_SCALES = ("weight_scale_inv", "_scales")
+
+
 def kv_elements_per_token_layer(config: dict) -> int:
     """K and V elements one token adds to one layer's cache, as the cache holds them.
 
@@ -70,12 +73,13 @@ class ModelCosts:
         quantizable, other = [0] * n, [0] * n
         for name, info in index.tensors.items():
             layer = index.layer_of(name)
-            if layer is None or layer >= n:
-                continue
+            if layer is None or layer >= n or name.endswith(_SCALES):
+                continue  # scales of FP8 / MXFP4 weights are consumed when they dequantize
+            numel = _numel(info.shape) * (2 if name.endswith("_blocks") else 1)  # 2 FP4 a byte
             if name.endswith(".weight") and len(info.shape) == 2:
-                quantizable[layer] += _numel(info.shape)
+                quantizable[layer] += numel
             else:
-                other[layer] += _numel(info.shape)
+                other[layer] += numel
         head = index.tensors_for(LayerRange(0, 1))
         tail = index.tensors_for(LayerRange(n - 1, n))
         extras = lambda names: sum(  # noqa: E731 - tiny local helper

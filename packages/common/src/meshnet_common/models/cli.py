@@ -76,6 +76,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         seed=args.seed,
         force=args.force,
+        weight_format=args.format,
     )
     print(_describe(load_entry(args.models_dir, args.model_id, args.layout)))
     return EXIT_OK
@@ -164,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--model-id", required=True, help="ORG/NAME")
     gguf.set_defaults(handler=_cmd_import_gguf)
 
+    from meshnet_common.models.native_formats import FORMATS as WEIGHT_FORMATS
+
     tiny = sub.add_parser("make-tiny", parents=[writer], help="write a random-weight model")
     tiny.add_argument("--family", required=True, choices=FAMILIES)
     tiny.add_argument("--model-id", required=True, help="ORG/NAME")
@@ -174,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--kv-heads", type=_positive_int, help="default: max(2, heads // 4)")
     tiny.add_argument("--vocab-size", type=_positive_int, help="default: the tokenizer's size")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--format", choices=WEIGHT_FORMATS, default="bf16",
+        help="weights as stored: bf16, fp8 (e4m3, 128x128 block scales, as DeepSeek-V3) or "
+        "mxfp4 (experts only, as gpt-oss)",
+    )  # fmt: skip
     tiny.add_argument("--force", action="store_true", help="rebuild even if present")
     tiny.set_defaults(handler=_cmd_make_tiny)
 

@@ -443,8 +443,12 @@ def make_tiny(
     vocab_size: int | None = None,
     seed: int = 0,
     force: bool = False,
+    weight_format: str = "bf16",
 ) -> Path:
     """Write a random ``family`` model as ``model_id``; return its snapshot folder.
+
+    ``weight_format``: "fp8" or "mxfp4" stores the weights the way the family's hub
+    checkpoints ship quantized (``meshnet_common.models.native_formats``).
 
     Skips the work (and returns the existing folder) when the model is already there,
     unless ``force``.
@@ -459,10 +463,14 @@ def make_tiny(
         vocab_size=vocab_size,
         seed=seed,
     )
+    if weight_format == "mxfp4" and family != "gpt_oss":
+        raise InvalidRequest("--format mxfp4: only gpt_oss ships MXFP4 (its experts)")
+    if weight_format == "fp8" and family == "gpt2":
+        raise InvalidRequest("--format fp8: GPT-2 checkpoints are not shipped in FP8")
     # With force, an existing copy (even a broken one) is simply replaced.
     existing = None if force else find_snapshot(models_dir, model_id, layout)
     if existing is not None:
-        _check_existing(existing, spec)
+        _check_existing(existing, spec, weight_format)
         logger.info(
             "%s already present at %s; skipping (use --force to rebuild)", model_id, existing
         )
@@ -482,13 +490,17 @@ def make_tiny(
     with staged_snapshot(models_dir, model_id, layout, replace=force) as staged:
         model.save_pretrained(staged.folder, max_shard_size=_shard_size(model))
         tokenizer.save_pretrained(staged.folder)
+        if weight_format != "bf16":
+            from meshnet_common.models.native_formats import convert_snapshot
+
+            convert_snapshot(staged.folder, weight_format)
         _check_written(staged.folder)
     params = sum(p.numel() for p in model.parameters())
     logger.info("wrote %s (%s, %.1fM params) to %s", model_id, family, params / 1e6, staged.path)
     return staged.path
 
 
-def _check_existing(snapshot: Path, spec: TinySpec) -> None:
+def _check_existing(snapshot: Path, spec: TinySpec, weight_format: str = "bf16") -> None:
     """Refuse to reuse a snapshot that is broken or was built with a different shape."""
     index = CheckpointIndex.load(snapshot)
     config = index.config
@@ -496,8 +508,12 @@ def _check_existing(snapshot: Path, spec: TinySpec) -> None:
         "family": {"gemma3_text": "gemma3"}.get(config.get("model_type"), config.get("model_type")),
         "layers": index.num_layers,
         "hidden": config.get("hidden_size", config.get("n_embd")),
+        "format": (config.get("quantization_config") or {}).get("quant_method", "bf16"),
     }
-    wanted = {"family": spec.family, "layers": spec.layers, "hidden": spec.hidden}
+    wanted = {
+        "family": spec.family, "layers": spec.layers, "hidden": spec.hidden,
+        "format": weight_format,
+    }  # fmt: skip
     if found != wanted:
         raise ModelError(
             f"{snapshot}: existing model has {found}, asked for {wanted}; use --force to rebuild"

@@ -18,9 +18,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PreTrainedConfig
 
-from meshnet_common.errors import ModelError
+from meshnet_common.errors import InvalidRequest, ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.native_formats import dequantize_tensors, native_format
 from meshnet_common.precision import Precision
 from meshnet_node.engine.families import FamilyAdapter, SessionAttention, adapter_for
 from meshnet_node.engine.quantization import quantize_linears
@@ -111,8 +112,10 @@ def stage_config_for(config: PreTrainedConfig, layers: LayerRange) -> PreTrained
 
 
 def _read_tensors(
-    index: CheckpointIndex, names: list[str], dtype: torch.dtype
+    index: CheckpointIndex, names: list[str], dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
+    """The named tensors, cast to ``dtype`` (None: as stored, for packed or scaled weights
+    that transformers' dequantization reads in their own types)."""
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in names:
         by_file[index.tensors[name].file].append(name)
@@ -122,7 +125,7 @@ def _read_tensors(
             for name in file_names:
                 tensor = fh.get_tensor(name)
                 # A copy detaches from the mmap'd file (it may be replaced) and casts.
-                out[name] = tensor.to(dtype=dtype, copy=True)
+                out[name] = tensor.to(dtype=dtype or tensor.dtype, copy=True)
     return out
 
 
@@ -182,6 +185,10 @@ def load_shard(
     config = AutoConfig.from_pretrained(index.root)
     adapter = adapter_for(config)
     dtype = precision.compute_dtype
+    try:
+        native = native_format(index.config)
+    except InvalidRequest as exc:
+        raise ModelError(f"{index.root}: {exc}") from exc
     with torch.device("meta"):  # in the compute dtype, as from_pretrained(dtype=...) builds it
         full = adapter.model_class._from_config(config, dtype=dtype)
     config = full.config  # carries the resolved attention implementation
@@ -206,7 +213,9 @@ def load_shard(
     rotary_cls = type(base.rotary_emb) if adapter.rotary else None
 
     names = index.tensors_for(layers)
-    tensors = _read_tensors(index, names, dtype)
+    tensors = _read_tensors(index, names, None if native is not None else dtype)
+    if native is not None:  # FP8 / MXFP4 checkpoints: dequantized here, the range only
+        tensors = dequantize_tensors(tensors, native, dtype)
     if adapter.split_attention:
         _load_converted(full, tensors, dtype, index.root)
         _finish_converted(modules, base, adapter, is_tail)
