@@ -52,7 +52,8 @@ def test_deepseek_v3_split_over_processes_fetching_their_experts(deepseek_models
             "--model-id", model_id, "--shard-start", "0", "--shard-end", "2", *FP32
         ).wait_healthy()
         caches = [tmp_path / "cache-b", tmp_path / "cache-c"]
-        for (start, end), cache, name in zip(((2, 4), (4, 6)), caches, ("node-b", "node-c")):
+        names = ("node-b", "node-c")
+        for (start, end), cache, name in zip(((2, 4), (4, 6)), caches, names, strict=True):
             swarm.bare_node(
                 tracker, name, "--model-id", model_id, "--shard-start", str(start),
                 "--shard-end", str(end), "--cache-dir", str(cache), *FP32,
