@@ -167,6 +167,24 @@ def _finish_converted(
         modules.embed.register_buffer("embed_scale", scale, persistent=False)
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed while loading back to the OS (glibc's ``malloc_trim``).
+
+    Loading holds each tensor twice for a moment (read, then stacked into fused experts or
+    dequantized); glibc keeps such freed blocks in its heap, so without this a freshly loaded
+    MoE shard kept ~2x its weights resident and the memory declared to the tracker was not
+    what the process held. No-op where glibc is absent."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _still_meta(module: nn.Module) -> list[str]:
     names = [n for n, p in module.named_parameters() if p.is_meta]
     names += [n for n, b in module.named_buffers() if b.is_meta]
@@ -251,6 +269,7 @@ def load_shard(
         # Refuse to serve a half-materialized model (e.g. a checkpoint missing tensors).
         raise ModelError(f"{index.root}: still on the meta device after loading: {meta_left[:5]}")
     modules.eval().requires_grad_(False)
+    release_freed_memory()
     logger.info(
         "loaded %s layers %s (%s, %.1f MiB of parameters)",
         index.root.name, layers, precision.value,
