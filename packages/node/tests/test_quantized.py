@@ -24,7 +24,7 @@ def run(snapshot, precision, device="cpu", n=6):
     return split_greedy(stages, prompt, n), stages
 
 
-@pytest.mark.parametrize("family", ["mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["mistral", "gpt2", "gemma2", "gemma3", "phi3"])
 def test_int8_tracks_bfloat16(tiny_snapshot, family):
     snapshot = tiny_snapshot(family)
     (ref_tokens, ref_logits), _ = run(snapshot, Precision.BFLOAT16)
@@ -36,8 +36,9 @@ def test_int8_tracks_bfloat16(tiny_snapshot, family):
     assert float((logits[0] - ref_logits[0]).abs().max()) < 0.1
 
 
-def test_nf4_runs_on_widths_multiple_of_32(tiny_snapshot):
-    snapshot = tiny_snapshot("llama")
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
+def test_nf4_runs_on_widths_multiple_of_32(tiny_snapshot, family):
+    snapshot = tiny_snapshot(family)
     (ref_tokens, ref_logits), _ = run(snapshot, Precision.BFLOAT16, n=1)
     (tokens, logits), stages = run(snapshot, Precision.NF4, n=1)
     import bitsandbytes as bnb

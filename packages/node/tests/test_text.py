@@ -226,3 +226,40 @@ def test_held_back_text_stays_shorter_than_the_longest_stop(smollm2):
     for token in ids:
         assembler.add(token)
         assert len(assembler._pending) < max(len(s) for s in stops)
+
+
+HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
+
+
+@pytest.fixture(scope="module")
+def structured():
+    """Two tokenizers in the style of the MoE families: gpt-oss's harmony (structure in
+    special tokens) and Qwen3 / DeepSeek-R1 (``<think>`` as an ordinary added token)."""
+    from meshnet_common.models.tiny import build_tokenizer
+
+    harmony = build_tokenizer()
+    harmony.add_special_tokens({"additional_special_tokens": list(HARMONY)})
+    thinking = build_tokenizer()
+    thinking.add_tokens(["<think>", "</think>"])
+    return harmony, thinking
+
+
+def _assemble(tokenizer, text: str, **kwargs) -> str:
+    assembler = TextAssembler(tokenizer, [], **kwargs)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return "".join(assembler.add(i)[0] for i in ids) + assembler.finish()
+
+
+def test_structural_special_tokens_survive_by_default(structured):
+    """A harmony reply keeps its channels (a client parses analysis from final); other models
+    drop special tokens, as vLLM does by default."""
+    from meshnet_node.head.text import skips_special_tokens
+
+    harmony, thinking = structured
+    reply = "<|channel|>analysis<|message|>The user asks.<|end|><|start|>assistant" \
+        "<|channel|>final<|message|>Paris.<|return|>"  # fmt: skip
+    assert skips_special_tokens(harmony) is False and skips_special_tokens(thinking) is True
+    assert _assemble(harmony, reply, skip_special_tokens=False) == reply
+    assert _assemble(harmony, reply) == "analysisThe user asks.assistantfinalParis."
+    think = "<think>The user asks.</think>Paris."
+    assert _assemble(thinking, think) == think  # not special: kept even when skipping

@@ -50,6 +50,9 @@ class _SamplingFields(Lenient):
     top_p: float = 1.0
     top_k: int = 0  # vLLM extension
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens
+    # vLLM extension; None: the model's default (kept for chat formats built of special
+    # tokens, e.g. gpt-oss's harmony channels, dropped otherwise)
+    skip_special_tokens: bool | None = None
     user: str | None = None
 
     @field_validator("max_tokens", "n", "seed", "top_k", mode="before")

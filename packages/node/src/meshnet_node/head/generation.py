@@ -23,7 +23,7 @@ from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage, StepOutput
-from meshnet_node.head.text import TextAssembler
+from meshnet_node.head.text import TextAssembler, skips_special_tokens
 from meshnet_node.retry import BanList, Clock, RetryBudget, RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class GenerationRequest:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens are text (harmony channels)
 
 
 @dataclass
@@ -142,6 +143,7 @@ class HeadGenerator:
         self.service = service
         self.tokenizer = tokenizer
         self.eos = eos_ids(tokenizer, generation_config)
+        self.skip_special_tokens = skips_special_tokens(tokenizer)  # the model's default
         self.failover = failover
         self.clock = clock
         self.sleep = sleep
@@ -170,7 +172,9 @@ class HeadGenerator:
             raise ValueError("a head that is not the tail needs a route")
         chain = _Chain(route=route)
         self._open_local(stage, chain, request)
-        assembler = TextAssembler(self.tokenizer, request.stop)
+        assembler = TextAssembler(
+            self.tokenizer, request.stop, skip_special_tokens=request.skip_special_tokens
+        )
         history = list(request.prompt_ids)
         metrics = self.service.metrics
         timings = StepTimings()
@@ -179,9 +183,11 @@ class HeadGenerator:
                 result = await self._advance(stage, chain, request, history, None, reroute)
             for produced in range(1, request.max_tokens + 1):
                 token = int(result.token_id)
-                delta, hit_stop = assembler.add(token)
+                ends = token in self.eos and not request.ignore_eos
+                # the end-of-sequence token is never text, even when special tokens are
+                delta, hit_stop = ("", False) if ends else assembler.add(token)
                 finish = None
-                if hit_stop or (token in self.eos and not request.ignore_eos):
+                if hit_stop or ends:
                     finish = "stop"
                 elif produced == request.max_tokens:
                     finish = "length"

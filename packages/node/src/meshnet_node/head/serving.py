@@ -128,6 +128,11 @@ class OpenAIServing:
             ),
             stop=tuple(request.stop_list),
             ignore_eos=request.ignore_eos,
+            skip_special_tokens=(
+                self.generator.skip_special_tokens
+                if request.skip_special_tokens is None
+                else request.skip_special_tokens
+            ),
         )
 
     def completion_jobs(self, request: CompletionRequest) -> list[GenerationRequest]:

@@ -27,8 +27,9 @@ class IncrementalDecoder:
     """Decodes one token at a time; ``step`` returns the new text, or None while the text
     so far ends in an unfinished character (or the token adds no text)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         backend = getattr(tokenizer, "_tokenizer", None)
         # transformers' clean-up of tokenization spaces is not part of the tokenizers
         # pipeline DecodeStream runs: with it on, decode windows through the tokenizer.
@@ -36,7 +37,7 @@ class IncrementalDecoder:
             tokenizer, "clean_up_tokenization_spaces", False
         )
         self._backend = backend if streamable else None
-        self._stream = DecodeStream(skip_special_tokens=True) if streamable else None
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if streamable else None
         self.context: list[int] = []  # ids of the last piece given out (decoding context)
         self.unread: list[int] = []  # ids since then, whose text is not given out yet
 
@@ -60,7 +61,9 @@ class IncrementalDecoder:
         return self._decode(self.context + self.unread)[len(prefix) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _stream_step(self, token_id: int) -> str | None:
         try:
@@ -76,6 +79,19 @@ class IncrementalDecoder:
         if len(text) <= len(prefix) or text.endswith(REPLACEMENT):
             return None
         return text[len(prefix) :]
+
+
+# Chat formats whose structure is carried by special tokens: a client needs them in the text
+# (gpt-oss's harmony: <|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final).
+STRUCTURAL_SPECIAL_TOKENS = ("<|channel|>", "<|message|>")
+
+
+def skips_special_tokens(tokenizer) -> bool:
+    """The model's default for ``skip_special_tokens``: False when its chat format is made of
+    special tokens (harmony), True otherwise. ``<think>`` blocks (Qwen3, DeepSeek-R1) are not
+    special tokens in those tokenizers, so they stay in the text either way."""
+    vocab = tokenizer.get_vocab()
+    return not all(token in vocab for token in STRUCTURAL_SPECIAL_TOKENS)
 
 
 def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
@@ -97,10 +113,10 @@ class TextAssembler:
     text before it is returned and the stop itself never is.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str], *, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self.stopped = False
         self._pieces: list[str] = []  # text given out
         self._pending = ""  # decoded text held back: it could begin a stop string
