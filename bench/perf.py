@@ -8,7 +8,9 @@ Sections (``--sections``, default all, in this order):
   and on a random ~1B Llama;
 - ttft: time to first token for 128, 512 and 2048-token prompts (SmolLM2);
 - concurrency: 1, 4 and 16 concurrent streamed sessions (SmolLM2);
-- overhead: decode-step time outside model compute, per hop, with 3, 2 and 1 processes.
+- overhead: decode-step time outside model compute, per hop, with 3, 2 and 1 processes;
+- sampling: the per-token cost of penalties, logit bias and top-p/min-p against greedy
+  (the sampler alone, and decode on the SmolLM2 swarm; ``sampling_bench.py``).
 
 Every process (this one, which runs HF, and every node) uses ``--threads`` torch threads
 (default 1). Each figure is the median of several runs with min and max; a ratio to the
@@ -58,7 +60,7 @@ from wire_bench import measure_wire, print_wire
 from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
 from meshnet_common.models.tiny import CORPUS
 
-SECTIONS = ("memory", "wire", "decode", "ttft", "concurrency", "overhead")
+SECTIONS = ("memory", "wire", "decode", "ttft", "concurrency", "overhead", "sampling")
 SMOL_LAYOUTS = {  # processes -> layer ranges, tracker node first
     3: [(0, 10), (10, 20), (20, 30)],
     2: [(0, 15), (15, 30)],
@@ -236,6 +238,14 @@ def run_smollm2(plan: Plan, run: Run, snapshot: Path, prompts: SmolPrompts) -> N
                     live(swarm), prompts.sessions, list(plan.sessions), plan.session_tokens, repeat
                 )
                 print_concurrency(results["concurrency"])
+        if "sampling" in wanted:
+            from sampling_bench import print_sampling, sampling_section
+
+            with run.section("sampling"):
+                results["sampling"] = sampling_section(
+                    live(swarm), prompts.decode, plan.overhead_tokens, repeat
+                )
+                print_sampling(results["sampling"])
         if "overhead" in wanted:
             with run.section("overhead SmolLM2 3 procs"):
                 results.setdefault("overhead", {})["SmolLM2 3 procs"] = overhead_section(
@@ -305,6 +315,10 @@ def print_all(results: dict) -> None:
         print_concurrency(results["concurrency"])
     if "overhead" in results:
         print_overhead(results["overhead"])
+    if "sampling" in results:
+        from sampling_bench import print_sampling
+
+        print_sampling(results["sampling"])
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Plan, str]:
@@ -366,14 +380,14 @@ def main() -> None:
     if "memory" in wanted:
         with run.section("memory"):
             run.results["memory"] = run_memory(plan)
-    if wanted & {"wire", "decode", "ttft", "concurrency", "overhead"}:
+    if wanted & {"wire", "decode", "ttft", "concurrency", "overhead", "sampling"}:
         snapshot = import_smollm2(plan.smol_dir)
         prompts = smol_prompts(snapshot, plan)
         if "wire" in wanted:
             with run.section("wire"):
                 run.results["wire"] = measure_wire(snapshot, prompts.wire, plan.wire_repeats)
                 print_wire(run.results["wire"])
-        if wanted & {"decode", "ttft", "concurrency", "overhead"}:
+        if wanted & {"decode", "ttft", "concurrency", "overhead", "sampling"}:
             run_smollm2(plan, run, snapshot, prompts)
     if "decode" in wanted:
         run_llama_1b(plan, run)

@@ -172,7 +172,8 @@ def test_nan_and_garbage_bodies(smol):
     garbage = httpx.post(f"{smol.url}/v1/completions", content=b"{not json")
     assert garbage.status_code == 400
     extra = complete(smol, model=MODEL, prompt="Hi", max_tokens=2, frobnicate=True)
-    assert extra.status_code == 200  # unknown fields are ignored
+    assert extra.status_code == 400  # an unknown field is refused, never silently ignored
+    assert extra.json()["error"]["param"] == "frobnicate"
 
 
 def test_stream_ends_with_done(smol):

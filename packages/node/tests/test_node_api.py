@@ -22,6 +22,7 @@ from inprocess_hops import HttpxHops
 
 from meshnet_common import wire
 from meshnet_common.layers import LayerRange
+from meshnet_common.openai_protocol import ChatCompletionRequest
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
     H_CHUNK,
@@ -650,7 +651,23 @@ BAD_COMPLETIONS = {
     "negative token id": ({**BASE, "prompt": [-1]}, 400, "prompt"),
     "temperature too high": ({**BASE, "temperature": 5}, 400, "temperature"),
     "top_p zero": ({**BASE, "top_p": 0}, 400, "top_p"),
-    "negative top_k": ({**BASE, "top_k": -1}, 400, "top_k"),
+    "top_k below -1": ({**BASE, "top_k": -2}, 400, "top_k"),
+    "suffix": ({**BASE, "suffix": "end"}, 400, "suffix"),
+    "best_of above n": ({**BASE, "best_of": 3}, 400, "best_of"),
+    "an unknown field": ({**BASE, "frobnicate": 1}, 400, "frobnicate"),
+    "stream_options without stream": (
+        {**BASE, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    "presence_penalty 3": ({**BASE, "presence_penalty": 3}, 400, "presence_penalty"),
+    "repetition_penalty 0": ({**BASE, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    "min_p 2": ({**BASE, "min_p": 2}, 400, "min_p"),
+    "logit_bias a word": ({**BASE, "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    "logit_bias out of vocab": ({**BASE, "logit_bias": {"999999": 5}}, 400, "logit_bias"),
+    "logit_bias 101": ({**BASE, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    "stop_token_ids out of vocab": ({**BASE, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    "empty token-id prompt": ({**BASE, "prompt": [[1, 2], []]}, 400, "prompt"),
     "max_tokens zero": ({**BASE, "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens a string": ({**BASE, "max_tokens": "ten"}, 400, "max_tokens"),
     "max_tokens a bool": ({**BASE, "max_tokens": True}, 400, "max_tokens"),
@@ -680,6 +697,25 @@ BAD_CHATS = {
     "bad role": ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
     "top_logprobs 21": ({**CHAT, "logprobs": True, "top_logprobs": 21}, 400),
     "negative temperature": ({**CHAT, "temperature": -0.5}, 400),
+    "tools": ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    "json output": ({**CHAT, "response_format": {"type": "json_object"}}, 400),
+    "an image part": (
+        {
+            **CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
+                    ],
+                }
+            ],
+        },
+        400,
+    ),
+    "audio out": ({**CHAT, "modalities": ["text", "audio"]}, 400),
+    "both template flags": ({**CHAT, "continue_final_message": True}, 400),
+    "template kwargs tokenize": ({**CHAT, "chat_template_kwargs": {"tokenize": False}}, 400),
 }
 
 
@@ -727,3 +763,206 @@ def test_json_bodies_have_a_size_limit_and_a_media_type(tiny_snapshot):
         ok = client.post("/v1/completions", json={"model": "meshnet-tiny/llama", "prompt": "hi",
                                                   "max_tokens": 2})  # fmt: skip
         assert ok.status_code == 200
+
+
+# -- sampling fields: penalties, bias, stops, defaults --------------------------------------
+
+
+def _penalised_greedy(reference, prompt_ids, steps, *, rep=1.0, presence=0.0, frequency=0.0):
+    """Greedy decoding by the unsplit model with vLLM's penalties written out here."""
+    ids = list(prompt_ids)
+    out = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = reference(torch.tensor([ids])).logits[0, -1].float()
+            if rep != 1.0:
+                seen = torch.tensor(sorted(set(ids)))
+                picked = logits[seen]
+                logits[seen] = torch.where(picked > 0, picked / rep, picked * rep)
+            if out:
+                counts = torch.bincount(torch.tensor(out), minlength=logits.numel()).float()
+                logits = logits - frequency * counts - presence * (counts > 0).float()
+            token = int(torch.argmax(logits))
+            out.append(token)
+            ids.append(token)
+    return out
+
+
+PENALTY_PROMPT = [(i * 7) % 50 + 5 for i in range(150)]  # repetitive: the penalties bite
+
+
+def _text(tokenizer, ids) -> str:
+    """What the server sends for ``ids``: a character left unfinished at the end is held."""
+    return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_repetition_penalty_matches_hf_generate_across_three_nodes(
+    chain_head, tokenizer, reference
+):
+    """The tail counts prompt and output ids that reach it in each step's ids header."""
+    ids = torch.tensor([PENALTY_PROMPT])
+    want = reference.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+        repetition_penalty=1.8,
+    )[0, ids.shape[1] :].tolist()  # fmt: skip
+    plain = _penalised_greedy(reference, PENALTY_PROMPT, 10)
+    assert want != plain  # the penalty changes the text, so the check means something
+    body = {"model": MODEL_ID, "prompt": PENALTY_PROMPT, "max_tokens": 10, "logprobs": 0,
+            "repetition_penalty": 1.8, **GREEDY}  # fmt: skip
+    choice = chain_head.http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == _text(tokenizer, want)
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 1.2), (0.5, 0.8)])
+def test_presence_and_frequency_penalties(chain_head, whole, reference, tokenizer, presence,
+                                          frequency):  # fmt: skip
+    want = _penalised_greedy(reference, PENALTY_PROMPT, 10, presence=presence, frequency=frequency)
+    body = {"model": MODEL_ID, "prompt": PENALTY_PROMPT, "max_tokens": 10, **GREEDY,
+            "presence_penalty": presence, "frequency_penalty": frequency}  # fmt: skip
+    for node in (chain_head, whole):  # over hops, and with head and tail in one
+        choice = node.http.post("/v1/completions", json=body).json()["choices"][0]
+        assert choice["text"] == _text(tokenizer, want)
+
+
+def test_logit_bias_and_stop_token_ids(whole, reference, tokenizer):
+    forced = 77
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 5, **GREEDY,
+            "logit_bias": {str(forced): 100}}  # fmt: skip
+    choice = whole.http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == _text(tokenizer, [forced] * 5)
+    plain = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 6, **GREEDY}
+    tokens, _ = hf_chunked_greedy(reference, tokenizer("Hello").input_ids, 6)
+    stop_at = tokens[3]
+    cut = tokens.index(stop_at)
+    stopped = whole.http.post(
+        "/v1/completions", json={**plain, "stop_token_ids": [stop_at]}
+    ).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["text"] == _text(tokenizer, tokens[:cut])
+
+
+def test_top_k_minus_one_and_min_p_are_honoured(whole):
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 1.0,
+            "seed": 5}  # fmt: skip
+    a = whole.http.post("/v1/completions", json={**body, "top_k": -1}).json()
+    b = whole.http.post("/v1/completions", json={**body, "top_k": 0}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]  # both mean no limit
+    greedy = whole.http.post("/v1/completions", json={**body, **GREEDY}).json()
+    only_top = whole.http.post("/v1/completions", json={**body, "min_p": 1.0}).json()
+    assert only_top["choices"][0]["text"] == greedy["choices"][0]["text"]  # min_p 1: argmax
+
+
+def test_default_max_tokens_follow_openai(whole, tokenizer):
+    plain = {"model": MODEL_ID, "prompt": "Hello", "ignore_eos": True, **GREEDY}
+    body = whole.http.post("/v1/completions", json=plain).json()
+    assert body["usage"]["completion_tokens"] == 16  # completions: 16, as OpenAI and vLLM
+    request = ChatCompletionRequest(model=MODEL_ID, messages=MESSAGES)
+    job = whole.runtime.openai.chat_jobs(request)[0]
+    assert job.max_tokens == whole.runtime.service.stage.max_positions - len(job.prompt_ids)
+
+
+def test_generation_config_defaults_apply_when_the_request_is_silent():
+    from transformers import GenerationConfig
+
+    from meshnet_common.openai_protocol import CompletionRequest
+    from meshnet_node.head.params import sampling_defaults, sampling_spec
+
+    defaults = sampling_defaults(GenerationConfig(temperature=0.6, top_p=0.95, top_k=20))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    quiet = CompletionRequest(model=MODEL_ID, prompt="x")
+    spec = sampling_spec(quiet, defaults=defaults, vocab_size=512, seed=None, logprobs=0,
+                         prompt_tokens=1)  # fmt: skip
+    assert (spec.temperature, spec.top_p, spec.top_k) == (0.6, 0.95, 20)
+    loud = CompletionRequest(model=MODEL_ID, prompt="x", temperature=0.0, top_k=-1)
+    spec = sampling_spec(loud, defaults=defaults, vocab_size=512, seed=None, logprobs=0,
+                         prompt_tokens=1)  # fmt: skip
+    assert (spec.temperature, spec.top_p, spec.top_k) == (0.0, 0.95, 0)
+    none = sampling_spec(quiet, defaults={}, vocab_size=512, seed=None, logprobs=0,
+                         prompt_tokens=1)  # fmt: skip
+    assert (none.temperature, none.top_p) == (1.0, 1.0)  # OpenAI's defaults
+
+
+def test_prompts_as_lists_of_token_ids(whole, tokenizer, reference):
+    a, b = [(i * 3) % 90 + 5 for i in range(20)], [(i * 5) % 90 + 7 for i in range(30)]
+    body = {"model": MODEL_ID, "prompt": [a, b], "max_tokens": 4, **GREEDY}
+    choices = whole.http.post("/v1/completions", json=body).json()["choices"]
+    assert [c["text"] for c in choices] == [
+        _text(tokenizer, hf_chunked_greedy(reference, p, 4)[0]) for p in (a, b)
+    ]
+
+
+def test_chat_template_flags_shape_the_prompt(whole, tokenizer):
+    serving = whole.runtime.openai
+    base = ChatCompletionRequest(model=MODEL_ID, messages=MESSAGES)
+    with_prompt = serving.chat_jobs(base)[0].prompt_ids
+    without = serving.chat_jobs(base.model_copy(update={"add_generation_prompt": False}))
+    assert with_prompt[: len(without[0].prompt_ids)] == without[0].prompt_ids
+    assert len(with_prompt) > len(without[0].prompt_ids)  # "<|im_start|>assistant\n"
+    partial = [*MESSAGES, {"role": "assistant", "content": "The capital is"}]
+    cont = ChatCompletionRequest(model=MODEL_ID, messages=partial, add_generation_prompt=False,
+                                 continue_final_message=True)  # fmt: skip
+    text = tokenizer.decode(serving.chat_jobs(cont)[0].prompt_ids)
+    assert text.endswith("The capital is")  # the reply continues, no end-of-turn
+    tool = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]  # fmt: skip
+    assert serving.chat_jobs(ChatCompletionRequest(model=MODEL_ID, messages=tool))
+
+
+def test_logprobs_zero_and_echo(whole, tokenizer):
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 3, **GREEDY, "logprobs": 0}
+    choice = whole.http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == 3 and all(len(t) == 1 for t in lp["top_logprobs"])
+    assert [next(iter(t.values())) for t in lp["top_logprobs"]] == lp["token_logprobs"]
+    plain = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 3, **GREEDY}
+    text = whole.http.post("/v1/completions", json=plain).json()["choices"][0]["text"]
+    echoed = whole.http.post("/v1/completions", json={**plain, "echo": True}).json()
+    prompt = tokenizer.decode(tokenizer("Hello").input_ids, skip_special_tokens=True)
+    assert echoed["choices"][0]["text"] == prompt + text
+    refused = whole.http.post("/v1/completions", json={**plain, "echo": True, "logprobs": 1})
+    assert assert_error(refused, 400)["param"] == "echo"
+
+
+def _events(resp) -> list[dict]:
+    lines = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(e) for e in lines[:-1]]
+
+
+def test_stream_usage_and_text_offsets(whole):
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 5, **GREEDY, "logprobs": 1,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks = _events(whole.http.post("/v1/completions", json=body))
+    *tokens, last = chunks
+    assert all(c["usage"] is None for c in tokens) and last["choices"] == []
+    assert last["usage"]["completion_tokens"] == 5
+    offsets = [c["choices"][0]["logprobs"]["text_offset"][0] for c in tokens]
+    texts = [c["choices"][0]["text"] for c in tokens]
+    assert offsets == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    running = {**body, "stream_options": {"continuous_usage_stats": True}}
+    counted = _events(whole.http.post("/v1/completions", json=running))
+    assert [c["usage"]["completion_tokens"] for c in counted] == [1, 2, 3, 4, 5]
+    chat = {"model": MODEL_ID, "messages": MESSAGES, "max_tokens": 3, **GREEDY, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    *deltas, final = _events(whole.http.post("/v1/chat/completions", json=chat))
+    assert all(c["usage"] is None for c in deltas) and final["usage"]["completion_tokens"] == 3
+
+
+def test_served_names_and_max_model_len(snapshot):
+    settings = settings_for(snapshot, 0, 6, served_model_name=("tiny", "tiny-chat"),
+                            max_model_len=64)  # fmt: skip
+    with running(settings) as node:
+        cards = node.http.get("/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == ["tiny", "tiny-chat"]
+        assert all(c["max_model_len"] == 64 and c["owned_by"] == "meshnet" for c in cards)
+        assert all(c["created"] > 0 and c["root"] == MODEL_ID for c in cards)
+        body = {"model": "tiny-chat", "prompt": "Hello", "max_tokens": 2, **GREEDY}
+        reply = node.http.post("/v1/completions", json=body).json()
+        assert reply["model"] == "tiny-chat"  # answered under the name asked for
+        long = {**body, "prompt": [5] * 70}
+        error = assert_error(node.http.post("/v1/completions", json=long), 400)
+        assert error["code"] == "context_length_exceeded"
+        assert len(node.sessions) == 0
+        announced = node.runtime.announcement()
+        assert announced.served_names == ("tiny", "tiny-chat") and announced.max_model_len == 64

@@ -1,4 +1,5 @@
-"""Tail sampling: greedy, seeded reproducibility, top-k/top-p, parameter validation."""
+"""Tail sampling: greedy, seeded reproducibility, top-k/top-p, parameter validation, and the
+penalties, logit bias and min-p checked against their formulas written out."""
 
 from __future__ import annotations
 
@@ -45,3 +46,72 @@ def test_invalid_parameters_are_refused(field, value):
     with pytest.raises(InvalidRequest) as info:
         SamplingSpec(**{field: value})
     assert info.value.param == field
+
+
+# -- penalties, logit bias, min-p over the history the steps bring (vLLM's definitions) --
+
+V = 64
+
+
+def brute(logits, history, prompt, *, rep=1.0, presence=0.0, frequency=0.0):
+    out = logits.clone()
+    for token in set(history):
+        if rep != 1.0:
+            out[token] = out[token] / rep if out[token] > 0 else out[token] * rep
+    for token in set(history[prompt:]):
+        count = history[prompt:].count(token)
+        out[token] -= frequency * count + presence
+    return out
+
+
+@pytest.mark.parametrize(("rep", "presence", "frequency"),
+                         [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 0.4), (0.8, 1.5, -0.5)])  # fmt: skip
+def test_penalties_follow_the_formulas_as_the_history_grows(rep, presence, frequency):
+    gen = torch.Generator().manual_seed(1)
+    spec = SamplingSpec(repetition_penalty=rep, presence_penalty=presence,
+                        frequency_penalty=frequency, prompt_tokens=10)  # fmt: skip
+    sampler = Sampler(spec)
+    history = torch.randint(0, V, (10,), generator=gen).tolist()
+    sampler.observe(0, history)
+    for _ in range(15):
+        logits = torch.randn(V, generator=gen)
+        want = int(torch.argmax(brute(logits, history, 10, rep=rep, presence=presence,
+                                      frequency=frequency)))  # fmt: skip
+        token = sampler(logits).token_id
+        assert token == want
+        sampler.observe(len(history), [token])  # the next step brings it as its input
+        history.append(token)
+
+
+def test_steps_may_arrive_out_of_order_and_be_rewritten():
+    spec = SamplingSpec(presence_penalty=2.0, prompt_tokens=0)
+    sampler = Sampler(spec)
+    sampler.observe(3, [5, 6])  # a later chunk first
+    sampler.observe(0, [1, 2, 3])
+    logits = torch.zeros(V)
+    logits[[1, 2, 3, 5, 6, 9]] = 1.0
+    assert sampler(logits).token_id == 9  # every observed id is penalised
+    sampler.observe(0, [9, 2, 3])  # a position written again: counted again from scratch
+    assert sampler(logits).token_id == 1
+
+
+def test_logit_bias_min_p_top_k_and_seeds():
+    logits = torch.linspace(0, 5, V)
+    biased = Sampler(SamplingSpec(logit_bias=((3, 100.0), (V + 5, 100.0))))
+    assert biased(logits).token_id == 3  # ids past the vocabulary are ignored
+    assert biased(logits).logprob == pytest.approx(float(torch.log_softmax(logits, -1)[3]))
+    only_best = Sampler(SamplingSpec(temperature=1.0, min_p=1.0, seed=3))
+    assert {only_best(logits).token_id for _ in range(20)} == {V - 1}
+    top2 = Sampler(SamplingSpec(temperature=2.0, top_k=2, seed=3))
+    assert {top2(logits).token_id for _ in range(40)} <= {V - 1, V - 2}
+    a = Sampler(SamplingSpec(temperature=1.0, seed=7))
+    b = Sampler(SamplingSpec(temperature=1.0, seed=7))
+    c = Sampler(SamplingSpec(temperature=1.0, seed=8))
+    flat = torch.zeros(V)
+    draws = [[s(flat).token_id for _ in range(12)] for s in (a, b, c)]
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+
+
+def test_no_history_is_kept_without_penalties():
+    sampler = Sampler(SamplingSpec())
+    assert not sampler.wants_history

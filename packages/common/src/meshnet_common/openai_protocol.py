@@ -1,39 +1,127 @@
-"""The public OpenAI-compatible API: lenient request schemas (unknown fields ignored)."""
+"""The public OpenAI-compatible API: request schemas where every field is honoured or
+refused with a 400 (``unsupported_parameter``), never silently ignored (as vLLM does)."""
 
 from __future__ import annotations
 
 import math
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_common.protocol import SEED_MAX, SEED_MIN, TEMPERATURE_MAX  # the one set of bounds
+from meshnet_common.protocol import (  # the one set of bounds
+    LOGIT_BIAS_MAX,
+    LOGIT_BIAS_MAX_ENTRIES,
+    PENALTY_MAX,
+    REPETITION_PENALTY_MAX,
+    SEED_MAX,
+    SEED_MIN,
+    TEMPERATURE_MAX,
+)
+
+UNSUPPORTED = "unsupported_parameter"
+
+# Fields of the OpenAI API (and vLLM's extensions) that meshnet does not implement, with the
+# values that mean "not asked for": any other value is refused. A field named nowhere in a
+# request model is refused too.
+_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "min_tokens": (None, 0),
+    "include_stop_str_in_output": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+}
+# Accepted and without effect on the output: bookkeeping a client may always send.
+_ACCEPTED = {"user", "metadata", "request_id"}
+
+
+def _refuse(name: str, why: str = "is not supported by this server") -> InvalidRequest:
+    return InvalidRequest(f"{name} {why}", param=name, code=UNSUPPORTED)
 
 
 class Lenient(BaseModel):
-    """Public schemas accept and ignore fields they do not know (clients send many)."""
+    """Public request schemas: known fields parsed; a field that is not implemented (with a
+    value that would change the output) or not known at all is refused with a 400."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in _ACCEPTED:
+                continue
+            if name in _NOT_IMPLEMENTED:
+                if value in _NOT_IMPLEMENTED[name]:
+                    continue
+                raise _refuse(name)
+            raise _refuse(name, "is not a known parameter")
+        return self
 
 
-class ChatMessage(Lenient):
+class ChatMessage(BaseModel):
+    """One message; ``name``, ``tool_calls`` and ``tool_call_id`` are kept for the template."""
+
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
-            texts = [p.get("text") for p in self.content if p.get("type") == "text"]
-            if not all(isinstance(t, str) for t in texts):
-                raise InvalidRequest("a text content part needs a string 'text'", param="messages")
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                kind = part.get("type")
+                if kind != "text":  # images, audio, files: text-only models
+                    raise InvalidRequest(
+                        f"content parts of type {kind!r} are not supported: the model reads "
+                        "text only", param="messages", code=UNSUPPORTED,
+                    )  # fmt: skip
+                if not isinstance(part.get("text"), str):
+                    raise InvalidRequest(
+                        "a text content part needs a string 'text'", param="messages"
+                    )
+                texts.append(part["text"])
             return "".join(texts)
         return self.content or ""
 
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            value = getattr(self, name)
+            if value is not None:
+                message[name] = value
+        return message
 
-class StreamOptions(Lenient):
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(Lenient):
@@ -46,10 +134,18 @@ class _SamplingFields(Lenient):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens
+    # None: the model's generation_config.json default, else OpenAI's (vLLM does the same)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    top_k: int | None = None  # 0 and -1: no limit
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # generate exactly max_tokens
     # vLLM extension; None: the model's default (kept for chat formats built of special
     # tokens, e.g. gpt-oss's harmony channels, dropped otherwise)
     skip_special_tokens: bool | None = None
@@ -64,18 +160,48 @@ class _SamplingFields(Lenient):
 
     def check_params(self) -> None:
         """Validate the sampling parameters (the prompt-dependent checks come in ``check``)."""
-        for name in ("temperature", "top_p"):
+        for name in (
+            "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty",
+        ):  # fmt: skip
             value = getattr(self, name)
-            if not math.isfinite(value):
+            if value is not None and (isinstance(value, bool) or not math.isfinite(value)):
                 raise InvalidRequest(f"{name} must be a finite number", param=name)
-        if not 0.0 <= self.temperature <= TEMPERATURE_MAX:
+        if self.temperature is not None and not 0.0 <= self.temperature <= TEMPERATURE_MAX:
             raise InvalidRequest(
                 f"temperature must be between 0 and {TEMPERATURE_MAX:g}", param="temperature"
             )
-        if not 0.0 < self.top_p <= 1.0:
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
-        if self.top_k < 0:
-            raise InvalidRequest("top_k must be >= 0", param="top_k")
+        if self.top_k is not None and self.top_k < -1:
+            raise InvalidRequest("top_k must be -1, 0 (no limit) or positive", param="top_k")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest("min_p must be in [0, 1]", param="min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if abs(getattr(self, name)) > PENALTY_MAX:
+                raise InvalidRequest(f"{name} must be between -2 and 2", param=name)
+        rp = self.repetition_penalty
+        if rp is not None and not 0.0 < rp <= REPETITION_PENALTY_MAX:
+            raise InvalidRequest(
+                f"repetition_penalty must be in (0, {REPETITION_PENALTY_MAX:g}]",
+                param="repetition_penalty",
+            )
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > LOGIT_BIAS_MAX_ENTRIES:
+                raise InvalidRequest("logit_bias takes up to 300 tokens", param="logit_bias")
+            for key, bias in self.logit_bias.items():
+                if not key.isdigit():
+                    raise InvalidRequest(
+                        f"logit_bias keys are token ids, got {key!r}", param="logit_bias"
+                    )
+                if isinstance(bias, bool) or not math.isfinite(bias) or abs(bias) > LOGIT_BIAS_MAX:
+                    raise InvalidRequest("logit_bias values lie in [-100, 100]", param="logit_bias")
+        if self.stop_token_ids is not None and any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ):
+            raise InvalidRequest("stop_token_ids are token ids", param="stop_token_ids")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options needs stream: true", param="stream_options")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise InvalidRequest("seed must fit in 64 bits", param="seed")
         if not 1 <= self.n <= 8:
@@ -96,7 +222,7 @@ class _SamplingFields(Lenient):
                 code="context_length_exceeded",
             )
         if self.max_tokens is None:
-            return min(room, 256)
+            return room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         if self.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         if self.max_tokens > room:
@@ -116,9 +242,18 @@ class _SamplingFields(Lenient):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None  # only equal to n: no candidates are ranked
+
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's for completions
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refuse("best_of", "other than n is not supported (no candidates are ranked)")
+        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -133,6 +268,26 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    # vLLM extensions for the chat template
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    default_max_tokens: ClassVar[int | None] = None  # the rest of the context window
+
+    @model_validator(mode="after")
+    def _template_flags(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message needs add_generation_prompt: false",
+                param="continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequest(
+                "continue_final_message needs an assistant message last",
+                param="continue_final_message",
+            )
+        return self
 
 
 def new_id(prefix: str) -> str:

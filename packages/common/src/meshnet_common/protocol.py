@@ -34,6 +34,8 @@ def _model_id(value: str) -> str:
 
 
 ModelId = Annotated[str, Field(min_length=3, max_length=200), AfterValidator(_model_id)]
+# A name clients may use for a model (--served-model-name): free-form, as in vLLM.
+ServedName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\w.:/@+-]+$")]
 Url = Annotated[str, Field(min_length=8, max_length=300, pattern=r"^https?://[^\s/]+(:\d+)?/?$")]
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -56,6 +58,9 @@ H_CHUNK = "x-meshnet-chunk"
 H_ROUTE = "x-meshnet-route"  # comma-separated URLs of the hops after this one
 H_OPEN = "x-meshnet-open"  # JSON SamplingSpec: open the session on every hop first
 H_SAMPLE = "x-meshnet-sample"  # "1": the tail samples this step's last token
+H_IDS = (
+    "x-meshnet-ids"  # the step's token ids, comma-separated, when the tail's penalties count them
+)
 H_SWARM_TOKEN = "x-meshnet-swarm-token"
 # On a step's answer: model compute of each hop from this one to the tail, in ms, comma-
 # separated. Each hop prepends its own to what the next one answered and relays the tail's
@@ -136,6 +141,12 @@ class NodeAnnouncement(Strict):
     # Whether the tracker may move this node to another range: a node the tracker placed, or
     # one started with --allow-rebalance. A range given by hand is the operator's decision.
     movable: bool = False
+    # The model card a head answers /v1/models with (the tracker lists the same): the names
+    # clients may use (--served-model-name; empty: the model id), the longest prompt +
+    # completion accepted (--max-model-len), when the snapshot was written (Unix time).
+    served_names: tuple[ServedName, ...] = Field(default=(), max_length=16)
+    max_model_len: int | None = Field(default=None, gt=0)
+    created: int = Field(default=0, ge=0)
 
 
 class RegisterResponse(Strict):
@@ -189,6 +200,10 @@ class RouteResponse(Strict):
 
 TEMPERATURE_MAX = 2.0  # the OpenAI API's bound
 TOP_LOGPROBS_MAX = 20
+PENALTY_MAX = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI)
+REPETITION_PENALTY_MAX = 10.0
+LOGIT_BIAS_MAX_ENTRIES = 300  # OpenAI's limit
+LOGIT_BIAS_MAX = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
@@ -200,18 +215,43 @@ class SamplingSpec(Strict):
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     logprobs: int = 0  # how many top alternatives to report (0 = none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: over prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # Tokens of the original prompt: the tail counts the rest of the history (which each
+    # step's ids header brings, replays included) as output for the penalties.
+    prompt_tokens: int = Field(default=0, ge=0)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the tail must see the token ids (penalties count them)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @model_validator(mode="after")
     def _bounded(self) -> SamplingSpec:
+        biases = self.logit_bias
         checks = (
             ("temperature", math.isfinite(self.temperature)
              and 0.0 <= self.temperature <= TEMPERATURE_MAX),
             ("top_p", math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0),
             ("top_k", self.top_k >= 0),
+            ("min_p", math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0),
             ("logprobs", 0 <= self.logprobs <= TOP_LOGPROBS_MAX),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX),
+            ("presence_penalty", math.isfinite(self.presence_penalty)
+             and abs(self.presence_penalty) <= PENALTY_MAX),
+            ("frequency_penalty", math.isfinite(self.frequency_penalty)
+             and abs(self.frequency_penalty) <= PENALTY_MAX),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty)
+             and 0.0 < self.repetition_penalty <= REPETITION_PENALTY_MAX),
+            ("logit_bias", len(biases) <= LOGIT_BIAS_MAX_ENTRIES and all(
+                t >= 0 and math.isfinite(b) and abs(b) <= LOGIT_BIAS_MAX for t, b in biases)),
         )  # fmt: skip
         for param, ok in checks:
             if not ok:  # not a ValueError: pydantic lets it through, param and all

@@ -73,10 +73,7 @@ def head_router() -> APIRouter:
     @router.get("/v1/models")
     async def models(request: Request):
         openai = serving(request)
-        return {
-            "object": "list",
-            "data": [{"id": openai.model_id, "object": "model", "owned_by": "meshnet"}],
-        }
+        return {"object": "list", "data": openai.model_cards()}
 
     return router
 

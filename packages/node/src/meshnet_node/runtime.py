@@ -112,6 +112,9 @@ class NodeRuntime:
             memory_free_bytes=int(psutil.virtual_memory().available),
             kv_budget_tokens=self.settings.kv_budget_tokens,
             state=NodeState.SERVING,
+            served_names=self.settings.served_model_name,
+            max_model_len=self.openai.context_window if self.openai is not None else None,
+            created=snapshot_created(self.settings.model_path),
         )
 
     def heartbeat(self) -> Heartbeat:
@@ -130,6 +133,14 @@ class NodeRuntime:
 def bind_url(host: str, port: int) -> str:
     """``http://HOST:PORT`` with an IPv6 host in brackets."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def snapshot_created(snapshot: Path | None) -> int:
+    """When the model's snapshot was written (its config.json), as /v1/models reports it."""
+    try:
+        return int((Path(snapshot) / "config.json").stat().st_mtime)
+    except (OSError, TypeError):
+        return 0
 
 
 def announced_url(settings: NodeSettings) -> str:
@@ -249,7 +260,11 @@ def build_openai(
     except OSError:
         generation_config = None
     generator = HeadGenerator(service, tokenizer, generation_config)
-    return OpenAIServing(settings.model_id, generator, route_provider)
+    return OpenAIServing(
+        settings.model_id, generator, route_provider,
+        served_names=settings.served_model_name, max_model_len=settings.max_model_len,
+        created=snapshot_created(settings.model_path),
+    )  # fmt: skip
 
 
 def _tracker_routes(

@@ -113,6 +113,40 @@ class TrackerState:
         exclude = {n.node_id for n in model.nodes if n.url in exclude_urls}
         return choose_route(model, head=head, exclude=exclude)
 
+    def resolve_model(self, name: str) -> str:
+        """The model id a client's ``model`` names: the id itself, or a served name a node of
+        that model declared (--served-model-name)."""
+        if self.registry.num_layers(name) is not None:
+            return name
+        for record in self.registry.records():
+            if name in record.announcement.served_names:
+                return record.announcement.shard.model_id
+        return name
+
+    def model_cards(self) -> list[dict]:
+        """/v1/models: one entry per served name of each covered model, as its head nodes
+        answer it (the earliest snapshot time, the smallest context any node accepts)."""
+        cards = []
+        records = self.registry.records()
+        for model in self.registry.coverage().values():
+            if not model.covered:
+                continue
+            mine = [
+                r.announcement for r in records
+                if r.announcement.shard.model_id == model.model_id and r.state == "serving"
+            ]  # fmt: skip
+            heads = [a for a in mine if a.shard.shard_start == 0] or mine
+            names = next((a.served_names for a in heads if a.served_names), ()) or (model.model_id,)
+            lens = [a.max_model_len for a in heads if a.max_model_len]
+            created = min((a.created for a in heads if a.created), default=0)
+            for name in names:
+                cards.append({
+                    "id": name, "object": "model", "created": created, "owned_by": "meshnet",
+                    "root": model.model_id, "max_model_len": min(lens) if lens else None,
+                    "meshnet": {"num_layers": model.num_layers, "nodes": len(model.serving)},
+                })  # fmt: skip
+        return cards
+
     def hop_url(self, hop: Hop, own_url: str) -> str:
         """Where a hop is reached; the tracker node at ``own_url`` (the tracker's address as
         the caller knows it: a tracker bound to 0.0.0.0 has no one address of its own)."""

@@ -4,10 +4,12 @@ tracker can offer these knobs without the node package."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import re
+from typing import Annotated, ClassVar
 from urllib.parse import urlsplit
 
 from pydantic import field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from meshnet_common.config import defaults
 from meshnet_common.config.settings import ServiceSettings, knob
@@ -54,6 +56,15 @@ class ShardSettings(ServiceSettings):
         group=MODEL,
     )  # fmt: skip
     max_sessions: int = knob(256, "most sessions open at once (beyond: 503)", group=MODEL)
+    max_model_len: int | None = knob(
+        None, "longest prompt + completion a request may use; longer ones are refused up front "
+        "with context_length_exceeded (default: the model's context, at most the KV budget)",
+        group=MODEL,
+    )  # fmt: skip
+    served_model_name: Annotated[tuple[str, ...], NoDecode] = knob(
+        (), "name clients may use for the model, listed by /v1/models (repeatable; env: "
+        "comma-separated; default: --model-id)", group=MODEL, action="append",
+    )  # fmt: skip
     session_idle_timeout_s: float = knob(
         300.0, "seconds a session may sit idle before its KV cache is freed",
         group=MODEL, flag="--session-idle-timeout",
@@ -123,6 +134,16 @@ class ShardSettings(ServiceSettings):
             layers = values.pop("layers")
             values.update(shard_start=layers.start, shard_end=layers.end)
         return values
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value):
+        names = value.split(",") if isinstance(value, str) else value
+        names = tuple(v.strip() for v in names if v.strip())
+        bad = [n for n in names if not re.fullmatch(r"[\w.:/@+-]{1,200}", n)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a usable model name")
+        return names
 
     @field_validator("log_level", mode="before")
     @classmethod

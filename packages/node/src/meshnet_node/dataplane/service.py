@@ -233,6 +233,8 @@ class NodeService:
                 start_layer=req.start_layer,
             )
             opened = True
+        if req.ids is not None and stage.shard.is_tail:  # before any later step samples
+            stage.sessions.observe(req.session_id, req.position, req.ids, owner=req.session_key)
         try:
             out = await self._run_step(stage, req)
         except MeshnetError:
@@ -256,6 +258,7 @@ class NodeService:
             route=req.route[1:],
             sample=req.sample,
             open_spec=self._relayed_open(stage, req),
+            ids=req.ids,
         )
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
@@ -376,6 +379,7 @@ class NodeService:
         route: tuple[str, ...],
         sample: bool,
         open_spec: dict | None,
+        ids: tuple[int, ...] | None = None,
     ) -> HopResponse:
         """POST one tensor frame to ``hop``; returns its answer (a 200) unparsed."""
         if hidden.shape[1] > 1:  # a prefill chunk: encode off the loop, beside the compute thread
@@ -390,6 +394,7 @@ class NodeService:
             route=route,
             sample=sample,
             open_spec=open_spec,
+            ids=ids,
         )
         request_id = request_id_var.get()
         if request_id is not None:  # every hop's log lines of this step carry the same id

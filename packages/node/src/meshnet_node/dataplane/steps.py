@@ -14,6 +14,7 @@ from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.protocol import (
     H_CHUNK,
+    H_IDS,
     H_OPEN,
     H_POSITION,
     H_ROUTE,
@@ -67,6 +68,7 @@ class StepRequest:
     start_layer: int | None
     sample: bool
     tensor: torch.Tensor
+    ids: tuple[int, ...] | None = None  # the step's token ids (penalties at the tail)
 
 
 def _int_header(headers, name: str, default: int | None = None) -> int:
@@ -111,6 +113,7 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
             open_spec = SamplingSpec.model_validate(raw)
         except (ValueError, TypeError, AttributeError) as exc:
             raise InvalidRequest(f"malformed {H_OPEN} header: {exc}", param=H_OPEN) from exc
+    tensor = wire.decode_tensor(body, max_bytes=max_bytes)
     return StepRequest(
         session_id=session_id,
         session_key=headers.get(H_SESSION_KEY),
@@ -120,8 +123,28 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
         open_spec=open_spec,
         start_layer=start_layer,
         sample=headers.get(H_SAMPLE) == "1",
-        tensor=wire.decode_tensor(body, max_bytes=max_bytes),
+        tensor=tensor,
+        ids=parse_ids(headers.get(H_IDS), tensor),
     )
+
+
+def parse_ids(raw: str | None, tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The ids header: one non-negative integer per token of the step's tensor."""
+    if raw is None:
+        return None
+    try:
+        ids = tuple(int(v) for v in raw.split(","))
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"header {H_IDS} must be comma-separated integers", param=H_IDS
+        ) from exc
+    tokens = tensor.shape[1] if tensor.dim() >= 2 else tensor.numel()
+    if len(ids) != tokens or any(i < 0 for i in ids):
+        raise InvalidRequest(
+            f"header {H_IDS} needs one token id >= 0 per token of the step ({tokens})",
+            param=H_IDS,
+        )
+    return ids
 
 
 def step_headers(
@@ -133,6 +156,7 @@ def step_headers(
     route: tuple[str, ...],
     sample: bool,
     open_spec: dict | None,
+    ids: tuple[int, ...] | None = None,
 ) -> dict[str, str]:
     headers = {
         "content-type": wire.CONTENT_TYPE,
@@ -146,4 +170,6 @@ def step_headers(
         headers[H_ROUTE] = ",".join(route)
     if open_spec is not None:
         headers[H_OPEN] = json.dumps(open_spec)
+    if ids is not None:
+        headers[H_IDS] = ",".join(map(str, ids))
     return headers

@@ -1,4 +1,7 @@
-"""Token sampling on the tail: greedy, temperature, top-k, top-p, seeded per session."""
+"""Token sampling on the tail: logit bias, penalties, greedy or temperature with min-p,
+top-k and top-p, seeded per session. The order follows vLLM's sampler: bias, then the
+repetition / frequency / presence penalties, then temperature, min-p, top-k, top-p; the
+reported log-probabilities are the model's own (before any of it)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 from meshnet_common.protocol import SamplingSpec
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
+UNKNOWN = -1  # a history slot whose step has not arrived yet
 
 
 @dataclass
@@ -20,8 +24,56 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
+class _Counts:
+    """What the penalties need from the history, kept up to date token by token: the ids
+    seen anywhere (repetition) and how often each id was generated (presence, frequency)."""
+
+    def __init__(self, vocab: int, prompt_tokens: int) -> None:
+        self.vocab = vocab
+        self.prompt_tokens = prompt_tokens
+        self.folded = 0  # history entries counted so far
+        self._seen: set[int] = set()
+        self.seen_ids: list[int] = []
+        self.output = torch.zeros(vocab)  # generated count per id
+        self._generated: set[int] = set()
+        self.output_ids: list[int] = []
+        self._tensors: dict[str, tuple[int, torch.Tensor]] = {}  # id lists as tensors
+
+    def ids(self, name: str) -> torch.Tensor:
+        """``seen_ids`` or ``output_ids`` as a tensor, rebuilt only when the list grew."""
+        values = getattr(self, name)
+        cached = self._tensors.get(name)
+        if cached is None or cached[0] != len(values):
+            cached = self._tensors[name] = (len(values), torch.tensor(values, dtype=torch.int64))
+        return cached[1]
+
+    def fold(self, history: list[int]) -> None:
+        end = self.folded
+        while end < len(history) and history[end] != UNKNOWN:
+            end += 1
+        for position in range(self.folded, end):
+            token = history[position]
+            if not 0 <= token < self.vocab:
+                continue
+            if token not in self._seen:
+                self._seen.add(token)
+                self.seen_ids.append(token)
+            if position >= self.prompt_tokens:
+                if token not in self._generated:
+                    self._generated.add(token)
+                    self.output_ids.append(token)
+                self.output[token] += 1
+        self.folded = end
+
+
 class Sampler:
-    """Samples from last-position logits; one per session so a seed reproduces a sequence."""
+    """Samples from last-position logits; one per session so a seed reproduces a sequence.
+
+    ``history`` holds the session's token ids by position (prompt, then generated), filled
+    by ``observe`` from each step's ids: the penalties count them, so a failover replay
+    (a fresh session fed the whole history again) samples exactly as before. The counts are
+    folded in as tokens arrive, and the penalties touch only the ids seen: a token costs
+    the same at the end of a long generation as at its start."""
 
     def __init__(self, params: SamplingSpec) -> None:
         self.params = params
@@ -30,16 +82,39 @@ class Sampler:
             self.generator.manual_seed(params.seed % 2**64)  # torch takes unsigned 64-bit
         else:
             self.generator.seed()
+        self.history: list[int] = []
+        self._counts: _Counts | None = None
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            self._bias = torch.tensor(ids, dtype=torch.int64), torch.tensor(values)
+
+    @property
+    def wants_history(self) -> bool:
+        return self.params.needs_history
+
+    def observe(self, position: int, ids) -> None:
+        end = position + len(ids)
+        if len(self.history) < end:
+            self.history.extend([UNKNOWN] * (end - len(self.history)))
+        counts = self._counts
+        if counts is not None and position < counts.folded:  # rewritten: count again
+            self._counts = None
+        self.history[position:end] = [int(i) for i in ids]
 
     def __call__(self, logits: torch.Tensor) -> SampledToken:
         """``logits``: (V,) float32 scores of the next token."""
         logits = logits.float().reshape(-1)  # (V,)
-        logprobs = torch.log_softmax(logits, dim=-1)  # (V,)
+        logprobs = torch.log_softmax(logits, dim=-1)  # (V,) reported: the model's own
         params = self.params
+        scores = self._processed(logits)
         if params.temperature < GREEDY_BELOW:  # tiny temperatures overflow float32 scores
-            token = int(torch.argmax(logits))
+            token = int(torch.argmax(scores))
         else:
-            scores = logits / params.temperature
+            scores = scores / params.temperature
+            if params.min_p > 0.0:
+                probs = torch.softmax(scores, dim=-1)
+                scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
             if params.top_k and params.top_k < scores.numel():
                 kth = torch.topk(scores, params.top_k).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -57,3 +132,27 @@ class Sampler:
             values, ids = torch.topk(logprobs, params.logprobs)
             top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
         return SampledToken(token, float(logprobs[token]), top)
+
+    def _processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits after the logit bias and the penalties (a copy when anything applies)."""
+        params = self.params
+        if self._bias is not None:
+            ids, values = self._bias
+            keep = ids < logits.numel()
+            logits = logits.index_add(0, ids[keep], values[keep])
+        if not params.needs_history:
+            return logits
+        counts = self._counts
+        if counts is None or counts.vocab != logits.numel():
+            counts = self._counts = _Counts(logits.numel(), params.prompt_tokens)
+        counts.fold(self.history)
+        logits = logits.clone()
+        if params.repetition_penalty != 1.0 and counts.seen_ids:
+            seen = counts.ids("seen_ids")  # prompt and output tokens, as vLLM
+            picked = logits[seen]
+            rp = params.repetition_penalty
+            logits[seen] = torch.where(picked > 0, picked / rp, picked * rp)
+        if counts.output_ids and (params.frequency_penalty or params.presence_penalty):
+            out = counts.ids("output_ids")
+            logits[out] -= params.frequency_penalty * counts.output[out] + params.presence_penalty
+        return logits

@@ -109,6 +109,13 @@ class SessionStore:
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
         return session
 
+    def observe(self, session_id: str, position: int, ids, *, owner: str | None = None) -> None:
+        """Record a step's token ids in the session's sampler (tail): what the penalties
+        count. Steps of a session may arrive out of order; positions place them."""
+        session = self.get(session_id, owner=owner)
+        if session.sampler is not None:
+            session.sampler.observe(position, ids)
+
     def close(self, session_id: str) -> bool:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None

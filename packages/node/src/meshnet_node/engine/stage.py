@@ -177,6 +177,7 @@ class Stage:
         Every check happens before any layer runs, so a rejected step leaves the session
         exactly as it was.
         """
+        shard = self.shard
         session = self.sessions.get(session_id, owner=owner)
         if not isinstance(position, int) or position < 0:
             raise InvalidRequest("position must be a non-negative integer", param="position")
@@ -188,6 +189,9 @@ class Stage:
                 f"{self.max_positions}",
                 param="position",
             )
+        if shard.is_head and session.sampler is not None and session.sampler.wants_history:
+            # head and tail in one: the input ids are the history
+            session.sampler.observe(position, tensor.reshape(-1).tolist())
         with session.lock:
             self.sessions.reserve(session, position, num_tokens)
             ok = False
@@ -223,6 +227,9 @@ class Stage:
                 if tensor.shape[1] != 1 or item.position + 1 > self.max_positions:
                     raise InvalidRequest("a batched step is one token inside the context")
                 self.sessions.reserve(session, item.position, 1)
+                sampler = session.sampler
+                if self.shard.is_head and sampler is not None and sampler.wants_history:
+                    sampler.observe(item.position, tensor.reshape(-1).tolist())
             except MeshnetError as exc:
                 results[i] = exc
                 continue

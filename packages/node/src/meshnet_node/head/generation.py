@@ -23,6 +23,7 @@ from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage, StepOutput
+from meshnet_node.head.params import sampling_defaults
 from meshnet_node.head.text import TextAssembler, skips_special_tokens
 from meshnet_node.retry import BanList, Clock, RetryBudget, RetryPolicy
 
@@ -37,6 +38,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()  # token ids that end the generation (not text)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens are text (harmony channels)
 
@@ -144,6 +146,7 @@ class HeadGenerator:
         self.tokenizer = tokenizer
         self.eos = eos_ids(tokenizer, generation_config)
         self.skip_special_tokens = skips_special_tokens(tokenizer)  # the model's default
+        self.sampling_defaults = sampling_defaults(generation_config)
         self.failover = failover
         self.clock = clock
         self.sleep = sleep
@@ -183,7 +186,7 @@ class HeadGenerator:
                 result = await self._advance(stage, chain, request, history, None, reroute)
             for produced in range(1, request.max_tokens + 1):
                 token = int(result.token_id)
-                ends = token in self.eos and not request.ignore_eos
+                ends = (token in self.eos and not request.ignore_eos) or token in request.stop_ids
                 # the end-of-sequence token is never text, even when special tokens are
                 delta, hit_stop = ("", False) if ends else assembler.add(token)
                 finish = None
@@ -245,8 +248,9 @@ class HeadGenerator:
                         stage, chain.session_id, chain.key, replayed, chain.route
                     )
                 return await self._step(
-                    stage, chain.session_id, chain.key, [token], len(history), chain.route
-                )
+                    stage, chain.session_id, chain.key, [token], len(history), chain.route,
+                    with_ids=request.sampling.needs_history,
+                )  # fmt: skip
             except HopError as exc:
                 may_retry = chain.budget.failed()
                 if reroute is None or not exc.recoverable or not may_retry:
@@ -322,6 +326,7 @@ class HeadGenerator:
             **request.sampling.model_dump(),
             "start_layer": stage.shard.layers.end,
         }
+        with_ids = request.sampling.needs_history  # the tail's penalties count the ids
         pending: list[asyncio.Task] = []
         try:
             result = StepResult()
@@ -338,6 +343,7 @@ class HeadGenerator:
                     send = self._send(
                         part, session_id, key, start, route, index, last and end == hi,
                         open_spec if index == 0 else None,
+                        ids=tuple(ids[start:end]) if with_ids else None,
                     )  # fmt: skip
                     pending.append(asyncio.ensure_future(send))
                     index += 1
@@ -361,7 +367,9 @@ class HeadGenerator:
             sample=sample,
         )
 
-    async def _send(self, out, session_id, key, position, route, chunk, sample, open_spec):
+    async def _send(
+        self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None
+    ):
         return await self.service.send(
             route[0],
             out.hidden,
@@ -372,14 +380,18 @@ class HeadGenerator:
             route=route[1:],
             sample=sample,
             open_spec=open_spec,
+            ids=ids,
         )
 
-    async def _step(self, stage, session_id, key, token_ids, position, route):
+    async def _step(self, stage, session_id, key, token_ids, position, route, with_ids=False):
         """One decode step: local layers, then the rest of the chain."""
         out = await self._local(stage, session_id, key, token_ids, position, True)
         if not route:  # head is also the tail
             return _as_result(out)
-        result = await self._send(out, session_id, key, position, route, 0, True, None)
+        result = await self._send(
+            out, session_id, key, position, route, 0, True, None,
+            ids=tuple(token_ids) if with_ids else None,
+        )  # fmt: skip
         result.compute_ms.insert(0, out.compute_s * 1000)
         return result
 

@@ -18,8 +18,8 @@ from meshnet_common.openai_protocol import (
     now,
     usage,
 )
-from meshnet_common.protocol import SamplingSpec
 from meshnet_node.head.generation import GeneratedToken, GenerationRequest, HeadGenerator
+from meshnet_node.head.params import sampling_spec, stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +56,48 @@ def sse(payload: dict | str) -> str:
 class OpenAIServing:
     """Turns OpenAI requests into generations through the head and a route."""
 
-    def __init__(self, model_id: str, generator: HeadGenerator, route_provider: RouteProvider):
+    def __init__(
+        self,
+        model_id: str,
+        generator: HeadGenerator,
+        route_provider: RouteProvider,
+        *,
+        served_names: tuple[str, ...] = (),
+        max_model_len: int | None = None,
+        created: int = 0,
+    ):
         self.model_id = model_id
         self.generator = generator
         self.tokenizer = generator.tokenizer
         self.route_provider = route_provider
+        self.names = tuple(served_names) or (model_id,)  # what clients may call it
+        self.max_model_len = max_model_len
+        self.created = created
+
+    @property
+    def context_window(self) -> int:
+        """Longest prompt + completion: the model's context, capped by --max-model-len and
+        by this node's KV budget (a longer request could never run, even alone)."""
+        window = min(
+            self.generator.context_window, self.generator.service.stage.sessions.kv_budget_tokens
+        )
+        return min(window, self.max_model_len) if self.max_model_len else window
+
+    def model_cards(self) -> list[dict]:
+        """/v1/models entries: one per served name."""
+        return [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "meshnet",
+             "root": self.model_id, "max_model_len": self.context_window}
+            for name in self.names
+        ]  # fmt: skip
 
     async def _reroute(self, exclude: frozenset[str]) -> tuple[str, ...]:
         return await self.route_provider(self.model_id, exclude)
 
     def check_model(self, model: str) -> None:
-        if model != self.model_id:
+        if model != self.model_id and model not in self.names:
             raise NotFound(
-                f"model {model!r} is not served here (serving {self.model_id})",
+                f"model {model!r} is not served here (serving {', '.join(self.names)})",
                 param="model",
                 code="model_not_found",
             )
@@ -76,19 +105,26 @@ class OpenAIServing:
     # -- prompt preparation ----------------------------------------------------------------
 
     def _prompts(self, request: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt: text, texts, token ids, or lists of token ids."""
         prompt = request.prompt
+        vocab = self.generator.service.stage.shard.vocab_size
         if isinstance(prompt, str):
             prompts = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            ids = list(prompt)
-            vocab = self.generator.service.stage.shard.vocab_size
-            if any(not 0 <= i < vocab for i in ids):
-                raise InvalidRequest(f"token ids must lie in [0, {vocab})", param="prompt")
-            return [ids]
         elif prompt and all(isinstance(p, str) for p in prompt):
             prompts = list(prompt)
         else:
-            raise InvalidRequest("prompt must be a string, strings or token ids", param="prompt")
+            if prompt and all(isinstance(p, int) for p in prompt):
+                ids = [list(prompt)]
+            elif prompt and all(isinstance(p, list) and p for p in prompt):
+                ids = [list(p) for p in prompt]
+            else:
+                raise InvalidRequest(
+                    "prompt must be a string, strings, token ids or lists of token ids",
+                    param="prompt",
+                )
+            if any(not isinstance(i, int) or not 0 <= i < vocab for p in ids for i in p):
+                raise InvalidRequest(f"token ids must lie in [0, {vocab})", param="prompt")
+            return ids
         try:
             out = [self.tokenizer(p, add_special_tokens=True).input_ids for p in prompts]
         except (TypeError, ValueError) as exc:  # e.g. lone surrogates from JSON escapes
@@ -98,35 +134,48 @@ class OpenAIServing:
         return out
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = [m.for_template() for m in request.messages]
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template", param="messages")
+        kwargs = dict(request.chat_template_kwargs or {})
+        for reserved in ("messages", "tokenize", "add_generation_prompt", "return_dict"):
+            if reserved in kwargs:
+                raise InvalidRequest(
+                    f"chat_template_kwargs may not set {reserved!r}", param="chat_template_kwargs"
+                )
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+                messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, tokenize=True,
+                return_dict=False, **kwargs,
+            )  # fmt: skip
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"messages are not valid text: {exc}", param="messages") from exc
+        except Exception as exc:  # the template's own checks (jinja raise_exception)
+            raise InvalidRequest(f"the chat template refused: {exc}", param="messages") from exc
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
 
     def _generation(self, request, prompt_ids: list[int], index: int, logprobs: int):
         max_tokens = request.check(
-            context_window=self.generator.context_window, prompt_tokens=len(prompt_ids)
+            context_window=self.context_window, prompt_tokens=len(prompt_ids)
         )
         seed = None if request.seed is None else request.seed + index
+        vocab = self.generator.service.stage.shard.vocab_size
         return GenerationRequest(
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=SamplingSpec(
-                temperature=request.temperature,
-                top_k=request.top_k,
-                top_p=request.top_p,
+            sampling=sampling_spec(
+                request,
+                defaults=self.generator.sampling_defaults,
+                vocab_size=vocab,
                 seed=seed,
                 logprobs=logprobs,
-            ),
+                prompt_tokens=len(prompt_ids),
+            ),  # fmt: skip
             stop=tuple(request.stop_list),
+            stop_ids=stop_token_ids(request, vocab),
             ignore_eos=request.ignore_eos,
             skip_special_tokens=(
                 self.generator.skip_special_tokens
@@ -139,6 +188,12 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check_params()
         logprobs = request.logprobs or 0
+        if request.echo and request.logprobs is not None:
+            raise InvalidRequest(
+                "echo with logprobs needs the prompt's log-probabilities, which this server "
+                "does not compute yet; ask for one or the other", param="echo",
+                code="unsupported_parameter",
+            )  # fmt: skip
         jobs = []
         for prompt_ids in self._prompts(request):
             for _ in range(request.n):
@@ -239,17 +294,26 @@ class OpenAIServing:
     def _token_str(self, token_id: int | None) -> str:
         return "" if token_id is None else self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, tokens: list[GeneratedToken]) -> dict:
-        offset, offsets = 0, []
+    def completion_logprobs(self, tokens: list[GeneratedToken], offset: int = 0) -> dict:
+        """``offset``: where the first token's text starts in the choice's whole text (the
+        echoed prompt, and earlier chunks of a stream, come before it)."""
+        offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t.text)
         return {
             "tokens": [self._token_str(t.token_id) for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{self._token_str(i): lp for i, lp in t.top_logprobs} for t in tokens],
+            "top_logprobs": [self._top(t) for t in tokens],
             "text_offset": offsets,
         }
+
+    def _top(self, token: GeneratedToken) -> dict[str, float]:
+        """The top alternatives and the sampled token (vLLM: with logprobs 0, just it)."""
+        top = {self._token_str(i): lp for i, lp in token.top_logprobs}
+        if token.token_id is not None and token.logprob is not None:
+            top.setdefault(self._token_str(token.token_id), token.logprob)
+        return top
 
     def chat_logprobs(self, tokens: list[GeneratedToken]) -> dict:
         return {
@@ -265,17 +329,28 @@ class OpenAIServing:
             ]
         }
 
+    def _echoed(self, request: CompletionRequest, jobs_prompts) -> list[str]:
+        """The text each choice starts with: its prompt, when ``echo`` asks for it."""
+        if not request.echo:
+            return [""] * len(jobs_prompts)
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in jobs_prompts]
+
     def completion_response(self, request: CompletionRequest, choices: list[Choice]) -> dict:
+        echoed = self._echoed(request, [c.prompt_ids for c in choices])
         return {
             "id": new_id("cmpl"),
             "object": "text_completion",
             "created": now(),
-            "model": self.model_id,
+            "model": request.model,
             "choices": [
                 {
                     "index": c.index,
-                    "text": c.text,
-                    "logprobs": self.completion_logprobs(c.tokens) if request.logprobs else None,
+                    "text": echoed[c.index] + c.text,
+                    "logprobs": (
+                        self.completion_logprobs(c.tokens, len(echoed[c.index]))
+                        if request.logprobs is not None
+                        else None
+                    ),
                     "finish_reason": c.finish_reason,
                 }
                 for c in choices
@@ -289,7 +364,7 @@ class OpenAIServing:
             "id": new_id("chatcmpl"),
             "object": "chat.completion",
             "created": now(),
-            "model": self.model_id,
+            "model": request.model,
             "choices": [
                 {
                     "index": c.index,
@@ -305,23 +380,38 @@ class OpenAIServing:
     async def completion_stream(self, request: CompletionRequest, jobs, route=None):
         rid, created = new_id("cmpl"), now()
         counts = [0] * len(jobs)
+        usage_of = _stream_usage(request, jobs, counts)
+        echoed = self._echoed(request, [j.prompt_ids for j in jobs])
+        offsets = [len(e) for e in echoed]  # text_offset continues across chunks
         try:
+            for index, text in enumerate(echoed):
+                if text:
+                    yield sse({
+                        "id": rid, "object": "text_completion", "created": created,
+                        "model": request.model, "choices": [{
+                            "index": index, "text": text, "logprobs": None,
+                            "finish_reason": None}], **usage_of(False),
+                    })  # fmt: skip
             async for index, tok in self.stream(jobs, route):
                 counts[index] += 1
+                logprobs = (
+                    self.completion_logprobs([tok], offsets[index])
+                    if request.logprobs is not None
+                    else None
+                )
+                offsets[index] += len(tok.text)
                 yield sse({
                     "id": rid, "object": "text_completion", "created": created,
-                    "model": self.model_id,
+                    "model": request.model,
                     "choices": [{
-                        "index": index, "text": tok.text,
-                        "logprobs": self.completion_logprobs([tok]) if request.logprobs else None,
+                        "index": index, "text": tok.text, "logprobs": logprobs,
                         "finish_reason": tok.finish_reason,
-                    }],
+                    }], **usage_of(False),
                 })  # fmt: skip
-            if request.stream_options and request.stream_options.include_usage:
+            if usage_of.final:
                 yield sse({
                     "id": rid, "object": "text_completion", "created": created,
-                    "model": self.model_id, "choices": [],
-                    "usage": usage(sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs}), sum(counts)),
+                    "model": request.model, "choices": [], **usage_of(True),
                 })  # fmt: skip
         except MeshnetError as exc:
             yield self._stream_error(exc)
@@ -335,13 +425,14 @@ class OpenAIServing:
     async def chat_stream(self, request: ChatCompletionRequest, jobs, route=None):
         rid, created = new_id("chatcmpl"), now()
         counts = [0] * len(jobs)
+        usage_of = _stream_usage(request, jobs, counts)
 
         def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
             return sse({
                 "id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_id,
+                "model": request.model,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": finish}],
+                             "finish_reason": finish}], **usage_of(False),
             })  # fmt: skip
 
         try:
@@ -351,11 +442,10 @@ class OpenAIServing:
                 counts[index] += 1
                 logprobs = self.chat_logprobs([tok]) if request.logprobs else None
                 yield chunk(index, {"content": tok.text}, tok.finish_reason, logprobs)
-            if request.stream_options and request.stream_options.include_usage:
+            if usage_of.final:
                 yield sse({
                     "id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model_id, "choices": [],
-                    "usage": usage(sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs}), sum(counts)),
+                    "model": request.model, "choices": [], **usage_of(True),
                 })  # fmt: skip
         except MeshnetError as exc:
             yield self._stream_error(exc)
@@ -365,6 +455,24 @@ class OpenAIServing:
             yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                  "code": None}})  # fmt: skip
         yield sse("[DONE]")
+
+
+class _stream_usage:  # noqa: N801 - used like a function
+    """The ``usage`` field of stream chunks: with ``include_usage``, null on every chunk and
+    the totals on a last chunk of its own; with ``continuous_usage_stats`` (vLLM), the running
+    totals on every chunk; without stream options, absent."""
+
+    def __init__(self, request, jobs, counts: list[int]) -> None:
+        options = request.stream_options
+        self.final = bool(options and options.include_usage)
+        self.continuous = bool(options and options.continuous_usage_stats)
+        self.prompt = sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs})
+        self.counts = counts
+
+    def __call__(self, last: bool) -> dict:
+        if last or self.continuous:
+            return {"usage": usage(self.prompt, sum(self.counts))}
+        return {"usage": None} if self.final else {}
 
 
 def _timing(choices: list[Choice]) -> dict:

@@ -90,7 +90,8 @@ def skips_special_tokens(tokenizer) -> bool:
     """The model's default for ``skip_special_tokens``: False when its chat format is made of
     special tokens (harmony), True otherwise. ``<think>`` blocks (Qwen3, DeepSeek-R1) are not
     special tokens in those tokenizers, so they stay in the text either way."""
-    vocab = tokenizer.get_vocab()
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab = get_vocab() if callable(get_vocab) else {}
     return not all(token in vocab for token in STRUCTURAL_SPECIAL_TOKENS)
 
 

@@ -55,18 +55,7 @@ def public_router() -> APIRouter:
 
     @router.get("/v1/models")
     async def models(request: Request):
-        data = [
-            {
-                "id": model.model_id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "meshnet",
-                "meshnet": {"num_layers": model.num_layers, "nodes": len(model.serving)},
-            }
-            for model in _state(request).registry.coverage().values()
-            if model.covered
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": _state(request).model_cards()}
 
     @router.post("/v1/completions")
     async def completions(request: Request):
@@ -85,9 +74,10 @@ async def _entry(request: Request, path: str) -> Response:
     check_content_type(request, "application/json")
     body = await read_body(request, json_limit(request))
     payload = loads_object(body)
-    model_id = payload.get("model")
-    if not isinstance(model_id, str):
+    name = payload.get("model")
+    if not isinstance(name, str):
         raise InvalidRequest("model is required", param="model")
+    model_id = state.resolve_model(name)  # a served name, or the id itself
     hops = state.route(model_id)
     state.demand[model_id] += 1
     own = state.settings.advertise_url or str(request.base_url)

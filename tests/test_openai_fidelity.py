@@ -1,0 +1,42 @@
+"""OpenAI fidelity through real processes: the tracker lists the models its heads serve
+exactly as the heads do, and routes a served name (--served-model-name) to its model."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from swarm_harness import Swarm, covered, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+FP32 = ("--quantization", "float32", "--kv-budget-tokens", "2048")
+
+
+def test_models_and_served_names_through_the_tracker(models_dir, tiny_snapshot, tiny_model_id,
+                                                      tmp_path):  # fmt: skip
+    tiny_snapshot("llama")
+    model_id = tiny_model_id("llama")
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    names = ("--served-model-name", "tiny", "--served-model-name", "tiny-2")
+    try:
+        tracker = swarm.tracker().wait_healthy()
+        head = swarm.node(tracker, model_id, 0, 3, *FP32, *names, "--max-model-len", "512")
+        swarm.node(tracker, model_id, 3, 6, *FP32, *names).wait_healthy()
+        head.wait_healthy()
+        wait_for(lambda: covered(tracker, model_id), timeout=30)
+        listed = httpx.get(f"{tracker.url}/v1/models", timeout=5).json()["data"]
+        direct = httpx.get(f"{head.url}/v1/models", timeout=5).json()["data"]
+        keys = ("id", "object", "created", "owned_by", "root", "max_model_len")
+        assert [{k: c[k] for k in keys} for c in listed] == direct
+        assert [c["id"] for c in listed] == ["tiny", "tiny-2"]
+        assert listed[0]["max_model_len"] == 512
+        body = {"model": "tiny-2", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        reply = httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == "tiny-2"
+        too_long = {**body, "prompt": "Hello " * 600}
+        refused = httpx.post(f"{tracker.url}/v1/completions", json=too_long, timeout=60)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        swarm.close()
