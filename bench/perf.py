@@ -243,7 +243,7 @@ def run_smollm2(plan: Plan, run: Run, snapshot: Path, prompts: SmolPrompts) -> N
 
             with run.section("sampling"):
                 results["sampling"] = sampling_section(
-                    live(swarm), prompts.decode, plan.overhead_tokens, repeat
+                    live(swarm), snapshot, prompts.decode, plan.overhead_tokens, repeat
                 )
                 print_sampling(results["sampling"])
         if "overhead" in wanted:

@@ -40,3 +40,49 @@ def test_models_and_served_names_through_the_tracker(models_dir, tiny_snapshot, 
         assert refused.json()["error"]["code"] == "context_length_exceeded"
     finally:
         swarm.close()
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_structured_output_with_the_openai_client(models_dir, tiny_snapshot, tiny_model_id,
+                                                   tmp_path):  # fmt: skip
+    """json_schema through the tracker, a head and a tail process, with the official client:
+    the random model's answer parses and matches the schema (the tail masks the rest)."""
+    import json
+
+    import jsonschema
+    import openai
+
+    tiny_snapshot("qwen3")
+    model_id = tiny_model_id("qwen3")
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker().wait_healthy()
+        swarm.node(tracker, model_id, 0, 3, *FP32).wait_healthy()
+        swarm.node(tracker, model_id, 3, 6, *FP32).wait_healthy()
+        wait_for(lambda: covered(tracker, model_id), timeout=30)
+        client = openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "Who are you?"}],
+            max_tokens=80, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": PERSON}},
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            )  # fmt: skip
+        assert refused.value.body["param"] == "tools"
+    finally:
+        swarm.close()

@@ -37,7 +37,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
     "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
@@ -117,6 +116,33 @@ class ChatMessage(BaseModel):
         return message
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (valid JSON matching
+    the schema), enforced by constrained decoding on the tail."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise InvalidRequest(
+                "response_format json_schema needs a json_schema object", param="response_format"
+            )
+        return self
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -140,6 +166,7 @@ class _SamplingFields(Lenient):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None  # also on completions, as vLLM
     # vLLM extensions
     top_k: int | None = None  # 0 and -1: no limit
     min_p: float | None = None

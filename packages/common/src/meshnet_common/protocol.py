@@ -207,6 +207,17 @@ LOGIT_BIAS_MAX = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+GRAMMAR_MAX_BYTES = 32 * 1024  # a JSON schema travels in the open header
+
+
+class GrammarSpec(Strict):
+    """A constraint on what the tail may sample: an llguidance grammar (its JSON form, e.g.
+    built from a JSON schema), checked at the head before any session opens."""
+
+    kind: Literal["json_object", "json_schema"]
+    grammar: str = Field(min_length=2, max_length=GRAMMAR_MAX_BYTES)
+
+
 class SamplingSpec(Strict):
     """How the tail picks the next token — the one sampling type, with one set of bounds:
     the OpenAI request builds it, the open header carries it to every hop as it is, and the
@@ -225,12 +236,17 @@ class SamplingSpec(Strict):
     # Tokens of the original prompt: the tail counts the rest of the history (which each
     # step's ids header brings, replays included) as output for the penalties.
     prompt_tokens: int = Field(default=0, ge=0)
+    grammar: GrammarSpec | None = None  # structured output: the tail masks what breaks it
 
     @property
     def needs_history(self) -> bool:
-        """Whether the tail must see the token ids (penalties count them)."""
+        """Whether the tail must see the token ids (penalties count them; a grammar is
+        advanced by them, replays included)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.grammar is not None
         )
 
     @model_validator(mode="after")

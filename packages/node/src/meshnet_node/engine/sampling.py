@@ -75,8 +75,9 @@ class Sampler:
     folded in as tokens arrive, and the penalties touch only the ids seen: a token costs
     the same at the end of a long generation as at its start."""
 
-    def __init__(self, params: SamplingSpec) -> None:
+    def __init__(self, params: SamplingSpec, constraint=None) -> None:
         self.params = params
+        self.constraint = constraint  # structured output (engine.constraints.Constraint)
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed % 2**64)  # torch takes unsigned 64-bit
@@ -108,6 +109,9 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)  # (V,) reported: the model's own
         params = self.params
         scores = self._processed(logits)
+        if self.constraint is not None:
+            self.constraint.advance(self.history[params.prompt_tokens :])
+            scores = self.constraint.mask(scores)
         if params.temperature < GREEDY_BELOW:  # tiny temperatures overflow float32 scores
             token = int(torch.argmax(scores))
         else:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache, PreTrainedConfig
 
-from meshnet_common.errors import CapacityExceeded, Conflict, NotFound
+from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, NotFound
 from meshnet_common.protocol import SamplingSpec, validate_session_id
 from meshnet_node.engine.sampling import Sampler
 
@@ -45,8 +45,10 @@ class SessionStore:
         kv_budget_tokens: int,
         idle_timeout_s: float = 300.0,
         max_sessions: int = 256,
+        constraints=None,
     ) -> None:
         self._stage_config = stage_config
+        self._constraints = constraints  # GrammarSpec -> Constraint (tail stages)
         self.kv_budget_tokens = kv_budget_tokens
         self.idle_timeout_s = idle_timeout_s
         self.max_sessions = max_sessions
@@ -73,6 +75,11 @@ class SessionStore:
         """Create a session; refuse (retryably) when the stage is full."""
         check_session_id(session_id)
         self.expire_idle()
+        constraint = None
+        if sampling is not None and sampling.grammar is not None:
+            if self._constraints is None:
+                raise InvalidRequest("this stage cannot constrain output", param="response_format")
+            constraint = self._constraints(sampling.grammar)  # before any state changes
         with self._lock:
             if session_id in self._sessions:
                 raise Conflict(f"session {session_id} already exists", param="session_id")
@@ -90,7 +97,7 @@ class SessionStore:
             session = Session(
                 session_id=session_id,
                 cache=DynamicCache(config=self._stage_config),
-                sampler=Sampler(sampling) if sampling is not None else None,
+                sampler=Sampler(sampling, constraint) if sampling is not None else None,
                 owner=owner,
                 first_layer=first_layer,
             )

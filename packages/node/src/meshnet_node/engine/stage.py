@@ -10,6 +10,7 @@ import torch
 from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest, MeshnetError
 from meshnet_common.protocol import SamplingSpec
+from meshnet_node.engine.constraints import ConstraintFactory
 from meshnet_node.engine.families import SessionContext, build_masks, final_logits
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.sampling import SampledToken
@@ -70,6 +71,7 @@ class Stage:
             kv_budget_tokens=kv_budget_tokens,
             idle_timeout_s=idle_timeout_s,
             max_sessions=max_sessions,
+            constraints=ConstraintFactory(shard.snapshot) if shard.is_tail else None,
         )
 
     def open_session(

@@ -41,6 +41,7 @@ def sampling_spec(
             )
     return SamplingSpec(
         **values,
+        grammar=grammar_of(request),
         seed=seed,
         logprobs=logprobs,
         presence_penalty=request.presence_penalty,
@@ -48,6 +49,16 @@ def sampling_spec(
         logit_bias=bias,
         prompt_tokens=prompt_tokens,
     )
+
+
+def grammar_of(request):
+    """The tail's grammar for ``response_format`` (None: free text)."""
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    from meshnet_node.engine.constraints import json_grammar
+
+    return json_grammar(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None)
 
 
 def stop_token_ids(request, vocab_size: int) -> frozenset[int]:

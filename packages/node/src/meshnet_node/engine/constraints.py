@@ -1,0 +1,102 @@
+"""Structured output on the tail: an llguidance matcher per session masks the tokens that
+would break its grammar (a JSON schema, or any JSON object). ADR-0017.
+
+The matcher advances on the session's history as the steps bring it (the ids header), not on
+what this tail sampled: a failover replay into a fresh session rebuilds the same state."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from meshnet_common.errors import InvalidRequest
+from meshnet_common.protocol import GrammarSpec
+
+NEG_INF = float("-inf")
+
+
+def json_grammar(kind: str, schema: dict | None) -> GrammarSpec:
+    """The grammar of an OpenAI ``response_format``; InvalidRequest for a schema llguidance
+    cannot compile (checked before any session opens)."""
+    import json
+
+    import llguidance
+
+    text = json.dumps({"type": "object"} if kind == "json_object" else schema)
+    # Compact JSON (", " and ": " separators, no free whitespace): a model cannot pad the
+    # answer with endless newlines, which small or unsure models otherwise do.
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        text, defaults={"whitespace_flexible": False}
+    )
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise InvalidRequest(f"unusable JSON schema: {problem}", param="response_format")
+    return GrammarSpec(kind=kind, grammar=grammar)
+
+
+class Constraint:
+    """One session's matcher: ``mask`` turns the logits of tokens the grammar forbids next to
+    -inf; ``advance`` consumes the generated tokens once they are known."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size  # tokens the grammar knows (the tokenizer's)
+        self.consumed = 0  # generated tokens fed to the matcher
+
+    def advance(self, generated: list[int]) -> None:
+        for token in generated[self.consumed :]:
+            if token < 0:
+                break  # not arrived yet
+            if not self.matcher.consume_token(token):
+                raise InvalidRequest(
+                    f"token {token} breaks the grammar: {self.matcher.get_error()}",
+                    param="response_format",
+                )
+            self.consumed += 1
+
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        import llguidance.torch as llg_torch
+
+        bitmask = llg_torch.allocate_token_bitmask(1, self.vocab_size)
+        llg_torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        allowed = _unpack(bitmask[0], self.vocab_size)  # (vocab_size,) bool
+        if scores.numel() > self.vocab_size:  # padded embedding rows: never valid text
+            allowed = torch.cat([allowed, allowed.new_zeros(scores.numel() - self.vocab_size)])
+        return scores.masked_fill(~allowed[: scores.numel()], NEG_INF)
+
+
+def _unpack(words: torch.Tensor, n: int) -> torch.Tensor:
+    """llguidance's bitmask (int32 words, bit i of word w = token 32w + i) as booleans."""
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(-1)[:n].bool()
+
+
+class ConstraintFactory:
+    """Builds matchers for one stage; the tokenizer's llguidance view is made once, when the
+    first constrained session opens (it takes ~0.5 s for a 50k vocabulary)."""
+
+    def __init__(self, snapshot: Path) -> None:
+        self.snapshot = Path(snapshot)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def _lltokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.snapshot)
+                self._tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+            return self._tokenizer
+
+    def __call__(self, spec: GrammarSpec) -> Constraint:
+        import llguidance
+
+        tokenizer = self._lltokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, spec.grammar)
+        if matcher.is_error():
+            raise InvalidRequest(f"grammar: {matcher.get_error()}", param="response_format")
+        return Constraint(matcher, tokenizer.vocab_size)
