@@ -1013,3 +1013,15 @@ def test_json_object_and_bad_schemas(whole):
         "response_format"
     )
     assert len(whole.sessions) == 0
+
+
+def test_reasoning_parser_splits_chat_replies(snapshot, tokenizer):
+    """The deepseek_r1 convention: until ``</think>`` the reply is reasoning (the template
+    may open the block in the prompt), in the response and in the stream."""
+    with running(settings_for(snapshot, 0, 6, reasoning_parser="deepseek_r1")) as node:
+        body = {"model": MODEL_ID, "messages": MESSAGES, "max_tokens": 6, **GREEDY}
+        message = node.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning_content"]  # no </think> yet
+        events = _events(node.http.post("/v1/chat/completions", json={**body, "stream": True}))
+        streamed = "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events)
+        assert streamed == message["reasoning_content"]

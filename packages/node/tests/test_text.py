@@ -263,3 +263,22 @@ def test_structural_special_tokens_survive_by_default(structured):
     assert _assemble(harmony, reply) == "analysisThe user asks.assistantfinalParis."
     think = "<think>The user asks.</think>Paris."
     assert _assemble(thinking, think) == think  # not special: kept even when skipping
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_reasoning_is_split_from_content_in_any_cut(parser):
+    from meshnet_node.head.reasoning import ReasoningSplitter
+
+    reply = "<think>The user wants a city.\nRome fits.</think>\n\nRome."
+    # the content keeps what follows </think> as it is (as vLLM's parsers)
+    assert ReasoningSplitter(parser).split(reply) == ("The user wants a city.\nRome fits.",
+                                                      "\n\nRome.")  # fmt: skip
+    for cut in range(1, len(reply)):  # tags split across stream deltas
+        splitter = ReasoningSplitter(parser)
+        parts = [splitter.feed(reply[:cut]), splitter.feed(reply[cut:], final=True)]
+        assert "".join(r for r, _ in parts) == "The user wants a city.\nRome fits."
+        assert "".join(c for _, c in parts) == "\n\nRome."
+    opened_by_template = "It is Rome.</think>Rome."  # the prompt ended with <think>
+    expected = ("It is Rome.", "Rome.") if parser == "deepseek_r1" else (None, opened_by_template)
+    assert ReasoningSplitter(parser).split(opened_by_template) == expected
+    assert ReasoningSplitter("qwen3").split("Just Rome.") == (None, "Just Rome.")

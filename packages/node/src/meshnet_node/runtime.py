@@ -263,7 +263,7 @@ def build_openai(
     return OpenAIServing(
         settings.model_id, generator, route_provider,
         served_names=settings.served_model_name, max_model_len=settings.max_model_len,
-        created=snapshot_created(settings.model_path),
+        created=snapshot_created(settings.model_path), reasoning_parser=settings.reasoning_parser,
     )  # fmt: skip
 
 

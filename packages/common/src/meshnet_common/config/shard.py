@@ -61,6 +61,11 @@ class ShardSettings(ServiceSettings):
         "with context_length_exceeded (default: the model's context, at most the KV budget)",
         group=MODEL,
     )  # fmt: skip
+    reasoning_parser: str | None = knob(
+        None, "return <think>...</think> text as reasoning_content apart from content: "
+        "deepseek_r1 (reasoning until </think>) or qwen3 (only after a leading <think>)",
+        group=MODEL, choices=("deepseek_r1", "qwen3"),
+    )  # fmt: skip
     served_model_name: Annotated[tuple[str, ...], NoDecode] = knob(
         (), "name clients may use for the model, listed by /v1/models (repeatable; env: "
         "comma-separated; default: --model-id)", group=MODEL, action="append",

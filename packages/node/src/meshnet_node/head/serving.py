@@ -16,10 +16,11 @@ from meshnet_common.openai_protocol import (
     CompletionRequest,
     new_id,
     now,
-    usage,
 )
 from meshnet_node.head.generation import GeneratedToken, GenerationRequest, HeadGenerator
 from meshnet_node.head.params import sampling_spec, stop_token_ids
+from meshnet_node.head.reasoning import ReasoningSplitter
+from meshnet_node.head.responses import StreamUsage, choices_usage, timing_field
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class OpenAIServing:
         served_names: tuple[str, ...] = (),
         max_model_len: int | None = None,
         created: int = 0,
+        reasoning_parser: str | None = None,
     ):
         self.model_id = model_id
         self.generator = generator
@@ -73,6 +75,7 @@ class OpenAIServing:
         self.names = tuple(served_names) or (model_id,)  # what clients may call it
         self.max_model_len = max_model_len
         self.created = created
+        self.reasoning_parser = reasoning_parser
 
     @property
     def context_window(self) -> int:
@@ -355,9 +358,15 @@ class OpenAIServing:
                 }
                 for c in choices
             ],
-            "usage": _usage(choices),
-            **_timing(choices),
+            "usage": choices_usage(choices),
+            **timing_field(choices),
         }
+
+    def _message(self, text: str) -> dict:
+        if self.reasoning_parser is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = ReasoningSplitter(self.reasoning_parser).split(text)
+        return {"role": "assistant", "content": content or None, "reasoning_content": reasoning}
 
     def chat_response(self, request: ChatCompletionRequest, choices: list[Choice]) -> dict:
         return {
@@ -368,19 +377,19 @@ class OpenAIServing:
             "choices": [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": self._message(c.text),
                     "logprobs": self.chat_logprobs(c.tokens) if request.logprobs else None,
                     "finish_reason": c.finish_reason,
                 }
                 for c in choices
             ],
-            "usage": _usage(choices),
+            "usage": choices_usage(choices),
         }
 
     async def completion_stream(self, request: CompletionRequest, jobs, route=None):
         rid, created = new_id("cmpl"), now()
         counts = [0] * len(jobs)
-        usage_of = _stream_usage(request, jobs, counts)
+        usage_of = StreamUsage(request, jobs, counts)
         echoed = self._echoed(request, [j.prompt_ids for j in jobs])
         offsets = [len(e) for e in echoed]  # text_offset continues across chunks
         try:
@@ -425,7 +434,7 @@ class OpenAIServing:
     async def chat_stream(self, request: ChatCompletionRequest, jobs, route=None):
         rid, created = new_id("chatcmpl"), now()
         counts = [0] * len(jobs)
-        usage_of = _stream_usage(request, jobs, counts)
+        usage_of = StreamUsage(request, jobs, counts)
 
         def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
             return sse({
@@ -438,10 +447,21 @@ class OpenAIServing:
         try:
             for index in range(len(jobs)):
                 yield chunk(index, {"role": "assistant", "content": ""})
+            splitters = [
+                ReasoningSplitter(self.reasoning_parser) if self.reasoning_parser else None
+                for _ in jobs
+            ]
             async for index, tok in self.stream(jobs, route):
                 counts[index] += 1
                 logprobs = self.chat_logprobs([tok]) if request.logprobs else None
-                yield chunk(index, {"content": tok.text}, tok.finish_reason, logprobs)
+                delta: dict = {"content": tok.text}
+                if splitters[index] is not None:
+                    final = tok.finish_reason is not None
+                    reasoning, content = splitters[index].feed(tok.text, final=final)
+                    delta = {"content": content} if content else {}
+                    if reasoning:
+                        delta["reasoning_content"] = reasoning
+                yield chunk(index, delta, tok.finish_reason, logprobs)
             if usage_of.final:
                 yield sse({
                     "id": rid, "object": "chat.completion.chunk", "created": created,
@@ -455,33 +475,3 @@ class OpenAIServing:
             yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                  "code": None}})  # fmt: skip
         yield sse("[DONE]")
-
-
-class _stream_usage:  # noqa: N801 - used like a function
-    """The ``usage`` field of stream chunks: with ``include_usage``, null on every chunk and
-    the totals on a last chunk of its own; with ``continuous_usage_stats`` (vLLM), the running
-    totals on every chunk; without stream options, absent."""
-
-    def __init__(self, request, jobs, counts: list[int]) -> None:
-        options = request.stream_options
-        self.final = bool(options and options.include_usage)
-        self.continuous = bool(options and options.continuous_usage_stats)
-        self.prompt = sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs})
-        self.counts = counts
-
-    def __call__(self, last: bool) -> dict:
-        if last or self.continuous:
-            return {"usage": usage(self.prompt, sum(self.counts))}
-        return {"usage": None} if self.final else {}
-
-
-def _timing(choices: list[Choice]) -> dict:
-    """meshnet's extension field: where the first choice's decode time went (see README)."""
-    timing = choices[0].timing if choices else None
-    return {"meshnet_timing": timing} if timing else {}
-
-
-def _usage(choices: list[Choice]) -> dict:
-    # Like OpenAI, a prompt sampled n times counts once.
-    prompt = sum(len(ids) for ids in {c.prompt_ids for c in choices})
-    return usage(prompt, sum(len(c.tokens) for c in choices))
