@@ -86,3 +86,51 @@ def test_structured_output_with_the_openai_client(models_dir, tiny_snapshot, tin
         assert refused.value.body["param"] == "tools"
     finally:
         swarm.close()
+
+
+def test_requests_wait_for_room_instead_of_failing(models_dir, tiny_snapshot, tiny_model_id,
+                                                   tmp_path):  # fmt: skip
+    """One session of room on the node: of three requests at once, one runs, one waits its
+    turn and completes, the third finds the queue (of one) full: 503 with Retry-After."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tiny_snapshot("llama")
+    model_id = tiny_model_id("llama")
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker().wait_healthy()
+        node = swarm.node(
+            tracker, model_id, 0, 6, *FP32, "--max-sessions", "1", "--max-queued-requests", "1",
+            "--step-delay-ms", "5",
+        ).wait_healthy()  # fmt: skip
+        wait_for(lambda: covered(tracker, model_id), timeout=30)
+        body = {"model": model_id, "prompt": "Hello", "max_tokens": 120, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+
+        def post(delay: float) -> httpx.Response:
+            import time
+
+            time.sleep(delay)
+            return httpx.post(f"{node.url}/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(post, (0.0, 0.3, 0.6)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes == [200, 200, 503], [r.text[:200] for r in replies]
+        refused = next(r for r in replies if r.status_code == 503)
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert int(refused.headers["retry-after"]) >= 1
+        done = [r.json() for r in replies if r.status_code == 200]
+        assert all(d["usage"]["completion_tokens"] == 120 for d in done)
+        metrics = httpx.get(f"{node.url}/metrics", timeout=5).text
+        for name in ("meshnet_num_requests_running", "meshnet_num_requests_waiting",
+                     "meshnet_request_queue_time_seconds_count",
+                     "meshnet_time_to_first_token_seconds_count",
+                     "meshnet_inter_token_latency_seconds_count", "meshnet_build_info",
+                     "process_resident_memory_bytes"):  # fmt: skip
+            assert name in metrics, name
+        waited = [ln for ln in metrics.splitlines()
+                  if ln.startswith("meshnet_request_queue_time_seconds_count")]  # fmt: skip
+        assert float(waited[0].split()[-1]) >= 1
+    finally:
+        swarm.close()

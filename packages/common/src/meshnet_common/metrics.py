@@ -14,8 +14,12 @@ from contextlib import contextmanager
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
 )
@@ -71,9 +75,33 @@ class Metrics:
     tracker node fills both into one registry.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, version: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(standard)  # process_*, python_info, python_gc_* as in any exporter
+        build = Gauge("meshnet_build_info", "meshnet's version (value 1)", ["version"], registry=r)
+        build.labels(version or _version()).set(1)
+        # Request scheduling at a head, named as vLLM names them (vllm:num_requests_running...)
+        self.requests_running = Gauge(
+            "meshnet_num_requests_running", "Generations this head is running", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "meshnet_num_requests_waiting", "Requests waiting for room in the chain", registry=r
+        )
+        self.queue_seconds = Histogram(
+            "meshnet_request_queue_time_seconds", "Time a request waited for room",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft_seconds = Histogram(
+            "meshnet_time_to_first_token_seconds",
+            "From the request reaching the head to its first token (queue time included)",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl_seconds = Histogram(
+            "meshnet_inter_token_latency_seconds", "Time between a generation's tokens",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.requests = Counter(
             "meshnet_requests", "HTTP requests answered, by route and status",
             ["path", "status"], registry=r,
@@ -125,6 +153,9 @@ class Metrics:
             "meshnet_shard_fetched_bytes", "Verified shard bytes this node fetched", registry=r
         )
 
+    def watch_queue(self, waiting: Callable[[], int]) -> None:
+        self.requests_waiting.set_function(waiting)
+
     def watch(
         self, name: str, documentation: str, fn: Callable[[], Sample], kind: str = "gauge"
     ) -> None:
@@ -147,3 +178,14 @@ class Metrics:
     def exposition(self) -> bytes:
         """The Prometheus text format of everything in this registry."""
         return _generate_latest(self.registry)
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    for dist in ("meshnet-node", "meshnet-tracker", "meshnet-common"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"

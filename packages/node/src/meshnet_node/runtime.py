@@ -37,6 +37,7 @@ from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.preflight import preflight, resolve_device
 from meshnet_node.engine.stage import Stage
 from meshnet_node.head.generation import HeadGenerator
+from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.serving import OpenAIServing, RouteProvider
 from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
@@ -264,6 +265,9 @@ def build_openai(
         settings.model_id, generator, route_provider,
         served_names=settings.served_model_name, max_model_len=settings.max_model_len,
         created=snapshot_created(settings.model_path), reasoning_parser=settings.reasoning_parser,
+        queue=RequestQueue(
+            max_waiting=settings.max_queued_requests, timeout_s=settings.queue_timeout_s
+        ),
     )  # fmt: skip
 
 

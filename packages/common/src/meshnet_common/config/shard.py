@@ -61,6 +61,14 @@ class ShardSettings(ServiceSettings):
         "with context_length_exceeded (default: the model's context, at most the KV budget)",
         group=MODEL,
     )  # fmt: skip
+    max_queued_requests: int = knob(
+        64, "requests a head lets wait for room when the chain is full (a KV budget or session "
+        "limit); beyond: 503 with Retry-After", group=MODEL,
+    )  # fmt: skip
+    queue_timeout_s: float = knob(
+        30.0, "seconds a request may wait for room before a 503 with Retry-After",
+        group=MODEL, flag="--queue-timeout",
+    )  # fmt: skip
     reasoning_parser: str | None = knob(
         None, "return <think>...</think> text as reasoning_content apart from content: "
         "deepseek_r1 (reasoning until </think>) or qwen3 (only after a leading <think>)",

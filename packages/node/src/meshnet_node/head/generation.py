@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from meshnet_common.errors import HopError, ModelNotCovered
+from meshnet_common.errors import CapacityExceeded, HopError, ModelNotCovered
 from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.dataplane.service import NodeService
@@ -41,6 +41,7 @@ class GenerationRequest:
     stop_ids: frozenset[int] = frozenset()  # token ids that end the generation (not text)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens are text (harmony channels)
+    client: str = "anonymous"  # who asked: the wait queue takes turns between clients
 
 
 @dataclass
@@ -291,6 +292,12 @@ class HeadGenerator:
                 chain.route = await reroute(exclude)
                 break
             except ModelNotCovered as missing:
+                full = _capacity_code(exc)
+                if full is not None:  # the only chain is full: wait for room, not for a node
+                    raise CapacityExceeded(
+                        f"the chain is full ({full} at {failed}); no other route has room",
+                        code=full,
+                    ) from missing
                 if not chain.budget.failed():
                     raise
                 logger.warning("no replacement route yet (%s); asking again", missing)
@@ -400,6 +407,14 @@ class HeadGenerator:
         if route:
             # Shielded: a client disconnect cancels us, but the hops must still be freed.
             await asyncio.shield(self.service.close_remote(route[0], session_id, key, route[1:]))
+
+
+def _capacity_code(exc: HopError) -> str | None:
+    """``kv_budget_full`` / ``too_many_sessions`` when a hop refused for lack of room."""
+    if exc.status != 503 or not isinstance(exc.body, dict):
+        return None
+    code = (exc.body.get("error") or {}).get("code")
+    return code if code in ("kv_budget_full", "too_many_sessions") else None
 
 
 def _as_result(out: StepOutput) -> StepResult:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,6 +25,17 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 logger = logging.getLogger(__name__)
 
 
+def client_of(request: Request, body) -> str:
+    """Who a request is for, as the wait queue takes turns: the API key (hashed), else the
+    ``user`` field, else the caller's address."""
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer ") and len(auth) > 7:
+        return "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:16]
+    if getattr(body, "user", None):
+        return "user:" + body.user[:64]
+    return "addr:" + (request.client.host if request.client else "unknown")
+
+
 async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: str):
     """One OpenAI call: parse, plan the jobs, then stream or answer once.
 
@@ -41,6 +54,8 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
     else:
         body = parse_json(raw, ChatCompletionRequest)
         jobs, stream, respond = serving.chat_jobs(body), serving.chat_stream, serving.chat_response
+    who = client_of(request, body)
+    jobs = [replace(job, client=who) for job in jobs]
     # One line per request; the prompt itself only at debug level (it may be private).
     event(
         logger, logging.INFO, f"{kind} request", model=body.model, choices=len(jobs),

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from meshnet_common.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet_common.errors import CapacityExceeded, InvalidRequest, MeshnetError, NotFound
 from meshnet_common.logs import event
 from meshnet_common.openai_protocol import (
     ChatCompletionRequest,
@@ -19,6 +19,7 @@ from meshnet_common.openai_protocol import (
 )
 from meshnet_node.head.generation import GeneratedToken, GenerationRequest, HeadGenerator
 from meshnet_node.head.params import sampling_spec, stop_token_ids
+from meshnet_node.head.queue import CAPACITY_CODES, RequestQueue
 from meshnet_node.head.reasoning import ReasoningSplitter
 from meshnet_node.head.responses import StreamUsage, choices_usage, timing_field
 
@@ -67,6 +68,7 @@ class OpenAIServing:
         max_model_len: int | None = None,
         created: int = 0,
         reasoning_parser: str | None = None,
+        queue: RequestQueue | None = None,
     ):
         self.model_id = model_id
         self.generator = generator
@@ -76,6 +78,8 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.created = created
         self.reasoning_parser = reasoning_parser
+        self.queue = queue or RequestQueue()
+        generator.service.metrics.watch_queue(lambda: self.queue.waiting)
 
     @property
     def context_window(self) -> int:
@@ -217,18 +221,44 @@ class OpenAIServing:
     # -- running ---------------------------------------------------------------------------
 
     async def _generate(self, job: GenerationRequest, route) -> AsyncIterator[GeneratedToken]:
-        """One generation, counted in the metrics and logged as one event when it ends."""
+        """One generation, counted in the metrics and logged as one event when it ends.
+
+        While it has produced nothing, a chain without room (a full KV budget or session
+        limit, here or downstream) makes it wait in the queue for a turn and run again."""
         metrics = self.generator.service.metrics
         metrics.prompt_tokens.inc(len(job.prompt_ids))
         started, tokens, finish = time.perf_counter(), 0, "error"
+        deadline = self.queue.clock() + self.queue.timeout_s
         try:
-            async for tok in self.generator.generate(job, route, self._reroute):
-                tokens += 1
-                metrics.tokens_generated.inc()
-                finish = tok.finish_reason or finish
-                yield tok
+            if self.queue.busy():  # others wait already: queue behind them
+                await self._wait(job, deadline, again=False)
+            while True:
+                last = None
+                metrics.requests_running.inc()
+                try:
+                    async for tok in self.generator.generate(job, route, self._reroute):
+                        now_s = time.perf_counter()
+                        if last is None:
+                            metrics.ttft_seconds.observe(now_s - started)
+                        else:
+                            metrics.itl_seconds.observe(now_s - last)
+                        last = now_s
+                        tokens += 1
+                        metrics.tokens_generated.inc()
+                        finish = tok.finish_reason or finish
+                        yield tok
+                    break
+                except CapacityExceeded as exc:
+                    if tokens or exc.code not in CAPACITY_CODES:
+                        raise
+                finally:
+                    metrics.requests_running.dec()
+                await self._wait(job, deadline, again=True)
+                route = await self.route_provider(self.model_id, frozenset())
+            self.queue.wake()  # room may have freed for the next in line
         except asyncio.CancelledError:
             finish = "cancelled"
+            self.queue.wake()
             raise
         finally:
             seconds = time.perf_counter() - started
@@ -238,6 +268,13 @@ class OpenAIServing:
                 seconds=round(seconds, 3), tokens_per_s=round(tokens / max(seconds, 1e-9), 1),
                 hops=len(route),
             )  # fmt: skip
+
+    async def _wait(self, job: GenerationRequest, deadline: float, *, again: bool) -> None:
+        started = time.perf_counter()
+        try:
+            await self.queue.wait(job.client, deadline, again=again)
+        finally:
+            self.generator.service.metrics.queue_seconds.observe(time.perf_counter() - started)
 
     async def _run_one(self, job: GenerationRequest, route) -> list[GeneratedToken]:
         return [tok async for tok in self._generate(job, route)]
