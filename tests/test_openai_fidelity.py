@@ -134,3 +134,51 @@ def test_requests_wait_for_room_instead_of_failing(models_dir, tiny_snapshot, ti
         assert float(waited[0].split()[-1]) >= 1
     finally:
         swarm.close()
+
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tool_calls_with_the_openai_client(tiny_snapshot, tmp_path):
+    """tool_choice "required" through the tracker and two processes: the call comes back in
+    message.tool_calls, its arguments valid against the function's schema."""
+    import json
+    import shutil
+
+    import jsonschema
+    import openai
+
+    models = tmp_path / "models"
+    snapshot = models / "meshnet-tiny" / "qwen3-tools"
+    shutil.copytree(tiny_snapshot("qwen3"), snapshot)
+    config = json.loads((snapshot / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
+    (snapshot / "chat_template.jinja").unlink(missing_ok=True)
+    model_id = "meshnet-tiny/qwen3-tools"
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    swarm = Swarm(models, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker().wait_healthy()
+        swarm.node(tracker, model_id, 0, 3, *FP32).wait_healthy()
+        swarm.node(tracker, model_id, 3, 6, *FP32).wait_healthy()
+        wait_for(lambda: covered(tracker, model_id), timeout=30)
+        client = openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "Weather in Rome?"}],
+            tools=[{"type": "function", "function": {"name": "weather", "parameters": params}}],
+            tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0,
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "weather"
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    finally:
+        swarm.close()

@@ -1025,3 +1025,106 @@ def test_reasoning_parser_splits_chat_replies(snapshot, tokenizer):
         events = _events(node.http.post("/v1/chat/completions", json={**body, "stream": True}))
         streamed = "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events)
         assert streamed == message["reasoning_content"]
+
+
+# -- tool calls ------------------------------------------------------------------------------
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_node(snapshot, tmp_path_factory) -> Iterator[InProcessNode]:
+    """The tiny model with a chat template that shows tools (Hermes style)."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("tools") / "snapshot"
+    shutil.copytree(snapshot, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    (copy / "chat_template.jinja").unlink(missing_ok=True)
+    with running(settings_for(copy, 0, 6)) as node:
+        yield node
+
+
+ASK = [{"role": "user", "content": "Weather in Paris for two days?"}]
+
+
+def _validate_call(call: dict) -> None:
+    import jsonschema
+
+    spec = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), spec[call["function"]["name"]])
+
+
+def test_required_and_named_tool_calls_always_validate(tool_node):
+    # one call (a random model would call again and again until max_tokens otherwise)
+    body = {"model": MODEL_ID, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 120,
+            "temperature": 0, "parallel_tool_calls": False}  # fmt: skip
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        reply = tool_node.http.post("/v1/chat/completions", json={**body, "tool_choice": choice})
+        assert reply.status_code == 200, reply.text
+        out = reply.json()["choices"][0]
+        assert out["finish_reason"] == "tool_calls", out
+        assert out["message"]["content"] is None and out["message"]["tool_calls"]
+        for call in out["message"]["tool_calls"]:
+            _validate_call(call)
+        if isinstance(choice, dict):
+            assert [c["function"]["name"] for c in out["message"]["tool_calls"]] == ["get_time"]
+    events = _events(tool_node.http.post(
+        "/v1/chat/completions", json={**body, "tool_choice": "required", "stream": True}
+    ))  # fmt: skip
+    last = [e for e in events if e["choices"][0]["finish_reason"]][-1]["choices"][0]
+    assert last["finish_reason"] == "tool_calls"
+    assert [c["index"] for c in last["delta"]["tool_calls"]] == list(
+        range(len(last["delta"]["tool_calls"]))
+    )
+
+
+def test_tool_requests_the_server_cannot_honour_are_refused(tool_node, whole):
+    body = {"model": MODEL_ID, "messages": ASK, "tools": [WEATHER], "max_tokens": 4}
+    no_template = whole.http.post("/v1/chat/completions", json=body)  # its template: no tools
+    assert assert_error(no_template, 400)["param"] == "tools"
+    unknown = {**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    assert assert_error(tool_node.http.post("/v1/chat/completions", json=unknown), 400)
+    both = {**body, "response_format": {"type": "json_object"}}
+    assert assert_error(tool_node.http.post("/v1/chat/completions", json=both), 400)
+    auto = tool_node.http.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
+    assert auto.status_code == 200  # free output: calls only if the model writes them
+
+
+def test_auto_tool_calls_are_parsed_from_hermes_text():
+    from meshnet_common.openai_protocol import ChatCompletionRequest as Chat
+    from meshnet_node.head import tools
+
+    request = Chat(model=MODEL_ID, messages=ASK, tools=[WEATHER], tool_choice="auto")
+    text = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", ' \
+        '"days": 2}}\n</tool_call>'  # fmt: skip
+    content, calls = tools.parse(request, text)
+    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
+    assert tools.parse(request, "No call here.") == ("No call here.", [])

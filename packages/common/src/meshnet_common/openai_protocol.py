@@ -34,9 +34,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
@@ -140,6 +137,35 @@ class ResponseFormat(BaseModel):
             raise InvalidRequest(
                 "response_format json_schema needs a json_schema object", param="response_format"
             )
+        return self
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: dict[str, str]
+
+    @model_validator(mode="after")
+    def _named(self):
+        if not isinstance(self.function.get("name"), str):
+            raise InvalidRequest("tool_choice.function needs a name", param="tool_choice")
         return self
 
 
@@ -295,6 +321,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM extensions for the chat template
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -52,11 +52,17 @@ def sampling_spec(
 
 
 def grammar_of(request):
-    """The tail's grammar for ``response_format`` (None: free text)."""
+    """The tail's grammar for ``response_format``, or for a forced tool call (None: free)."""
+    from meshnet_node.engine.constraints import json_grammar
+
+    if getattr(request, "tools", None):
+        from meshnet_node.head import tools
+
+        schema = tools.call_schema(request)
+        return None if schema is None else json_grammar("json_schema", schema)
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None
-    from meshnet_node.engine.constraints import json_grammar
 
     return json_grammar(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None)
 
