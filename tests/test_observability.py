@@ -25,7 +25,8 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     assert resp.headers["content-type"].startswith("text/plain")
     samples = {}
     for family in text_string_to_metric_families(resp.text):
-        assert family.name.startswith("meshnet_"), family.name
+        # ours are meshnet_*; beside them only the standard process and Python collectors
+        assert family.name.startswith(("meshnet_", "process_", "python_")), family.name
         for sample in family.samples:
             samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
     return samples
