@@ -77,6 +77,7 @@ def sampling_section(swarm: Swarm, snapshot, prompt: list[int], new_tokens: int,
         for name, extra in VARIANTS.items():
             if name == "greedy":
                 continue
+            complete(client, url, model_id, prompt, 8, **extra)  # one-time costs (tokenizer view)
 
             def one_pair(extra=extra) -> tuple:
                 plain = complete(client, url, model_id, prompt, new_tokens)
