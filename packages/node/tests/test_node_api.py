@@ -1128,3 +1128,22 @@ def test_auto_tool_calls_are_parsed_from_hermes_text():
     assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
     assert tools.parse(request, "No call here.") == ("No call here.", [])
+
+
+def test_a_previous_reply_appended_as_the_client_writes_it_is_accepted(whole):
+    """The openai client's message objects carry refusal/annotations/audio/function_call."""
+    reply = {"role": "assistant", "content": "Rome.", "refusal": None, "annotations": [],
+             "audio": None, "function_call": None, "tool_calls": None}  # fmt: skip
+    body = {
+        "model": MODEL_ID,
+        "max_tokens": 2,
+        **GREEDY,
+        "messages": [*MESSAGES, reply, {"role": "user", "content": "And Spain?"}],
+    }
+    assert whole.http.post("/v1/chat/completions", json=body).status_code == 200
+    bad = {**body, "messages": [{"role": "user", "content": "hi", "mood": "happy"}]}
+    assert assert_error(whole.http.post("/v1/chat/completions", json=bad), 400)
+    spoken = {**body, "messages": [{**reply, "audio": {"id": "a1"}}]}
+    assert assert_error(whole.http.post("/v1/chat/completions", json=spoken), 400)
+    tagged = {**body, "safety_identifier": "u-1", "prompt_cache_key": "k"}
+    assert whole.http.post("/v1/chat/completions", json=tagged).status_code == 200

@@ -48,7 +48,10 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,),
 }
 # Accepted and without effect on the output: bookkeeping a client may always send.
-_ACCEPTED = {"user", "metadata", "request_id"}
+_ACCEPTED = {"user", "metadata", "request_id", "safety_identifier", "prompt_cache_key"}
+# Keys of a message the openai client writes back when a previous reply is appended to the
+# conversation: harmless as they are (``refusal`` text, ``annotations``), or when null.
+_MESSAGE_ECHOES = {"refusal": None, "annotations": None, "audio": (None,), "function_call": (None,)}
 
 
 def _refuse(name: str, why: str = "is not supported by this server") -> InvalidRequest:
@@ -77,7 +80,17 @@ class Lenient(BaseModel):
 class ChatMessage(BaseModel):
     """One message; ``name``, ``tool_calls`` and ``tool_call_id`` are kept for the template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _known_keys(self):
+        for key, value in (self.model_extra or {}).items():
+            if key not in _MESSAGE_ECHOES:
+                raise _refuse(f"messages[].{key}", "is not a known message field")
+            allowed = _MESSAGE_ECHOES[key]
+            if allowed is not None and value not in allowed:
+                raise _refuse(f"messages[].{key}")
+        return self
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
