@@ -1095,14 +1095,28 @@ def test_required_and_named_tool_calls_always_validate(tool_node):
             _validate_call(call)
         if isinstance(choice, dict):
             assert [c["function"]["name"] for c in out["message"]["tool_calls"]] == ["get_time"]
+    whole_reply = tool_node.http.post(
+        "/v1/chat/completions", json={**body, "tool_choice": "required"}
+    ).json()["choices"][0]["message"]["tool_calls"]
     events = _events(tool_node.http.post(
         "/v1/chat/completions", json={**body, "tool_choice": "required", "stream": True}
     ))  # fmt: skip
-    last = [e for e in events if e["choices"][0]["finish_reason"]][-1]["choices"][0]
-    assert last["finish_reason"] == "tool_calls"
-    assert [c["index"] for c in last["delta"]["tool_calls"]] == list(
-        range(len(last["delta"]["tool_calls"]))
-    )
+    assert _streamed_calls(events) == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole_reply
+    ]  # the arguments arrive piece by piece, and add up to the same call
+    assert sum("tool_calls" in e["choices"][0]["delta"] for e in events) > 2
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _streamed_calls(events) -> list[tuple[str, str]]:
+    calls: dict[int, list] = {}
+    for event in events:
+        for call in event["choices"][0]["delta"].get("tool_calls", []):
+            if "id" in call:
+                calls[call["index"]] = [call["function"]["name"], call["function"]["arguments"]]
+            else:
+                calls[call["index"]][1] += call["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]
 
 
 def test_tool_requests_the_server_cannot_honour_are_refused(tool_node, whole):
@@ -1126,8 +1140,37 @@ def test_auto_tool_calls_are_parsed_from_hermes_text():
         '"days": 2}}\n</tool_call>'  # fmt: skip
     content, calls = tools.parse(request, text)
     assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
+    assert calls[0]["function"]["arguments"] == '{"city":"Paris","days":2}'
     assert tools.parse(request, "No call here.") == ("No call here.", [])
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 8, 13])
+def test_tool_streams_cut_anywhere_add_up_to_the_calls(cut):
+    from meshnet_common.openai_protocol import ChatCompletionRequest as Chat
+    from meshnet_node.head import tools
+
+    def run(choice, text) -> tuple[str, list]:
+        stream = tools.ToolStream(Chat(model=MODEL_ID, messages=ASK, tools=[WEATHER, TIME],
+                                       tool_choice=choice))  # fmt: skip
+        deltas = []
+        for i in range(0, len(text), cut):
+            deltas += stream.feed(text[i : i + cut])
+        deltas += stream.finish()
+        content = "".join(d.get("content", "") for d in deltas)
+        events = [{"choices": [{"delta": d}]} for d in deltas]
+        return content, _streamed_calls(events)
+
+    forced = '[{"name":"get_weather","arguments":{"city":"P{a}r\\"is","days":2}},' \
+        '{"name":"get_time","arguments":{"zone":"UTC"}}]'  # fmt: skip
+    assert run("required", forced) == (
+        "",
+        [("get_weather", '{"city":"P{a}r\\"is","days":2}'), ("get_time", '{"zone":"UTC"}')],
+    )
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert run(named, '{"zone":"CET"}') == ("", [("get_time", '{"zone":"CET"}')])
+    auto = 'Checking.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    assert run("auto", auto) == ("Checking.", [("get_time", '{"zone":"UTC"}')])
+    assert run("auto", "Just text <tool") == ("Just text <tool", [])
 
 
 def test_a_previous_reply_appended_as_the_client_writes_it_is_accepted(whole):

@@ -212,19 +212,26 @@ class ResponseShapes:
                 ReasoningSplitter(self.reasoning_parser) if self.reasoning_parser else None
                 for _ in jobs
             ]
-            held = [""] * len(jobs)  # with tools: the reply, parsed once it ends
+            streams = [tools.ToolStream(request) if tools.active(request) else None
+                       for _ in jobs]  # fmt: skip
+            called = [False] * len(jobs)
             async for index, tok in self.stream(jobs, route):
                 counts[index] += 1
                 logprobs = self.chat_logprobs([tok]) if request.logprobs else None
-                if tools.active(request):
-                    held[index] += tok.text
-                    if tok.finish_reason is None:
-                        continue
-                    done = self._chat_choice(request, held[index], tok.finish_reason)
-                    delta = {k: v for k, v in done["message"].items() if k != "role"}
-                    for i, call in enumerate(delta.get("tool_calls", [])):
-                        call["index"] = i
-                    yield chunk(index, delta, done["finish_reason"], logprobs)
+                if streams[index] is not None:
+                    deltas = streams[index].feed(tok.text)
+                    if tok.finish_reason is not None:
+                        deltas += streams[index].finish()
+                    called[index] |= any("tool_calls" in d for d in deltas)
+                    finish = tok.finish_reason
+                    if finish == "stop" and called[index]:
+                        finish = "tool_calls"
+                    for i, delta in enumerate(deltas):
+                        last = i == len(deltas) - 1
+                        yield chunk(index, delta, finish if last else None,
+                                    logprobs if last else None)  # fmt: skip
+                    if not deltas and (tok.finish_reason is not None or logprobs):
+                        yield chunk(index, {}, finish, logprobs)
                     continue
                 delta: dict = {"content": tok.text}
                 if splitters[index] is not None:

@@ -79,8 +79,13 @@ def call_schema(request) -> dict | None:
     return {"type": "array", "items": items, "minItems": 1, **({} if many else {"maxItems": 1})}
 
 
+def compact(value) -> str:
+    """JSON as the grammar writes it (no spaces): streamed and whole replies agree."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
 def _call(name: str, arguments) -> dict:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    text = arguments if isinstance(arguments, str) else compact(arguments)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": text}}  # fmt: skip
 
@@ -92,7 +97,7 @@ def parse(request, text: str) -> tuple[str | None, list[dict]]:
     name = forced_name(request)
     try:
         if name is not None:
-            return None, [_call(name, json.loads(text))]
+            return None, [_call(name, compact(json.loads(text)))]
         if request.tool_choice == "required":
             return None, [_call(c["name"], c["arguments"]) for c in json.loads(text)]
     except (ValueError, KeyError, TypeError):
@@ -108,3 +113,132 @@ def parse(request, text: str) -> tuple[str | None, list[dict]]:
         return text, []
     content = HERMES.sub("", text).strip()
     return content or None, calls
+
+
+class ToolStream:
+    """Streams a reply with tools as OpenAI's deltas: ``content`` text, and each tool call as
+    a first delta (id, name, empty arguments) followed by ``arguments`` pieces.
+
+    The forced forms are compact JSON the grammar fixes (a named function's arguments object;
+    for ``required``, ``[{"name":...,"arguments":{...}},...]``), so they are cut as they come.
+    ``auto``: text is content until a ``<tool_call>`` opens; each block is sent as one call
+    when it closes."""
+
+    def __init__(self, request) -> None:
+        self.request = request
+        self.name = forced_name(request)
+        self.mode = "named" if self.name else request.tool_choice or "auto"
+        self.buffer = ""  # text not sent yet
+        self.calls = 0  # tool calls started
+        self.depth = 0  # brace depth inside an arguments object (required)
+        self.in_string = self.escaped = False
+        self.state = "start"
+
+    def _start(self, name: str) -> dict:
+        delta = {"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": ""}}  # fmt: skip
+        self.calls += 1
+        return delta
+
+    @staticmethod
+    def _args(index: int, text: str) -> dict:
+        return {"index": index, "function": {"arguments": text}}
+
+    def feed(self, text: str) -> list[dict]:
+        """Deltas (each a ``delta`` dict for a chunk) that ``text`` completes."""
+        if self.mode == "named":
+            out = [] if self.calls else [{"tool_calls": [self._start(self.name)]}]
+            return [*out, {"tool_calls": [self._args(0, text)]}] if text else out
+        if self.mode == "required":
+            return self._feed_required(text)
+        return self._feed_auto(text)
+
+    def _feed_required(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        self.buffer += text
+        while self.buffer:
+            if self.state in ("start", "between"):
+                if self.state == "between":  # the call object's own brace may come late
+                    self.buffer = self.buffer.lstrip("}")
+                    if not self.buffer:
+                        break
+                match = re.match(r'[\[,]?\{"name":"([^"]*)","arguments":', self.buffer)
+                if match is None:
+                    if self.buffer.startswith("]") or len(self.buffer) > 200:
+                        self.buffer = ""
+                    break  # wait for the rest of the call's head
+                out.append({"tool_calls": [self._start(match.group(1))]})
+                self.buffer = self.buffer[match.end() :]
+                self.state, self.depth = "args", 0
+            elif self.state == "args":
+                piece, end = self._scan_args()
+                if piece:
+                    out.append({"tool_calls": [self._args(self.calls - 1, piece)]})
+                if end is None:
+                    break
+                self.buffer = self.buffer[end:]
+                self.state = "between"
+        return out
+
+    def _scan_args(self) -> tuple[str, int | None]:
+        """The arguments text in the buffer, and where the object ends (None: not yet)."""
+        for i, ch in enumerate(self.buffer):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch == "{":
+                self.depth += 1
+            elif ch == "}":
+                self.depth -= 1
+                if self.depth == 0:
+                    piece = self.buffer[: i + 1]
+                    return piece, i + 1
+        piece, self.buffer = self.buffer, ""
+        return piece, None
+
+    def _feed_auto(self, text: str) -> list[dict]:
+        self.buffer += text
+        out: list[dict] = []
+        while True:
+            start = self.buffer.find("<tool_call>")
+            if start == -1:
+                keep = _open_prefix(self.buffer, "<tool_call>")
+                content = self.buffer[: len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep :]
+                if content:
+                    out.append({"content": content})
+                return out
+            if start:
+                out.append({"content": self.buffer[:start]})
+                self.buffer = self.buffer[start:]
+            match = HERMES.match(self.buffer)
+            if match is None:
+                return out  # the block is still open
+            try:
+                call = json.loads(match.group(1))
+                first = self._start(call["name"])
+                first["function"]["arguments"] = compact(call.get("arguments", {}))
+                out.append({"tool_calls": [first]})
+            except (ValueError, KeyError, TypeError):
+                out.append({"content": match.group(0)})
+            self.buffer = self.buffer[match.end() :]
+
+    def finish(self) -> list[dict]:
+        """What is left when the reply ends (an unclosed block is content)."""
+        left, self.buffer = self.buffer, ""
+        if self.mode == "auto" and left:
+            return [{"content": left}]
+        return []
+
+
+def _open_prefix(text: str, tag: str) -> int:
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
