@@ -34,12 +34,34 @@ def test_models_and_served_names_through_the_tracker(models_dir, tiny_snapshot, 
         reply = httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["model"] == "tiny-2"
+        _echo_scores_match_the_unsplit_model(tracker.url, tiny_snapshot("llama"), "tiny")
         too_long = {**body, "prompt": "Hello " * 600}
         refused = httpx.post(f"{tracker.url}/v1/completions", json=too_long, timeout=60)
         assert refused.status_code == 400
         assert refused.json()["error"]["code"] == "context_length_exceeded"
     finally:
         swarm.close()
+
+
+def _echo_scores_match_the_unsplit_model(url: str, snapshot, model: str) -> None:
+    """echo + logprobs with the openai client: the prompt's own log-probabilities (scored
+    on the tail process, 200 tokens across two prefill chunks) equal the unsplit model's."""
+    import openai
+    import torch
+
+    from meshnet_node.engine.reference import load_reference_model
+
+    prompt = [(i * 29) % 400 + 5 for i in range(200)]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True,
+                                      logprobs=1)  # fmt: skip
+    logprobs = reply.choices[0].logprobs
+    assert reply.usage.completion_tokens == 0 and logprobs.token_logprobs[0] is None
+    with torch.no_grad():
+        logits = load_reference_model(snapshot, torch.float32)(torch.tensor([prompt])).logits
+    rows = torch.log_softmax(logits[0].float(), -1)
+    want = [float(rows[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
 
 
 PERSON = {

@@ -921,8 +921,86 @@ def test_logprobs_zero_and_echo(whole, tokenizer):
     echoed = whole.http.post("/v1/completions", json={**plain, "echo": True}).json()
     prompt = tokenizer.decode(tokenizer("Hello").input_ids, skip_special_tokens=True)
     assert echoed["choices"][0]["text"] == prompt + text
-    refused = whole.http.post("/v1/completions", json={**plain, "echo": True, "logprobs": 1})
-    assert assert_error(refused, 400)["param"] == "echo"
+
+
+def prompt_logprobs(reference, prompt_ids: list[int], top: int):
+    """The unsplit model's score of each prompt token after the ones before it, and the
+    ``top`` best ids at each position."""
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt_ids])).logits[0].float()
+    rows = torch.log_softmax(logits, -1)[:-1]
+    chosen = rows.gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1)).reshape(-1)
+    return chosen.tolist(), torch.topk(rows, top, dim=-1).indices.tolist()
+
+
+@pytest.mark.parametrize("node", ["whole", "chain_head"])
+def test_echo_with_logprobs_scores_the_prompt(node, request, tokenizer, reference):
+    """The prompt's own log-probabilities, computed on the tail across prefill chunks
+    (300 tokens: three chunks, pipelined through three nodes), equal the unsplit model's."""
+    head = request.getfixturevalue(node)
+    prompt = [(i * 43) % 400 + 5 for i in range(300)]
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4, "logprobs": 2, "echo": True,
+            **GREEDY}  # fmt: skip
+    resp = head.http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want, best = prompt_logprobs(reference, prompt, 2)
+    assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+    tops = lp["top_logprobs"][1 : len(prompt)]
+    for k, top in enumerate(tops):  # the two best, plus the prompt token itself
+        assert {tokenizer.decode([i]) for i in best[k]} <= set(top)
+        key = tokenizer.decode([prompt[k + 1]])
+        if all(tokenizer.decode([i]) != key for i in best[k] if i != prompt[k + 1]):
+            assert top[key] == pytest.approx(want[k], abs=1e-4)  # (no other id's text)
+    generated = lp["token_logprobs"][len(prompt) :]
+    assert generated == pytest.approx(greedy_logprobs(reference, prompt, 4), abs=1e-4)
+    text = choice["text"]
+    ends = [o + len(t) for o, t in zip(lp["text_offset"], _piece_texts(lp, text), strict=True)]
+    assert lp["text_offset"][0] == 0 and ends[-1] == len(text)
+    assert text.startswith(tokenizer.decode(prompt, skip_special_tokens=True))
+
+
+def _piece_texts(lp: dict, text: str) -> list[str]:
+    offsets = [*lp["text_offset"], len(text)]
+    return [text[a:b] for a, b in zip(offsets, offsets[1:], strict=False)]
+
+
+def test_echo_with_max_tokens_zero_only_scores(whole, tokenizer, reference):
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt).input_ids
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+    out = whole.http.post("/v1/completions", json=body).json()
+    choice = out["choices"][0]
+    assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+    assert choice["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 0
+    want, _ = prompt_logprobs(reference, ids, 1)
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    assert all(t is None or len(t) == 1 for t in choice["logprobs"]["top_logprobs"])
+    streamed = _events(whole.http.post("/v1/completions", json={**body, "stream": True}))
+    assert len(streamed) == 1 and streamed[0]["choices"][0]["text"] == choice["text"]
+    assert streamed[0]["choices"][0]["logprobs"] == choice["logprobs"]
+    no_echo = whole.http.post("/v1/completions", json={**body, "echo": False})
+    assert assert_error(no_echo, 400)["param"] == "max_tokens"
+    assert len(whole.sessions) == 0
+
+
+def test_echo_stream_offsets_continue_after_the_prompt(whole):
+    body = {"model": MODEL_ID, "prompt": "Hello there", "max_tokens": 3, "echo": True,
+            "logprobs": 1, "stream": True, **GREEDY}  # fmt: skip
+    chunks = _events(whole.http.post("/v1/completions", json=body))
+    whole_text = "".join(c["choices"][0]["text"] for c in chunks)
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    first = chunks[0]["choices"][0]
+    assert first["logprobs"]["token_logprobs"][0] is None and len(chunks) == 4
+    assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [len(first["text"])]
+    whole_body = {**body, "stream": False}
+    assert whole.http.post("/v1/completions", json=whole_body).json()["choices"][0][
+        "text"] == whole_text  # fmt: skip
 
 
 def _events(resp) -> list[dict]:
@@ -1122,13 +1200,51 @@ def _streamed_calls(events) -> list[tuple[str, str]]:
 def test_tool_requests_the_server_cannot_honour_are_refused(tool_node, whole):
     body = {"model": MODEL_ID, "messages": ASK, "tools": [WEATHER], "max_tokens": 4}
     no_template = whole.http.post("/v1/chat/completions", json=body)  # its template: no tools
-    assert assert_error(no_template, 400)["param"] == "tools"
+    assert assert_error(no_template, 400)["param"] == "tools"  # auto: the model cannot know
     unknown = {**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
     assert assert_error(tool_node.http.post("/v1/chat/completions", json=unknown), 400)
     both = {**body, "response_format": {"type": "json_object"}}
     assert assert_error(tool_node.http.post("/v1/chat/completions", json=both), 400)
     auto = tool_node.http.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
     assert auto.status_code == 200  # free output: calls only if the model writes them
+
+
+def test_forced_calls_work_with_a_template_that_cannot_show_tools(whole, tokenizer):
+    """The tools go in a system message, and the grammar forces the call (the tiny model's
+    own template has no tools)."""
+    import jsonschema
+
+    serving = whole.runtime.openai
+    body = {
+        "model": MODEL_ID,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "max_tokens": 80,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+    }
+    prompt = tokenizer.decode(serving.chat_jobs(ChatCompletionRequest(**body))[0].prompt_ids)
+    assert "You can call these functions" in prompt and '"name":"get_weather"' in prompt
+    reply = whole.http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                        WEATHER["function"]["parameters"])  # fmt: skip
+    system = [{"role": "system", "content": "Be brief."}, *ASK]
+    named = {
+        **body,
+        "messages": system,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+    prompt = tokenizer.decode(serving.chat_jobs(ChatCompletionRequest(**named))[0].prompt_ids)
+    assert "Be brief.\n\nYou can call these functions" in prompt
+    assert "the arguments of get_weather as one JSON object" in prompt
+    none = whole.http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+    assert none.status_code == 200 and "tool_calls" not in none.json()["choices"][0]["message"]
 
 
 def test_auto_tool_calls_are_parsed_from_hermes_text():

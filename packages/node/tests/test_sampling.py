@@ -115,3 +115,32 @@ def test_logit_bias_min_p_top_k_and_seeds():
 def test_no_history_is_kept_without_penalties():
     sampler = Sampler(SamplingSpec())
     assert not sampler.wants_history
+
+
+def test_prompt_scores_follow_chunks_in_any_arrival_order():
+    """Entry i scores prompt token i + 1; a chunk's last row waits for the next chunk's ids,
+    which may have arrived before or after it; a replayed chunk is not scored twice."""
+    from meshnet_node.engine.sampling import UNKNOWN
+
+    torch.manual_seed(0)
+    prompt = [3, 1, 4, 1, 0, 2, 3]
+    rows = torch.log_softmax(torch.randn(len(prompt), 5), -1)
+    want = [float(rows[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    for order in ([0, 1, 2], [0, 2, 1]):
+        sampler = Sampler(SamplingSpec(prompt_logprobs=2, prompt_tokens=len(prompt)))
+        scores = sampler.prompt
+        chunks = [(0, 3), (3, 6), (6, 7)]
+        sampler.observe(0, prompt[0:3])
+        if order == [0, 2, 1]:
+            sampler.observe(6, prompt[6:7])  # the last chunk's ids came first
+            assert sampler.history[3:6] == [UNKNOWN] * 3
+        for lo, hi in chunks:
+            sampler.observe(lo, prompt[lo:hi])
+            span = scores.rows(lo, hi - lo)
+            if span:
+                scores.add(span.start, rows[span.start : span.stop], sampler.history)
+        scores.add(0, rows[0:3], sampler.history)  # a repeat changes nothing
+        got = sampler(rows[-1]).prompt_logprobs
+        assert [lp for lp, _ in got] == pytest.approx(want)
+        assert [ids for ids, _ in got[0][1]] == torch.topk(rows[0], 2).indices.tolist()
+        assert sampler(rows[-1]).prompt_logprobs is None  # delivered once

@@ -20,18 +20,24 @@ logprobs = st.floats(max_value=0.0) | st.sampled_from([math.nan, -math.inf])
     token_id=st.integers(0, 1 << 20),
     logprob=logprobs,
     tops=st.lists(st.tuples(st.integers(0, 1 << 20), logprobs), max_size=5),
-)
-def test_token_json_equals_the_models_serialization(token_id, logprob, tops):
-    body = _token_json(SampledToken(token_id, logprob, tops))
+    prompt=st.none() | st.lists(st.tuples(logprobs, st.lists(
+        st.tuples(st.integers(0, 1 << 20), logprobs), max_size=3)), max_size=4),
+)  # fmt: skip
+def test_token_json_equals_the_models_serialization(token_id, logprob, tops, prompt):
+    body = _token_json(SampledToken(token_id, logprob, tops, prompt))
     parsed = StepResult.model_validate_json(body)  # what the head does with it
     # -inf and NaN travel as a finite floor (JSON has neither); the rest bit for bit.
     expected = StepResult(
         token_id=token_id,
         logprob=wire_logprob(logprob),
         top_logprobs=[(i, wire_logprob(lp)) for i, lp in tops],
-    )
+        prompt_logprobs=None if prompt is None else [
+            (wire_logprob(lp), [(i, wire_logprob(v)) for i, v in top]) for lp, top in prompt
+        ],
+    )  # fmt: skip
     assert parsed == expected and parsed.compute_ms == []
-    assert json.loads(body) == json.loads(expected.model_dump_json(exclude={"compute_ms"}))
+    dumped = expected.model_dump_json(exclude={"compute_ms"}, exclude_none=True)
+    assert json.loads(body) == json.loads(dumped)  # (prompt scores: only when there are)
     if not math.isfinite(logprob):
         assert parsed.logprob == LOGPROB_FLOOR
 

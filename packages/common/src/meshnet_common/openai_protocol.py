@@ -290,6 +290,8 @@ class _SamplingFields(Lenient):
         if self.max_tokens is None:
             return room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         if self.max_tokens < 1:
+            if self.max_tokens == 0 and getattr(self, "scores_only", False):
+                return 1  # the prompt is scored by the pass that samples one token
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         if self.max_tokens > room:
             raise InvalidRequest(
@@ -314,6 +316,12 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None  # only equal to n: no candidates are ranked
 
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's for completions
+
+    @property
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt back (with its log-probabilities, if
+        asked), nothing generated — how the legacy API scores a text."""
+        return self.echo and self.max_tokens == 0
 
     @model_validator(mode="after")
     def _best_of(self):

@@ -237,17 +237,21 @@ class SamplingSpec(Strict):
     # step's ids header brings, replays included) as output for the penalties.
     prompt_tokens: int = Field(default=0, ge=0)
     grammar: GrammarSpec | None = None  # structured output: the tail masks what breaks it
+    # Score the prompt too (``echo`` with ``logprobs``): the log-probability of each prompt
+    # token after the ones before it, with this many top alternatives.
+    prompt_logprobs: int | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def needs_history(self) -> bool:
         """Whether the tail must see the token ids (penalties count them; a grammar is
-        advanced by them, replays included)."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.grammar is not None
-        )
+        advanced by them, replays included; prompt log-probabilities score them)."""
+        return self.penalized or self.grammar is not None or self.prompt_logprobs is not None
 
     @model_validator(mode="after")
     def _bounded(self) -> SamplingSpec:
@@ -259,6 +263,8 @@ class SamplingSpec(Strict):
             ("top_k", self.top_k >= 0),
             ("min_p", math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0),
             ("logprobs", 0 <= self.logprobs <= TOP_LOGPROBS_MAX),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or 0 <= self.prompt_logprobs <= TOP_LOGPROBS_MAX),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX),
             ("presence_penalty", math.isfinite(self.presence_penalty)
              and abs(self.presence_penalty) <= PENALTY_MAX),
@@ -283,6 +289,9 @@ class StepResult(BaseModel):
     token_id: int | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
+    # With the first token of a session that scores its prompt: for each prompt token after
+    # the first, its log-probability and the top alternatives (``SamplingSpec.prompt_logprobs``)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     # Model compute of each hop for this step, in route order (ms): the head subtracts it
     # from the step's wall time to see what serving and the network cost per hop. On the
     # wire it travels in the H_COMPUTE header, not in the body.

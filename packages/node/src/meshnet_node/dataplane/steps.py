@@ -52,6 +52,12 @@ def _token_json(token) -> bytes:
     (ADR-0011). ``repr`` of a finite float is valid JSON."""
     tops = ",".join(f"[{int(i)},{wire_logprob(lp)!r}]" for i, lp in token.top_logprobs)
     text = f'{{"token_id":{int(token.token_id)},"logprob":{wire_logprob(token.logprob)!r},'
+    if token.prompt_logprobs is not None:  # once a request, with its first token
+        entries = [
+            [wire_logprob(lp), [[i, wire_logprob(v)] for i, v in top]]
+            for lp, top in token.prompt_logprobs
+        ]
+        text += f'"prompt_logprobs":{json.dumps(entries)},'
     return f'{text}"top_logprobs":[{tops}]}}'.encode()
 
 

@@ -22,6 +22,8 @@ class SampledToken:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # the first token of a session that scores its prompt: each prompt token's entry
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class _Counts:
@@ -66,6 +68,61 @@ class _Counts:
         self.folded = end
 
 
+class PromptScores:
+    """The prompt's own log-probabilities (``echo`` with ``logprobs``), gathered chunk by
+    chunk as the prompt's prefill passes the tail: entry ``i`` scores prompt token ``i + 1``
+    under the distribution after tokens ``0..i``. A chunk's last row waits for the next
+    chunk, which brings the token it scores."""
+
+    def __init__(self, params: SamplingSpec) -> None:
+        self.top = params.prompt_logprobs or 0
+        self.prompt_tokens = params.prompt_tokens
+        self.entries: list[tuple[float, list[tuple[int, float]]]] = []
+        self.delivered = False
+        self._pending: tuple[int, torch.Tensor] | None = None  # (position, log-softmax row)
+
+    def rows(self, position: int, num_tokens: int) -> range:
+        """The positions of a step at ``position`` whose distributions score the prompt."""
+        return range(position, min(position + num_tokens, self.prompt_tokens - 1))
+
+    def add(self, position: int, logprobs: torch.Tensor, history: list[int]) -> None:
+        """``logprobs``: (T, V) log-softmax rows for positions ``position..position+T-1``."""
+        if position != len(self.entries) + (self._pending is not None):
+            return  # a replayed or repeated chunk: this session scored it already
+        self.settle(history)
+        count = logprobs.shape[0]
+        targets = history[position + 1 : position + 1 + count]
+        known = 0
+        while known < len(targets) and targets[known] >= 0:
+            known += 1
+        if known < count - 1:
+            raise ValueError(f"prompt ids missing for the rows to score at {position}")
+        if known:
+            self._score(logprobs[:known], targets[:known])
+        if known < count:  # the next chunk brings the token this row scores
+            self._pending = (position + count - 1, logprobs[count - 1].clone())
+
+    def settle(self, history: list[int]) -> None:
+        """Score the row that waited for the next chunk, once that chunk's ids are here."""
+        if self._pending is None:
+            return
+        position, row = self._pending
+        if position + 1 < len(history) and history[position + 1] >= 0:
+            self._pending = None
+            self._score(row.unsqueeze(0), history[position + 1 : position + 2])
+
+    def _score(self, rows: torch.Tensor, targets: list[int]) -> None:
+        index = torch.tensor(targets, dtype=torch.int64).unsqueeze(1)
+        chosen = rows.gather(1, index).reshape(-1).tolist()
+        if self.top:
+            values, ids = torch.topk(rows, self.top, dim=-1)
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                                 strict=True)]  # fmt: skip
+        else:
+            tops = [[] for _ in targets]
+        self.entries.extend(zip(chosen, tops, strict=True))
+
+
 class Sampler:
     """Samples from last-position logits; one per session so a seed reproduces a sequence.
 
@@ -84,6 +141,7 @@ class Sampler:
         else:
             self.generator.seed()
         self.history: list[int] = []
+        self.prompt = PromptScores(params) if params.prompt_logprobs is not None else None
         self._counts: _Counts | None = None
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
         if params.logit_bias:
@@ -135,7 +193,12 @@ class Sampler:
         if params.logprobs:
             values, ids = torch.topk(logprobs, params.logprobs)
             top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
-        return SampledToken(token, float(logprobs[token]), top)
+        prompt = self.prompt
+        scored = None
+        if prompt is not None and not prompt.delivered:
+            prompt.settle(self.history)
+            scored, prompt.delivered = prompt.entries, True
+        return SampledToken(token, float(logprobs[token]), top, scored)
 
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits after the logit bias and the penalties (a copy when anything applies)."""
@@ -144,7 +207,7 @@ class Sampler:
             ids, values = self._bias
             keep = ids < logits.numel()
             logits = logits.index_add(0, ids[keep], values[keep])
-        if not params.needs_history:
+        if not params.penalized:
             return logits
         counts = self._counts
         if counts is None or counts.vocab != logits.numel():

@@ -337,6 +337,19 @@ class Stage:
             )
         if not shard.is_tail:
             return StepOutput(hidden=hidden.to(shard.activation_dtype))
+        scores = None if session.sampler is None else session.sampler.prompt
+        if scores is not None and scores.rows(position, num_tokens):
+            self._score_prompt(session, hidden, position, scores.rows(position, num_tokens))
         last = mods.norm(hidden[:, -1:, :])  # (1, 1, H)
         logits = final_logits(shard.config, mods.lm_head, last).float().reshape(-1).cpu()  # (V,)
         return StepOutput(logits=logits)
+
+    def _score_prompt(self, session: Session, hidden: torch.Tensor, position: int, rows) -> None:
+        """Log-probabilities of the prompt's own tokens (``echo`` with ``logprobs``), in
+        pieces of a wire chunk so the (T, V) logits stay small."""
+        mods, sampler = self.shard.modules, session.sampler
+        for lo in range(rows.start, rows.stop, self.max_chunk_tokens):
+            hi = min(lo + self.max_chunk_tokens, rows.stop)
+            states = mods.norm(hidden[:, lo - position : hi - position, :])
+            logits = final_logits(self.shard.config, mods.lm_head, states).float()[0]
+            sampler.prompt.add(lo, torch.log_softmax(logits, dim=-1), sampler.history)

@@ -54,6 +54,9 @@ class GeneratedToken:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     timing: dict | None = None  # on the last token: where decode time went (StepTimings)
+    # on the first token, when the request scores its prompt: the tail's entries, one per
+    # prompt token after the first (log-probability, top alternatives)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -185,6 +188,7 @@ class HeadGenerator:
         try:
             with metrics.timer(metrics.prefill_seconds):
                 result = await self._advance(stage, chain, request, history, None, reroute)
+            scored = result.prompt_logprobs  # a replay scores it again: the first one counts
             for produced in range(1, request.max_tokens + 1):
                 token = int(result.token_id)
                 ends = (token in self.eos and not request.ignore_eos) or token in request.stop_ids
@@ -200,6 +204,7 @@ class HeadGenerator:
                 yield GeneratedToken(
                     token, delta, result.logprob, result.top_logprobs, finish,
                     timings.summary() if finish is not None else None,
+                    scored if produced == 1 else None,
                 )  # fmt: skip
                 if finish is not None:
                     return
@@ -426,5 +431,6 @@ def _as_result(out: StepOutput) -> StepResult:
         token_id=token.token_id,
         logprob=token.logprob,
         top_logprobs=token.top_logprobs,
+        prompt_logprobs=token.prompt_logprobs,
         compute_ms=compute_ms,
     )

@@ -23,7 +23,7 @@ def sampling_defaults(generation_config) -> dict[str, float]:
 
 def sampling_spec(
     request, *, defaults: dict, vocab_size: int, seed: int | None, logprobs: int,
-    prompt_tokens: int,
+    prompt_tokens: int, prompt_logprobs: int | None = None,
 ) -> SamplingSpec:  # fmt: skip
     """The tail's sampling for one choice of ``request``."""
     values = {}
@@ -48,6 +48,7 @@ def sampling_spec(
         frequency_penalty=request.frequency_penalty,
         logit_bias=bias,
         prompt_tokens=prompt_tokens,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -20,6 +20,7 @@ from meshnet_common.openai_protocol import (
 from meshnet_node.head import tools
 from meshnet_node.head.generation import GeneratedToken
 from meshnet_node.head.reasoning import ReasoningSplitter
+from meshnet_node.head.text import TextAssembler
 
 if TYPE_CHECKING:
     from meshnet_node.head.serving import Choice
@@ -49,8 +50,8 @@ class ResponseShapes:
         return "" if token_id is None else self.tokenizer.decode([token_id])
 
     def completion_logprobs(self, tokens: list[GeneratedToken], offset: int = 0) -> dict:
-        """``offset``: where the first token's text starts in the choice's whole text (the
-        echoed prompt, and earlier chunks of a stream, come before it)."""
+        """``offset``: where the first token's text starts in the choice's whole text
+        (earlier chunks of a stream come before it)."""
         offsets = []
         for t in tokens:
             offsets.append(offset)
@@ -62,10 +63,13 @@ class ResponseShapes:
             "text_offset": offsets,
         }
 
-    def _top(self, token: GeneratedToken) -> dict[str, float]:
-        """The top alternatives and the sampled token (vLLM: with logprobs 0, just it)."""
+    def _top(self, token: GeneratedToken) -> dict[str, float] | None:
+        """The top alternatives and the token itself (vLLM: with logprobs 0, just it); None
+        for an echoed prompt's first token, which nothing scores."""
+        if token.logprob is None:
+            return None
         top = {self._token_str(i): lp for i, lp in token.top_logprobs}
-        if token.token_id is not None and token.logprob is not None:
+        if token.token_id is not None:
             top.setdefault(self._token_str(token.token_id), token.logprob)
         return top
 
@@ -83,33 +87,50 @@ class ResponseShapes:
             ]
         }
 
-    def _echoed(self, request: CompletionRequest, jobs_prompts) -> list[str]:
-        """The text each choice starts with: its prompt, when ``echo`` asks for it."""
+    def echoed(self, request: CompletionRequest, prompt_ids, first: GeneratedToken | None):
+        """The prompt as a choice's first tokens, when ``echo`` asks for it: text pieces
+        that join to the prompt's text and, from ``first`` (the first generated token,
+        which brings the tail's scores), each token's log-probability after the ones
+        before it. The first prompt token has none."""
         if not request.echo:
-            return [""] * len(jobs_prompts)
-        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in jobs_prompts]
+            return []
+        scored = (first.prompt_logprobs if first is not None else None) or []
+        assembler = TextAssembler(self.tokenizer, (), skip_special_tokens=True)
+        tokens = []
+        for k, token_id in enumerate(prompt_ids):
+            text, _ = assembler.add(token_id)
+            if k == len(prompt_ids) - 1:
+                text += assembler.finish()
+            logprob, top = scored[k - 1] if 0 < k <= len(scored) else (None, [])
+            tokens.append(GeneratedToken(token_id, text, logprob, top))
+        return tokens
+
+    @staticmethod
+    def generated(request: CompletionRequest, tokens: list[GeneratedToken]):
+        """What a choice shows of its generated tokens: none when it only scores the prompt."""
+        return [] if request.scores_only else tokens
 
     def completion_response(self, request: CompletionRequest, choices: list[Choice]) -> dict:
-        echoed = self._echoed(request, [c.prompt_ids for c in choices])
+        out = []
+        for c in choices:
+            shown = self.echoed(request, c.prompt_ids, c.tokens[0] if c.tokens else None)
+            shown += self.generated(request, c.tokens)
+            out.append({
+                "index": c.index,
+                "text": "".join(t.text for t in shown),
+                "logprobs": (
+                    self.completion_logprobs(shown) if request.logprobs is not None else None
+                ),
+                "finish_reason": "length" if request.scores_only else c.finish_reason,
+            })  # fmt: skip
+        generated = sum(len(self.generated(request, c.tokens)) for c in choices)
         return {
             "id": new_id("cmpl"),
             "object": "text_completion",
             "created": now(),
             "model": request.model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": echoed[c.index] + c.text,
-                    "logprobs": (
-                        self.completion_logprobs(c.tokens, len(echoed[c.index]))
-                        if request.logprobs is not None
-                        else None
-                    ),
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": choices_usage(choices),
+            "choices": out,
+            "usage": choices_usage(choices, generated),
             **timing_field(choices),
         }
 
@@ -151,33 +172,33 @@ class ResponseShapes:
         rid, created = new_id("cmpl"), now()
         counts = [0] * len(jobs)
         usage_of = StreamUsage(request, jobs, counts)
-        echoed = self._echoed(request, [j.prompt_ids for j in jobs])
-        offsets = [len(e) for e in echoed]  # text_offset continues across chunks
+        offsets = [0] * len(jobs)  # text_offset continues across chunks
+
+        def chunk(index: int, tokens: list[GeneratedToken], finish) -> str:
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = self.completion_logprobs(tokens, offsets[index])
+            text = "".join(t.text for t in tokens)
+            offsets[index] += len(text)
+            return sse({
+                "id": rid, "object": "text_completion", "created": created,
+                "model": request.model, "choices": [{
+                    "index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": finish}], **usage_of(False),
+            })  # fmt: skip
+
+        started: set[int] = set()
         try:
-            for index, text in enumerate(echoed):
-                if text:
-                    yield sse({
-                        "id": rid, "object": "text_completion", "created": created,
-                        "model": request.model, "choices": [{
-                            "index": index, "text": text, "logprobs": None,
-                            "finish_reason": None}], **usage_of(False),
-                    })  # fmt: skip
             async for index, tok in self.stream(jobs, route):
+                if request.echo and index not in started:
+                    # the prompt first: its scores come with the first token
+                    prompt = self.echoed(request, jobs[index].prompt_ids, tok)
+                    yield chunk(index, prompt, "length" if request.scores_only else None)
+                started.add(index)
+                if request.scores_only:
+                    continue
                 counts[index] += 1
-                logprobs = (
-                    self.completion_logprobs([tok], offsets[index])
-                    if request.logprobs is not None
-                    else None
-                )
-                offsets[index] += len(tok.text)
-                yield sse({
-                    "id": rid, "object": "text_completion", "created": created,
-                    "model": request.model,
-                    "choices": [{
-                        "index": index, "text": tok.text, "logprobs": logprobs,
-                        "finish_reason": tok.finish_reason,
-                    }], **usage_of(False),
-                })  # fmt: skip
+                yield chunk(index, [tok], tok.finish_reason)
             if usage_of.final:
                 yield sse({
                     "id": rid, "object": "text_completion", "created": created,
@@ -280,7 +301,7 @@ def timing_field(choices: list) -> dict:
     return {"meshnet_timing": timing} if timing else {}
 
 
-def choices_usage(choices: list) -> dict:
+def choices_usage(choices: list, generated: int | None = None) -> dict:
     # Like OpenAI, a prompt sampled n times counts once.
     prompt = sum(len(ids) for ids in {c.prompt_ids for c in choices})
-    return usage(prompt, sum(len(c.tokens) for c in choices))
+    return usage(prompt, sum(len(c.tokens) for c in choices) if generated is None else generated)

@@ -137,9 +137,8 @@ class OpenAIServing(ResponseShapes):
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template", param="messages")
         tools.check(request, self.tokenizer.chat_template)
-        kwargs = dict(request.chat_template_kwargs or {})
-        if request.tools:
-            kwargs["tools"] = tools.template_tools(request)
+        messages, shown = tools.render(request, messages, self.tokenizer.chat_template)
+        kwargs = {**(request.chat_template_kwargs or {}), **shown}
         for reserved in ("messages", "tokenize", "add_generation_prompt", "return_dict"):
             if reserved in kwargs:
                 raise InvalidRequest(
@@ -160,6 +159,8 @@ class OpenAIServing(ResponseShapes):
         return list(ids)
 
     def _generation(self, request, prompt_ids: list[int], index: int, logprobs: int):
+        # echo with logprobs: the tail scores the prompt's tokens too
+        scores_prompt = getattr(request, "echo", False) and request.logprobs is not None
         max_tokens = request.check(
             context_window=self.context_window, prompt_tokens=len(prompt_ids)
         )
@@ -175,6 +176,7 @@ class OpenAIServing(ResponseShapes):
                 seed=seed,
                 logprobs=logprobs,
                 prompt_tokens=len(prompt_ids),
+                prompt_logprobs=logprobs if scores_prompt else None,
             ),  # fmt: skip
             stop=tuple(request.stop_list),
             stop_ids=stop_token_ids(request, vocab),
@@ -190,12 +192,6 @@ class OpenAIServing(ResponseShapes):
         self.check_model(request.model)
         request.check_params()
         logprobs = request.logprobs or 0
-        if request.echo and request.logprobs is not None:
-            raise InvalidRequest(
-                "echo with logprobs needs the prompt's log-probabilities, which this server "
-                "does not compute yet; ask for one or the other", param="echo",
-                code="unsupported_parameter",
-            )  # fmt: skip
         jobs = []
         for prompt_ids in self._prompts(request):
             for _ in range(request.n):

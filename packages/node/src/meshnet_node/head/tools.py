@@ -8,7 +8,12 @@ how calls come back.
 - ``auto``: the model answers freely; calls in the Hermes format most open models use
   (Qwen2.5/Qwen3, Hermes, ...): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   are parsed out of the text, the rest is content.
-- ``none``: tools are still shown to the template (as OpenAI), no call is parsed."""
+- ``none``: tools are still shown to the template (as OpenAI), no call is parsed.
+
+A chat template that cannot show tools (no ``tools`` in it, e.g. SmolLM2's) still serves
+the forced choices: the functions are described in a system message (llama.cpp's generic
+fallback does the same) and the grammar forces the call. ``auto`` is refused there: the
+model could not know the tools nor any format to call them in."""
 
 from __future__ import annotations
 
@@ -42,9 +47,11 @@ def check(request, template: str | None) -> None:
         raise InvalidRequest(
             "tools and response_format cannot be combined", param="response_format"
         )
-    if not template or "tools" not in template:
+    if not shows_tools(template) and request.tool_choice in (None, "auto"):
         raise InvalidRequest(
-            "this model's chat template cannot express tools", param="tools",
+            "this model's chat template cannot express tools, so the model cannot choose "
+            'to call one: use tool_choice "required" or a named function (the call is '
+            "then forced), or a model whose template takes tools", param="tools",
             code="unsupported_parameter",
         )  # fmt: skip
     name = forced_name(request)
@@ -52,10 +59,41 @@ def check(request, template: str | None) -> None:
         raise InvalidRequest(f"tool_choice names no given function: {name!r}", param="tool_choice")
 
 
+def shows_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
 def template_tools(request) -> list[dict] | None:
     if not request.tools:
         return None
     return [t.model_dump(exclude_none=True) for t in request.tools]
+
+
+def render(request, messages: list[dict], template: str | None) -> tuple[list[dict], dict]:
+    """The messages and template arguments that show ``request``'s tools: the template's
+    own ``tools`` argument when it takes one; else, for a forced call, a system message
+    that describes the functions and the JSON to answer with."""
+    if not request.tools:
+        return messages, {}
+    if shows_tools(template):
+        return messages, {"tools": template_tools(request)}
+    if not active(request):
+        return messages, {}
+    functions = "\n".join(compact(t.function.model_dump(exclude_none=True)) for t in request.tools)
+    name = forced_name(request)
+    answer = (
+        f"the arguments of {name} as one JSON object" if name is not None
+        else 'a JSON list of calls, each {"name": ..., "arguments": {...}}'
+    )  # fmt: skip
+    note = f"You can call these functions:\n{functions}\nAnswer with {answer}."
+    first = messages[0] if messages else None
+    if (
+        first is not None
+        and first["role"] in ("system", "developer")
+        and isinstance(first.get("content"), str)
+    ):
+        return [{**first, "content": f"{first['content']}\n\n{note}"}, *messages[1:]], {}
+    return [{"role": "system", "content": note}, *messages], {}
 
 
 def call_schema(request) -> dict | None:
