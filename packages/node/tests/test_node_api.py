@@ -38,6 +38,7 @@ from meshnet_node.dataplane.steps import step_headers
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.engine.stage import Stage
+from meshnet_node.head.speculation import DraftPolicy
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
 from meshnet_node.settings import NodeSettings
 
@@ -581,6 +582,46 @@ def test_chain_of_three_nodes_matches_reference(chain_head, middle, tail, tokeni
     got = choice["logprobs"]["token_logprobs"]
     assert got == pytest.approx(greedy_logprobs(reference, prompt, 8), abs=1e-4)
     assert [len(n.sessions) for n in nodes] == held  # every hop's session was freed
+
+
+class AlwaysDraft(DraftPolicy):
+    """Always 4 drafts (in-process steps are too fast for the real policy to find drafting
+    worth it)."""
+
+    def choose(self, acceptance, steps):
+        return 4
+
+
+@pytest.mark.parametrize("node", ["whole", "chain_head"])
+def test_speculative_greedy_equals_plain_decoding(node, request, tokenizer, reference):
+    """Drafts looked up in a repetitive text, verified by the chain (the tail keeps some,
+    every hop rewinds past the rest): the text is the unsplit model's greedy text."""
+    head = request.getfixturevalue(node)
+    generator = head.runtime.openai.generator
+    metrics = head.runtime.service.metrics
+    prompt = [(i % 7) * 11 + 5 for i in range(70)]  # a phrase repeated
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 40, "logprobs": 1, **GREEDY}
+    policy, generator.draft_policy = generator.draft_policy, AlwaysDraft()
+    before = (metrics.draft_tokens._value.get(), metrics.accepted_tokens._value.get())
+    try:
+        resp = head.http.post("/v1/completions", json=body)
+    finally:
+        generator.draft_policy = policy
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["text"] == greedy_text(tokenizer, reference, prompt, 40)
+    got = choice["logprobs"]["token_logprobs"]
+    assert got == pytest.approx(greedy_logprobs(reference, prompt, 40), abs=1e-4)
+    drafted = metrics.draft_tokens._value.get() - before[0]
+    accepted = metrics.accepted_tokens._value.get() - before[1]
+    assert drafted > 0 and 0 < accepted <= drafted
+    sampled = {**body, "temperature": 0.8, "seed": 3}  # greedy mode: sampled ones don't draft
+    generator.draft_policy = AlwaysDraft()
+    try:
+        assert head.http.post("/v1/completions", json=sampled).status_code == 200
+    finally:
+        generator.draft_policy = policy
+    assert metrics.draft_tokens._value.get() - before[0] == drafted
 
 
 def chat_ids(tokenizer, messages) -> list[int]:

@@ -130,6 +130,19 @@ class Metrics:
             "meshnet_decode_step_seconds", "One decode step through the whole chain",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.draft_tokens = Counter(
+            "meshnet_spec_decode_num_draft_tokens",
+            "Draft tokens decode steps carried for the chain to verify", registry=r,
+        )  # fmt: skip
+        self.accepted_tokens = Counter(
+            "meshnet_spec_decode_num_accepted_tokens",
+            "Draft tokens the tail kept (acceptance rate: this over the drafts)", registry=r,
+        )  # fmt: skip
+        self.tokens_per_step = Histogram(
+            "meshnet_tokens_per_traversal",
+            "Tokens one decode step's traversal of the chain produced (drafts kept + 1)",
+            buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 33), registry=r,
+        )  # fmt: skip
         self.hop_seconds = Histogram(
             "meshnet_hop_seconds",
             "One forward frame sent to the next hop until its answer (includes later hops)",

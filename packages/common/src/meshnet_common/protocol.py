@@ -61,6 +61,9 @@ H_SAMPLE = "x-meshnet-sample"  # "1": the tail samples this step's last token
 H_IDS = (
     "x-meshnet-ids"  # the step's token ids, comma-separated, when the tail's penalties count them
 )
+# How many of the step's last tokens are drafts for the tail to verify (speculative
+# decoding, ADR-0019); such a step always carries its ids.
+H_DRAFTS = "x-meshnet-drafts"
 H_SWARM_TOKEN = "x-meshnet-swarm-token"
 # On a step's answer: model compute of each hop from this one to the tail, in ms, comma-
 # separated. Each hop prepends its own to what the next one answered and relays the tail's
@@ -292,6 +295,9 @@ class StepResult(BaseModel):
     # With the first token of a session that scores its prompt: for each prompt token after
     # the first, its log-probability and the top alternatives (``SamplingSpec.prompt_logprobs``)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # A step with drafts: the tokens after ``token_id`` (the drafts the tail kept, then its
+    # own), each as (token id, log-probability, top alternatives)
+    more: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     # Model compute of each hop for this step, in route order (ms): the head subtracts it
     # from the step's wall time to see what serving and the network cost per hop. On the
     # wire it travels in the H_COMPUTE header, not in the body.

@@ -39,6 +39,7 @@ from meshnet_node.engine.stage import Stage
 from meshnet_node.head.generation import HeadGenerator
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.serving import OpenAIServing, RouteProvider
+from meshnet_node.head.speculation import SpeculationSettings
 from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
 from meshnet_node.swarm.membership import Membership, TrackerClient
@@ -260,7 +261,12 @@ def build_openai(
         generation_config = GenerationConfig.from_pretrained(settings.model_path)
     except OSError:
         generation_config = None
-    generator = HeadGenerator(service, tokenizer, generation_config)
+    generator = HeadGenerator(
+        service, tokenizer, generation_config,
+        speculation=SpeculationSettings(
+            settings.speculative, settings.max_draft_tokens, settings.speculative_max_running
+        ),
+    )  # fmt: skip
     return OpenAIServing(
         settings.model_id, generator, route_provider,
         served_names=settings.served_model_name, max_model_len=settings.max_model_len,

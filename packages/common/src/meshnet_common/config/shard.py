@@ -83,6 +83,20 @@ class ShardSettings(ServiceSettings):
         group=MODEL, flag="--session-idle-timeout",
     )  # fmt: skip
 
+    speculative: str = knob(
+        "greedy", "speculative decoding with drafts looked up in the text itself (n-gram): "
+        "greedy (temperature 0 requests), all (sampled ones too: the acceptance rule keeps "
+        "their distribution) or off; the head drafts only while it pays", group=MODEL,
+        choices=("greedy", "all", "off"),
+    )  # fmt: skip
+    max_draft_tokens: int = knob(
+        8, "most draft tokens a decode step carries for the chain to verify", group=MODEL,
+    )  # fmt: skip
+    speculative_max_running: int = knob(
+        2, "no drafting while more generations than this run on the head (batched decode "
+        "already shares each pass over the weights)", group=MODEL,
+    )  # fmt: skip
+
     # -- data path --
     chunk_tokens: int = knob(defaults.CHUNK_TOKENS, "prefill chunk size, tokens", group=DATA)
     max_decode_batch: int = knob(
@@ -169,6 +183,20 @@ class ShardSettings(ServiceSettings):
         allowed = LEVELS if info.field_name == "log_level" else FORMATS
         if value not in allowed:
             raise ValueError(f"expected one of {', '.join(allowed)}")
+        return value
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, value: str) -> str:
+        if value not in ("greedy", "all", "off"):
+            raise ValueError("expected one of greedy, all, off")
+        return value
+
+    @field_validator("max_draft_tokens")
+    @classmethod
+    def _drafts(cls, value: int) -> int:
+        if not 1 <= value <= 32:
+            raise ValueError("expected 1..32")
         return value
 
     # -- derived --

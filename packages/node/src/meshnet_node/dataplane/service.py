@@ -110,6 +110,7 @@ class NodeService:
         hidden: torch.Tensor | None = None,
         owner: str | None = None,
         sample: bool = True,
+        drafts: tuple[int, ...] = (),
     ) -> StepOutput:
         """Run a step on the compute thread; single-token decode steps may be batched."""
         tensor = token_ids if token_ids is not None else hidden
@@ -118,7 +119,7 @@ class NodeService:
             return await self.batcher.submit(stage, item)
         return await self.compute(
             stage.step, session_id, position, token_ids=token_ids, hidden=hidden,
-            owner=owner, sample=sample,
+            owner=owner, sample=sample, drafts=drafts,
         )  # fmt: skip
 
     async def compute(self, fn, *args, **kwargs):
@@ -246,8 +247,8 @@ class NodeService:
         if stage.shard.is_tail:
             if out.token is None:
                 return StepAnswer(_EMPTY_RESULT, format_compute(own_ms))
-            self.tokens_generated += 1
-            return StepAnswer(_token_json(out.token), format_compute(own_ms))
+            self.tokens_generated += 1 + len(out.more or ())
+            return StepAnswer(_token_json(out.token, out.more), format_compute(own_ms))
         resp = await self.relay(
             req.route[0],
             out.hidden,
@@ -259,6 +260,7 @@ class NodeService:
             sample=req.sample,
             open_spec=self._relayed_open(stage, req),
             ids=req.ids,
+            drafts=req.drafts,
         )
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
@@ -270,10 +272,10 @@ class NodeService:
         # step runs: a decode step is never merged with another's input, and each torch
         # call here costs tens of microseconds per hop on a CPU that idled (docs/adr/0011).
         tensor = stage.check_inputs(token_ids, hidden, values=False)
-        if tensor.shape[1] == 1 and req.chunk == 0:  # a decode step (may be batched)
+        if (tensor.shape[1] == 1 or req.drafts) and req.chunk == 0:  # a decode step
             return await self.run_stage(
                 stage, req.session_id, req.position, token_ids=token_ids, hidden=hidden,
-                owner=req.session_key, sample=req.sample,
+                owner=req.session_key, sample=req.sample, drafts=req.draft_ids,
             )  # fmt: skip
         stage.check_inputs(token_ids, hidden)  # a bad chunk must not spoil a merged pass
         waiting = self._waiting.setdefault(req.session_id, {})
@@ -380,9 +382,11 @@ class NodeService:
         sample: bool,
         open_spec: dict | None,
         ids: tuple[int, ...] | None = None,
+        drafts: int = 0,
     ) -> HopResponse:
         """POST one tensor frame to ``hop``; returns its answer (a 200) unparsed."""
-        if hidden.shape[1] > 1:  # a prefill chunk: encode off the loop, beside the compute thread
+        prefill = hidden.shape[1] > 1 and not drafts
+        if prefill:  # a prefill chunk: encode off the loop, beside the compute thread
             frame = await asyncio.to_thread(wire.encode_tensor, hidden, self.wire_options)
         else:
             frame = wire.encode_tensor(hidden, self.wire_options)
@@ -395,12 +399,13 @@ class NodeService:
             sample=sample,
             open_spec=open_spec,
             ids=ids,
+            drafts=drafts,
         )
         request_id = request_id_var.get()
         if request_id is not None:  # every hop's log lines of this step carry the same id
             headers[H_REQUEST_ID] = request_id
         t = self.settings.timeouts
-        timeout = t.prefill_chunk if hidden.shape[1] > 1 else t.decode_step
+        timeout = t.prefill_chunk if prefill else t.decode_step
         # Metrics are recorded off the step's critical path: once the frame is on its way
         # (a callback runs while this task waits for the answer), and after the answer
         # has been relayed. Cold library code costs tens of microseconds per call here.

@@ -14,6 +14,7 @@ from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.protocol import (
     H_CHUNK,
+    H_DRAFTS,
     H_IDS,
     H_OPEN,
     H_POSITION,
@@ -46,12 +47,23 @@ def wire_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
-def _token_json(token) -> bytes:
+def _tops(top_logprobs) -> str:
+    return ",".join(f"[{int(i)},{wire_logprob(lp)!r}]" for i, lp in top_logprobs)
+
+
+def _token_json(token, more=None) -> bytes:
     """A sampled token as the JSON of a ``StepResult``, formatted by hand: this runs on
     every decode step, and a JSON library's first call after an idle gap costs ~80 µs here
-    (ADR-0011). ``repr`` of a finite float is valid JSON."""
-    tops = ",".join(f"[{int(i)},{wire_logprob(lp)!r}]" for i, lp in token.top_logprobs)
+    (ADR-0011). ``repr`` of a finite float is valid JSON. ``more``: the tokens after it
+    (a step that verified drafts)."""
+    tops = _tops(token.top_logprobs)
     text = f'{{"token_id":{int(token.token_id)},"logprob":{wire_logprob(token.logprob)!r},'
+    if more:
+        after = ",".join(
+            f"[{int(t.token_id)},{wire_logprob(t.logprob)!r},[{_tops(t.top_logprobs)}]]"
+            for t in more
+        )
+        text += f'"more":[{after}],'
     if token.prompt_logprobs is not None:  # once a request, with its first token
         entries = [
             [wire_logprob(lp), [[i, wire_logprob(v)] for i, v in top]]
@@ -75,6 +87,11 @@ class StepRequest:
     sample: bool
     tensor: torch.Tensor
     ids: tuple[int, ...] | None = None  # the step's token ids (penalties at the tail)
+    drafts: int = 0  # how many of the last tokens are drafts to verify (ADR-0019)
+
+    @property
+    def draft_ids(self) -> tuple[int, ...]:
+        return self.ids[len(self.ids) - self.drafts :] if self.drafts and self.ids else ()
 
 
 def _int_header(headers, name: str, default: int | None = None) -> int:
@@ -120,7 +137,7 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
         except (ValueError, TypeError, AttributeError) as exc:
             raise InvalidRequest(f"malformed {H_OPEN} header: {exc}", param=H_OPEN) from exc
     tensor = wire.decode_tensor(body, max_bytes=max_bytes)
-    return StepRequest(
+    step = StepRequest(
         session_id=session_id,
         session_key=headers.get(H_SESSION_KEY),
         position=_int_header(headers, H_POSITION),
@@ -131,7 +148,17 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
         sample=headers.get(H_SAMPLE) == "1",
         tensor=tensor,
         ids=parse_ids(headers.get(H_IDS), tensor),
+        drafts=_int_header(headers, H_DRAFTS, 0),
     )
+    if step.drafts:
+        tokens = tensor.shape[1] if tensor.dim() >= 2 else tensor.numel()
+        if step.ids is None or step.drafts >= tokens or not step.sample or step.chunk:
+            raise InvalidRequest(
+                f"a step with {H_DRAFTS} is one sampled step of its first token and the "
+                f"drafts after it, with their ids ({H_IDS})",
+                param=H_DRAFTS,
+            )
+    return step
 
 
 def parse_ids(raw: str | None, tensor: torch.Tensor) -> tuple[int, ...] | None:
@@ -163,6 +190,7 @@ def step_headers(
     sample: bool,
     open_spec: dict | None,
     ids: tuple[int, ...] | None = None,
+    drafts: int = 0,
 ) -> dict[str, str]:
     headers = {
         "content-type": wire.CONTENT_TYPE,
@@ -178,4 +206,6 @@ def step_headers(
         headers[H_OPEN] = json.dumps(open_spec)
     if ids is not None:
         headers[H_IDS] = ",".join(map(str, ids))
+    if drafts:
+        headers[H_DRAFTS] = str(drafts)
     return headers

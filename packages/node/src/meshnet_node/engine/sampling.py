@@ -163,6 +163,28 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> SampledToken:
         """``logits``: (V,) float32 scores of the next token."""
+        return self._sample(logits, None)
+
+    def verify(self, rows: torch.Tensor, drafts) -> list[SampledToken]:
+        """Speculative decoding: ``rows`` (k + 1, V) are the scores after a step's input
+        token and after each of its ``k`` drafts. Row ``i`` decides position ``i``: a draft
+        is kept while it is what the row yields, and the first row that yields another
+        token ends the list with that token (all kept: row ``k`` adds one more).
+
+        Greedy, a draft is kept when it is the row's best token. Sampled, the standard
+        speculative-sampling rule for a draft proposed with certainty: kept with the
+        probability the row gives it, else a token drawn from the row without it. Either
+        way each token has exactly the distribution one-at-a-time decoding gives it."""
+        out = []
+        for i in range(rows.shape[0]):
+            draft = int(drafts[i]) if i < len(drafts) else None
+            token = self._sample(rows[i], draft)
+            out.append(token)
+            if token.token_id != draft:
+                break
+        return out
+
+    def _sample(self, logits: torch.Tensor, draft: int | None) -> SampledToken:
         logits = logits.float().reshape(-1)  # (V,)
         logprobs = torch.log_softmax(logits, dim=-1)  # (V,) reported: the model's own
         params = self.params
@@ -188,7 +210,20 @@ class Sampler:
                 drop[0] = False  # the most likely token always stays
                 scores = scores.scatter(0, order[drop], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
+            if draft is not None and 0 <= draft < probs.numel():
+                keep = float(torch.rand((), generator=self.generator)) < float(probs[draft])
+                if keep or float(probs[draft]) >= 1.0:
+                    token = draft
+                else:  # the residual max(0, p - q) of a certain draft: p without it
+                    token = int(
+                        torch.multinomial(
+                            probs.index_fill(0, torch.tensor([draft]), 0.0),
+                            1,
+                            generator=self.generator,
+                        )
+                    )
+            else:
+                token = int(torch.multinomial(probs, 1, generator=self.generator))
         top: list[tuple[int, float]] = []
         if params.logprobs:
             values, ids = torch.topk(logprobs, params.logprobs)

@@ -28,6 +28,18 @@ class Session:
     owner: str | None = None  # who opened it; steps from anyone else are refused
     first_layer: int = 0  # local index of the first layer this session runs (overlapping hops)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # After a step that carried drafts (speculative decoding): the first position the next
+    # step may start at, dropping the cache past it (drafts the tail did not keep).
+    rewind_from: int | None = None
+    recording: bool = False  # sliding-window layers keep what a rewind needs (ADR-0019)
+
+
+def crop_cache(cache, tokens: int) -> None:
+    """Drop the last ``tokens`` positions of every layer that holds any; ``0`` trims
+    sliding-window layers that kept extra positions back to their window."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", True) and layer.keys is not None:
+            layer.crop(-tokens)
 
 
 def check_session_id(session_id: object) -> str:
@@ -146,6 +158,24 @@ class SessionStore:
                     code="kv_budget_full",
                 )
             self._reserved_tokens += num_tokens
+
+    def rewind(self, session: Session, position: int) -> None:
+        """Start the next step at ``position``, dropping the cache past it: only inside the
+        span of the last step that carried drafts (the chain's verification of them)."""
+        if position >= session.length or session.rewind_from is None:
+            return
+        if position < session.rewind_from:
+            raise Conflict(
+                f"session {session.session_id} cannot go back to {position} (its drafts "
+                f"start at {session.rewind_from})",
+                param="position",
+                code="wrong_position",
+            )
+        with self._lock:
+            crop_cache(session.cache, session.length - position)
+            session.length = position
+        # The sampler's history needs no rewind: the steps' ids overwrite it by position,
+        # and only requests whose sampling ignores the history carry drafts.
 
     def commit(self, session: Session, num_tokens: int, *, ok: bool) -> None:
         """Settle a reservation once the step finished (or failed)."""

@@ -14,7 +14,7 @@ from meshnet_node.engine.constraints import ConstraintFactory
 from meshnet_node.engine.families import SessionContext, build_masks, final_logits
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.sampling import SampledToken
-from meshnet_node.engine.sessions import Session, SessionStore
+from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ class StepOutput:
     """What a stage produces: hidden states (head/middle) or last-token logits (tail)."""
 
     hidden: torch.Tensor | None = None  # (1, T, H) in the stage's activation dtype
-    logits: torch.Tensor | None = None  # (V,) float32, tail only
+    logits: torch.Tensor | None = None  # (V,) float32, tail only; (k + 1, V) verifying drafts
     token: SampledToken | None = None  # tail only, when the session samples
+    more: list[SampledToken] | None = None  # after ``token``: the tail kept drafts (ADR-0019)
     compute_s: float = 0.0  # time on the compute thread (shared by a batch's steps)
 
 
@@ -173,11 +174,16 @@ class Stage:
         hidden: torch.Tensor | None = None,
         owner: str | None = None,
         sample: bool = True,
+        drafts: tuple[int, ...] = (),
     ) -> StepOutput:
         """Run ``T`` tokens starting at absolute ``position`` through this stage.
 
+        ``drafts``: the step's last ``k`` input tokens are drafts to verify (speculative
+        decoding, ADR-0019): the tail samples every position and keeps drafts up to the
+        first it would not have produced; the next step may start inside the span.
+
         Every check happens before any layer runs, so a rejected step leaves the session
-        exactly as it was.
+        exactly as it was (except that it may drop drafts the tail did not keep).
         """
         shard = self.shard
         session = self.sessions.get(session_id, owner=owner)
@@ -185,6 +191,8 @@ class Stage:
             raise InvalidRequest("position must be a non-negative integer", param="position")
         tensor = self.check_inputs(token_ids, hidden, limit=self.max_merge_tokens)
         num_tokens = tensor.shape[1]
+        if drafts and (len(drafts) >= num_tokens or not sample):
+            raise InvalidRequest("a step's drafts follow its first token", param="drafts")
         if position + num_tokens > self.max_positions:
             raise InvalidRequest(
                 f"positions up to {position + num_tokens} exceed the model's context of "
@@ -195,10 +203,14 @@ class Stage:
             # head and tail in one: the input ids are the history
             session.sampler.observe(position, tensor.reshape(-1).tolist())
         with session.lock:
+            self.sessions.rewind(session, position)
             self.sessions.reserve(session, position, num_tokens)
             ok = False
+            if drafts and not session.recording:  # sliding windows keep what a rewind needs
+                session.cache.activate_past_recording()
+                session.recording = True
             try:
-                out = self._forward(session, position, tensor)
+                out = self._forward(session, position, tensor, rows=len(drafts) + 1)
                 ok = True
             except Exception:
                 # A failure inside the layers may have left a partial chunk in the cache.
@@ -207,8 +219,15 @@ class Stage:
                 raise
             finally:
                 self.sessions.commit(session, num_tokens, ok=ok)
+            session.rewind_from = position + 1 if drafts else None
+            if session.recording and not drafts:
+                crop_cache(session.cache, 0)  # nothing to go back to: windows trimmed
             if out.logits is not None and sample and session.sampler is not None:
-                out.token = session.sampler(out.logits)
+                if drafts:
+                    kept = session.sampler.verify(out.logits, drafts)
+                    out.token, out.more = kept[0], kept[1:]
+                else:
+                    out.token = session.sampler(out.logits)
             return out
 
     def step_batch(self, items: list[DecodeItem]) -> list[StepOutput | Exception]:
@@ -228,6 +247,7 @@ class Stage:
                 tensor = self.check_inputs(item.token_ids, item.hidden)
                 if tensor.shape[1] != 1 or item.position + 1 > self.max_positions:
                     raise InvalidRequest("a batched step is one token inside the context")
+                self.sessions.rewind(session, item.position)
                 self.sessions.reserve(session, item.position, 1)
                 sampler = session.sampler
                 if self.shard.is_head and sampler is not None and sampler.wants_history:
@@ -260,6 +280,9 @@ class Stage:
                     session.lock.release()
             for (i, session, _), out in zip(group, outs, strict=True):
                 self.sessions.commit(session, 1, ok=ok)
+                session.rewind_from = None
+                if session.recording:
+                    crop_cache(session.cache, 0)
                 if ok and out.logits is not None and items[i].sample and session.sampler:
                     out.token = session.sampler(out.logits)
                 results[i] = out
@@ -305,7 +328,9 @@ class Stage:
         return [StepOutput(logits=logits[b].reshape(-1)) for b in range(len(sessions))]
 
     @torch.inference_mode()
-    def _forward(self, session: Session, position: int, inputs: torch.Tensor) -> StepOutput:
+    def _forward(
+        self, session: Session, position: int, inputs: torch.Tensor, rows: int = 1
+    ) -> StepOutput:
         shard = self.shard
         mods = shard.modules
         device = shard.device
@@ -340,9 +365,9 @@ class Stage:
         scores = None if session.sampler is None else session.sampler.prompt
         if scores is not None and scores.rows(position, num_tokens):
             self._score_prompt(session, hidden, position, scores.rows(position, num_tokens))
-        last = mods.norm(hidden[:, -1:, :])  # (1, 1, H)
-        logits = final_logits(shard.config, mods.lm_head, last).float().reshape(-1).cpu()  # (V,)
-        return StepOutput(logits=logits)
+        last = mods.norm(hidden[:, -rows:, :])  # (1, rows, H)
+        logits = final_logits(shard.config, mods.lm_head, last).float().cpu()[0]  # (rows, V)
+        return StepOutput(logits=logits.reshape(-1) if rows == 1 else logits)
 
     def _score_prompt(self, session: Session, hidden: torch.Tensor, position: int, rows) -> None:
         """Log-probabilities of the prompt's own tokens (``echo`` with ``logprobs``), in

@@ -24,6 +24,12 @@ from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage, StepOutput
 from meshnet_node.head.params import sampling_defaults
+from meshnet_node.head.speculation import (
+    DraftPolicy,
+    Speculation,
+    SpeculationSettings,
+    speculates,
+)
 from meshnet_node.head.text import TextAssembler, skips_special_tokens
 from meshnet_node.retry import BanList, Clock, RetryBudget, RetryPolicy
 
@@ -143,6 +149,7 @@ class HeadGenerator:
         ban_s: float = FAILOVER_BAN_S,
         clock: Clock = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        speculation: SpeculationSettings = SpeculationSettings(),
     ) -> None:
         if not service.stage.shard.is_head:
             raise ValueError("only a head stage can drive generation")
@@ -155,6 +162,9 @@ class HeadGenerator:
         self.clock = clock
         self.sleep = sleep
         self.bans = BanList(ban_s, clock)  # failed hops, per head process
+        self.speculation = speculation
+        self.draft_policy = DraftPolicy(speculation.max_draft)  # this head's step costs
+        self.running = 0  # generations under way (drafting pauses when many are)
 
     @property
     def context_window(self) -> int:
@@ -182,42 +192,70 @@ class HeadGenerator:
         assembler = TextAssembler(
             self.tokenizer, request.stop, skip_special_tokens=request.skip_special_tokens
         )
-        history = list(request.prompt_ids)
+        history = list(request.prompt_ids)  # the tokens every hop's cache holds
         metrics = self.service.metrics
         timings = StepTimings()
+        speculation = None
+        if speculates(request.sampling, self.speculation.mode):
+            speculation = Speculation(self.draft_policy)
+        self.running += 1
         try:
             with metrics.timer(metrics.prefill_seconds):
                 result = await self._advance(stage, chain, request, history, None, reroute)
             scored = result.prompt_logprobs  # a replay scores it again: the first one counts
-            for produced in range(1, request.max_tokens + 1):
-                token = int(result.token_id)
-                ends = (token in self.eos and not request.ignore_eos) or token in request.stop_ids
-                # the end-of-sequence token is never text, even when special tokens are
-                delta, hit_stop = ("", False) if ends else assembler.add(token)
-                finish = None
-                if hit_stop or ends:
-                    finish = "stop"
-                elif produced == request.max_tokens:
-                    finish = "length"
-                if finish is not None:
-                    delta += assembler.finish()
-                yield GeneratedToken(
-                    token, delta, result.logprob, result.top_logprobs, finish,
-                    timings.summary() if finish is not None else None,
-                    scored if produced == 1 else None,
-                )  # fmt: skip
-                if finish is not None:
-                    return
+            produced = 0
+            while True:
+                outputs = _tokens_of(result)  # one, or the drafts the tail kept and one more
+                for token, logprob, top in outputs:
+                    produced += 1
+                    ends = (token in self.eos and not request.ignore_eos) or (
+                        token in request.stop_ids
+                    )
+                    # the end-of-sequence token is never text, even when special tokens are
+                    delta, hit_stop = ("", False) if ends else assembler.add(token)
+                    finish = None
+                    if hit_stop or ends:
+                        finish = "stop"
+                    elif produced == request.max_tokens:
+                        finish = "length"
+                    if finish is not None:
+                        delta += assembler.finish()
+                    yield GeneratedToken(
+                        token, delta, logprob, top, finish,
+                        timings.summary() if finish is not None else None,
+                        scored if produced == 1 else None,
+                    )  # fmt: skip
+                    if finish is not None:
+                        return
+                history.extend(t for t, _, _ in outputs[:-1])  # kept drafts: in every cache
+                token = outputs[-1][0]  # the next step's input
+                drafts: list[int] = []
+                if speculation is not None and self.running <= self.speculation.max_running:
+                    room = min(
+                        request.max_tokens - produced - 1,
+                        self.context_window - len(history) - 2,
+                    )  # fmt: skip
+                    drafts = speculation.drafts([*history, token], room)
                 started, failovers = time.perf_counter(), chain.failovers
                 try:
-                    result = await self._advance(stage, chain, request, history, token, reroute)
+                    result = await self._advance(
+                        stage, chain, request, history, token, reroute, drafts
+                    )
                 finally:
                     elapsed = time.perf_counter() - started
                     metrics.decode_seconds.observe(elapsed)
                 if chain.failovers == failovers:  # a replayed step says nothing of overhead
                     timings.add(elapsed, result.compute_ms, len(chain.route))
+                    kept = len(result.more or ())
+                    if speculation is not None:
+                        speculation.settle(len(drafts), kept, elapsed)
+                    if drafts:
+                        metrics.draft_tokens.inc(len(drafts))
+                        metrics.accepted_tokens.inc(kept)
+                    metrics.tokens_per_step.observe(1 + kept)
                 history.append(token)
         finally:
+            self.running -= 1
             await self._close(stage, chain.session_id, chain.key, chain.route)
 
     def _open_local(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:
@@ -238,9 +276,11 @@ class HeadGenerator:
         history: list[int],
         token: int | None,
         reroute: Reroute | None,
+        drafts: list[int] | None = None,
     ) -> StepResult:
-        """Prefill (``token`` None) or one decode step, failing over to a new route if a hop
-        dies: bounded attempts, capped exponential backoff, an overall deadline."""
+        """Prefill (``token`` None) or one decode step (with ``drafts`` for the chain to
+        verify), failing over to a new route if a hop dies: bounded attempts, capped
+        exponential backoff, an overall deadline. A replay verifies no drafts."""
         if chain.budget is None:  # the limits hold for the whole request, not per step
             chain.budget = self.failover.start(self.clock)
         while True:
@@ -254,8 +294,8 @@ class HeadGenerator:
                         stage, chain.session_id, chain.key, replayed, chain.route
                     )
                 return await self._step(
-                    stage, chain.session_id, chain.key, [token], len(history), chain.route,
-                    with_ids=request.sampling.needs_history,
+                    stage, chain.session_id, chain.key, [token, *(drafts or ())], len(history),
+                    chain.route, with_ids=request.sampling.needs_history, drafts=len(drafts or ()),
                 )  # fmt: skip
             except HopError as exc:
                 may_retry = chain.budget.failed()
@@ -367,7 +407,9 @@ class HeadGenerator:
                 task.cancel()
             raise
 
-    async def _local(self, stage, session_id, key, token_ids, position, sample) -> StepOutput:
+    async def _local(
+        self, stage, session_id, key, token_ids, position, sample, drafts=0
+    ) -> StepOutput:
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
         self.service.tokens_served += sample  # a sampled step: one more token through the head
         return await self.service.run_stage(
@@ -377,11 +419,13 @@ class HeadGenerator:
             token_ids=torch.tensor([token_ids], dtype=torch.int64),
             owner=key,
             sample=sample,
+            drafts=tuple(token_ids[len(token_ids) - drafts :]) if drafts else (),
         )
 
     async def _send(
-        self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None
-    ):
+        self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None,
+        drafts=0,
+    ):  # fmt: skip
         return await self.service.send(
             route[0],
             out.hidden,
@@ -393,16 +437,20 @@ class HeadGenerator:
             sample=sample,
             open_spec=open_spec,
             ids=ids,
+            drafts=drafts,
         )
 
-    async def _step(self, stage, session_id, key, token_ids, position, route, with_ids=False):
-        """One decode step: local layers, then the rest of the chain."""
-        out = await self._local(stage, session_id, key, token_ids, position, True)
+    async def _step(
+        self, stage, session_id, key, token_ids, position, route, with_ids=False, drafts=0
+    ):
+        """One decode step (its last ``drafts`` tokens to verify): local layers, then the
+        rest of the chain."""
+        out = await self._local(stage, session_id, key, token_ids, position, True, drafts)
         if not route:  # head is also the tail
             return _as_result(out)
         result = await self._send(
             out, session_id, key, position, route, 0, True, None,
-            ids=tuple(token_ids) if with_ids else None,
+            ids=tuple(token_ids) if with_ids or drafts else None, drafts=drafts,
         )  # fmt: skip
         result.compute_ms.insert(0, out.compute_s * 1000)
         return result
@@ -432,5 +480,12 @@ def _as_result(out: StepOutput) -> StepResult:
         logprob=token.logprob,
         top_logprobs=token.top_logprobs,
         prompt_logprobs=token.prompt_logprobs,
+        more=[(t.token_id, t.logprob, t.top_logprobs) for t in out.more] if out.more else None,
         compute_ms=compute_ms,
     )
+
+
+def _tokens_of(result: StepResult) -> list[tuple[int, float | None, list]]:
+    """A step's tokens in order: the first, then those after it (kept drafts, one more)."""
+    first = (int(result.token_id), result.logprob, result.top_logprobs)
+    return [first, *((int(t), lp, list(top)) for t, lp, top in result.more or ())]

@@ -1,0 +1,166 @@
+"""Speculative decoding: drafts verified by the chain in one pass give exactly the tokens of
+one-at-a-time decoding (every family, caches rewound past rejected drafts on every stage),
+sampled verification keeps the distribution, and the head's drafter and draft policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshnet_common.errors import Conflict
+from meshnet_common.layers import LayerRange
+from meshnet_common.models import tiny
+from meshnet_common.precision import Precision
+from meshnet_common.protocol import SamplingSpec
+from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.sampling import Sampler
+from meshnet_node.engine.stage import Stage
+from meshnet_node.head.speculation import DraftPolicy, NgramDrafter, expected_tokens
+
+
+def stages_of(snapshot, bounds) -> list[Stage]:
+    return [Stage(load_shard(snapshot, LayerRange(*b), Precision.FLOAT32)) for b in bounds]
+
+
+def draft_plan(step: int, truth: list[int], vocab: int) -> list[int]:
+    """Drafts of 1-4 tokens from the true continuation: all right, the last one wrong, or
+    the first one wrong, in turn (every accept / reject path of the verification)."""
+    k = min(step % 4 + 1, len(truth))
+    drafts = truth[:k]
+    if drafts and step % 3 == 1:
+        drafts[-1] = (drafts[-1] + 1) % vocab
+    elif drafts and step % 3 == 2:
+        drafts[0] = (drafts[0] + 1) % vocab
+    return drafts
+
+
+def speculative_greedy(stages, prompt: list[int], reference: list[int], vocab: int):
+    """Greedy decoding through in-process stages, each decode step carrying drafts."""
+    sid = "spec"
+    for stage in stages:
+        stage.open_session(sid)
+    try:
+        position, out = 0, None
+        for lo in range(0, len(prompt), 128):
+            chunk = prompt[lo : lo + 128]
+            out = stages[0].step(sid, position, token_ids=torch.tensor([chunk]))
+            for stage in stages[1:]:
+                out = stage.step(sid, position, hidden=out.hidden)
+            position += len(chunk)
+        tokens = [out.token.token_id]
+        step = 0
+        while len(tokens) < len(reference):
+            drafts = draft_plan(step, reference[len(tokens) :], vocab)
+            drafts = drafts[: len(reference) - len(tokens) - 1]
+            ids = [tokens[-1], *drafts]
+            out = stages[0].step(sid, position, token_ids=torch.tensor([ids]),
+                                 drafts=tuple(drafts))  # fmt: skip
+            for stage in stages[1:]:
+                out = stage.step(sid, position, hidden=out.hidden, drafts=tuple(drafts))
+            got = [out.token.token_id, *(t.token_id for t in out.more or ())]
+            assert len(got) <= len(drafts) + 1
+            kept = len(got) - 1
+            assert got[:kept] == drafts[:kept]
+            tokens.extend(got)
+            position += 1 + kept  # the next step starts after the kept drafts
+            step += 1
+        assert all(len(s.sessions) == 1 for s in stages)
+        return tokens[: len(reference)]
+    finally:
+        for stage in stages:
+            stage.close_session(sid)
+
+
+@pytest.mark.parametrize("family", list(tiny.FAMILIES))
+def test_verified_drafts_give_the_tokens_of_plain_decoding(tiny_snapshot, family):
+    """Three stages, a 150-token prompt (past every sliding window): accepted, partly and
+    wholly rejected drafts, and the tokens equal the unsplit model's greedy ones."""
+    snapshot = tiny_snapshot(family)
+    model = load_reference_model(snapshot, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, min(model.config.vocab_size, 200), (150,), generator=gen).tolist()
+    reference, _ = hf_chunked_greedy(model, prompt, 30)
+    n = model.config.num_hidden_layers
+    stages = stages_of(snapshot, [(0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n)])
+    assert speculative_greedy(stages, prompt, reference, model.config.vocab_size) == reference
+
+
+def test_a_step_may_only_go_back_inside_the_last_drafts(tiny_snapshot):
+    (stage,) = stages_of(tiny_snapshot("llama"), [(0, 2)])
+    stage.open_session("s")
+    stage.step("s", 0, token_ids=torch.tensor([[5, 6, 7, 8]]))
+    with pytest.raises(Conflict):  # no drafts yet: positions only move on
+        stage.step("s", 2, token_ids=torch.tensor([[9]]))
+    stage.step("s", 4, token_ids=torch.tensor([[9, 10, 11]]), drafts=(10, 11))
+    assert stage.sessions.get("s").length == 7
+    with pytest.raises(Conflict):  # before the drafts' first token
+        stage.step("s", 4, token_ids=torch.tensor([[9]]))
+    stage.step("s", 5, token_ids=torch.tensor([[12]]))  # 10 kept, 11 not
+    assert stage.sessions.get("s").length == 6
+    assert stage.sessions.get("s").cache.get_seq_length() == 6
+
+
+def test_sampled_verification_keeps_the_distribution():
+    """The acceptance rule for a draft proposed with certainty: the first token is
+    distributed as the first row says, and after an accepted draft the next one as the next
+    row says (a statistical check over many seeds)."""
+    torch.manual_seed(0)
+    rows = torch.randn(2, 6) * 1.5
+    drafts = (2, 4)
+    first = torch.softmax(rows[0], -1)
+    second = torch.softmax(rows[1], -1)
+    n = 20000
+    counts_first = torch.zeros(6)
+    counts_second = torch.zeros(6)
+    for seed in range(n):
+        out = Sampler(SamplingSpec(temperature=1.0, seed=seed)).verify(rows, drafts)
+        counts_first[out[0].token_id] += 1
+        if out[0].token_id == drafts[0]:
+            assert len(out) == 2
+            counts_second[out[1].token_id] += 1
+        else:
+            assert len(out) == 1  # a rejected draft ends the step with the row's own token
+    for counts, p in ((counts_first, first), (counts_second, second)):
+        total = counts.sum()
+        spread = 5 * torch.sqrt(p * (1 - p) / total)  # five standard errors
+        assert torch.all((counts / total - p).abs() <= spread + 1e-3), (counts / total, p)
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_miss():
+    rows = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0]])
+    sampler = Sampler(SamplingSpec())
+    assert [t.token_id for t in sampler.verify(rows, (1, 2))] == [1, 2, 0]  # all, + 1
+    assert [t.token_id for t in sampler.verify(rows, (1, 0))] == [1, 2]  # second missed
+    assert [t.token_id for t in sampler.verify(rows, (0, 2))] == [1]  # first missed
+
+
+def test_ngram_drafter_follows_the_latest_earlier_occurrence():
+    drafter = NgramDrafter(max_n=3, min_n=2)
+    text = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    drafter.sync(text)
+    assert drafter.propose(2) == [7, 8]  # "1 2 3" last came before "7 8"
+    drafter.sync([*text, 7])
+    assert drafter.propose(3) == [8, 1, 2]
+    drafter.sync([5, 6])
+    assert drafter.propose(3) == []  # nothing to look up in a new text
+    long = list(range(100)) * 3
+    drafter.sync(long)
+    assert drafter.propose(4) == [0, 1, 2, 3]
+
+
+def test_draft_policy_drafts_only_when_it_pays():
+    policy = DraftPolicy(max_draft=8)
+    assert policy.choose(0.9, 1) == 0  # measure a plain step first
+    policy.observe(0, 0.100)
+    assert policy.choose(0.9, 2) == 4  # then a step with drafts
+    policy.observe(4, 0.104)  # a slow link: drafts cost little beside it
+    assert policy.choose(0.8, 3) >= 4
+    assert policy.choose(0.0, 3) == 0  # nothing accepted: no drafting
+    assert policy.choose(0.0, 15) == 2  # ... but a probe now and then
+    slow = DraftPolicy(max_draft=8)
+    slow.observe(0, 0.010)
+    slow.observe(4, 0.050)  # compute-bound: each draft costs a whole step
+    assert slow.choose(0.7, 3) == 0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4
