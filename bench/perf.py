@@ -10,7 +10,10 @@ Sections (``--sections``, default all, in this order):
 - concurrency: 1, 4 and 16 concurrent streamed sessions (SmolLM2);
 - overhead: decode-step time outside model compute, per hop, with 3, 2 and 1 processes;
 - sampling: the per-token cost of penalties, logit bias and top-p/min-p against greedy
-  (the sampler alone, and decode on the SmolLM2 swarm; ``sampling_bench.py``).
+  (the sampler alone, and decode on the SmolLM2 swarm; ``sampling_bench.py``);
+- network: decode over emulated links (one-way delays 0 / 5 / 25 ms, a 100 Mbit/s link)
+  against the one-traversal-per-token bound, with and without speculative decoding, and
+  TTFT of a 2048-token prompt at 100 Mbit/s (``network_bench.py``).
 
 Every process (this one, which runs HF, and every node) uses ``--threads`` torch threads
 (default 1). Each figure is the median of several runs with min and max; a ratio to the
@@ -60,7 +63,7 @@ from wire_bench import measure_wire, print_wire
 from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
 from meshnet_common.models.tiny import CORPUS
 
-SECTIONS = ("memory", "wire", "decode", "ttft", "concurrency", "overhead", "sampling")
+SECTIONS = ("memory", "wire", "decode", "ttft", "concurrency", "overhead", "sampling", "network")
 SMOL_LAYOUTS = {  # processes -> layer ranges, tracker node first
     3: [(0, 10), (10, 20), (20, 30)],
     2: [(0, 15), (15, 30)],
@@ -391,6 +394,14 @@ def main() -> None:
             run_smollm2(plan, run, snapshot, prompts)
     if "decode" in wanted:
         run_llama_1b(plan, run)
+    if "network" in wanted:
+        from network_bench import run as network_run
+
+        with run.section("network", quiet=False):
+            runs, tokens = (1, 64) if plan.quick else (2, 96)
+            run.results["network"] = network_run(
+                plan.smol_dir, [0.0, 5.0, 25.0], tokens, plan.threads, runs
+            )
     path = run.save()
     print_all(run.results)
     print_summary(run.results, run.errors)

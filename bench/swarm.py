@@ -44,6 +44,8 @@ class Swarm:
     log_dir: Path = LOG_DIR
     procs: list[subprocess.Popen] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
+    ports: list[int] | None = None  # each process's port (default: free ones)
+    extra: dict[int, list[str]] = field(default_factory=dict)  # more flags for process i
 
     @property
     def tracker_url(self) -> str:
@@ -68,8 +70,9 @@ class Swarm:
                   "--threads", str(self.threads)]  # fmt: skip
         tag = self.model_id.rsplit("/", 1)[-1]
         for i, (start, end) in enumerate(self.ranges):
-            port = free_port()
-            shard = ["--shard-start", str(start), "--shard-end", str(end), "--port", str(port)]
+            port = self.ports[i] if self.ports else free_port()
+            shard = ["--shard-start", str(start), "--shard-end", str(end), "--port", str(port),
+                     *self.extra.get(i, ())]  # fmt: skip
             if i == 0:
                 name = f"{tag}-tracker-{start}-{end}"
                 self._spawn("meshnet_tracker.cli", common + shard, port, name)

@@ -12,8 +12,8 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import SamplingSpec
-from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.engine.sampling import Sampler
 from meshnet_node.engine.stage import Stage
 from meshnet_node.head.speculation import DraftPolicy, NgramDrafter, expected_tokens

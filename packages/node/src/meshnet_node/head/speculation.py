@@ -86,8 +86,8 @@ class _Mean:
     value: float | None = None
 
     def add(self, sample: float) -> None:
-        self.value = sample if self.value is None else self.value + self.weight * (
-            sample - self.value
+        self.value = (
+            sample if self.value is None else self.value + self.weight * (sample - self.value)
         )
 
 
