@@ -63,3 +63,12 @@ def test_token_json_is_compact_json(tops):
         "logprob": -0.25,
         "top_logprobs": [list(t) for t in tops],
     }
+
+
+def test_a_step_with_drafts_always_says_what_it_kept():
+    first, kept = SampledToken(3, -0.25), SampledToken(4, -0.5, [(4, -0.5)])
+    parsed = StepResult.model_validate_json(_token_json(first, [kept]))
+    assert parsed.more == [(4, -0.5, [(4, -0.5)])]
+    none_kept = StepResult.model_validate_json(_token_json(first, []))
+    assert none_kept.more == []  # not None: the tail verified, and kept no draft
+    assert StepResult.model_validate_json(_token_json(first)).more is None

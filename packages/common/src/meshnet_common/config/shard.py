@@ -90,7 +90,10 @@ class ShardSettings(ServiceSettings):
         choices=("greedy", "all", "off"),
     )  # fmt: skip
     max_draft_tokens: int = knob(
-        8, "most draft tokens a decode step carries for the chain to verify", group=MODEL,
+        2, "most draft tokens a decode step carries for the chain to verify (more pay when "
+        "drafts are mostly accepted; in bfloat16 on CPU, passes of 4+ positions round "
+        "differently from one-token steps, so greedy text can then differ at near-ties)",
+        group=MODEL,
     )  # fmt: skip
     speculative_max_running: int = knob(
         2, "no drafting while more generations than this run on the head (batched decode "

@@ -58,7 +58,7 @@ def _token_json(token, more=None) -> bytes:
     (a step that verified drafts)."""
     tops = _tops(token.top_logprobs)
     text = f'{{"token_id":{int(token.token_id)},"logprob":{wire_logprob(token.logprob)!r},'
-    if more:
+    if more is not None:  # a step with drafts: always said, even when none was kept
         after = ",".join(
             f"[{int(t.token_id)},{wire_logprob(t.logprob)!r},[{_tops(t.top_logprobs)}]]"
             for t in more

@@ -245,6 +245,12 @@ class HeadGenerator:
                     elapsed = time.perf_counter() - started
                     metrics.decode_seconds.observe(elapsed)
                 if chain.failovers == failovers:  # a replayed step says nothing of overhead
+                    if drafts and result.more is None:
+                        raise HopError(
+                            "the tail did not verify the step's drafts (a node of an older "
+                            "version?); start it with the swarm's version or the head with "
+                            "--speculative off", status=502,
+                        )  # fmt: skip
                     timings.add(elapsed, result.compute_ms, len(chain.route))
                     kept = len(result.more or ())
                     if speculation is not None:
@@ -480,7 +486,9 @@ def _as_result(out: StepOutput) -> StepResult:
         logprob=token.logprob,
         top_logprobs=token.top_logprobs,
         prompt_logprobs=token.prompt_logprobs,
-        more=[(t.token_id, t.logprob, t.top_logprobs) for t in out.more] if out.more else None,
+        more=None
+        if out.more is None
+        else [(t.token_id, t.logprob, t.top_logprobs) for t in out.more],  # fmt: skip
         compute_ms=compute_ms,
     )
 
