@@ -1,12 +1,14 @@
 """Decode over emulated links: SmolLM2 on a tracker node + 2 nodes, a delay relay in front
-of each node (``link_relay.py``), one-way delays 0 / 5 / 25 ms and a 100 Mbit/s link.
+of every process (``link_relay.py``), one-way delays 0 / 5 / 25 ms and a 100 Mbit/s link.
 
-For each delay it reports greedy decode tokens/s on a code-completion prompt and the
+For each delay it reports greedy decode tokens/s on a code-completion prompt against the
 one-traversal-per-token bound ``1 / (undelayed step time + 2 x hops x delay)`` (the ceiling
-when every token waits for a whole round trip of the chain), with speculative decoding
-(the nodes' default) and without it (``--speculative off``), plus tokens per traversal and
-whether the text equals the undelayed run's. Also TTFT of a 2048-token prompt at 100
-Mbit/s against the time its activations take on such a link.
+when every token waits for a whole round trip of the chain; the step time is the plain
+variant's), for three variants: ``plain`` (no speculation, answers back through the chain:
+the data path before issue #17), ``direct`` (the tail answers the head directly) and
+``direct+spec`` (the default: direct answers and speculative decoding). Also tokens per
+traversal, whether the text equals the plain undelayed run's, and TTFT of a 2048-token
+prompt at 100 Mbit/s against the time its activations take on such links.
 
     .venv/bin/python bench/network_bench.py [--quick] [--delays 0,5,25]
 """
@@ -42,21 +44,28 @@ def variance(values):
 '''
 
 
+VARIANTS = (  # (label, node flags): today's data path first, it sets the bound
+    ("plain", ["--speculative", "off", "--no-direct-answers"]),
+    ("direct", ["--speculative", "off"]),
+    ("direct+spec", []),
+)
+
+
 @contextlib.contextmanager
-def relayed_swarm(models_dir: Path, threads: int, speculative: str):
-    """The swarm with a relay in front of each node; yields (swarm, control port)."""
+def relayed_swarm(models_dir: Path, threads: int, flags: list[str]):
+    """The swarm with a relay in front of each process (the tracker node too, which tails
+    answer directly); yields (swarm, control port)."""
     ports = [free_port() for _ in RANGES]
     fronts = [free_port() for _ in RANGES]
     control = free_port()
-    pairs = [f"{f}={p}" for f, p in zip(fronts[1:], ports[1:], strict=True)]
+    pairs = [f"{f}={p}" for f, p in zip(fronts, ports, strict=True)]
     relay = subprocess.Popen(
         [sys.executable, str(REPO_ROOT / "bench" / "link_relay.py"), "--control", str(control),
          *pairs], stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     relay.stdout.readline()  # "relays ready"
-    extra = {0: ["--speculative", speculative]}
-    for i in (1, 2):
-        extra[i] = ["--advertise-url", f"http://127.0.0.1:{fronts[i]}"]
+    extra = {i: ["--advertise-url", f"http://127.0.0.1:{fronts[i]}", *flags]
+             for i in range(len(RANGES))}  # fmt: skip
     swarm = Swarm(models_dir, SMOLLM2_MODEL_ID, RANGES, threads, ports=ports, extra=extra)
     try:
         swarm.start()
@@ -90,19 +99,19 @@ def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat
     results: dict = {"prompt_tokens": len(prompt), "tokens": tokens, "rows": []}
     step0 = None
     reference_text = None
-    for mode in ("off", "greedy"):  # off first: its undelayed step time sets the bound
-        with relayed_swarm(models_dir, threads, mode) as (swarm, control):
+    for mode, flags in VARIANTS:
+        with relayed_swarm(models_dir, threads, flags) as (swarm, control):
             url = swarm.tracker_url
             for delay in delays:
                 set_links(control, delay)
                 runs = [decode_run(url, prompt, tokens) for _ in range(repeat)]
                 best = max(runs, key=lambda r: r["tok_s"])
-                if mode == "off" and delay == 0:
+                if mode == "plain" and delay == 0:
                     step0 = best["wall_s"] / tokens
                     reference_text = best["text"]
                 bound = 1.0 / (step0 + 2 * HOPS * delay / 1000.0)
                 row = {
-                    "speculative": mode, "delay_ms": delay,
+                    "variant": mode, "delay_ms": delay,
                     "tok_s": [round(r["tok_s"], 2) for r in runs],
                     "bound_tok_s": round(bound, 2),
                     "ratio_to_bound": round(best["tok_s"] / bound, 2),
@@ -111,7 +120,7 @@ def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat
                 }  # fmt: skip
                 results["rows"].append(row)
                 print_row(row)
-            if mode == "greedy":
+            if mode == "direct+spec":
                 set_links(control, 0.0, 100.0)
                 long_prompt = (prompt * (2048 // len(prompt) + 1))[:2048]
                 with httpx.Client(timeout=600) as client:
@@ -128,7 +137,7 @@ def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat
 
 def print_row(row: dict) -> None:
     print(
-        f"speculative {row['speculative']:6} delay {row['delay_ms']:>4} ms: "
+        f"{row['variant']:11} delay {row['delay_ms']:>4} ms: "
         f"{max(row['tok_s']):6.2f} tok/s (runs {row['tok_s']}), bound {row['bound_tok_s']:6.2f}, "
         f"ratio {row['ratio_to_bound']:.2f}, tokens/traversal {row['tokens_per_traversal']:.2f}, "
         f"same text {row['same_text']}",

@@ -85,8 +85,12 @@ def test_metrics_move_and_logs_carry_ids_but_no_prompt(tiny_snapshot, swarm_fact
     assert delta(head, "meshnet_tokens_generated_total") == generated
     assert delta(head, "meshnet_prompt_tokens_total") == resp.json()["usage"]["prompt_tokens"]
     assert delta(head, "meshnet_prefill_seconds_count") == 1
-    assert delta(head, "meshnet_decode_step_seconds_count") == generated - 1
-    assert delta(head, "meshnet_hop_seconds_count", hop=tail.url) == generated
+    # decode steps: one traversal each, yielding 1 + the drafts the tail kept (ADR-0019)
+    steps = delta(head, "meshnet_decode_step_seconds_count")
+    assert 1 <= steps <= generated - 1
+    assert delta(head, "meshnet_tokens_per_traversal_count") == steps
+    assert delta(head, "meshnet_tokens_per_traversal_sum") == generated - 1
+    assert delta(head, "meshnet_hop_seconds_count", hop=tail.url) == steps + 1
     assert delta(head, "meshnet_wire_sent_bytes_total") > 0
     assert delta(head, "meshnet_tokens_served_total") == generated
     # Tail: bytes received, tokens run through it, the verified fetch of its shard.

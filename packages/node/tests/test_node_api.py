@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -622,6 +623,54 @@ def test_speculative_greedy_equals_plain_decoding(node, request, tokenizer, refe
     finally:
         generator.draft_policy = policy
     assert metrics.draft_tokens._value.get() - before[0] == drafted
+
+
+def test_the_tail_answers_the_head_directly(chain_head, middle, tail, tokenizer, reference):
+    """Over two hops the tail posts each sampled token straight to the head, which takes
+    whichever answer comes first; a tail that cannot reach the head answers through the
+    chain only, for a while, and the text is the same either way."""
+    prompt = [(i * 31) % 400 + 5 for i in range(40)]
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 12, "logprobs": 1, **GREEDY}
+    want = greedy_text(tokenizer, reference, prompt, 12)
+    head_url = chain_head.runtime.service.answer_url
+    assert head_url and urlsplit(head_url).hostname == "127.0.0.1"
+    direct = chain_head.runtime.service.metrics.direct_answers
+    service = tail.runtime.service
+    hops, service._unreachable_heads = service.hops, {}
+    before = direct._value.get()
+    try:
+        service.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport({})))  # no head
+        resp = chain_head.http.post("/v1/completions", json=body)
+        assert resp.json()["choices"][0]["text"] == want
+        assert head_url in service._unreachable_heads
+        assert direct._value.get() == before
+        service._unreachable_heads.clear()
+        peers = {"127.0.0.1": chain_head.app}
+        service.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport(peers)))
+        resp = chain_head.http.post("/v1/completions", json=body)
+    finally:
+        service.hops = hops
+    choice = resp.json()["choices"][0]
+    assert choice["text"] == want
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        greedy_logprobs(reference, prompt, 12), abs=1e-4
+    )
+    assert direct._value.get() - before >= 6  # (the chain's answer may still win a few)
+    assert not tail.runtime.service._unreachable_heads
+    timing = resp.json().get("meshnet_timing") or {}
+    assert timing.get("hops") == 2
+
+
+def test_direct_answers_are_checked(chain_head):
+    """The answer route: only a step that waits, with its session key, takes an answer."""
+    post = chain_head.http.post
+    url = "/v1/answers/abcdef0123"
+    missing = post(url, content=b"{}", headers={"x-meshnet-position": "3"})
+    assert assert_error(missing, 404)["type"] == "not_found_error"
+    bad = post(url, content=b"{}", headers={"x-meshnet-position": "x"})
+    assert assert_error(bad, 400)["param"] == "x-meshnet-position"
+    assert assert_error(post("/v1/answers/not%20an%20id", content=b"{}",
+                             headers={"x-meshnet-position": "1"}), 400)  # fmt: skip
 
 
 def chat_ids(tokenizer, messages) -> list[int]:

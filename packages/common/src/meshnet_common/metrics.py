@@ -130,6 +130,10 @@ class Metrics:
             "meshnet_decode_step_seconds", "One decode step through the whole chain",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.direct_answers = Counter(
+            "meshnet_direct_answers",
+            "Steps whose answer came straight from the tail, before the chain's", registry=r,
+        )  # fmt: skip
         self.draft_tokens = Counter(
             "meshnet_spec_decode_num_draft_tokens",
             "Draft tokens decode steps carried for the chain to verify", registry=r,

@@ -64,10 +64,15 @@ H_IDS = (
 # How many of the step's last tokens are drafts for the tail to verify (speculative
 # decoding, ADR-0019); such a step always carries its ids.
 H_DRAFTS = "x-meshnet-drafts"
+# The head's base URL: the tail also posts the step's answer straight there
+# (``POST /v1/answers/{session}``), one link instead of the chain back (ADR-0020).
+H_ANSWER_TO = "x-meshnet-answer-to"
 H_SWARM_TOKEN = "x-meshnet-swarm-token"
 # On a step's answer: model compute of each hop from this one to the tail, in ms, comma-
 # separated. Each hop prepends its own to what the next one answered and relays the tail's
 # body untouched, so that no hop parses and re-serializes the answer (docs/adr/0011).
+# On a step going down the chain with H_ANSWER_TO: the compute of the hops before this
+# one (after the head), so that the tail's direct answer carries every hop's.
 H_COMPUTE = "x-meshnet-compute-ms"
 MAX_HOPS = 64
 
@@ -78,6 +83,14 @@ def format_compute(own_ms: float, downstream: str | None = None) -> str:
     if not downstream or downstream.count(",") >= MAX_HOPS - 1:
         return own
     return f"{own},{downstream}"
+
+
+def append_compute(upstream: str | None, own_ms: float) -> str:
+    """The hops before this one (going down the chain), then this hop's compute time."""
+    own = f"{own_ms:.3f}"
+    if not upstream or upstream.count(",") >= MAX_HOPS - 1:
+        return own
+    return f"{upstream},{own}"
 
 
 def parse_compute(raw: str | None) -> list[float]:

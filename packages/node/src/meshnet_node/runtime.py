@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import torch
@@ -193,6 +194,10 @@ def build_runtime(
         settings = settings.replace(device=resolve_device(settings.device))
     stage = load_stage(settings)
     service = NodeService(stage, settings, model_id=settings.model_id, metrics=metrics)
+    if settings.direct_answers:
+        url = announced_url(settings)
+        if urlsplit(url).hostname not in ("0.0.0.0", "::"):  # a URL tails can dial
+            service.answer_url = url
     watch_node(service)
     node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
     tracker = (

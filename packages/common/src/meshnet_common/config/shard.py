@@ -102,6 +102,12 @@ class ShardSettings(ServiceSettings):
 
     # -- data path --
     chunk_tokens: int = knob(defaults.CHUNK_TOKENS, "prefill chunk size, tokens", group=DATA)
+    direct_answers: bool = knob(
+        True, "a head asks the tail of a 2+ hop route to post each sampled token straight "
+        "back to it (hops + 1 link delays per token instead of 2 x hops); the chain's own "
+        "answer still comes, so a tail that cannot reach the head only loses the gain",
+        group=DATA, action="bool",
+    )  # fmt: skip
     max_decode_batch: int = knob(
         32, "decode steps of concurrent sessions merged into one pass (1: no batching)",
         group=DATA,

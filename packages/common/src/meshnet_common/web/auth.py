@@ -18,6 +18,7 @@ from meshnet_common.protocol import H_SWARM_TOKEN
 
 INTERNAL_PREFIXES = (
     "/v1/forward", "/v1/sessions", "/v1/shards", "/v1/nodes", "/v1/route", "/v1/node",
+    "/v1/answers",
 )  # fmt: skip
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 

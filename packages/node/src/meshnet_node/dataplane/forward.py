@@ -28,7 +28,13 @@ from meshnet_common.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
-from meshnet_common.protocol import H_COMPUTE, H_ROUTE, H_SESSION_KEY, validate_session_id
+from meshnet_common.protocol import (
+    H_COMPUTE,
+    H_POSITION,
+    H_ROUTE,
+    H_SESSION_KEY,
+    validate_session_id,
+)
 from meshnet_common.web.http import error_body
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import parse_route, parse_step
@@ -38,6 +44,8 @@ logger = logging.getLogger(__name__)
 FORWARD_PATH = "/v1/forward"
 SESSIONS_PREFIX = "/v1/sessions/"
 SESSIONS_ROUTE = "/v1/sessions/{session_id}"  # the metrics label, as FastAPI's route has it
+ANSWERS_PREFIX = "/v1/answers/"  # a tail's direct answer to the head (ADR-0020)
+ANSWERS_ROUTE = "/v1/answers/{session_id}"
 _JSON = (b"content-type", b"application/json")
 _COMPUTE = H_COMPUTE.encode()
 
@@ -112,6 +120,29 @@ async def close_answer(service: NodeService, session_id: str, headers: Mapping[s
     return Answer(200, json.dumps({"closed": session_id}).encode())
 
 
+def deliver_answer(service: NodeService, session_id: str, headers: Mapping[str, str],
+                   body: bytes) -> Answer:  # fmt: skip
+    """A tail's direct answer to one of this head's steps: 200 when a step waited for it,
+    404 when none does (the chain's answer came first, or the session is not this head's)."""
+    try:
+        validate_session_id(session_id)
+        raw = headers.get(H_POSITION)
+        if raw is None or not raw.isdigit():
+            raise InvalidRequest(f"header {H_POSITION} must be a position", param=H_POSITION)
+        if len(body) > MAX_ANSWER_BYTES:
+            raise PayloadTooLarge(f"an answer is at most {MAX_ANSWER_BYTES} bytes")
+    except MeshnetError as exc:
+        return error_answer(exc)
+    key = headers.get(H_SESSION_KEY)
+    if not service.deliver(session_id, key, int(raw), body, headers.get(H_COMPUTE)):
+        body = error_body(f"no step of session {session_id} awaits this answer", "not_found_error")
+        return Answer(404, json.dumps(body).encode(), (), "not_found_error")
+    return Answer(200, b'{"delivered":true}')
+
+
+MAX_ANSWER_BYTES = 1 << 20
+
+
 def first_values(raw) -> dict[str, str]:
     """ASGI header pairs by lower-case name; a repeated header keeps its first value, as
     Starlette's ``Headers.get`` does."""
@@ -130,6 +161,7 @@ class _Route:
 
 _FORWARD_ROUTE = _Route(FORWARD_PATH)
 _SESSIONS_ROUTE = _Route(SESSIONS_ROUTE)
+_ANSWERS_ROUTE = _Route(ANSWERS_ROUTE)
 
 
 class ForwardPath:
@@ -154,6 +186,15 @@ class ForwardPath:
             scope["route"] = _SESSIONS_ROUTE
             session_id = path[len(SESSIONS_PREFIX) :]
             answer = await close_answer(service, session_id, first_values(scope["headers"]))
+        elif path.startswith(ANSWERS_PREFIX) and scope["method"] == "POST":
+            scope["route"] = _ANSWERS_ROUTE
+            try:
+                body = await _read_body(receive, MAX_ANSWER_BYTES)
+            except MeshnetError as exc:
+                answer = error_answer(exc)
+            else:
+                answer = deliver_answer(service, path[len(ANSWERS_PREFIX) :],
+                                        first_values(scope["headers"]), body)  # fmt: skip
         else:
             await self.app(scope, receive, send)
             return

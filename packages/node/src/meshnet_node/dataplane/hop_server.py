@@ -37,12 +37,15 @@ from meshnet_common.protocol import H_SESSION, H_SWARM_TOKEN
 from meshnet_common.web.auth import NEEDS_SWARM_TOKEN, unauthorized_body
 from meshnet_common.web.http import record_request
 from meshnet_node.dataplane.forward import (
+    ANSWERS_PREFIX,
+    ANSWERS_ROUTE,
     FORWARD_PATH,
     SESSIONS_PREFIX,
     SESSIONS_ROUTE,
     Answer,
     check_forward_head,
     close_answer,
+    deliver_answer,
     error_answer,
     forward_answer,
     method_not_allowed,
@@ -51,8 +54,11 @@ from meshnet_node.dataplane.forward import (
 logger = logging.getLogger(__name__)
 
 # How a data-path request line starts; anything else goes to uvicorn.
-_DATA_STARTS = (b"POST /v1/forward ", b"POST /v1/forward?", b"DELETE /v1/sessions/")
+_DATA_STARTS = (
+    b"POST /v1/forward ", b"POST /v1/forward?", b"DELETE /v1/sessions/", b"POST /v1/answers/",
+)  # fmt: skip
 _LONGEST_START = max(len(s) for s in _DATA_STARTS)
+_ANSWERS = ANSWERS_PREFIX.encode()
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
 
@@ -191,7 +197,7 @@ class HopServerConnection(asyncio.Protocol):
         offered = self.headers.get(H_SWARM_TOKEN)
         if token and not (offered and hmac.compare_digest(token.encode(), offered.encode())):
             self.refused = _unauthorized()
-        elif self.parser.get_method() == b"POST":
+        elif self.parser.get_method() == b"POST" and not self.url.startswith(_ANSWERS):
             try:
                 check_forward_head(self.headers, service.settings.max_body_bytes)
             except PayloadTooLarge as exc:
@@ -251,6 +257,9 @@ class HopServerConnection(asyncio.Protocol):
         elif path.startswith(SESSIONS_PREFIX) and method == "DELETE":
             label = SESSIONS_ROUTE
             answer = await close_answer(service, path[len(SESSIONS_PREFIX) :], headers)
+        elif path.startswith(ANSWERS_PREFIX) and method == "POST":
+            label = ANSWERS_ROUTE
+            answer = deliver_answer(service, path[len(ANSWERS_PREFIX) :], headers, body)
         else:  # "POST /v1/forward/x" and the like: started like ours, is not
             label = "unmatched"
             answer = error_answer(InvalidRequest(f"no data-path route {method} {path[:80]}"))

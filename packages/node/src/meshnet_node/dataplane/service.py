@@ -4,6 +4,7 @@ pipelined prefill chunks taken in order (and merged into one pass when they wait
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -17,10 +18,13 @@ from meshnet_common.errors import Conflict, HopError, InvalidRequest, MeshnetErr
 from meshnet_common.logs import H_REQUEST_ID, request_id_var
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import (
+    H_COMPUTE,
     H_OPEN,
+    H_POSITION,
     H_ROUTE,
     H_SESSION_KEY,
     StepResult,
+    append_compute,
     format_compute,
     parse_compute,
 )
@@ -38,6 +42,25 @@ from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.settings import NodeSettings
 
 logger = logging.getLogger(__name__)
+
+UNREACHABLE_HEAD_S = 30.0  # a head the tail could not answer directly: through the chain
+
+
+def _parsed(hop: str, body: bytes, compute: str | None) -> StepResult:
+    try:
+        result = StepResult.model_validate_json(body)
+    except ValueError as exc:
+        raise HopError(f"hop {hop} answered a malformed step result", hop=hop) from exc
+    result.compute_ms = parse_compute(compute)
+    return result
+
+
+def _drained(task: asyncio.Task) -> None:
+    """The chain's answer to a step the tail answered directly: only its failure matters
+    (the next step meets the broken hop and fails over)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("the chain's answer to a directly answered step failed: %s",
+                    task.exception())  # fmt: skip
 
 
 @dataclass
@@ -83,6 +106,12 @@ class NodeService:
         self.inline_max_s = settings.inline_decode_max_ms / 1000.0
         self.decode_s: float | None = None  # the last decode pass's compute time (None: unknown)
         self.step_delay_s = settings.step_delay_ms / 1000.0  # tests only: slower compute
+        # Direct answers (ADR-0020): steps whose answer the head awaits from the tail,
+        # by (session, position); and heads the tail could not reach lately (URL -> when).
+        self._answers: dict[tuple[str, int], tuple[asyncio.Future, str]] = {}
+        self._unreachable_heads: dict[str, float] = {}
+        self._background: set[asyncio.Task] = set()
+        self.answer_url: str | None = None  # where tails answer this head (set when it is one)
 
     def stage_for(self, session_id: str) -> Stage:
         """The stage holding ``session_id``: sessions opened before a reshard stay put."""
@@ -248,7 +277,12 @@ class NodeService:
             if out.token is None:
                 return StepAnswer(_EMPTY_RESULT, format_compute(own_ms))
             self.tokens_generated += 1 + len(out.more or ())
-            return StepAnswer(_token_json(out.token, out.more), format_compute(own_ms))
+            self.tokens_served += len(out.more or ())  # the drafts it kept: tokens too
+            body = _token_json(out.token, out.more)
+            if req.answer_to is not None:  # straight to the head too; the chain still answers
+                self._spawn(self._answer_head(req, body, append_compute(req.compute_before,
+                                                                         own_ms)))  # fmt: skip
+            return StepAnswer(body, format_compute(own_ms))
         resp = await self.relay(
             req.route[0],
             out.hidden,
@@ -261,7 +295,14 @@ class NodeService:
             open_spec=self._relayed_open(stage, req),
             ids=req.ids,
             drafts=req.drafts,
+            answer_to=req.answer_to,
+            compute_before=(
+                None if req.answer_to is None else append_compute(req.compute_before, own_ms)
+            ),
         )
+        if req.drafts:  # the drafts the tail kept went through this stage too
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                self.tokens_served += len(json.loads(resp.body).get("more") or ())
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
 
@@ -360,14 +401,73 @@ class NodeService:
 
     async def send(self, hop: str, hidden: torch.Tensor, **step) -> StepResult:
         """POST one tensor frame to ``hop``; returns the tail's answer, with the compute
-        time of every hop after this one."""
-        resp = await self.relay(hop, hidden, **step)
+        time of every hop after this one.
+
+        With ``answer_to`` (this head's URL), the tail also posts the answer straight here:
+        whichever comes first, the direct answer or the chain's, is the step's. The chain's
+        answer still comes and still reports a failed hop, so a tail that cannot reach the
+        head costs nothing but the time saved."""
+        if step.get("answer_to") is None:
+            resp = await self.relay(hop, hidden, **step)
+            return _parsed(hop, resp.body, resp.compute_ms)
+        key = (step["session_id"], step["position"])
+        direct = asyncio.get_running_loop().create_future()
+        self._answers[key] = (direct, step["session_key"])
+        chain = asyncio.ensure_future(self.relay(hop, hidden, **step))
         try:
-            result = StepResult.model_validate_json(resp.body)
-        except ValueError as exc:
-            raise HopError(f"hop {hop} answered a malformed step result", hop=hop) from exc
-        result.compute_ms = parse_compute(resp.compute_ms)
-        return result
+            await asyncio.wait((direct, chain), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            chain.cancel()
+            raise
+        finally:
+            self._answers.pop(key, None)
+        if direct.done():
+            self.metrics.direct_answers.inc()
+            chain.add_done_callback(_drained)  # the chain's copy: read, then dropped
+            body, compute = direct.result()
+            return _parsed(hop, body, compute)
+        direct.cancel()
+        resp = chain.result()  # a failed hop raises here, as without direct answers
+        return _parsed(hop, resp.body, resp.compute_ms)
+
+    def deliver(self, session_id: str, key: str | None, position: int, body: bytes,
+                compute: str | None) -> bool:  # fmt: skip
+        """A tail's direct answer for a step this head awaits (False: none waits for it)."""
+        entry = self._answers.get((session_id, position))
+        if entry is None or entry[0].done() or key != entry[1]:
+            return False
+        entry[0].set_result((body, compute))
+        return True
+
+    async def _answer_head(self, req: StepRequest, body: bytes, compute: str) -> None:
+        """Post a tail's answer to the head (best effort: the chain carries it too)."""
+        url = req.answer_to
+        failed_at = self._unreachable_heads.get(url)
+        if failed_at is not None and time.monotonic() - failed_at < UNREACHABLE_HEAD_S:
+            return
+        headers = {
+            "content-type": "application/json", H_SESSION_KEY: req.session_key or "",
+            H_POSITION: str(req.position), H_COMPUTE: compute,
+        }  # fmt: skip
+        try:
+            resp = await self.hops.request(
+                "POST", f"{url}/v1/answers/{req.session_id}", headers=headers, body=body,
+                timeout=self.settings.timeouts.decode_step,
+            )  # fmt: skip
+        except HopUnreachable as exc:
+            self._unreachable_heads[url] = time.monotonic()
+            logger.warning("cannot answer the head %s directly (%s); answering through the "
+                           "chain for %.0f s", url, exc, UNREACHABLE_HEAD_S)  # fmt: skip
+            return
+        if resp.status >= 500 or resp.status in (401, 403, 405):
+            self._unreachable_heads[url] = time.monotonic()
+            logger.warning("the head %s refused a direct answer (%d); answering through the "
+                           "chain for %.0f s", url, resp.status, UNREACHABLE_HEAD_S)  # fmt: skip
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def relay(
         self,
@@ -383,6 +483,8 @@ class NodeService:
         open_spec: dict | None,
         ids: tuple[int, ...] | None = None,
         drafts: int = 0,
+        answer_to: str | None = None,
+        compute_before: str | None = None,
     ) -> HopResponse:
         """POST one tensor frame to ``hop``; returns its answer (a 200) unparsed."""
         prefill = hidden.shape[1] > 1 and not drafts
@@ -400,6 +502,8 @@ class NodeService:
             open_spec=open_spec,
             ids=ids,
             drafts=drafts,
+            answer_to=answer_to,
+            compute_before=compute_before,
         )
         request_id = request_id_var.get()
         if request_id is not None:  # every hop's log lines of this step carry the same id

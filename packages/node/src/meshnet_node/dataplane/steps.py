@@ -13,7 +13,9 @@ import torch
 from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.protocol import (
+    H_ANSWER_TO,
     H_CHUNK,
+    H_COMPUTE,
     H_DRAFTS,
     H_IDS,
     H_OPEN,
@@ -88,6 +90,8 @@ class StepRequest:
     tensor: torch.Tensor
     ids: tuple[int, ...] | None = None  # the step's token ids (penalties at the tail)
     drafts: int = 0  # how many of the last tokens are drafts to verify (ADR-0019)
+    answer_to: str | None = None  # the head's URL: the tail answers there too (ADR-0020)
+    compute_before: str | None = None  # compute of the hops before (with answer_to)
 
     @property
     def draft_ids(self) -> tuple[int, ...]:
@@ -149,6 +153,8 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
         tensor=tensor,
         ids=parse_ids(headers.get(H_IDS), tensor),
         drafts=_int_header(headers, H_DRAFTS, 0),
+        answer_to=parse_answer_to(headers.get(H_ANSWER_TO)),
+        compute_before=headers.get(H_COMPUTE),
     )
     if step.drafts:
         tokens = tensor.shape[1] if tensor.dim() >= 2 else tensor.numel()
@@ -159,6 +165,15 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
                 param=H_DRAFTS,
             )
     return step
+
+
+def parse_answer_to(raw: str | None) -> str | None:
+    if raw is None:
+        return None
+    (url,) = parse_route(raw) or (None,)
+    if url is None or "," in raw:
+        raise InvalidRequest(f"header {H_ANSWER_TO} must be one http(s) URL", param=H_ANSWER_TO)
+    return url.rstrip("/")
 
 
 def parse_ids(raw: str | None, tensor: torch.Tensor) -> tuple[int, ...] | None:
@@ -191,6 +206,8 @@ def step_headers(
     open_spec: dict | None,
     ids: tuple[int, ...] | None = None,
     drafts: int = 0,
+    answer_to: str | None = None,
+    compute_before: str | None = None,
 ) -> dict[str, str]:
     headers = {
         "content-type": wire.CONTENT_TYPE,
@@ -208,4 +225,8 @@ def step_headers(
         headers[H_IDS] = ",".join(map(str, ids))
     if drafts:
         headers[H_DRAFTS] = str(drafts)
+    if answer_to is not None:
+        headers[H_ANSWER_TO] = answer_to
+        if compute_before:
+            headers[H_COMPUTE] = compute_before
     return headers

@@ -253,6 +253,7 @@ class HeadGenerator:
                         )  # fmt: skip
                     timings.add(elapsed, result.compute_ms, len(chain.route))
                     kept = len(result.more or ())
+                    self.service.tokens_served += kept  # the kept drafts: tokens here too
                     if speculation is not None:
                         speculation.settle(len(drafts), kept, elapsed)
                     if drafts:
@@ -432,6 +433,9 @@ class HeadGenerator:
         self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None,
         drafts=0,
     ):  # fmt: skip
+        # A sampled step over 2+ hops: the tail answers here directly too (ADR-0020); over
+        # one hop the chain's answer is already the direct one.
+        direct = self.service.answer_url if sample and len(route) >= 2 else None
         return await self.service.send(
             route[0],
             out.hidden,
@@ -444,6 +448,7 @@ class HeadGenerator:
             open_spec=open_spec,
             ids=ids,
             drafts=drafts,
+            answer_to=direct,
         )
 
     async def _step(
