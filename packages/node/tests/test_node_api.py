@@ -661,6 +661,24 @@ def test_the_tail_answers_the_head_directly(chain_head, middle, tail, tokenizer,
     assert timing.get("hops") == 2
 
 
+def test_a_node_times_the_links_it_is_told_to_and_reports_them(middle, chain_head):
+    """The next hops the tracker names are timed over the data path (a close of a session
+    that does not exist) and reported in heartbeats with the compute per layer."""
+    service = middle.runtime.service
+    service.probe_urls = (TAIL_URL, "http://nowhere.test")
+    middle.http.portal.call(service.probe_links)
+    assert set(service.links) == {TAIL_URL}  # an unreachable hop reports nothing
+    assert 0 < service.links[TAIL_URL] < 5000
+    chain_head.http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "Hi",
+                                                  "max_tokens": 3, **GREEDY})  # fmt: skip
+    beat = middle.runtime.heartbeat()
+    assert beat.links == {TAIL_URL: pytest.approx(service.links[TAIL_URL], abs=1e-3)}
+    assert beat.layer_ms is not None and beat.layer_ms > 0
+    service.probe_urls = ()
+    middle.http.portal.call(service.probe_links)
+    assert service.links == {}
+
+
 def test_direct_answers_are_checked(chain_head):
     """The answer route: only a step that waits, with its session key, takes an answer."""
     post = chain_head.http.post

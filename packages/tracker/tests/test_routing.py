@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from meshnet_common.errors import ModelNotCovered
 from meshnet_common.layers import LayerRange
 from meshnet_tracker.coverage import ModelCoverage, ServingNode
-from meshnet_tracker.routing import Hop, choose_route
+from meshnet_tracker.routing import Hop, choose_route, keep_or_switch
 
 MODEL = "org/model"
 
@@ -290,3 +290,76 @@ def test_head_and_exclude_constraints_hold(model, data):
     if head is not None:
         assert route[0].node.node_id == head
     assert cost(route) == min(cost(c) for c in chains)
+
+
+# -- routes that know the links (docs/adr/0021) --------------------------------------------
+
+
+def measured(node_id, start, end, *, layer_ms=None, links=(), load=0):
+    base = node(node_id, start, end, load=load)
+    return ServingNode(**{**base.__dict__, "layer_ms": layer_ms,
+                          "links": tuple((f"http://{t}.test:8000", ms) for t, ms in links)})  # fmt: skip
+
+
+def test_a_fast_link_beats_a_slow_one():
+    model = swarm(
+        6,
+        measured("a", 0, 3, layer_ms=2.0, links=[("b", 50.0), ("c", 5.0)]),
+        measured("b", 3, 6, layer_ms=2.0),
+        measured("c", 3, 6, layer_ms=2.0),
+    )
+    assert summary(choose_route(model)) == [("a", 0), ("c", 3)]
+
+
+def test_slow_compute_can_outweigh_a_fast_link():
+    model = swarm(
+        6,
+        measured("a", 0, 3, layer_ms=2.0, links=[("b", 20.0), ("c", 5.0)]),
+        measured("b", 3, 6, layer_ms=1.0),  # 20 + 3 x 1 = 23 ms
+        measured("c", 3, 6, layer_ms=10.0),  # 5 + 3 x 10 = 35 ms
+    )
+    assert summary(choose_route(model)) == [("a", 0), ("b", 3)]
+
+
+def test_more_hops_over_fast_links_beat_one_slow_link():
+    model = swarm(
+        9,
+        measured("a", 0, 3, links=[("far", 80.0), ("m1", 2.0)]),
+        measured("far", 3, 9),
+        measured("m1", 3, 6, links=[("m2", 2.0), ("far", 40.0)]),
+        measured("m2", 6, 9),
+    )
+    assert summary(choose_route(model)) == [("a", 0), ("m1", 3), ("m2", 6)]
+
+
+def test_unmeasured_links_cost_the_median_of_the_measured_ones():
+    model = swarm(
+        6,
+        measured("a", 0, 3, links=[("b", 30.0), ("d", 30.0)]),
+        measured("b", 3, 6),
+        measured("c", 3, 6),  # not measured: 30 ms like the others, then load decides
+        measured("d", 3, 6),
+    )
+    assert summary(choose_route(model))[1][0] == "b"  # ids break the tie
+
+
+def test_routes_do_not_flap_on_small_differences():
+    def model(c_ms: float, b_load: int = 0):
+        return swarm(
+            6,
+            measured("a", 0, 3, links=[("b", 20.0), ("c", c_ms)]),
+            measured("b", 3, 6, load=b_load),
+            measured("c", 3, 6),
+        )
+
+    first = choose_route(model(25.0))
+    assert summary(first) == [("a", 0), ("b", 3)]
+    slightly = model(19.0)  # c is 1 ms faster now: noise, keep b
+    kept = keep_or_switch(slightly, first, choose_route(slightly))
+    assert summary(kept) == [("a", 0), ("b", 3)]
+    much = model(10.0)  # c is clearly faster: switch
+    assert summary(keep_or_switch(much, first, choose_route(much))) == [("a", 0), ("c", 3)]
+    busy = model(20.0, b_load=3)  # as fast, but b carries sessions: spread to c
+    assert summary(keep_or_switch(busy, first, choose_route(busy))) == [("a", 0), ("c", 3)]
+    gone = swarm(6, measured("a", 0, 3), measured("c", 3, 6))  # b left: never kept
+    assert summary(keep_or_switch(gone, first, choose_route(gone))) == [("a", 0), ("c", 3)]

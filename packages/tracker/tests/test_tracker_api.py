@@ -225,7 +225,7 @@ def test_heartbeat(tracker):
     }
     resp = tracker.post("/v1/nodes/heartbeat", json=beat)
     assert resp.status_code == 200
-    assert resp.json() == {"known": False, "directives": []}
+    assert resp.json() == {"known": False, "directives": [], "probe": []}
     register(tracker, node_id="ghost")
     assert tracker.post("/v1/nodes/heartbeat", json=beat).json()["known"] is True
     assert_error(tracker.post("/v1/nodes/heartbeat", json={**beat, "active_sessions": -1}), 400)
@@ -273,6 +273,32 @@ def test_route_over_overlapping_nodes(tracker):
     assert [(h["node_id"], h["shard_start"]) for h in hops] == [("c", 0), ("b", 2)]
     resp = tracker.get("/v1/route", params={"model": LLAMA, "head": "b"})
     assert_error(resp, 503)
+
+
+def test_heartbeats_name_the_links_to_time_and_their_times_steer_routes(tracker):
+    """A node is told which next hops to time; the round trips and compute it reports make
+    the tracker route around a slow link (docs/adr/0021)."""
+    register(tracker, node_id="a", start=0, end=3)
+    register(tracker, node_id="b", start=3, end=6)
+    register(tracker, node_id="c", start=2, end=6)
+    beat = {"state": "serving", "active_sessions": 0, "kv_tokens": 0, "memory_free_bytes": 1}
+    reply = tracker.post("/v1/nodes/heartbeat", json={**beat, "node_id": "a"}).json()
+    assert reply["probe"] == ["http://b.test:8000", "http://c.test:8000"]
+    assert tracker.post("/v1/nodes/heartbeat", json={**beat, "node_id": "b"}).json()["probe"] == []
+
+    def route() -> list[str]:
+        hops = tracker.get("/v1/route", params={"model": LLAMA, "head": "a"}).json()["hops"]
+        return [h["node_id"] for h in hops]
+
+    assert route() == ["a", "b"]  # nothing measured: ids break the tie
+    links = {"http://b.test:8000": 40.0, "http://c.test:8000": 3.0}
+    timed = {**beat, "node_id": "a", "layer_ms": 1.5, "links": links}
+    assert tracker.post("/v1/nodes/heartbeat", json=timed).status_code == 200
+    assert route() == ["a", "c"]
+    bad = {**timed, "links": {"http://b.test:8000": -1.0}}
+    assert_error(tracker.post("/v1/nodes/heartbeat", json=bad), 400)
+    too_many = {**timed, "links": {f"http://n{i}.test:1": 1.0 for i in range(17)}}
+    assert_error(tracker.post("/v1/nodes/heartbeat", json=too_many), 400)
 
 
 def test_models_lists_only_covered_models(tracker):

@@ -75,6 +75,7 @@ H_SWARM_TOKEN = "x-meshnet-swarm-token"
 # one (after the head), so that the tail's direct answer carries every hop's.
 H_COMPUTE = "x-meshnet-compute-ms"
 MAX_HOPS = 64
+MAX_PROBES = 16  # next hops a node times the links to (docs/adr/0021)
 
 
 def format_compute(own_ms: float, downstream: str | None = None) -> str:
@@ -183,6 +184,12 @@ class Heartbeat(Strict):
     # Sampled steps this node ran since it started: tokens generated through its stage
     # (the tracker turns the difference between heartbeats into tokens/s).
     tokens_served: int = Field(ge=0, default=0)
+    # For routes by expected step time (docs/adr/0021): decode compute per layer, and the
+    # round trip to each next hop the tracker asked this node to probe (URL -> ms).
+    layer_ms: float | None = Field(default=None, ge=0, le=1e6)
+    links: dict[Url, Annotated[float, Field(ge=0, le=1e6)]] = Field(
+        default_factory=dict, max_length=MAX_PROBES
+    )
 
 
 class DirectiveKind(StrEnum):
@@ -200,6 +207,7 @@ class Directive(Strict):
 class HeartbeatResponse(Strict):
     known: bool  # False: the tracker lost this node (e.g. it restarted) — register again
     directives: tuple[Directive, ...] = ()
+    probe: tuple[Url, ...] = Field(default=(), max_length=MAX_PROBES)  # next hops to time
 
 
 class RouteHop(Strict):

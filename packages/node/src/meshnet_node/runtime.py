@@ -130,6 +130,8 @@ class NodeRuntime:
             memory_free_bytes=int(psutil.virtual_memory().available),
             tokens_generated=self.service.tokens_generated,
             tokens_served=self.service.tokens_served,
+            layer_ms=self.service.layer_ms,
+            links={url: round(ms, 3) for url, ms in self.service.links.items()},
         )
 
 
@@ -315,7 +317,13 @@ async def start_background(runtime: NodeRuntime) -> None:
             await asyncio.sleep(SESSION_SWEEP_S)
             runtime.service.stage.sessions.expire_idle()
 
+    async def probe() -> None:  # the links to the next hops the tracker named
+        while True:
+            await asyncio.sleep(max(1.0, runtime.settings.heartbeat_interval_s))
+            await runtime.service.probe_links()
+
     runtime.tasks.append(asyncio.ensure_future(sweep()))
+    runtime.tasks.append(asyncio.ensure_future(probe()))
     settings = runtime.settings
     if settings.tracker_url is None:
         return
@@ -330,6 +338,7 @@ async def start_background(runtime: NodeRuntime) -> None:
     membership.on_directives = lambda directives: loop.call_soon_threadsafe(
         apply_directives, runtime, directives
     )
+    membership.on_probe = lambda urls: setattr(runtime.service, "probe_urls", urls)
     membership.on_url = runtime.adopt_url
     if membership.url is not None:  # answered to the joining announcement already
         runtime.adopt_url(membership.url)

@@ -100,6 +100,7 @@ async def _prune_loop(state: TrackerState) -> None:
             state.registry.forgive(stalled)
         if state.node is not None:  # the tracker node reports its load like any node
             state.registry.heartbeat(state.node.heartbeat())
+            state.node.probe(state.probe_targets(state.node.node_id))
         if rescan_s > 0 and now - last_scan >= rescan_s:
             last_scan = now
             state.rescan_models_dir()

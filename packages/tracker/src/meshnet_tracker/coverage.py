@@ -19,6 +19,8 @@ class ServingNode:
     load: int = 0  # active sessions
     state: str = "serving"
     quantization: str = "bfloat16"
+    layer_ms: float | None = None  # decode compute per layer, as the node measured it
+    links: tuple[tuple[str, float], ...] = ()  # (next hop URL, round trip ms) it measured
 
 
 @dataclass(frozen=True)

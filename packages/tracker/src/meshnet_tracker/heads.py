@@ -35,6 +35,8 @@ class LocalNode(Head, Protocol):
 
     def heartbeat(self) -> Heartbeat: ...
 
+    def probe(self, urls: tuple[str, ...]) -> None: ...  # the next hops whose links to time
+
     def attach(self, state) -> None:
         """Route through ``state`` (the tracker's own coverage map) from now on."""
 

@@ -29,6 +29,8 @@ class NodeRecord:
     tokens_generated: int = 0
     tokens_served: int | None = None  # None until the first heartbeat after registering
     tokens_per_s: float = 0.0  # tokens generated through the node over the last interval
+    layer_ms: float | None = None  # decode compute per layer it reported
+    links: tuple[tuple[str, float], ...] = ()  # (next hop URL, round trip ms) it measured
     local: bool = False  # the tracker node itself: never expires
     since: float = 0.0  # when it registered (a joining node's loading started then)
 
@@ -46,6 +48,8 @@ class NodeRecord:
             load=self.active_sessions,
             state=self.state.value,
             quantization=self.announcement.quantization.value,
+            layer_ms=self.layer_ms,
+            links=self.links,
         )
 
 
@@ -106,6 +110,8 @@ class Registry:
             record.kv_tokens = beat.kv_tokens
             record.memory_free_bytes = beat.memory_free_bytes
             record.tokens_generated = beat.tokens_generated
+            record.layer_ms = beat.layer_ms
+            record.links = tuple(sorted(beat.links.items()))
             return True
 
     def remove(self, node_id: str) -> bool:

@@ -2,17 +2,30 @@
 
 A route covers ``[0, num_layers)`` contiguously. Ranges may overlap: each hop starts at the
 layer where the previous one ended (a node can be entered mid-shard). Among valid chains we
-prefer fewer hops, then less total load, then node ids (so the choice is deterministic).
+prefer the shortest expected step time, then fewer hops, then less total load, then node
+ids (so the choice is deterministic).
+
+The expected step time (docs/adr/0021) adds up each hop's compute for the layers it runs
+(its reported decode milliseconds per layer) and the round trip of each link from one hop
+to the next (as the sending node measured it). What no node reported is estimated: a
+node's compute as the model's median, a link as the median of the measured ones, or
+``DEFAULT_LINK_MS`` when none was. With no measurement at all every hop costs the same, so
+the fewest hops win, as before.
 """
 
 from __future__ import annotations
 
 import heapq
+import statistics
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from meshnet_common.errors import ModelNotCovered
 from meshnet_tracker.coverage import ModelCoverage, ServingNode, describe_gaps
+
+DEFAULT_LINK_MS = 1.0  # a link nobody measured, when no link of the model was measured
+SWITCH_GAIN = 0.10  # hysteresis: a new route must be this much faster (and 0.5 ms) to win
+SWITCH_MIN_MS = 0.5
 
 
 @dataclass(frozen=True)
@@ -21,6 +34,31 @@ class Hop:
 
     node: ServingNode
     start_layer: int
+
+
+class StepEstimate:
+    """Expected step time of hops over one model's serving nodes (measured or estimated)."""
+
+    def __init__(self, nodes: Collection[ServingNode]) -> None:
+        computes = [n.layer_ms for n in nodes if n.layer_ms is not None]
+        self.compute_default = statistics.median(computes) if computes else 0.0
+        links = [ms for n in nodes for _, ms in n.links]
+        self.link_default = statistics.median(links) if links else DEFAULT_LINK_MS
+
+    def hop_ms(self, previous: ServingNode | None, node: ServingNode, layers: int) -> float:
+        compute = node.layer_ms if node.layer_ms is not None else self.compute_default
+        link = 0.0
+        if previous is not None:
+            link = dict(previous.links).get(node.url, self.link_default)
+        return compute * layers + link
+
+    def route_ms(self, route: list[Hop], num_layers: int) -> float:
+        total, previous = 0.0, None
+        for i, hop in enumerate(route):
+            end = route[i + 1].start_layer if i + 1 < len(route) else num_layers
+            total += self.hop_ms(previous, hop.node, end - hop.start_layer)
+            previous = hop.node
+        return total
 
 
 def choose_route(
@@ -37,25 +75,36 @@ def choose_route(
     if head is not None and not any(n.node_id == head and n.layers.start == 0 for n in nodes):
         raise ModelNotCovered(f"node {head} does not serve the first layers of {model.model_id}")
     target = model.num_layers
-    # Dijkstra over layer positions; cost = (hops, load, node ids along the way).
-    best: dict[int, tuple] = {0: (0, 0, ())}
-    queue: list[tuple] = [(0, 0, (), 0, ())]
+    estimate = StepEstimate(model.serving)
+    # Dijkstra over (layer position, last node): a link's cost depends on the hop before.
+    # cost = (expected ms, hops, load, node ids along the way).
+    start = (0.0, 0, 0, ())
+    best: dict[tuple[int, str | None], tuple] = {(0, None): start}
+    queue: list[tuple] = [(*start, 0, None, ())]
+    by_id = {n.node_id: n for n in nodes}
     while queue:
-        hops, load, ids, position, path = heapq.heappop(queue)
+        ms, hops, load, ids, position, last, path = heapq.heappop(queue)
         if position == target:
-            return [Hop(node, start) for node, start in path]
-        if best.get(position, (hops, load, ids)) < (hops, load, ids):
+            return [Hop(by_id[node_id], at) for node_id, at in path]
+        if best.get((position, last), (ms, hops, load, ids)) < (ms, hops, load, ids):
             continue
+        previous = by_id.get(last) if last is not None else None
         for node in nodes:
             if not node.layers.start <= position < node.layers.end:
                 continue
             if position == 0 and head is not None and node.node_id != head:
                 continue
             end = min(node.layers.end, target)
-            cost = (hops + 1, load + node.load, ids + (node.node_id,))
-            if end not in best or cost < best[end]:
-                best[end] = cost
-                heapq.heappush(queue, (*cost, end, path + ((node, position),)))
+            cost = (
+                ms + estimate.hop_ms(previous, node, end - position),
+                hops + 1, load + node.load, ids + (node.node_id,),
+            )  # fmt: skip
+            state = (end, node.node_id)
+            if state not in best or cost < best[state]:
+                best[state] = cost
+                heapq.heappush(
+                    queue, (*cost, end, node.node_id, path + ((node.node_id, position),))
+                )
     gaps = model.gaps()
     if gaps:
         raise ModelNotCovered(
@@ -70,3 +119,28 @@ def choose_route(
             code="model_not_covered",
         )
     raise ModelNotCovered(f"no chain of serving nodes covers {model.model_id}")
+
+
+def keep_or_switch(
+    model: ModelCoverage, previous: list[Hop] | None, chosen: list[Hop]
+) -> list[Hop]:
+    """Hysteresis: the route a head used last stays while it is still valid, the new best
+    is not faster by ``SWITCH_GAIN`` and ``SWITCH_MIN_MS``, and it carries no more load, so
+    that routes do not flap with every measurement's noise (while sessions still spread
+    over equally fast replicas)."""
+    if not previous or [h.node.node_id for h in previous] == [h.node.node_id for h in chosen]:
+        return chosen
+    current = {n.node_id: n for n in model.serving}
+    renewed = []
+    for hop in previous:  # today's view of the same nodes, if they still serve the same
+        node = current.get(hop.node.node_id)
+        if node is None or node.layers != hop.node.layers:
+            return chosen
+        renewed.append(Hop(node, hop.start_layer))
+    estimate = StepEstimate(model.serving)
+    old_ms = estimate.route_ms(renewed, model.num_layers)
+    new_ms = estimate.route_ms(chosen, model.num_layers)
+    faster = new_ms < old_ms * (1 - SWITCH_GAIN) and old_ms - new_ms >= SWITCH_MIN_MS
+    lighter = sum(h.node.load for h in chosen) < sum(h.node.load for h in renewed)
+    close = old_ms <= new_ms * (1 + SWITCH_GAIN) + SWITCH_MIN_MS
+    return renewed if close and not faster and not lighter else chosen

@@ -12,11 +12,12 @@ from meshnet_common.errors import ModelError, ModelNotCovered, NotFound
 from meshnet_common.memory import ModelCosts
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import scan_models_dir, snapshot_fingerprint
+from meshnet_common.protocol import MAX_PROBES
 from meshnet_tracker.balancer import Balancer
 from meshnet_tracker.coverage import ModelCoverage
 from meshnet_tracker.heads import LocalNode
 from meshnet_tracker.registry import Registry
-from meshnet_tracker.routing import Hop, choose_route
+from meshnet_tracker.routing import Hop, choose_route, keep_or_switch
 from meshnet_tracker.settings import TrackerSettings
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class TrackerState:
 
     indexed: dict[str, tuple] = field(default_factory=dict)  # model -> snapshot fingerprint
     _problems: set[str] = field(default_factory=set)  # models-dir problems already logged
+    # The route each (model, head) got last: kept unless a clearly better one appears.
+    _last_routes: dict[tuple[str, str | None], list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.balancer = Balancer(
@@ -111,7 +114,29 @@ class TrackerState:
                 code="model_not_covered",
             )
         exclude = {n.node_id for n in model.nodes if n.url in exclude_urls}
-        return choose_route(model, head=head, exclude=exclude)
+        chosen = choose_route(model, head=head, exclude=exclude)
+        key = (model_id, head)
+        previous = self._last_routes.get(key)
+        if previous is not None and not exclude & {h.node.node_id for h in previous}:
+            chosen = keep_or_switch(model, previous, chosen)
+        self._last_routes[key] = chosen
+        return chosen
+
+    def probe_targets(self, node_id: str) -> tuple[str, ...]:
+        """The nodes that could follow ``node_id`` in a route of its model (serving the
+        layer where its range ends): the links it should time for route choice."""
+        records = {r.node_id: r for r in self.registry.records()}
+        record = records.get(node_id)
+        if record is None:
+            return ()
+        shard = record.announcement.shard
+        end = shard.layers.end
+        targets = sorted(
+            r.announcement.url for r in records.values()
+            if r.node_id != node_id and r.announcement.shard.model_id == shard.model_id
+            and r.announcement.shard.layers.start <= end < r.announcement.shard.layers.end
+        )  # fmt: skip
+        return tuple(targets[:MAX_PROBES])
 
     def resolve_model(self, name: str) -> str:
         """The model id a client's ``model`` names: the id itself, or a served name a node of

@@ -77,6 +77,10 @@ class TrackerNode:
     def heartbeat(self) -> Heartbeat:
         return self.runtime.heartbeat()
 
+    def probe(self, urls: tuple[str, ...]) -> None:
+        """The next hops whose links this node times (as a node's heartbeat reply says)."""
+        self.runtime.service.probe_urls = urls
+
     def attach(self, state) -> None:
         self._state = state
 

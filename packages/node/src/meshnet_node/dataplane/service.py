@@ -44,6 +44,8 @@ from meshnet_node.settings import NodeSettings
 logger = logging.getLogger(__name__)
 
 UNREACHABLE_HEAD_S = 30.0  # a head the tail could not answer directly: through the chain
+LINK_PROBE_SESSION = "link-probe"  # never opened: closing it costs the next hop nothing
+LINK_PROBE_TIMEOUT_S = 2.0
 
 
 def _parsed(hop: str, body: bytes, compute: str | None) -> StepResult:
@@ -112,6 +114,10 @@ class NodeService:
         self._unreachable_heads: dict[str, float] = {}
         self._background: set[asyncio.Task] = set()
         self.answer_url: str | None = None  # where tails answer this head (set when it is one)
+        # Route choice (docs/adr/0021): the next hops the tracker asked us to time, and the
+        # round trip to each (ms, a moving mean).
+        self.probe_urls: tuple[str, ...] = ()
+        self.links: dict[str, float] = {}
 
     def stage_for(self, session_id: str) -> Stage:
         """The stage holding ``session_id``: sessions opened before a reshard stay put."""
@@ -463,6 +469,34 @@ class NodeService:
             self._unreachable_heads[url] = time.monotonic()
             logger.warning("the head %s refused a direct answer (%d); answering through the "
                            "chain for %.0f s", url, resp.status, UNREACHABLE_HEAD_S)  # fmt: skip
+
+    async def probe_links(self) -> None:
+        """Time one small request (the data path's session close, for a session that does
+        not exist) to each next hop the tracker named; what it reports in heartbeats."""
+        urls = self.probe_urls
+        for url in list(self.links):
+            if url not in urls:
+                del self.links[url]
+        for url in urls:
+            started = time.perf_counter()
+            try:
+                await self.hops.request(
+                    "DELETE", f"{url.rstrip('/')}/v1/sessions/{LINK_PROBE_SESSION}",
+                    headers={}, body=None, timeout=LINK_PROBE_TIMEOUT_S,
+                )  # fmt: skip
+            except HopUnreachable:
+                self.links.pop(url, None)
+                continue
+            ms = (time.perf_counter() - started) * 1000
+            before = self.links.get(url)
+            self.links[url] = ms if before is None else before + 0.3 * (ms - before)
+
+    @property
+    def layer_ms(self) -> float | None:
+        """The last decode pass's compute per layer of this stage, in ms (None: unknown)."""
+        if self.decode_s is None:
+            return None
+        return self.decode_s * 1000 / max(1, len(self.stage.shard.layers))
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -112,6 +112,7 @@ class Membership:
         self.heartbeat = heartbeat
         self.interval_s = interval_s
         self.on_directives = on_directives
+        self.on_probe: Callable[[tuple], None] | None = None  # the next hops to time
         self.on_refused = on_refused
         self.on_url = on_url
         self.on_registered = on_registered
@@ -252,6 +253,8 @@ class Membership:
                 logger.info("tracker does not know this node; registering again")
                 if not self.register_until_accepted():
                     return
+            if self.on_probe is not None:
+                self.on_probe(reply.probe)
             if reply.directives:
                 for directive in reply.directives:
                     logger.info("directive %s %s", directive.kind.value, directive.shard)

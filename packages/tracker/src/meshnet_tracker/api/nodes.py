@@ -67,7 +67,8 @@ def nodes_router() -> APIRouter:
         state = _state(request)
         known = state.registry.heartbeat(beat)
         directives = state.balancer.directives_for(beat.node_id) if known else ()
-        return HeartbeatResponse(known=known, directives=directives)
+        probe = state.probe_targets(beat.node_id) if known else ()
+        return HeartbeatResponse(known=known, directives=directives, probe=probe)
 
     @router.post("/v1/nodes/assign")
     async def assign(request: Request) -> AssignResponse:
