@@ -691,6 +691,50 @@ def test_direct_answers_are_checked(chain_head):
                              headers={"x-meshnet-position": "1"}), 400)  # fmt: skip
 
 
+@pytest.mark.parametrize("draft", ["same", "smaller"])
+def test_a_draft_model_proposes_the_drafts(draft, snapshot, tmp_path, tokenizer, reference):
+    """--draft-model: the same model as its own draft has every draft accepted; a smaller
+    random one fewer; the text is the unsplit model's greedy text either way."""
+    from meshnet_common.models.tiny import make_tiny
+
+    path = snapshot if draft == "same" else make_tiny(
+        tmp_path, "llama", "meshnet-tiny/llama-draft", layers=2, seed=1
+    )  # fmt: skip
+    prompt = [(i * 13) % 400 + 5 for i in range(30)]
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 16, **GREEDY}
+    with running(settings_for(snapshot, 0, 6, draft_model=str(path))) as node:
+        generator = node.runtime.openai.generator
+        assert generator.draft_model is not None
+        generator.draft_policy = AlwaysDraft()
+        metrics = node.runtime.service.metrics
+        resp = node.http.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == greedy_text(tokenizer, reference, prompt, 16)
+        drafted = metrics.draft_tokens._value.get()
+        accepted = metrics.accepted_tokens._value.get()
+    assert drafted > 0 and accepted <= drafted
+    if draft == "same":
+        assert accepted == drafted
+
+
+def test_a_draft_model_must_share_the_tokenizer(snapshot, tmp_path):
+    import shutil
+
+    from meshnet_common.errors import ModelError
+
+    other = tmp_path / "other"
+    shutil.copytree(snapshot, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ModelError, match="tokenizer"):
+        build_runtime(settings_for(snapshot, 0, 6, draft_model=str(other)))
+    with pytest.raises(ModelError, match="no such folder"):
+        build_runtime(settings_for(snapshot, 0, 6, draft_model=str(tmp_path / "none")))
+
+
 def chat_ids(tokenizer, messages) -> list[int]:
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False

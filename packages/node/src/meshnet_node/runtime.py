@@ -37,6 +37,7 @@ from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.preflight import preflight, resolve_device
 from meshnet_node.engine.stage import Stage
+from meshnet_node.head.draft_model import DraftModel
 from meshnet_node.head.generation import HeadGenerator
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.serving import OpenAIServing, RouteProvider
@@ -146,6 +147,18 @@ def snapshot_created(snapshot: Path | None) -> int:
         return int((Path(snapshot) / "config.json").stat().st_mtime)
     except (OSError, TypeError):
         return 0
+
+
+def draft_snapshot(settings: NodeSettings) -> Path:
+    """``--draft-model``: a snapshot folder, or a model id in ``--models-dir``."""
+    path = Path(settings.draft_model).expanduser()
+    if path.is_dir():
+        return path
+    if settings.models_dir is not None:
+        return resolve_snapshot(settings.models_dir, settings.draft_model)
+    raise ModelError(
+        f"--draft-model {settings.draft_model}: no such folder (a model id needs --models-dir)"
+    )
 
 
 def announced_url(settings: NodeSettings) -> str:
@@ -268,11 +281,18 @@ def build_openai(
         generation_config = GenerationConfig.from_pretrained(settings.model_path)
     except OSError:
         generation_config = None
+    draft = None
+    if settings.draft_model and settings.speculative != "off":
+        draft = DraftModel(
+            draft_snapshot(settings), target_tokenizer=tokenizer,
+            dtype=service.stage.shard.precision.compute_dtype,
+        )  # fmt: skip
     generator = HeadGenerator(
         service, tokenizer, generation_config,
         speculation=SpeculationSettings(
             settings.speculative, settings.max_draft_tokens, settings.speculative_max_running
         ),
+        draft_model=draft,
     )  # fmt: skip
     return OpenAIServing(
         settings.model_id, generator, route_provider,

@@ -95,6 +95,11 @@ class ShardSettings(ServiceSettings):
         "differently from one-token steps, so greedy text can then differ at near-ties)",
         group=MODEL,
     )  # fmt: skip
+    draft_model: str | None = knob(
+        None, "a small model sharing the tokenizer that proposes the drafts on the head, "
+        "instead of the n-gram lookup: a snapshot folder, or a model id in --models-dir",
+        group=MODEL,
+    )  # fmt: skip
     speculative_max_running: int = knob(
         2, "no drafting while more generations than this run on the head (batched decode "
         "already shares each pass over the weights)", group=MODEL,

@@ -150,6 +150,7 @@ class HeadGenerator:
         clock: Clock = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         speculation: SpeculationSettings = SpeculationSettings(),
+        draft_model=None,
     ) -> None:
         if not service.stage.shard.is_head:
             raise ValueError("only a head stage can drive generation")
@@ -164,6 +165,7 @@ class HeadGenerator:
         self.bans = BanList(ban_s, clock)  # failed hops, per head process
         self.speculation = speculation
         self.draft_policy = DraftPolicy(speculation.max_draft)  # this head's step costs
+        self.draft_model = draft_model  # proposes drafts instead of the n-gram lookup
         self.running = 0  # generations under way (drafting pauses when many are)
 
     @property
@@ -197,7 +199,8 @@ class HeadGenerator:
         timings = StepTimings()
         speculation = None
         if speculates(request.sampling, self.speculation.mode):
-            speculation = Speculation(self.draft_policy)
+            model = self.draft_model
+            speculation = Speculation(self.draft_policy, model.session() if model else None)
         self.running += 1
         try:
             with metrics.timer(metrics.prefill_seconds):
@@ -230,13 +233,20 @@ class HeadGenerator:
                 history.extend(t for t, _, _ in outputs[:-1])  # kept drafts: in every cache
                 token = outputs[-1][0]  # the next step's input
                 drafts: list[int] = []
+                started, failovers = time.perf_counter(), chain.failovers
                 if speculation is not None and self.running <= self.speculation.max_running:
                     room = min(
                         request.max_tokens - produced - 1,
                         self.context_window - len(history) - 2,
                     )  # fmt: skip
-                    drafts = speculation.drafts([*history, token], room)
-                started, failovers = time.perf_counter(), chain.failovers
+                    k = speculation.length(room)
+                    if k and speculation.model_session is not None:  # compute: not here
+                        drafts = await self.service.compute(
+                            speculation.propose, [*history, token], k
+                        )
+                    else:
+                        drafts = speculation.propose([*history, token], k)
+                drafted_at = time.perf_counter()
                 try:
                     result = await self._advance(
                         stage, chain, request, history, token, reroute, drafts
@@ -244,6 +254,7 @@ class HeadGenerator:
                 finally:
                     elapsed = time.perf_counter() - started
                     metrics.decode_seconds.observe(elapsed)
+                drafting_s = drafted_at - started  # a draft model's time: part of the step
                 if chain.failovers == failovers:  # a replayed step says nothing of overhead
                     if drafts and result.more is None:
                         raise HopError(
@@ -251,7 +262,7 @@ class HeadGenerator:
                             "version?); start it with the swarm's version or the head with "
                             "--speculative off", status=502,
                         )  # fmt: skip
-                    timings.add(elapsed, result.compute_ms, len(chain.route))
+                    timings.add(elapsed - drafting_s, result.compute_ms, len(chain.route))
                     kept = len(result.more or ())
                     self.service.tokens_served += kept  # the kept drafts: tokens here too
                     if speculation is not None:

@@ -138,23 +138,31 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class Speculation:
-    """One generation's drafting: the drafter over its text, its own acceptance rate."""
+    """One generation's drafting: its drafter (n-gram lookup, or a draft model's session)
+    over its text, and its own acceptance rate."""
 
-    def __init__(self, policy: DraftPolicy, drafter: NgramDrafter | None = None) -> None:
+    def __init__(self, policy: DraftPolicy, model_session=None) -> None:
         self.policy = policy
-        self.drafter = drafter or NgramDrafter()
+        self.drafter = NgramDrafter()
+        self.model_session = model_session  # a DraftSession (meshnet_node.head.draft_model)
         self.acceptance = _Mean(0.3, policy.acceptance.value)
         self.steps = 0
         self.drafted = 0
         self.accepted = 0
 
-    def drafts(self, context: list[int], room: int) -> list[int]:
-        """Drafts to verify after ``context`` (history and the step's input token); at most
-        ``room`` (what max_tokens and the context window still allow)."""
+    def length(self, room: int) -> int:
+        """How many drafts the next step should carry; at most ``room`` (what max_tokens
+        and the context window still allow)."""
         self.steps += 1
-        k = min(self.policy.choose(self.acceptance.value or 0.0, self.steps), room)
+        return max(0, min(self.policy.choose(self.acceptance.value or 0.0, self.steps), room))
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        """``k`` drafts after ``context`` (history and the step's input token). A draft
+        model computes: call it off the event loop."""
         if k <= 0:
             return []
+        if self.model_session is not None:
+            return self.model_session.propose(context, k)
         self.drafter.sync(context)
         return self.drafter.propose(k)
 
