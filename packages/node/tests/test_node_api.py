@@ -39,9 +39,9 @@ from meshnet_node.dataplane.steps import step_headers
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.engine.stage import Stage
-from meshnet_node.head.speculation import DraftPolicy
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
 from meshnet_node.settings import NodeSettings
+from meshnet_node.speculation.drafting import DraftPolicy
 
 MODEL_ID = "meshnet-tiny/llama"
 HIDDEN = 64  # the tiny models' hidden size

@@ -16,7 +16,7 @@ from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.engine.sampling import Sampler
 from meshnet_node.engine.stage import Stage
-from meshnet_node.head.speculation import DraftPolicy, NgramDrafter, expected_tokens
+from meshnet_node.speculation.drafting import DraftPolicy, NgramDrafter, expected_tokens
 
 
 def stages_of(snapshot, bounds) -> list[Stage]:

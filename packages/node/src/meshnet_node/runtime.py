@@ -37,12 +37,12 @@ from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.preflight import preflight, resolve_device
 from meshnet_node.engine.stage import Stage
-from meshnet_node.head.draft_model import DraftModel
 from meshnet_node.head.generation import HeadGenerator
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.serving import OpenAIServing, RouteProvider
-from meshnet_node.head.speculation import SpeculationSettings
 from meshnet_node.settings import NodeSettings
+from meshnet_node.speculation.draft_model import DraftModel
+from meshnet_node.speculation.drafting import SpeculationSettings
 from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
 from meshnet_node.swarm.membership import Membership, TrackerClient
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,14 +23,15 @@ from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage, StepOutput
 from meshnet_node.head.params import sampling_defaults
-from meshnet_node.head.speculation import (
+from meshnet_node.head.text import TextAssembler, skips_special_tokens
+from meshnet_node.head.timings import StepTimings
+from meshnet_node.retry import BanList, Clock, RetryBudget, RetryPolicy
+from meshnet_node.speculation.drafting import (
     DraftPolicy,
     Speculation,
     SpeculationSettings,
     speculates,
 )
-from meshnet_node.head.text import TextAssembler, skips_special_tokens
-from meshnet_node.retry import BanList, Clock, RetryBudget, RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -63,39 +63,6 @@ class GeneratedToken:
     # on the first token, when the request scores its prompt: the tail's entries, one per
     # prompt token after the first (log-probability, top alternatives)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-
-
-@dataclass
-class StepTimings:
-    """Wall time of each decode step at the head against the model compute inside it.
-
-    What is left after compute is serving overhead: serialization, HTTP, scheduling and
-    thread hand-offs, spread over the route's network hops.
-    """
-
-    hops: int = 0
-    wall_ms: list[float] = field(default_factory=list)
-    compute_ms: list[float] = field(default_factory=list)
-
-    def add(self, wall_s: float, compute_ms: list[float], hops: int) -> None:
-        self.hops = hops
-        self.wall_ms.append(wall_s * 1000)
-        self.compute_ms.append(sum(compute_ms))
-
-    def summary(self) -> dict | None:
-        if not self.wall_ms:
-            return None
-        overhead = [w - c for w, c in zip(self.wall_ms, self.compute_ms, strict=True)]
-        out = {
-            "decode_steps": len(self.wall_ms),
-            "hops": self.hops,
-            "step_ms_p50": round(statistics.median(self.wall_ms), 3),
-            "compute_ms_p50": round(statistics.median(self.compute_ms), 3),
-            "overhead_ms_p50": round(statistics.median(overhead), 3),
-        }
-        if self.hops:
-            out["overhead_per_hop_ms_p50"] = round(statistics.median(overhead) / self.hops, 3)
-        return out
 
 
 def eos_ids(tokenizer, generation_config) -> set[int]:

@@ -144,7 +144,7 @@ class Speculation:
     def __init__(self, policy: DraftPolicy, model_session=None) -> None:
         self.policy = policy
         self.drafter = NgramDrafter()
-        self.model_session = model_session  # a DraftSession (meshnet_node.head.draft_model)
+        self.model_session = model_session  # a DraftSession (meshnet_node.speculation.draft_model)
         self.acceptance = _Mean(0.3, policy.acceptance.value)
         self.steps = 0
         self.drafted = 0

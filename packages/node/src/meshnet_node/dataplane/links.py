@@ -1,0 +1,220 @@
+"""The links from a node to the next hops of its routes: sending a step and waiting for its
+answer (through the chain, or straight from the tail: ADR-0020), answering a head directly
+from the tail, and timing the links the tracker asks about (ADR-0021). ``HopLinks`` is the
+half of ``NodeService`` that talks to other nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import torch
+
+from meshnet_common import wire
+from meshnet_common.errors import HopError
+from meshnet_common.logs import H_REQUEST_ID, request_id_var
+from meshnet_common.protocol import H_COMPUTE, H_POSITION, H_SESSION_KEY, StepResult, parse_compute
+from meshnet_node.dataplane.hop_client import HopResponse, HopUnreachable
+from meshnet_node.dataplane.steps import StepRequest, step_headers
+
+logger = logging.getLogger("meshnet_node.dataplane.service")
+
+UNREACHABLE_HEAD_S = 30.0  # a head the tail could not answer directly: through the chain
+LINK_PROBE_SESSION = "link-probe"  # never opened: closing it costs the next hop nothing
+LINK_PROBE_TIMEOUT_S = 2.0
+
+
+def _parsed(hop: str, body: bytes, compute: str | None) -> StepResult:
+    try:
+        result = StepResult.model_validate_json(body)
+    except ValueError as exc:
+        raise HopError(f"hop {hop} answered a malformed step result", hop=hop) from exc
+    result.compute_ms = parse_compute(compute)
+    return result
+
+
+def _drained(task: asyncio.Task) -> None:
+    """The chain's answer to a step the tail answered directly: only its failure matters
+    (the next step meets the broken hop and fails over)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("the chain's answer to a directly answered step failed: %s",
+                    task.exception())  # fmt: skip
+
+
+class HopLinks:
+    """Sending steps on and hearing their answers (``NodeService`` provides ``hops``,
+    ``settings``, ``metrics``, ``wire_options``, ``stage``, ``decode_s`` and the direct-answer
+    and link state it initialises)."""
+
+    async def send(self, hop: str, hidden: torch.Tensor, **step) -> StepResult:
+        """POST one tensor frame to ``hop``; returns the tail's answer, with the compute
+        time of every hop after this one.
+
+        With ``answer_to`` (this head's URL), the tail also posts the answer straight here:
+        whichever comes first, the direct answer or the chain's, is the step's. The chain's
+        answer still comes and still reports a failed hop, so a tail that cannot reach the
+        head costs nothing but the time saved."""
+        if step.get("answer_to") is None:
+            resp = await self.relay(hop, hidden, **step)
+            return _parsed(hop, resp.body, resp.compute_ms)
+        key = (step["session_id"], step["position"])
+        direct = asyncio.get_running_loop().create_future()
+        self._answers[key] = (direct, step["session_key"])
+        chain = asyncio.ensure_future(self.relay(hop, hidden, **step))
+        try:
+            await asyncio.wait((direct, chain), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            chain.cancel()
+            raise
+        finally:
+            self._answers.pop(key, None)
+        if direct.done():
+            self.metrics.direct_answers.inc()
+            chain.add_done_callback(_drained)  # the chain's copy: read, then dropped
+            body, compute = direct.result()
+            return _parsed(hop, body, compute)
+        direct.cancel()
+        resp = chain.result()  # a failed hop raises here, as without direct answers
+        return _parsed(hop, resp.body, resp.compute_ms)
+
+    def deliver(self, session_id: str, key: str | None, position: int, body: bytes,
+                compute: str | None) -> bool:  # fmt: skip
+        """A tail's direct answer for a step this head awaits (False: none waits for it)."""
+        entry = self._answers.get((session_id, position))
+        if entry is None or entry[0].done() or key != entry[1]:
+            return False
+        entry[0].set_result((body, compute))
+        return True
+
+    async def _answer_head(self, req: StepRequest, body: bytes, compute: str) -> None:
+        """Post a tail's answer to the head (best effort: the chain carries it too)."""
+        url = req.answer_to
+        failed_at = self._unreachable_heads.get(url)
+        if failed_at is not None and time.monotonic() - failed_at < UNREACHABLE_HEAD_S:
+            return
+        headers = {
+            "content-type": "application/json", H_SESSION_KEY: req.session_key or "",
+            H_POSITION: str(req.position), H_COMPUTE: compute,
+        }  # fmt: skip
+        try:
+            resp = await self.hops.request(
+                "POST", f"{url}/v1/answers/{req.session_id}", headers=headers, body=body,
+                timeout=self.settings.timeouts.decode_step,
+            )  # fmt: skip
+        except HopUnreachable as exc:
+            self._unreachable_heads[url] = time.monotonic()
+            logger.warning("cannot answer the head %s directly (%s); answering through the "
+                           "chain for %.0f s", url, exc, UNREACHABLE_HEAD_S)  # fmt: skip
+            return
+        if resp.status >= 500 or resp.status in (401, 403, 405):
+            self._unreachable_heads[url] = time.monotonic()
+            logger.warning("the head %s refused a direct answer (%d); answering through the "
+                           "chain for %.0f s", url, resp.status, UNREACHABLE_HEAD_S)  # fmt: skip
+
+    async def probe_links(self) -> None:
+        """Time one small request (the data path's session close, for a session that does
+        not exist) to each next hop the tracker named; what it reports in heartbeats."""
+        urls = self.probe_urls
+        for url in list(self.links):
+            if url not in urls:
+                del self.links[url]
+        for url in urls:
+            started = time.perf_counter()
+            try:
+                await self.hops.request(
+                    "DELETE", f"{url.rstrip('/')}/v1/sessions/{LINK_PROBE_SESSION}",
+                    headers={}, body=None, timeout=LINK_PROBE_TIMEOUT_S,
+                )  # fmt: skip
+            except HopUnreachable:
+                self.links.pop(url, None)
+                continue
+            ms = (time.perf_counter() - started) * 1000
+            before = self.links.get(url)
+            self.links[url] = ms if before is None else before + 0.3 * (ms - before)
+
+    @property
+    def layer_ms(self) -> float | None:
+        """The last decode pass's compute per layer of this stage, in ms (None: unknown)."""
+        if self.decode_s is None:
+            return None
+        return self.decode_s * 1000 / max(1, len(self.stage.shard.layers))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def relay(
+        self,
+        hop: str,
+        hidden: torch.Tensor,
+        *,
+        session_id: str,
+        session_key: str,
+        position: int,
+        chunk: int,
+        route: tuple[str, ...],
+        sample: bool,
+        open_spec: dict | None,
+        ids: tuple[int, ...] | None = None,
+        drafts: int = 0,
+        answer_to: str | None = None,
+        compute_before: str | None = None,
+    ) -> HopResponse:
+        """POST one tensor frame to ``hop``; returns its answer (a 200) unparsed."""
+        prefill = hidden.shape[1] > 1 and not drafts
+        if prefill:  # a prefill chunk: encode off the loop, beside the compute thread
+            frame = await asyncio.to_thread(wire.encode_tensor, hidden, self.wire_options)
+        else:
+            frame = wire.encode_tensor(hidden, self.wire_options)
+        headers = step_headers(
+            session_id=session_id,
+            session_key=session_key,
+            position=position,
+            chunk=chunk,
+            route=route,
+            sample=sample,
+            open_spec=open_spec,
+            ids=ids,
+            drafts=drafts,
+            answer_to=answer_to,
+            compute_before=compute_before,
+        )
+        request_id = request_id_var.get()
+        if request_id is not None:  # every hop's log lines of this step carry the same id
+            headers[H_REQUEST_ID] = request_id
+        t = self.settings.timeouts
+        timeout = t.prefill_chunk if prefill else t.decode_step
+        # Metrics are recorded off the step's critical path: once the frame is on its way
+        # (a callback runs while this task waits for the answer), and after the answer
+        # has been relayed. Cold library code costs tens of microseconds per call here.
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self.metrics.wire_sent.inc, len(frame))
+        started = time.perf_counter()
+        try:
+            resp = await self.hops.request(
+                "POST", f"{hop.rstrip('/')}/v1/forward", headers=headers, body=frame,
+                timeout=timeout,
+            )  # fmt: skip
+        except HopUnreachable as exc:
+            raise HopError(f"hop {hop} failed: {exc}", hop=hop) from exc
+        loop.call_soon(self._observe_hop, hop, time.perf_counter() - started)
+        if resp.status != 200:
+            try:
+                body = json.loads(resp.body)
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                body = None
+            # 4xx and 503 (a full node) keep their meaning; anything else is a broken hop.
+            status = resp.status if 400 <= resp.status < 500 or resp.status == 503 else 502
+            message = (body or {}).get("error", {}).get("message") or resp.body[:200].decode(
+                "utf-8", "replace"
+            )
+            raise HopError(f"hop {hop}: {message}", status=status, hop=hop, body=body)
+        return resp
+
+    def _observe_hop(self, hop: str, seconds: float) -> None:
+        self.metrics.hop_seconds.labels(hop).observe(seconds)

@@ -1,0 +1,2 @@
+"""Speculative decoding from the head (docs/adr/0019): where drafts come from (n-gram
+lookup in ``drafting``, or a small model in ``draft_model``) and how many a step carries."""
