@@ -126,12 +126,19 @@ class Swarm:
             proc.log.close()  # type: ignore[attr-defined]
 
 
+# The data-path figures (decode against HF, per-hop overhead, concurrency) are defined for
+# one token per step: speculative decoding (ADR-0019) is off there, and measured on its own
+# by the network section (network_bench.py), delay 0 included.
+DATA_PATH_FLAGS = ("--speculative", "off")
+
+
 @contextlib.contextmanager
 def running_swarm(
     models_dir: Path, model_id: str, ranges: list[tuple[int, int]], threads: int, label: str
 ) -> Iterator[Swarm]:
     """Start a swarm, wait until it covers the model, and always stop it afterwards."""
-    swarm = Swarm(models_dir, model_id, ranges, threads)
+    extra = {i: list(DATA_PATH_FLAGS) for i in range(len(ranges))}
+    swarm = Swarm(models_dir, model_id, ranges, threads, extra=extra)
     try:
         swarm.start()
         ready_s = swarm.wait_ready()
