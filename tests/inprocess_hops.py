@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from meshnet_common.protocol import H_COMPUTE
-from meshnet_node.dataplane.hop_client import HopResponse, HopUnreachable
+from meshnet_node.dataplane.streams import HopResponse, HopUnreachable
 
 
 class HttpxHops:

@@ -44,10 +44,10 @@ def test_every_knob_is_reachable_by_flag_and_env(monkeypatch):
     monkeypatch.setenv("MESHNET_SHARD_SOURCE", "http://127.0.0.1:1, http://127.0.0.1:2")
     monkeypatch.setenv("MESHNET_CACHE_DIR", "/tmp/meshnet-cache")
     monkeypatch.setenv("MESHNET_TURN_TIMEOUT", "7")
-    got = node("--pool-max-idle", "0.5", "--max-frame-mb", "1", "--open-timeout", "2")
+    got = node("--stream-ping", "0.5", "--max-frame-mb", "1", "--open-timeout", "2")
     assert got.shard_sources == ("http://127.0.0.1:1", "http://127.0.0.1:2")
     assert got.cache_dir == Path("/tmp/meshnet-cache") and got.turn_timeout_s == 7.0
-    assert (got.pool_max_idle_s, got.open_timeout_s, got.max_body_bytes) == (0.5, 2.0, 2**20)
+    assert (got.stream_ping_s, got.open_timeout_s, got.max_body_bytes) == (0.5, 2.0, 2**20)
     flags = node("--shard-source", "http://127.0.0.1:3", "--shard-source", "http://127.0.0.1:4")
     assert flags.shard_sources == ("http://127.0.0.1:3", "http://127.0.0.1:4")
     assert got.timeouts.connect == 5.0 and got.max_request_bytes == 8 * 2**20

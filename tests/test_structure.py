@@ -72,7 +72,7 @@ def test_imports_flow_one_way():
     assert offenders("meshnet_common", ("meshnet_node", "meshnet_tracker")) == {}
     assert offenders("meshnet_tracker", ("meshnet_node",), ("meshnet_tracker.tracker_node",)) == {}
     # the engine is torch only: no web, no data plane, head or swarm
-    web = ("fastapi", "starlette", "uvicorn", "httpx", "aiohttp", "meshnet_common.web")
+    web = ("fastapi", "starlette", "uvicorn", "httpx", "websockets", "meshnet_common.web")
     upper = ("meshnet_node.dataplane", "meshnet_node.head", "meshnet_node.swarm")
     assert offenders("meshnet_node.engine", (*web, *upper, "meshnet_node.runtime")) == {}
     # the data plane never reaches up into the head or the swarm

@@ -62,7 +62,7 @@ def launch(settings: NodeSettings) -> None:
             "listening on every interface: the tracker tells which address it reaches this "
             "node at (--advertise-url sets it)"
         )
-    from meshnet_node.dataplane.hop_server import protocol_factory
+    from meshnet_node.dataplane.stream_server import max_message_bytes
     from meshnet_node.runtime import bind_url, build_runtime, create_app
 
     metrics = Metrics()  # this node's registry: counts the shard fetch below too
@@ -162,7 +162,7 @@ def launch(settings: NodeSettings) -> None:
             None if membership is not None else ready_line(),
             log_level="warning",
             on_started=runtime.serving,
-            http=protocol_factory(app),  # hops' steps skip uvicorn's request cycle (ADR-0011)
+            ws_max_size=max_message_bytes(settings.max_body_bytes),  # hop streams (ADR-0022)
         )
     finally:
         claims.release()

@@ -104,7 +104,7 @@ def _main(argv: Sequence[str] | None) -> None:
     run(
         app, settings.host, settings.port,
         f"meshnet-tracker ready: {url}{extra}; dashboard: {url}/",
-        log_level="warning", http=None if node is None else node.http_protocol(app),
+        log_level="warning", ws_max_size=None if node is None else node.ws_max_size(),
     )  # fmt: skip
 
 

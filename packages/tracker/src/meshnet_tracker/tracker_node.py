@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import Heartbeat, NodeAnnouncement
 from meshnet_node.dataplane.forward import install_forward_path
-from meshnet_node.dataplane.hop_server import protocol_factory
+from meshnet_node.dataplane.stream_server import max_message_bytes
 from meshnet_node.head.routes import handle_chat, handle_completions
 from meshnet_node.runtime import (
     NodeRuntime,
@@ -90,8 +90,8 @@ class TrackerNode:
     def mount(self, app) -> None:
         mount_node(app, self.runtime, openai_routes=False)  # the tracker's own take OpenAI calls
 
-    def http_protocol(self, app):
-        return protocol_factory(app)  # hops' steps skip uvicorn's request cycle (ADR-0011)
+    def ws_max_size(self) -> int:
+        return max_message_bytes(self.runtime.service.settings.max_body_bytes)  # hop streams
 
     async def start(self) -> None:
         await start_background(self.runtime)

@@ -8,4 +8,4 @@ CHUNK_TOKENS = 128  # prefill chunk on the wire (docs/adr/0003)
 HEARTBEAT_INTERVAL_S = 2.0  # a node's heartbeat; the tracker's value wins once registered
 TURN_TIMEOUT_S = 60.0  # a prefill chunk waits this long for an earlier chunk of its session
 OPEN_TIMEOUT_S = 5.0  # ... and this long when its session is not open yet (chunk 0 is late)
-POOL_MAX_IDLE_S = 2.0  # a pooled hop connection idle longer is closed, not reused
+STREAM_PING_S = 10.0  # keepalive pings on a hop stream: a silent peer is dead after 2x

@@ -141,9 +141,10 @@ class ShardSettings(ServiceSettings):
         defaults.OPEN_TIMEOUT_S, "seconds a chunk waits for its session to open (chunk 0 late)",
         group=DATA, flag="--open-timeout",
     )  # fmt: skip
-    pool_max_idle_s: float = knob(
-        defaults.POOL_MAX_IDLE_S, "seconds a pooled hop connection may idle before it is "
-        "closed instead of reused", group=DATA, flag="--pool-max-idle",
+    stream_ping_s: float = knob(
+        defaults.STREAM_PING_S, "seconds between keepalive pings on a hop stream; a stream "
+        "that does not answer one within as long is dead (0: no pings)", group=DATA,
+        flag="--stream-ping",
     )  # fmt: skip
     max_frame_mb: float = knob(64.0, "largest activation frame accepted, MiB", group=DATA)
 

@@ -18,7 +18,7 @@ from meshnet_common.protocol import H_SWARM_TOKEN
 
 INTERNAL_PREFIXES = (
     "/v1/forward", "/v1/sessions", "/v1/shards", "/v1/nodes", "/v1/route", "/v1/node",
-    "/v1/answers",
+    "/v1/answers", "/v1/stream",
 )  # fmt: skip
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
@@ -48,17 +48,24 @@ NEEDS_SWARM_TOKEN = "this route needs the swarm token"
 
 
 def unauthorized_body(message: str) -> bytes:
-    """The OpenAI-style body of a 401 (also the data path's, meshnet_node.dataplane.hop_server)."""
+    """The OpenAI-style body of a 401."""
     body = {"error": {"message": message, "type": "authentication_error", "param": None,
                       "code": "invalid_api_key"}}  # fmt: skip
     return json.dumps(body).encode()
 
 
-async def _unauthorized(send, message: str) -> None:
+async def _unauthorized(send, message: str, scope=None, receive=None) -> None:
     payload = unauthorized_body(message)
     headers = [*_UNAUTHORIZED_HEADERS, (b"content-length", str(len(payload)).encode())]
-    await send({"type": "http.response.start", "status": 401, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+    prefix = "http"
+    if scope is not None and scope["type"] == "websocket":  # refused at the handshake
+        await receive()  # websocket.connect
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        prefix = "websocket.http"
+    await send({"type": f"{prefix}.response.start", "status": 401, "headers": headers})
+    await send({"type": f"{prefix}.response.body", "body": payload})
 
 
 class AuthMiddleware:
@@ -71,7 +78,17 @@ class AuthMiddleware:
         self.api_key = api_key
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind == "websocket":  # a hop stream: the swarm token at its handshake
+            path = scope["path"]
+            if self.swarm_token and path.startswith(INTERNAL_PREFIXES):
+                offered = _first_values(scope["headers"], (_SWARM,)).get(_SWARM)
+                if not _same(self.swarm_token, offered):
+                    await _unauthorized(send, NEEDS_SWARM_TOKEN, scope, receive)
+                    return
+            await self.app(scope, receive, send)
+            return
+        if kind != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]

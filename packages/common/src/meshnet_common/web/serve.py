@@ -28,14 +28,24 @@ def check_port(host: str, port: int) -> None:
 
 
 async def _serve(
-    app: FastAPI, host: str, port: int, ready_line: str | None, log_level: str, on_started, http
+    app: FastAPI,
+    host: str,
+    port: int,
+    ready_line: str | None,
+    log_level: str,
+    on_started,
+    ws_max_size: int | None,
 ) -> None:
     # log_config=None: uvicorn's own lines go through meshnet's one-line formatter.
     # No server/date headers: two fewer headers to build, check and parse on every
     # answer, which every hop of every decode step pays (docs/adr/0011).
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-        log_config=None, server_header=False, date_header=False, http=http or "auto",
+        log_config=None, server_header=False, date_header=False,
+        # Hop streams (a node's /v1/stream) are uvicorn's own WebSockets, websockets' sans-I/O
+        # protocol; a message over ws_max_size closes the stream (1009).
+        ws="websockets-sansio" if ws_max_size else "auto", ws_max_size=ws_max_size or 1 << 24,
+        ws_per_message_deflate=False,
     )  # fmt: skip
     server = uvicorn.Server(config)
     exit_code = 0
@@ -77,10 +87,9 @@ def run(
     ready_line: str | None,
     log_level: str = "warning",
     on_started: Callable[[], None] | None = None,
-    http=None,
+    ws_max_size: int | None = None,
 ) -> None:
     """Serve until stopped; once the socket listens, print ``ready_line`` (if any) and call
-    ``on_started``. ``http``: uvicorn's HTTP protocol (a node passes its hop-connection
-    factory, see meshnet_node.dataplane.hop_server)."""
+    ``on_started``. ``ws_max_size``: the largest WebSocket message (a node's hop streams)."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_serve(app, host, port, ready_line, log_level, on_started, http))
+        runner.run(_serve(app, host, port, ready_line, log_level, on_started, ws_max_size))

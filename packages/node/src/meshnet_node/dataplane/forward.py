@@ -1,5 +1,6 @@
-"""The data path's requests, answered without FastAPI: ``POST /v1/forward`` (one step) and
-``DELETE /v1/sessions/{id}`` (free a session down the chain).
+"""The data path's requests, answered without FastAPI: ``POST /v1/forward`` (one step),
+``DELETE /v1/sessions/{id}`` (free a session down the chain) and ``POST /v1/answers/{id}``
+(a tail's direct answer).
 
 Every decode step crosses ``/v1/forward`` once per hop, so its fixed cost is paid per token
 per hop. FastAPI's request objects, routing, dependency and exception machinery cost
@@ -7,10 +8,11 @@ several hundred microseconds a call on this kind of host (docs/adr/0011). The fu
 here take parsed headers and a body and return an ``Answer``, with the same checks and the
 same OpenAI-style error bodies as every other route. Two front ends use them:
 
+- ``meshnet_node.dataplane.stream_server``: hop streams (docs/adr/0022), the WebSocket at
+  ``/v1/stream`` that nodes keep to each other, one message per request;
 - ``ForwardPath``, an ASGI middleware in front of the router (inside the auth and
-  observability middlewares): in-process apps and any connection uvicorn serves;
-- ``meshnet_node.dataplane.hop_server``, a lean HTTP/1.1 protocol that takes the connections hops
-  open to each other, so that a step never enters uvicorn or Starlette at all.
+  observability middlewares), which also hands ``/v1/stream`` to the stream server: plain
+  HTTP requests from tools and in-process apps.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from meshnet_common.protocol import (
     validate_session_id,
 )
 from meshnet_common.web.http import error_body
+from meshnet_node.dataplane.frames import STREAM_PATH
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import parse_route, parse_step
 
@@ -171,13 +174,22 @@ class ForwardPath:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind != "http" and kind != "websocket":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
         service: NodeService | None = getattr(scope["app"].state, "node", None)
         if service is None:  # a tracker without its own layers: no data path here
             await self.app(scope, receive, send)
+            return
+        if kind == "websocket":
+            if path == STREAM_PATH:  # the hops' own stream (docs/adr/0022)
+                from meshnet_node.dataplane.stream_server import serve_stream
+
+                await serve_stream(scope, receive, send, service)
+            else:
+                await self.app(scope, receive, send)
             return
         if path == FORWARD_PATH:
             scope["route"] = _FORWARD_ROUTE

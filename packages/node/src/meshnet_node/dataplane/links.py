@@ -16,8 +16,8 @@ from meshnet_common import wire
 from meshnet_common.errors import HopError
 from meshnet_common.logs import H_REQUEST_ID, request_id_var
 from meshnet_common.protocol import H_COMPUTE, H_POSITION, H_SESSION_KEY, StepResult, parse_compute
-from meshnet_node.dataplane.hop_client import HopResponse, HopUnreachable
 from meshnet_node.dataplane.steps import StepRequest, step_headers
+from meshnet_node.dataplane.streams import HopResponse, HopUnreachable
 
 logger = logging.getLogger("meshnet_node.dataplane.service")
 

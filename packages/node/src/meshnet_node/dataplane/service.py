@@ -24,7 +24,6 @@ from meshnet_common.protocol import (
 )
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.dataplane.batching import DecodeBatcher, _timed
-from meshnet_node.dataplane.hop_client import HopTransport, HopUnreachable, Http11Hops
 from meshnet_node.dataplane.links import HopLinks
 from meshnet_node.dataplane.steps import (
     _EMPTY_RESULT,
@@ -32,6 +31,7 @@ from meshnet_node.dataplane.steps import (
     StepRequest,
     _token_json,
 )
+from meshnet_node.dataplane.streams import HopTransport, HopUnreachable, StreamHops
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.settings import NodeSettings
 
@@ -49,7 +49,7 @@ class _Waiting:
 
 
 class NodeService(HopLinks):
-    """Owns the stage, its compute thread and the HTTP client used to reach the next hop."""
+    """Owns the stage, its compute thread and the streams to the next hops."""
 
     def __init__(
         self, stage: Stage, settings: NodeSettings, *, model_id: str, metrics: Metrics | None = None
@@ -66,9 +66,9 @@ class NodeService(HopLinks):
         # turn comes takes its waiting successors along into one compute pass.
         self._waiting: dict[str, dict[int, _Waiting]] = {}
         t = settings.timeouts
-        self.hops: HopTransport = Http11Hops(
+        self.hops: HopTransport = StreamHops(
             headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect,
-            max_idle_s=settings.pool_max_idle_s,
+            ping_interval=settings.stream_ping_s,
         )  # fmt: skip
         self.tokens_generated = 0  # sampled here (tail)
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage

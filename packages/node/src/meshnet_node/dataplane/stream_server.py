@@ -1,0 +1,164 @@
+"""The serving end of hop streams (docs/adr/0022): ``GET /v1/stream`` upgraded to a WebSocket
+by uvicorn's own WebSocket support, then one message per step, session close or direct
+answer (``meshnet_node.dataplane.frames``), each answered on the same stream as soon as it
+is done: many sessions' steps are in flight on one stream at once.
+
+The swarm token is checked once, at the handshake (``meshnet_common.web.auth``); a message
+that does not parse closes the stream with an error code (1007; 1003 for text), and the
+node goes on serving. A step's own errors (bad headers, a session that does not exist, a
+body over the limit) are answers with the same status and OpenAI-style body as over HTTP,
+and leave the stream open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+from meshnet_common.errors import InvalidRequest, PayloadTooLarge
+from meshnet_common.logs import H_REQUEST_ID, accept_request_id, bind_session, request_id_var
+from meshnet_common.protocol import H_SESSION
+from meshnet_common.web.http import error_body, record_request
+from meshnet_node.dataplane.forward import (
+    ANSWERS_ROUTE,
+    FORWARD_PATH,
+    SESSIONS_ROUTE,
+    Answer,
+    close_answer,
+    deliver_answer,
+    error_answer,
+    forward_answer,
+)
+from meshnet_node.dataplane.frames import (
+    H_MAX_MESSAGE,
+    MAX_HEADER_BYTES,
+    STREAM_PATH,
+    SUBPROTOCOL,
+    FrameError,
+    Kind,
+    Request,
+    decode_request,
+    encode_answer,
+)
+from meshnet_node.dataplane.service import NodeService
+
+logger = logging.getLogger(__name__)
+
+_LABELS = {Kind.STEP: ("POST", FORWARD_PATH), Kind.CLOSE: ("DELETE", SESSIONS_ROUTE),
+           Kind.DELIVER: ("POST", ANSWERS_ROUTE)}  # fmt: skip
+
+
+def max_message_bytes(max_body_bytes: int) -> int:
+    """The largest message a node accepts on a stream: a frame at the body limit plus its
+    header (uvicorn's ``ws_max_size``; a larger one closes the stream with 1009)."""
+    return max_body_bytes + MAX_HEADER_BYTES + 64
+
+
+async def _deny(scope, send, status: int, body: bytes) -> None:
+    if "websocket.http.response" in scope.get("extensions", {}):
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1008})
+
+
+async def serve_stream(scope, receive, send, service: NodeService) -> None:
+    """One hop stream, from its handshake until either side closes it."""
+    if (await receive())["type"] != "websocket.connect":
+        return
+    if SUBPROTOCOL not in scope.get("subprotocols", ()):
+        body = error_body(f"a hop stream speaks {SUBPROTOCOL}: offer it as the subprotocol",
+                          "invalid_request_error", param="sec-websocket-protocol")  # fmt: skip
+        await _deny(scope, send, 400, json.dumps(body).encode())
+        return
+    limit = max_message_bytes(service.settings.max_body_bytes)
+    await send({"type": "websocket.accept", "subprotocol": SUBPROTOCOL,
+                "headers": [(H_MAX_MESSAGE.encode(), str(limit).encode())]})  # fmt: skip
+    stream = _ServerStream(service, send)
+    while True:
+        message = await receive()
+        if message["type"] != "websocket.receive":  # websocket.disconnect
+            stream.open = False
+            break
+        data = message.get("bytes")
+        if data is None:
+            await stream.close(1003, "hop streams carry binary messages only")
+            break
+        try:
+            request = decode_request(data)
+        except FrameError as exc:
+            logger.warning("closing a hop stream from %s: %s", _peer(scope), exc)
+            await stream.close(1007, str(exc)[:120])
+            break
+        stream.spawn(request)
+    # Steps still running finish (their sessions stay consistent); their answers are dropped.
+
+
+def _peer(scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
+class _ServerStream:
+    def __init__(self, service: NodeService, send) -> None:
+        self.service = service
+        self._send = send
+        self.open = True
+        self.tasks: set[asyncio.Task] = set()
+
+    def spawn(self, request: Request) -> None:
+        task = asyncio.ensure_future(self._answer(request))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def close(self, code: int, reason: str) -> None:
+        if self.open:
+            self.open = False
+            with contextlib.suppress(Exception):  # already gone
+                await self._send({"type": "websocket.close", "code": code, "reason": reason})
+
+    async def _answer(self, request: Request) -> None:
+        started = time.perf_counter()
+        headers, service = request.headers, self.service
+        request_id_var.set(accept_request_id(headers.get(H_REQUEST_ID)))
+        bind_session(headers.get(H_SESSION))
+        if request.kind == Kind.STEP:
+            limit = service.settings.max_body_bytes
+            if len(request.body) > limit:
+                answer = error_answer(PayloadTooLarge(f"body exceeds the limit of {limit} bytes"))
+            else:
+                answer = await forward_answer(service, headers, request.body)
+        else:
+            session = headers.get(H_SESSION)
+            if session is None:
+                answer = error_answer(InvalidRequest(f"header {H_SESSION} names the session",
+                                                     param=H_SESSION))  # fmt: skip
+            elif request.kind == Kind.CLOSE:
+                answer = await close_answer(service, session, headers)
+            else:
+                answer = deliver_answer(service, session, headers, request.body)
+        await self._reply(request.id, answer)
+        method, label = _LABELS[request.kind]
+        seconds = time.perf_counter() - started
+        asyncio.get_running_loop().call_soon(
+            record_request, service.metrics, method, label, answer.status, seconds,
+            answer.error_code,
+        )  # fmt: skip
+
+    async def _reply(self, request_id: int, answer: Answer) -> None:
+        if not self.open:
+            return  # the stream closed; the step itself ran
+        extra = {name.decode("latin-1"): value.decode("latin-1") for name, value in answer.headers}
+        message = encode_answer(request_id, answer.status, extra, answer.body)
+        try:
+            await self._send({"type": "websocket.send", "bytes": message})
+        except Exception:  # the peer went away meanwhile
+            self.open = False
+
+
+__all__ = ["STREAM_PATH", "max_message_bytes", "serve_stream"]
