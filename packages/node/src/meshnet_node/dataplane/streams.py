@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.frames import Opcode
 from websockets.protocol import State
 
 from meshnet_common.protocol import H_COMPUTE, H_SESSION
@@ -41,6 +42,7 @@ from meshnet_node.dataplane.frames import (
 logger = logging.getLogger(__name__)
 
 _OVERHEAD = 64 << 10  # room for a message's header beyond its body, when checking the limit
+_DIRECT_SEND = 64 << 10  # messages up to this size skip websockets' send() (see _Stream.call)
 
 
 class HopResponse(NamedTuple):
@@ -94,6 +96,26 @@ def _too_large(size: int, limit: int) -> HopResponse:
     return HopResponse(413, json.dumps(body).encode())
 
 
+class _HopConnection(ClientConnection):
+    """websockets' client connection, handing each complete binary message straight to
+    its stream as it is parsed (``process_event`` is the documented override point): an
+    answer wakes the step that waits for it, with no reader task in between."""
+
+    stream: _Stream | None = None
+
+    def process_event(self, event) -> None:
+        stream = self.stream
+        if stream is not None and event.opcode is Opcode.BINARY and event.fin:
+            stream.on_message(event.data)
+        else:
+            super().process_event(event)
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        if self.stream is not None:
+            self.stream.on_closed()
+
+
 class _Stream:
     """One open stream: requests out, answers matched back to them by id."""
 
@@ -111,6 +133,7 @@ class _Stream:
         if sock is not None:  # small frames must leave now, not after Nagle's delay
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ws.stream = self  # answers come to on_message from now on
         self.reader = asyncio.ensure_future(self._read())
 
     @property
@@ -130,7 +153,15 @@ class _Stream:
             except FrameError as exc:
                 raise HopUnreachable(f"cannot send this request: {exc}") from exc
             try:
-                await self.ws.send(message)
+                ws = self.ws
+                if (len(message) <= _DIRECT_SEND and ws.protocol.state is State.OPEN
+                        and ws.transport.get_write_buffer_size() < _DIRECT_SEND):  # fmt: skip
+                    # A small message straight through the sans-I/O protocol: one frame,
+                    # written now; flow control cannot hold it (the buffer is near empty).
+                    ws.protocol.send_binary(message)
+                    ws.transport.writelines(ws.protocol.data_to_send())
+                else:
+                    await ws.send(message)
             except ConnectionClosed as exc:
                 raise HopUnreachable(f"the stream to {self.url} closed ({_why(self.ws)})") from exc
             got = await answer
@@ -139,35 +170,46 @@ class _Stream:
             self.pending.pop(request_id, None)
         return HopResponse(got.status, got.body, got.headers.get(H_COMPUTE))
 
+    def on_message(self, data) -> None:
+        """A binary message from the hop (called from the connection's data_received)."""
+        try:
+            got = decode_answer(bytes(data))
+        except FrameError as exc:
+            self._fail(f"malformed answer: {exc}", 1007, str(exc)[:120])
+            return
+        waiting = self.pending.get(got.id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(got)
+
+    def on_closed(self) -> None:
+        self._fail(_why(self.ws))
+
+    def _fail(self, reason: str, code: int | None = None, text: str = "") -> None:
+        """Fail every request in flight; close the stream with ``code`` (None: it closed)."""
+        if self.closed is None:
+            self.closed = reason
+        if code is not None:
+            self._closing = asyncio.ensure_future(self.ws.close(code, text))
+        failure = HopUnreachable(f"the stream to {self.url} closed ({self.closed})")
+        for waiting in self.pending.values():
+            if not waiting.done():
+                waiting.set_exception(failure)
+
     async def _read(self) -> None:
-        reason = "closed"
+        """What does not take the fast path (``_HopConnection``): a text or fragmented
+        message closes the stream; the end of the connection fails what is in flight."""
         try:
             async for data in self.ws:
                 if isinstance(data, str):
-                    reason = "the hop sent a text message"
-                    await self.ws.close(1003, "binary messages only")
-                    break
-                try:
-                    got = decode_answer(data)
-                except FrameError as exc:
-                    reason = f"malformed answer: {exc}"
-                    await self.ws.close(1007, str(exc)[:120])
-                    break
-                waiting = self.pending.get(got.id)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(got)
-            else:
-                reason = _why(self.ws)
+                    self._fail("the hop sent a text message", 1003, "binary messages only")
+                else:
+                    self.on_message(data)
         except ConnectionClosed:
-            reason = _why(self.ws)
+            pass
         except Exception as exc:  # never leave requests waiting on a reader that died
-            reason = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.closed = reason
-            failure = HopUnreachable(f"the stream to {self.url} closed ({reason})")
-            for waiting in self.pending.values():
-                if not waiting.done():
-                    waiting.set_exception(failure)
+            self._fail(f"{type(exc).__name__}: {exc}", 1011, "client error")
+            return
+        self.on_closed()
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
@@ -254,7 +296,7 @@ class StreamHops:
     async def _open(self, url: str) -> _Stream | HopResponse:
         try:
             ws = await connect(
-                url, additional_headers=self.headers, subprotocols=[SUBPROTOCOL],
+                url, create_connection=_HopConnection, additional_headers=self.headers, subprotocols=[SUBPROTOCOL],
                 compression=None, proxy=None, user_agent_header=None,
                 open_timeout=self.connect_timeout, ping_interval=self.ping_interval,
                 ping_timeout=self.ping_interval, close_timeout=2.0, max_size=self.max_answer,
