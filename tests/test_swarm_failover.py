@@ -167,3 +167,38 @@ def test_tracker_restart_does_not_touch_a_generation_in_flight(tiny_snapshot, sw
     assert "".join(pieces) == expected["choices"][0]["text"]
     restarted = swarm.tracker(port=tracker.port).wait_healthy()
     wait_for(lambda: covered(restarted, tiny), timeout=30)  # the map is rebuilt
+
+
+def test_the_last_replica_down_briefly_costs_latency_not_the_request(smollm2_snapshot, models_dir, tmp_path):  # fmt: skip
+    """bfloat16, one node for [10, 20): it is SIGKILLed mid-stream and restarted at once at
+    its address. The head finds no route (the range is gone), waits for it to come back
+    (the tracker says it is expected: the node is on the map, then loading again), lifts its
+    ban when it answers, replays pass for pass, and the text is the undisturbed run's."""
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker("--model-id", MODEL, "--shard-start", "0", "--shard-end", "10")
+        swarm.node(tracker, MODEL, 20, 30, "--node-id", "tail").wait_healthy()
+        mid = swarm.node(tracker, MODEL, 10, 20, "--node-id", "mid").wait_healthy()
+        wait_for(lambda: covered(tracker, MODEL), timeout=60)
+        body = {**BODY, "prompt": "def fibonacci(n):\n    ", "max_tokens": 48}
+        expected = httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=180).json()
+        text, seen = [], 0
+        started = time.perf_counter()
+        with httpx.stream("POST", f"{tracker.url}/v1/completions", json={**body, "stream": True},
+                          timeout=180) as resp:  # fmt: skip
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text.append(event["choices"][0]["text"])
+                seen += 1
+                if seen == 8:
+                    mid.kill()
+                    mid.start()  # the same node, at the same address, loading again
+        print(f"a stream across the outage took {time.perf_counter() - started:.1f}s")
+        assert "".join(text) == expected["choices"][0]["text"]
+        log = tracker.log()
+        assert "failed during decode" in log and "answers again" in log
+    finally:
+        swarm.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -421,3 +422,40 @@ def test_registration_is_confirmed_by_calling_the_node_back(models_dir, llama_sn
         assert nodes == {node_id: "serving", "loading": "joining"}
         route = tracker.get("/v1/route", params={"model": LLAMA}).json()
         assert [h["node_id"] for h in route["hops"]] == [node_id]
+
+
+# -- coverage expected back (docs/adr/0023) ------------------------------------------------
+
+
+def test_a_gap_a_loading_node_will_fill_is_coverage_pending(tracker):
+    register(tracker, node_id="a", start=0, end=3)
+    error = assert_error(tracker.get("/v1/route", params={"model": LLAMA}), 503)
+    assert error["code"] == "model_not_covered"  # nothing on its way: fail at once
+    loading = {**announcement(node_id="b", start=3, end=6), "state": "joining"}
+    assert tracker.post("/v1/nodes/register", json=loading).status_code == 200
+    error = assert_error(tracker.get("/v1/route", params={"model": LLAMA}), 503)
+    assert error["code"] == "coverage_pending" and "[3, 6)" in error["message"]
+
+
+def test_a_node_the_head_failed_on_that_is_still_on_the_map_is_coverage_pending(tracker):
+    register(tracker, node_id="a", start=0, end=3)
+    register(tracker, node_id="b", start=3, end=6)
+    params = {"model": LLAMA, "head": "a", "exclude": "http://b.test:8000"}
+    error = assert_error(tracker.get("/v1/route", params=params), 503)
+    assert error["code"] == "coverage_pending"  # it may be restarting: worth a wait
+    tracker.delete("/v1/nodes/b")  # gone for good (deregistered or expired): no prospect
+    error = assert_error(tracker.get("/v1/route", params=params), 503)
+    assert error["code"] == "model_not_covered"
+
+
+def test_the_openai_entry_waits_for_coverage_then_fails_naming_the_gap(models_dir, llama_snapshot):
+    settings = TrackerSettings(models_dir=models_dir, verify_nodes=False, coverage_wait_s=1.2)
+    with TestClient(create_app(settings, node=None)) as tracker:
+        register(tracker, node_id="a", start=0, end=3)
+        loading = {**announcement(node_id="b", start=3, end=6), "state": "joining"}
+        tracker.post("/v1/nodes/register", json=loading)
+        started = time.monotonic()
+        body = {"model": LLAMA, "prompt": "hi"}
+        error = assert_error(tracker.post("/v1/completions", json=body), 503)
+        waited = time.monotonic() - started
+    assert 0.9 <= waited < 5 and "waited" in error["message"] and "[3, 6)" in error["message"]

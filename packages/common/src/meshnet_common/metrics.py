@@ -162,6 +162,11 @@ class Metrics:
         self.failovers = Counter(
             "meshnet_failovers", "Hop failures this head routed around", registry=r
         )
+        self.replay_seconds = Histogram(
+            "meshnet_replay_seconds", "Time a failover's replay took to rebuild a fresh "
+            "chain's caches (the prompt, then every decode pass so far)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
+        )  # fmt: skip
         self.shard_fetches = Counter(
             "meshnet_shard_fetches", "Shards this node fetched, by result (ok, cached, failed)",
             ["result"], registry=r,

@@ -121,6 +121,10 @@ class BanList:
         now = self.clock() if now is None else now
         return frozenset(url for url, until in self._until.items() if until > now)
 
+    def lift(self, url: str) -> None:
+        """End ``url``'s ban now (it answered again: a restarted node)."""
+        self._until.pop(url, None)
+
     def until(self, url: str) -> float | None:
         """When ``url``'s ban ends (None: not banned, or never was)."""
         return self._until.get(url)

@@ -292,7 +292,7 @@ def build_openai(
         speculation=SpeculationSettings(
             settings.speculative, settings.max_draft_tokens, settings.speculative_max_running
         ),
-        draft_model=draft,
+        draft_model=draft, coverage_wait_s=settings.coverage_wait_s,
     )  # fmt: skip
     return OpenAIServing(
         settings.model_id, generator, route_provider,

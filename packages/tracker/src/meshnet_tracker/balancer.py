@@ -118,6 +118,24 @@ class Balancer:
             for model_id, counts in sorted(capacity.items())
         ]
 
+    def coverage_on_its_way(self, model_id: str) -> bool:
+        """Whether every layer of ``model_id`` is held by a serving node or by capacity on its
+        way (a pending assignment or move, a node still loading): a gap in the routes is then
+        expected to heal, and requests wait for it (docs/adr/0023)."""
+        with self._lock:
+            view = next((v for v in self.views() if v.model_id == model_id), None)
+        if view is None:
+            return False
+        counts = list(view.capacity)
+        # A node lost within the grace period may be restarting: the balancer waits for it
+        # as long before it moves another node into its range, and so do requests.
+        for record in self.registry.lost(self.move_grace_s):
+            if record.announcement.shard.model_id == model_id:
+                for layer in record.announcement.shard.layers:
+                    if layer < len(counts):
+                        counts[layer] += 1
+        return all(counts)
+
     def assign(self, request: AssignRequest) -> Placement:
         node_request = NodeRequest(
             memory_bytes=request.memory_bytes,

@@ -63,6 +63,8 @@ class Registry:
         self.clock = clock
         self._nodes: dict[str, NodeRecord] = {}
         self._model_layers: dict[str, int] = {}
+        # Nodes dropped for missed heartbeats, and when: one may be restarting (ADR-0023).
+        self._lost: dict[str, tuple[NodeRecord, float]] = {}
         self._lock = threading.Lock()
 
     def register(self, announcement: NodeAnnouncement, *, local: bool = False) -> NodeRecord:
@@ -83,6 +85,7 @@ class Registry:
             ):
                 record.since = previous.since
             self._nodes[announcement.node_id] = record
+            self._lost.pop(announcement.node_id, None)
             self._model_layers.setdefault(announcement.shard.model_id, announcement.num_layers)
         logger.info(
             "node %s %s: %s layers %s at %s",
@@ -135,11 +138,21 @@ class Registry:
             dead = [
                 nid for nid, r in self._nodes.items() if not r.local and r.last_heartbeat < deadline
             ]
+            now = self.clock()
             for nid in dead:
-                del self._nodes[nid]
+                self._lost[nid] = (self._nodes.pop(nid), now)
         for nid in dead:
             logger.warning("node %s missed %d heartbeats: dropped", nid, MISSED_HEARTBEATS)
         return dead
+
+    def lost(self, within_s: float) -> list[NodeRecord]:
+        """Nodes dropped for missed heartbeats in the last ``within_s`` seconds that have not
+        registered again (a node that left on purpose is not among them)."""
+        since = self.clock() - within_s
+        with self._lock:
+            for nid in [n for n, (_, when) in self._lost.items() if when < since]:
+                del self._lost[nid]
+            return [record for record, _ in self._lost.values()]
 
     def records(self) -> list[NodeRecord]:
         self.prune()

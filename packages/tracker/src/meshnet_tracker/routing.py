@@ -73,7 +73,9 @@ def choose_route(
     """
     nodes = [n for n in model.serving if n.node_id not in exclude]
     if head is not None and not any(n.node_id == head and n.layers.start == 0 for n in nodes):
-        raise ModelNotCovered(f"node {head} does not serve the first layers of {model.model_id}")
+        raise ModelNotCovered(
+            f"node {head} does not serve the first layers of {model.model_id}", code="not_head"
+        )
     target = model.num_layers
     estimate = StepEstimate(model.serving)
     # Dijkstra over (layer position, last node): a link's cost depends on the hop before.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from meshnet_common.coverage_wait import COVERAGE_PENDING
 from meshnet_common.errors import ModelError, ModelNotCovered, NotFound
 from meshnet_common.memory import ModelCosts
 from meshnet_common.models.checkpoint import CheckpointIndex
@@ -108,13 +109,24 @@ class TrackerState:
     ) -> list[Hop]:
         """A chain for ``model_id``; nodes at ``exclude_urls`` (failed hops) are avoided."""
         model = self.model(model_id)
-        if not model.serving:
-            raise ModelNotCovered(
-                f"no node serves {model_id}; missing layers: [0, {model.num_layers})",
-                code="model_not_covered",
-            )
-        exclude = {n.node_id for n in model.nodes if n.url in exclude_urls}
-        chosen = choose_route(model, head=head, exclude=exclude)
+        try:
+            if not model.serving:
+                raise ModelNotCovered(
+                    f"no node serves {model_id}; missing layers: [0, {model.num_layers})",
+                    code="model_not_covered",
+                )
+            exclude = {n.node_id for n in model.nodes if n.url in exclude_urls}
+            chosen = choose_route(model, head=head, exclude=exclude)
+        except ModelNotCovered as exc:
+            # Expected back: every layer is on the map or on its way (a node loading, a move
+            # under way, or a node the caller failed on that is still heartbeating as far as
+            # the map knows: it may be restarting). Callers wait for it (--coverage-wait).
+            if exc.code != "not_head" and self.balancer.coverage_on_its_way(model_id):
+                raise ModelNotCovered(
+                    f"{exc}; coverage is expected back (nodes of the missing layers are "
+                    "loading or restarting)", code=COVERAGE_PENDING,
+                ) from exc  # fmt: skip
+            raise
         key = (model_id, head)
         previous = self._last_routes.get(key)
         if previous is not None and not exclude & {h.node.node_id for h in previous}:

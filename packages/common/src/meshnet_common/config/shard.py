@@ -69,6 +69,11 @@ class ShardSettings(ServiceSettings):
         30.0, "seconds a request may wait for room before a 503 with Retry-After",
         group=MODEL, flag="--queue-timeout",
     )  # fmt: skip
+    coverage_wait_s: float = knob(
+        30.0, "seconds a request waits for missing layers to come back when they are expected "
+        "to (a node of that range loading or restarting); with no prospect it fails at once "
+        "(0: never wait)", group=MODEL, flag="--coverage-wait",
+    )  # fmt: skip
     reasoning_parser: str | None = knob(
         None, "return <think>...</think> text as reasoning_content apart from content: "
         "deepseek_r1 (reasoning until </think>) or qwen3 (only after a leading <think>)",

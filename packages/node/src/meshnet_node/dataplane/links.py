@@ -134,6 +134,17 @@ class HopLinks:
             before = self.links.get(url)
             self.links[url] = ms if before is None else before + 0.3 * (ms - before)
 
+    async def reachable(self, url: str) -> bool:
+        """Whether ``url`` answers on the data path (a session close it does not know: 404)."""
+        try:
+            await self.hops.request(
+                "DELETE", f"{url.rstrip('/')}/v1/sessions/{LINK_PROBE_SESSION}",
+                headers={}, body=None, timeout=LINK_PROBE_TIMEOUT_S,
+            )  # fmt: skip
+        except HopUnreachable:
+            return False
+        return True
+
     @property
     def layer_ms(self) -> float | None:
         """The last decode pass's compute per layer of this stage, in ms (None: unknown)."""

@@ -17,15 +17,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from meshnet_common.errors import CapacityExceeded, HopError, ModelNotCovered
+from meshnet_common.errors import HopError, ModelNotCovered
 from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage, StepOutput
+from meshnet_node.head.failover import FAILOVER_BAN_S, FAILOVER_POLICY, Failover, _Chain
 from meshnet_node.head.params import sampling_defaults
 from meshnet_node.head.text import TextAssembler, skips_special_tokens
 from meshnet_node.head.timings import StepTimings
-from meshnet_node.retry import BanList, Clock, RetryBudget, RetryPolicy
+from meshnet_node.retry import BanList, Clock, RetryPolicy
 from meshnet_node.speculation.drafting import (
     DraftPolicy,
     Speculation,
@@ -77,34 +78,14 @@ def eos_ids(tokenizer, generation_config) -> set[int]:
 
 Reroute = Callable[[frozenset[str]], Awaitable[tuple[str, ...]]]
 
-# Failover policy (ADR 0007), per request: the first try and up to 4 failovers within 120 s,
-# backing off 0.2 s doubling to at most 2 s; a failed hop is banned for 30 s.
-FAILOVER_POLICY = RetryPolicy(
-    max_attempts=1 + 4, deadline_s=120.0, backoff_base_s=0.2, backoff_cap_s=2.0
-)
-FAILOVER_BAN_S = 30.0
 # Prefill: tokens the head runs through its layers per pass before sending them on in wire
 # chunks (ADR 0010). Larger passes cost less per token; smaller ones start the next hop sooner.
 PREFILL_PIECE_TOKENS = 512
 
 
-@dataclass
-class _Chain:
-    """The current session of one generation along its route (replaced on failover)."""
-
-    route: tuple[str, ...]
-    session_id: str = ""
-    key: str = ""
-    replay: bool = False  # the next step must rebuild the chain's caches from the history
-    budget: RetryBudget | None = None  # the request's failovers and deadline (set once)
-
-    @property
-    def failovers(self) -> int:
-        return 0 if self.budget is None else self.budget.failures
-
-
-class HeadGenerator:
-    """Drives generation from a head stage through the hops of a route."""
+class HeadGenerator(Failover):
+    """Drives generation from a head stage through the hops of a route (failing over to
+    another when a hop dies: ``Failover``)."""
 
     def __init__(
         self,
@@ -118,6 +99,7 @@ class HeadGenerator:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         speculation: SpeculationSettings = SpeculationSettings(),
         draft_model=None,
+        coverage_wait_s: float = 30.0,
     ) -> None:
         if not service.stage.shard.is_head:
             raise ValueError("only a head stage can drive generation")
@@ -134,6 +116,7 @@ class HeadGenerator:
         self.draft_policy = DraftPolicy(speculation.max_draft)  # this head's step costs
         self.draft_model = draft_model  # proposes drafts instead of the n-gram lookup
         self.running = 0  # generations under way (drafting pauses when many are)
+        self.coverage_wait_s = coverage_wait_s  # how long a failover waits for missing layers
 
     @property
     def context_window(self) -> int:
@@ -271,69 +254,27 @@ class HeadGenerator:
         while True:
             phase = "prefill" if token is None or chain.replay else "decode"
             try:
-                if token is None or chain.replay:
-                    ids = history + ([token] if token is not None else [])
+                if token is None:  # the prompt (again, in a fresh session, after a failover)
                     chain.replay = False
-                    replayed = replace(request, prompt_ids=ids)
                     return await self._prefill(
-                        stage, chain.session_id, chain.key, replayed, chain.route
+                        stage, chain.session_id, chain.key, request, chain.route
                     )
-                return await self._step(
-                    stage, chain.session_id, chain.key, [token, *(drafts or ())], len(history),
-                    chain.route, with_ids=request.sampling.needs_history, drafts=len(drafts or ()),
+                if chain.replay:  # a fresh session: rebuild every cache as it was built
+                    await self._replay(stage, chain, request)
+                    chain.replay = False
+                inputs = [token, *(drafts or ())]
+                result = await self._step(
+                    stage, chain.session_id, chain.key, inputs, len(history), chain.route,
+                    with_ids=request.sampling.needs_history, drafts=len(drafts or ()),
                 )  # fmt: skip
+                chain.passes.append((len(history), inputs, len(drafts or ())))
+                return result
             except HopError as exc:
                 may_retry = chain.budget.failed()
                 if reroute is None or not exc.recoverable or not may_retry:
                     raise
                 await self._abandon(stage, chain, exc, phase)
                 await self._reroute(stage, chain, request, exc, reroute)
-
-    async def _abandon(self, stage: Stage, chain: _Chain, exc: HopError, phase: str) -> None:
-        """Ban the failed hop, free the chain's session on the hops still alive, back off."""
-        failed = exc.failed_url
-        logger.warning(
-            "hop %s failed during %s (%s); failing over (attempt %d)",
-            failed, phase, exc, chain.failovers,
-        )  # fmt: skip
-        self.service.metrics.failovers.inc()
-        self.bans.expire()
-        if failed and exc.status != 503:  # a full node is busy, not broken: avoid, don't ban
-            self.bans.ban(failed)
-        old_session, old_key, old_route = chain.session_id, chain.key, chain.route
-        await self._close(stage, old_session, old_key, tuple(u for u in old_route if u != failed))
-        await self.sleep(chain.budget.backoff())
-
-    async def _reroute(
-        self, stage: Stage, chain: _Chain, request: GenerationRequest, exc: HopError, reroute
-    ) -> None:
-        """A new route avoiding banned hops, then a fresh session to replay into.
-
-        The tracker may briefly lack a replacement (a busy node that missed heartbeats
-        re-registers on its next one): asking again is bounded by the same attempt budget
-        and deadline; once they are spent the client gets the tracker's 503.
-        """
-        failed = exc.failed_url
-        while True:
-            exclude = self.bans.banned()
-            if failed and exc.status == 503:
-                exclude |= {failed}
-            try:
-                chain.route = await reroute(exclude)
-                break
-            except ModelNotCovered as missing:
-                full = _capacity_code(exc)
-                if full is not None:  # the only chain is full: wait for room, not for a node
-                    raise CapacityExceeded(
-                        f"the chain is full ({full} at {failed}); no other route has room",
-                        code=full,
-                    ) from missing
-                if not chain.budget.failed():
-                    raise
-                logger.warning("no replacement route yet (%s); asking again", missing)
-                await self.sleep(chain.budget.backoff())
-        self._open_local(stage, chain, request)
-        chain.replay = True
 
     async def _prefill(
         self,
@@ -449,14 +390,6 @@ class HeadGenerator:
         if route:
             # Shielded: a client disconnect cancels us, but the hops must still be freed.
             await asyncio.shield(self.service.close_remote(route[0], session_id, key, route[1:]))
-
-
-def _capacity_code(exc: HopError) -> str | None:
-    """``kv_budget_full`` / ``too_many_sessions`` when a hop refused for lack of room."""
-    if exc.status != 503 or not isinstance(exc.body, dict):
-        return None
-    code = (exc.body.get("error") or {}).get("code")
-    return code if code in ("kv_budget_full", "too_many_sessions") else None
 
 
 def _as_result(out: StepOutput) -> StepResult:

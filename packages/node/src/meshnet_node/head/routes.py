@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import logging
 from dataclasses import replace
@@ -66,13 +68,47 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
         prompt = body.prompt if kind == "completions" else [m.text() for m in body.messages]
         logger.debug("%s prompt: %r", kind, prompt)
     if route is None:
-        route = await serving.route_provider(serving.model_id, frozenset())
+        route = await serving.route()
     if body.stream:
         return StreamingResponse(
-            stream(body, jobs, route), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+            with_keepalive(stream(body, jobs, route)), media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )  # fmt: skip
     choices = await cancel_on_disconnect(request, serving.run(jobs, route))
     return JSONResponse(respond(body, choices))
+
+
+KEEPALIVE_S = 5.0  # a stream silent this long gets an SSE comment (proxies keep it open)
+
+
+async def with_keepalive(events, every_s: float = KEEPALIVE_S):
+    """``events`` as they come, with an SSE comment line whenever none came for ``every_s``
+    (a failover waiting for missing layers, a long prefill): clients ignore comments,
+    proxies see a live connection."""
+    source = events.__aiter__()
+    upcoming: asyncio.Future | None = None
+    try:
+        while True:
+            if upcoming is None:
+                upcoming = asyncio.ensure_future(source.__anext__())
+            done, _ = await asyncio.wait((upcoming,), timeout=every_s)
+            if not done:
+                yield ": waiting\n\n"
+                continue
+            ready, upcoming = upcoming, None
+            try:
+                item = ready.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if upcoming is not None:
+            upcoming.cancel()
+            with contextlib.suppress(BaseException):
+                await upcoming
+        close = getattr(source, "aclose", None)
+        if close is not None:
+            await close()
 
 
 async def handle_completions(

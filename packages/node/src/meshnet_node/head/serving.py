@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import CapacityExceeded, InvalidRequest, NotFound
 from meshnet_common.logs import event
 from meshnet_common.openai_protocol import (
@@ -92,6 +93,19 @@ class OpenAIServing(ResponseShapes):
 
     async def _reroute(self, exclude: frozenset[str]) -> tuple[str, ...]:
         return await self.route_provider(self.model_id, exclude)
+
+    async def route(self) -> tuple[str, ...]:
+        """A route for a new request; missing layers expected back are waited for, for up
+        to --coverage-wait (docs/adr/0023)."""
+        generator = self.generator
+
+        async def ask() -> tuple[str, ...]:
+            return await self.route_provider(self.model_id, generator.bans.banned())
+
+        return await wait_for_coverage(
+            ask, wait_s=generator.coverage_wait_s, clock=generator.clock, sleep=generator.sleep,
+            between=generator._lift_bans_of_the_living,
+        )  # fmt: skip
 
     def check_model(self, model: str) -> None:
         if model != self.model_id and model not in self.names:
@@ -245,7 +259,7 @@ class OpenAIServing(ResponseShapes):
                 finally:
                     metrics.requests_running.dec()
                 await self._wait(job, deadline, again=True)
-                route = await self.route_provider(self.model_id, frozenset())
+                route = await self.route()
             self.queue.wake()  # room may have freed for the next in line
         except asyncio.CancelledError:
             finish = "cancelled"
@@ -272,7 +286,7 @@ class OpenAIServing(ResponseShapes):
 
     async def run(self, jobs: list[GenerationRequest], route=None) -> list[Choice]:
         if route is None:
-            route = await self.route_provider(self.model_id, frozenset())
+            route = await self.route()
         results = await asyncio.gather(*(self._run_one(job, route) for job in jobs))
         return [
             Choice(i, tuple(job.prompt_ids), toks)
@@ -284,7 +298,7 @@ class OpenAIServing(ResponseShapes):
     ) -> AsyncIterator[tuple[int, GeneratedToken]]:
         """Tokens of all jobs as they come, tagged with the choice index."""
         if route is None:
-            route = await self.route_provider(self.model_id, frozenset())
+            route = await self.route()
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 

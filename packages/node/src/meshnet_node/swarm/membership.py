@@ -46,6 +46,15 @@ def error_message(resp: httpx.Response) -> str:
         return resp.text[:200] or f"HTTP {resp.status_code}"
 
 
+def error_code(resp: httpx.Response) -> str | None:
+    """The code of an OpenAI-style error body (None without one)."""
+    try:
+        code = resp.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
 class TrackerClient:
     """Asks the tracker for routes on behalf of a head (on the event loop)."""
 
@@ -76,7 +85,7 @@ class TrackerClient:
         if resp.status_code != 200:
             message = error_message(resp)
             if resp.status_code == 503:  # no chain right now: the head may ask again
-                raise ModelNotCovered(message, code="model_not_covered")
+                raise ModelNotCovered(message, code=error_code(resp) or "model_not_covered")
             error = MeshnetError(message)
             error.status = resp.status_code
             raise error

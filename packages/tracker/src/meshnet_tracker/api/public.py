@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.logs import event
 from meshnet_common.web.http import check_content_type, json_limit, loads_object, read_body
@@ -78,7 +81,14 @@ async def _entry(request: Request, path: str) -> Response:
     if not isinstance(name, str):
         raise InvalidRequest("model is required", param="model")
     model_id = state.resolve_model(name)  # a served name, or the id itself
-    hops = state.route(model_id)
+
+    async def route():
+        return state.route(model_id)
+
+    # A gap expected to heal (a node of the range loading or restarting) costs latency, not
+    # the request: ask again for up to --coverage-wait (docs/adr/0023).
+    hops = await wait_for_coverage(route, wait_s=state.settings.coverage_wait_s,
+                                   clock=time.monotonic, sleep=asyncio.sleep)  # fmt: skip
     state.demand[model_id] += 1
     own = state.settings.advertise_url or str(request.base_url)
     rest = tuple(state.hop_url(h, own.rstrip("/")) for h in hops[1:])

@@ -1,0 +1,175 @@
+"""Failover replays the computation it replaces (docs/adr/0023), in bfloat16.
+
+In-process: a head [0, 2), two replicas of [2, 4) and a tail [4, 6) of the tiny llama, all in
+bfloat16, reaching each other through ASGI transports. The first replica "dies" (its
+transport refuses) after a number of steps; the head fails over to the second and replays.
+The replacement session must see the very passes the lost one saw (the prompt in the same
+chunks, then every decode pass with its drafts), and the text must be the undisturbed run's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from inprocess_hops import HttpxHops
+
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+from meshnet_node.runtime import build_runtime, create_app
+from meshnet_node.settings import NodeSettings
+from meshnet_node.speculation.drafting import DraftPolicy
+
+MODEL_ID = "meshnet-tiny/llama"
+A, B, TAIL = "http://mid-a.test", "http://mid-b.test", "http://tail.test"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+class Hops(httpx.AsyncBaseTransport):
+    """Dispatches on the URL's host to in-process apps; a host in ``dead`` refuses, and
+    ``die_after[host] = n`` makes it refuse from its n-th forward step on."""
+
+    def __init__(self, apps: dict) -> None:
+        self.transports = {h: httpx.ASGITransport(app=a) for h, a in apps.items()}
+        self.dead: set[str] = set()
+        self.die_after: dict[str, int] = {}
+        self.steps: dict[str, int] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/v1/forward":
+            self.steps[host] = self.steps.get(host, 0) + 1
+            if host in self.die_after and self.steps[host] >= self.die_after[host]:
+                self.dead.add(host)
+        if host in self.dead or host not in self.transports:
+            raise httpx.ConnectError(f"{host} is gone", request=request)
+        return await self.transports[host].handle_async_request(request)
+
+
+def settings_for(snapshot: Path, start: int, end: int) -> NodeSettings:
+    return NodeSettings(model_id=MODEL_ID, model_path=snapshot, layers=LayerRange(start, end),
+                        quantization=Precision.BFLOAT16)  # fmt: skip
+
+
+@contextmanager
+def node(snapshot: Path, start: int, end: int, route_provider=None, hops=None):
+    async def no_route(_model_id, _exclude=frozenset()):
+        return ()
+
+    runtime = build_runtime(settings_for(snapshot, start, end),
+                            route_provider=route_provider or no_route)  # fmt: skip
+    if hops is not None:
+        runtime.service.hops = HttpxHops(httpx.AsyncClient(transport=hops))
+    app = create_app(runtime)
+    with TestClient(app) as http:
+        yield runtime, app, http
+
+
+class Swarm:
+    def __init__(self, snapshot: Path, stack: ExitStack) -> None:
+        self.hops = Hops({})
+        self.tail_runtime, tail_app, _ = stack.enter_context(node(snapshot, 4, 6, hops=self.hops))
+        self.hops.transports["tail.test"] = httpx.ASGITransport(app=tail_app)
+        mids = {}
+        for url in (A, B):
+            _, app, _ = stack.enter_context(node(snapshot, 2, 4, hops=self.hops))
+            mids[urlsplit(url).hostname] = app
+        self.hops.transports.update({h: httpx.ASGITransport(app=a) for h, a in mids.items()})
+
+        async def route(_model_id, exclude=frozenset()):
+            return (
+                (A, TAIL) if A not in exclude and "mid-a.test" not in self.hops.dead else (B, TAIL)
+            )
+
+        self.head, _, self.http = stack.enter_context(node(snapshot, 0, 2, route, self.hops))
+        self.passes: dict[str, list[tuple[int, int, int]]] = {}  # session -> (pos, rows, drafts)
+        service = self.tail_runtime.service
+        handle = service.handle_step
+
+        async def recorded(req):
+            self.passes.setdefault(req.session_id, []).append(
+                (req.position, req.tensor.shape[1], req.drafts)
+            )
+            return await handle(req)
+
+        service.handle_step = recorded
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_snapshot) -> Iterator[Swarm]:
+    with ExitStack() as stack:
+        yield Swarm(tiny_snapshot("llama"), stack)
+
+
+class AlwaysDraft(DraftPolicy):
+    def choose(self, acceptance, steps):
+        return 2
+
+
+class NeverDraft(DraftPolicy):
+    def choose(self, acceptance, steps):
+        return 0
+
+
+def complete(swarm: Swarm, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, **GREEDY}
+    resp = swarm.http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+@pytest.mark.parametrize("drafting", [False, True], ids=["plain", "speculative"])
+def test_a_replay_runs_the_lost_passes_again_and_the_text_is_unchanged(swarm, drafting):
+    generator = swarm.head.openai.generator
+    policy = generator.draft_policy
+    generator.draft_policy = AlwaysDraft() if drafting else NeverDraft()
+    prompt = [(i * 37) % 200 + 3 for i in range(300)]  # 3 wire chunks of the prompt
+    try:
+        swarm.hops.dead.clear()
+        swarm.hops.die_after.clear()
+        generator.bans.lift(A)  # an earlier test's failover
+        swarm.passes.clear()
+        calm = complete(swarm, prompt, 40)
+        [calm_passes] = map(sorted, swarm.passes.values())
+        swarm.passes.clear()
+        swarm.hops.steps.clear()
+        swarm.hops.die_after["mid-a.test"] = 15  # the prompt's 3 chunks + 11 decode passes
+        again = complete(swarm, prompt, 40)
+    finally:
+        generator.draft_policy = policy
+    assert "mid-a.test" in swarm.hops.dead, swarm.hops.steps  # the failover happened
+    assert again["choices"][0]["text"] == calm["choices"][0]["text"]
+    # The lost session's passes, then the fresh one's, in position order (the order each
+    # hop runs them in; prompt chunks may arrive out of order). Positions only grow: a
+    # pass with drafts is followed by one past the drafts the tail kept.
+    lost, replayed = map(sorted, swarm.passes.values())
+    assert len(lost) == 14, lost
+    assert replayed[: len(lost)] == lost, (lost, replayed)  # the same passes, in order
+    assert replayed == calm_passes  # and then on as the undisturbed run went
+    assert any(drafts for _, _, drafts in lost) == drafting
+    assert max(rows for _, rows, _ in replayed) <= 128  # never the history as one prefill
+    replays = swarm.head.service.metrics.replay_seconds.collect()[0].samples
+    assert any(s.name.endswith("_count") and s.value >= 1 for s in replays)
+
+
+def test_a_silent_stream_gets_sse_comments_and_loses_nothing():
+    import asyncio
+
+    from meshnet_node.head.routes import with_keepalive
+
+    async def slow():
+        yield "data: 1\n\n"
+        await asyncio.sleep(0.35)  # a failover waiting for coverage, say
+        yield "data: 2\n\n"
+
+    async def collect():
+        return [e async for e in with_keepalive(slow(), every_s=0.1)]
+
+    got = asyncio.run(collect())
+    assert got[0] == "data: 1\n\n" and got[-1] == "data: 2\n\n"
+    assert 2 <= got.count(": waiting\n\n") <= 4 and len(got) == got.count(": waiting\n\n") + 2
