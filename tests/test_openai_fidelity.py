@@ -123,7 +123,7 @@ def test_requests_wait_for_room_instead_of_failing(models_dir, tiny_snapshot, ti
         tracker = swarm.tracker().wait_healthy()
         node = swarm.node(
             tracker, model_id, 0, 6, *FP32, "--max-sessions", "1", "--max-queued-requests", "1",
-            "--step-delay-ms", "5",
+            "--step-delay-ms", "10", "--speculative", "off",  # 120 steps: over a second each
         ).wait_healthy()  # fmt: skip
         wait_for(lambda: covered(tracker, model_id), timeout=30)
         body = {"model": model_id, "prompt": "Hello", "max_tokens": 120, "temperature": 0,

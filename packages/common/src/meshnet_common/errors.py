@@ -95,6 +95,18 @@ class CapacityExceeded(MeshnetError):
     error_type = "server_overloaded"
 
 
+class Draining(MeshnetError):
+    """The node is leaving the swarm (graceful drain): it opens no new session (503).
+    ``param`` is its URL, so a head routes around this node, not the hop that relayed it."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"node {url} is draining (leaving the swarm): no new sessions",
+                         param=url, code="draining")  # fmt: skip
+
+
 class ModelNotCovered(MeshnetError):
     """No chain of serving nodes covers the model's layers (503)."""
 
@@ -144,7 +156,7 @@ class HopError(MeshnetError):
         """The hop that actually failed (a downstream hop may have reported it)."""
         if isinstance(self.body, dict):
             error = self.body.get("error") or {}
-            if error.get("code") == "hop_failed" and error.get("param"):
+            if error.get("code") in ("hop_failed", "draining") and error.get("param"):
                 return error["param"]
         return self.hop
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from meshnet_common.errors import ModelNotCovered, NotFound, Unauthorized
+from meshnet_common.errors import InvalidRequest, ModelNotCovered, NotFound, Unauthorized
 from meshnet_common.protocol import H_ROUTE
 from meshnet_common.web.auth import has_swarm_token
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import parse_route
 from meshnet_node.head.routes import handle_chat, handle_completions
 from meshnet_node.head.serving import OpenAIServing
+from meshnet_node.swarm.drain import busy
 
 
 def _service(request: Request) -> NodeService:
@@ -38,6 +39,20 @@ def node_router() -> APIRouter:
             "device": str(shard.device),
             "active_sessions": len(service.stage.sessions),
             "kv_tokens": service.stage.sessions.tokens_held,
+            "state": request.app.state.runtime.state.value,
+        }
+
+    @router.post("/v1/node/drain", status_code=202)
+    async def drain(request: Request):
+        """Leave the swarm gracefully (docs/adr/0024); the swarm token guards /v1/node."""
+        runtime = request.app.state.runtime
+        if runtime.drain is None:
+            raise InvalidRequest("this process cannot drain (it is not a meshnet-node)")
+        runtime.drain.start()
+        return {
+            "state": runtime.state.value,
+            "open": busy(runtime),
+            "timeout_s": runtime.drain.timeout_s,
         }
 
     return router

@@ -64,6 +64,7 @@ def launch(settings: NodeSettings) -> None:
         )
     from meshnet_node.dataplane.stream_server import max_message_bytes
     from meshnet_node.runtime import bind_url, build_runtime, create_app
+    from meshnet_node.swarm.drain import Drain
 
     metrics = Metrics()  # this node's registry: counts the shard fetch below too
     claims = HostClaims()
@@ -137,6 +138,9 @@ def launch(settings: NodeSettings) -> None:
         app.state.request_exit(1)
 
     runtime.on_refused = refused
+    # Graceful drain (docs/adr/0024): SIGTERM or POST /v1/node/drain; exits 0 once drained.
+    runtime.drain = Drain(runtime, settings.drain_timeout_s, lambda c: app.state.request_exit(c))
+    app.state.drain = runtime.drain.start
     shard = runtime.service.stage.shard
     printed = []
 

@@ -43,6 +43,7 @@ from meshnet_node.head.serving import OpenAIServing, RouteProvider
 from meshnet_node.settings import NodeSettings
 from meshnet_node.speculation.draft_model import DraftModel
 from meshnet_node.speculation.drafting import SpeculationSettings
+from meshnet_node.swarm.drain import Drain
 from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
 from meshnet_node.swarm.membership import Membership, TrackerClient
 
@@ -70,6 +71,8 @@ class NodeRuntime:
     # registers as serving once it is (``serving``), since the tracker calls it back.
     listening_at_start: bool = True
     on_refused: Callable[[str], None] | None = None  # the tracker refused this node
+    state: NodeState = NodeState.SERVING  # LEAVING once it drains (docs/adr/0024)
+    drain: Drain | None = None  # set where the process can exit (meshnet-node)
 
     @property
     def url(self) -> str:
@@ -115,7 +118,7 @@ class NodeRuntime:
             memory_declared_bytes=self.memory_declared_bytes,
             memory_free_bytes=int(psutil.virtual_memory().available),
             kv_budget_tokens=self.settings.kv_budget_tokens,
-            state=NodeState.SERVING,
+            state=self.state,
             served_names=self.settings.served_model_name,
             max_model_len=self.openai.context_window if self.openai is not None else None,
             created=snapshot_created(self.settings.model_path),
@@ -125,7 +128,7 @@ class NodeRuntime:
         stages = [s for s in (self.service.stage, self.service.retiring) if s is not None]
         return Heartbeat(
             node_id=self.node_id,
-            state=NodeState.SERVING,
+            state=self.state,
             active_sessions=sum(len(s.sessions) for s in stages),
             kv_tokens=sum(s.sessions.tokens_held for s in stages),
             memory_free_bytes=int(psutil.virtual_memory().available),

@@ -152,6 +152,10 @@ class ShardSettings(ServiceSettings):
         flag="--stream-ping",
     )  # fmt: skip
     max_frame_mb: float = knob(64.0, "largest activation frame accepted, MiB", group=DATA)
+    drain_timeout_s: float = knob(
+        60.0, "on SIGTERM or POST /v1/node/drain: seconds the node waits for its sessions to "
+        "finish before it exits anyway (the rest fail over)", group=DATA, flag="--drain-timeout",
+    )  # fmt: skip
 
     # -- security --
     swarm_token: str | None = knob(

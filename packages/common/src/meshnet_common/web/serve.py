@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -56,6 +57,24 @@ async def _serve(
         server.should_exit = True
 
     app.state.request_exit = request_exit
+    exit_now = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:
+        """The first SIGTERM drains a node that can (``app.state.drain``, docs/adr/0024);
+        a second one, or SIGINT, exits as uvicorn does."""
+        drain = getattr(app.state, "drain", None)
+        if (
+            sig == signal.SIGTERM
+            and drain is not None
+            and not getattr(app.state, "draining", False)
+        ):
+            app.state.draining = True
+            loop.call_soon_threadsafe(drain)
+            return
+        exit_now(sig, frame)
+
+    loop = asyncio.get_running_loop()
+    server.handle_exit = handle_exit
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from meshnet_common import wire
-from meshnet_common.errors import Conflict, InvalidRequest, MeshnetError, NotFound
+from meshnet_common.errors import Conflict, Draining, InvalidRequest, MeshnetError, NotFound
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import (
     H_OPEN,
@@ -89,6 +89,7 @@ class NodeService(HopLinks):
         self.answer_url: str | None = None  # where tails answer this head (set when it is one)
         # Route choice (docs/adr/0021): the next hops the tracker asked us to time, and the
         # round trip to each (ms, a moving mean).
+        self.draining: str | None = None  # this node's URL once it drains (docs/adr/0024)
         self.probe_urls: tuple[str, ...] = ()
         self.links: dict[str, float] = {}
 
@@ -233,6 +234,8 @@ class NodeService(HopLinks):
             )
         opened = False
         if req.open_spec is not None:
+            if self.draining is not None:  # leaving: sessions it holds finish, no new ones
+                raise Draining(self.draining)
             if req.position != 0:
                 raise InvalidRequest("a session opens at position 0", param=H_OPEN)
             stage.open_session(

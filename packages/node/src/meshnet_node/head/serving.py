@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from meshnet_common.coverage_wait import wait_for_coverage
-from meshnet_common.errors import CapacityExceeded, InvalidRequest, NotFound
+from meshnet_common.errors import CapacityExceeded, Draining, InvalidRequest, NotFound
 from meshnet_common.logs import event
 from meshnet_common.openai_protocol import (
     ChatCompletionRequest,
@@ -98,6 +98,8 @@ class OpenAIServing(ResponseShapes):
         """A route for a new request; missing layers expected back are waited for, for up
         to --coverage-wait (docs/adr/0023)."""
         generator = self.generator
+        if generator.service.draining is not None:  # leaving the swarm: no new requests
+            raise Draining(generator.service.draining)
 
         async def ask() -> tuple[str, ...]:
             return await self.route_provider(self.model_id, generator.bans.banned())
