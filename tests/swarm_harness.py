@@ -28,10 +28,12 @@ class Proc:
     log_path: Path
     popen: subprocess.Popen | None = None
     env: dict = field(default_factory=dict)
+    scheme: str = "http"  # https: started with --tls-cert
+    verify: object = True  # what health checks verify an https process with (a CA file)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def start(self) -> Proc:
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
@@ -48,7 +50,10 @@ class Proc:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if (
+                    httpx.get(f"{self.url}/health", timeout=1.0, verify=self.verify).status_code
+                    == 200
+                ):
                     return self
             except httpx.HTTPError:
                 pass
@@ -131,6 +136,7 @@ def wait_for(predicate, timeout: float, interval: float = 0.2):
     pytest.fail(f"condition not met within {timeout}s")
 
 
-def covered(tracker: Proc, model_id: str) -> bool:
-    models = httpx.get(f"{tracker.url}/v1/coverage", timeout=5).json()["models"]
+def covered(tracker: Proc, model_id: str, verify: object = None) -> bool:
+    verify = tracker.verify if verify is None else verify
+    models = httpx.get(f"{tracker.url}/v1/coverage", timeout=5, verify=verify).json()["models"]
     return any(m["id"] == model_id and m["covered"] for m in models)

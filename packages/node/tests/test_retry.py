@@ -140,7 +140,7 @@ def test_each_use_has_its_parameters():
 def test_waiting_for_the_tracker_gives_up_at_the_deadline():
     clock = FakeClock()
 
-    def refused(url, timeout):
+    def refused(url, timeout, **_):
         clock.advance(0.25)  # each try takes a while
         raise httpx.ConnectError("refused")
 
@@ -152,7 +152,7 @@ def test_waiting_for_the_tracker_gives_up_at_the_deadline():
 def test_waiting_for_the_tracker_returns_once_it_answers():
     clock, calls = FakeClock(), []
 
-    def answers_third_time(url, timeout):
+    def answers_third_time(url, timeout, **_):
         calls.append(url)
         if len(calls) < 3:
             raise httpx.ConnectError("refused")

@@ -15,6 +15,7 @@ from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.protocol import NodeAnnouncement, NodeState
+from meshnet_common.web import tls
 from meshnet_common.web.shards import ShardServer
 from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm.host_memory import HostClaims
@@ -47,8 +48,10 @@ def launch(settings: NodeSettings) -> None:
         check_advertise_url(settings.advertise_url)
         if settings.shard_start is not None:
             check_range(settings.shard_start, settings.shard_end, None)
+        tls.check(settings.tls_cert, settings.tls_key, settings.tls_ca)
     except ValueError as exc:
         fail(PROG, str(exc))
+    tls.configure(settings.tls_ca)  # every swarm client verifies peers with it
     from meshnet_common.web.serve import check_port, free_port, run
 
     host = settings.host
@@ -105,7 +108,7 @@ def launch(settings: NodeSettings) -> None:
             )  # fmt: skip
         movable = settings.allow_rebalance or explicit[0] is None
         if settings.tracker_url and num_layers is not None:
-            url = (settings.advertise_url or bind_url(host, port)).rstrip("/")
+            url = (settings.advertise_url or bind_url(host, port, settings.tls_cert)).rstrip("/")
             membership = announce_joining(
                 settings, node_id=node_id, url=url, model_id=model_id, num_layers=num_layers,
                 layers=layers, declared=declared, movable=movable,
@@ -167,6 +170,7 @@ def launch(settings: NodeSettings) -> None:
             log_level="warning",
             on_started=runtime.serving,
             ws_max_size=max_message_bytes(settings.max_body_bytes),  # hop streams (ADR-0022)
+            tls=tls.server_options(settings.tls_cert, settings.tls_key),
         )
     finally:
         claims.release()

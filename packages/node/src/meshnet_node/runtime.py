@@ -139,9 +139,10 @@ class NodeRuntime:
         )
 
 
-def bind_url(host: str, port: int) -> str:
-    """``http://HOST:PORT`` with an IPv6 host in brackets."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def bind_url(host: str, port: int, tls_cert=None) -> str:
+    """``http://HOST:PORT`` (``https`` with a TLS certificate), an IPv6 host in brackets."""
+    scheme = "https" if tls_cert is not None else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def snapshot_created(snapshot: Path | None) -> int:
@@ -167,7 +168,9 @@ def draft_snapshot(settings: NodeSettings) -> Path:
 def announced_url(settings: NodeSettings) -> str:
     """What the node tells the tracker: --advertise-url, else its bind address (which the
     tracker replaces when it is a wildcard, or loopback seen from another host)."""
-    return (settings.advertise_url or bind_url(settings.host, settings.port)).rstrip("/")
+    return (
+        settings.advertise_url or bind_url(settings.host, settings.port, settings.tls_cert)
+    ).rstrip("/")
 
 
 def load_stage(settings: NodeSettings) -> Stage:

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.models_dir import resolve_snapshot
+from meshnet_common.web import tls
 from meshnet_common.web.auth import install_auth, swarm_headers
 from meshnet_common.web.http import install_error_handlers, install_observability
 from meshnet_common.web.shards import ShardServer, shards_router, watch_shard_server
@@ -31,6 +32,7 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.proxy_timeout_s, connect=5.0),
         headers=swarm_headers(settings.swarm_token),  # heads accept our route header
+        verify=tls.client_context(),
     )
     state = TrackerState(settings=settings, registry=registry, node=node, client=client)
     state.index_models_dir()

@@ -10,6 +10,7 @@ from meshnet_common.config.shard import check_advertise_url, check_range
 from meshnet_common.errors import MeshnetError
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot
+from meshnet_common.web import tls
 from meshnet_tracker.settings import TrackerSettings
 
 PROG = "meshnet-tracker"
@@ -75,8 +76,10 @@ def _main(argv: Sequence[str] | None) -> None:
             check_range(settings.shard_start, settings.shard_end, num_layers)
         elif settings.shard_start is not None or settings.shard_end is not None:
             raise ValueError("--shard-start/--shard-end need --model-id")
+        tls.check(settings.tls_cert, settings.tls_key, settings.tls_ca)
     except (MeshnetError, ValueError) as exc:
         fail(PROG, str(exc), code=1)
+    tls.configure(settings.tls_ca)
     from meshnet_common.web.serve import check_port, run
 
     try:
@@ -105,6 +108,7 @@ def _main(argv: Sequence[str] | None) -> None:
         app, settings.host, settings.port,
         f"meshnet-tracker ready: {url}{extra}; dashboard: {url}/",
         log_level="warning", ws_max_size=None if node is None else node.ws_max_size(),
+        tls=tls.server_options(settings.tls_cert, settings.tls_key),
     )  # fmt: skip
 
 

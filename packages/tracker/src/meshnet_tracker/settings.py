@@ -75,4 +75,5 @@ class TrackerSettings(ShardSettings):
     @property
     def url(self) -> str:
         """The tracker's URL as configured (--advertise-url, else the bind address)."""
-        return self.advertise_url or f"http://{self.host}:{self.port}"
+        scheme = "https" if self.tls_cert is not None else "http"
+        return self.advertise_url or f"{scheme}://{self.host}:{self.port}"

@@ -5,6 +5,7 @@ tracker can offer these knobs without the node package."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, ClassVar
 from urllib.parse import urlsplit
 
@@ -165,6 +166,14 @@ class ShardSettings(ServiceSettings):
         None, "clients must send it as 'Authorization: Bearer KEY'", group=SECURITY, secret=True
     )
     max_request_mb: float = knob(8.0, "largest OpenAI JSON body (413 above)", group=SECURITY)
+    tls_cert: Path | None = knob(
+        None, "serve https/wss with this certificate (PEM; with --tls-key)", group=SECURITY
+    )
+    tls_key: Path | None = knob(None, "the private key of --tls-cert (PEM)", group=SECURITY)
+    tls_ca: Path | None = knob(
+        None, "verify the swarm's https/wss peers against this CA bundle (PEM; default: the "
+        "system's CAs)", group=SECURITY,
+    )  # fmt: skip
 
     # -- logging --
     log_level: str = knob(

@@ -36,6 +36,7 @@ async def _serve(
     log_level: str,
     on_started,
     ws_max_size: int | None,
+    tls: dict,
 ) -> None:
     # log_config=None: uvicorn's own lines go through meshnet's one-line formatter.
     # No server/date headers: two fewer headers to build, check and parse on every
@@ -46,7 +47,7 @@ async def _serve(
         # Hop streams (a node's /v1/stream) are uvicorn's own WebSockets, websockets' sans-I/O
         # protocol; a message over ws_max_size closes the stream (1009).
         ws="websockets-sansio" if ws_max_size else "auto", ws_max_size=ws_max_size or 1 << 24,
-        ws_per_message_deflate=False,
+        ws_per_message_deflate=False, **tls,
     )  # fmt: skip
     server = uvicorn.Server(config)
     exit_code = 0
@@ -107,8 +108,12 @@ def run(
     log_level: str = "warning",
     on_started: Callable[[], None] | None = None,
     ws_max_size: int | None = None,
+    tls: dict | None = None,
 ) -> None:
     """Serve until stopped; once the socket listens, print ``ready_line`` (if any) and call
-    ``on_started``. ``ws_max_size``: the largest WebSocket message (a node's hop streams)."""
+    ``on_started``. ``ws_max_size``: the largest WebSocket message (a node's hop streams);
+    ``tls``: uvicorn's certificate options (``meshnet_common.web.tls.server_options``)."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(_serve(app, host, port, ready_line, log_level, on_started, ws_max_size))
+        runner.run(
+            _serve(app, host, port, ready_line, log_level, on_started, ws_max_size, tls or {})
+        )

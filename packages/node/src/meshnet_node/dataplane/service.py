@@ -22,6 +22,7 @@ from meshnet_common.protocol import (
     append_compute,
     format_compute,
 )
+from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.dataplane.batching import DecodeBatcher, _timed
 from meshnet_node.dataplane.links import HopLinks
@@ -68,7 +69,7 @@ class NodeService(HopLinks):
         t = settings.timeouts
         self.hops: HopTransport = StreamHops(
             headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect,
-            ping_interval=settings.stream_ping_s,
+            ping_interval=settings.stream_ping_s, ssl=tls.stream_context(),
         )  # fmt: skip
         self.tokens_generated = 0  # sampled here (tail)
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage

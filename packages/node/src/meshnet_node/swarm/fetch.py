@@ -40,6 +40,7 @@ from meshnet_common.models.checkpoint import (
 )
 from meshnet_common.models.models_dir import validate_model_id
 from meshnet_common.models.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
+from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.retry import RetryPolicy
 
@@ -197,7 +198,9 @@ def fetch_from(
     params = {"model": model_id, "start": layers.start, "end": layers.end}
     base = source.rstrip("/")
     timeout = httpx.Timeout(60.0, connect=5.0)
-    with httpx.Client(timeout=timeout, headers=swarm_headers(trust.swarm_token)) as client:
+    with httpx.Client(
+        timeout=timeout, headers=swarm_headers(trust.swarm_token), verify=tls.client_context()
+    ) as client:
         manifest = get_manifest(client, source, params, trust)
         if (manifest.get("model_id"), manifest.get("shard_start"), manifest.get("shard_end")) != (
             model_id, layers.start, layers.end,

@@ -25,6 +25,7 @@ from meshnet_common.protocol import (
     NodeState,
     ShardSpec,
 )
+from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.engine.preflight import resolve_device
 from meshnet_node.retry import Clock, RetryPolicy
@@ -99,7 +100,7 @@ def wait_for_tracker(
     budget = replace(TRACKER_WAIT_RETRY, deadline_s=max(0.0, wait_s)).start(clock)
     while True:
         try:
-            get(f"{url.rstrip('/')}/health", timeout=2.0)
+            get(f"{url.rstrip('/')}/health", timeout=2.0, verify=tls.client_context())
             return
         except httpx.HTTPError as exc:
             if not budget.failed():
@@ -114,7 +115,8 @@ def wait_for_tracker(
 def tracker_models(tracker_url: str) -> dict[str, int] | None:
     """Models the tracker knows -> their layer counts; None when it cannot be asked."""
     try:
-        resp = httpx.get(f"{tracker_url.rstrip('/')}/v1/coverage", timeout=10.0)
+        resp = httpx.get(f"{tracker_url.rstrip('/')}/v1/coverage", timeout=10.0,
+                         verify=tls.client_context())  # fmt: skip
         return {m["id"]: int(m["num_layers"]) for m in resp.json()["models"]}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None  # an old or odd tracker: let the fetch report what goes wrong
@@ -162,6 +164,7 @@ def ask_assignment(settings: NodeSettings, node_id: str, offer: Offer) -> Assign
             content=ask.model_dump_json(),
             headers=swarm_headers(settings.swarm_token),
             timeout=30,
+            verify=tls.client_context(),
         )
     except httpx.HTTPError as exc:
         raise OSError(f"tracker {settings.tracker_url} unreachable: {exc}") from exc

@@ -22,6 +22,7 @@ from meshnet_common.protocol import (
     RegisterResponse,
     RouteResponse,
 )
+from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.retry import RetryPolicy
 
@@ -62,7 +63,9 @@ class TrackerClient:
         self, tracker_url: str, *, timeout: float = 5.0, swarm_token: str | None = None
     ) -> None:
         self.base = tracker_url.rstrip("/")
-        self.client = httpx.AsyncClient(timeout=timeout, headers=swarm_headers(swarm_token))
+        self.client = httpx.AsyncClient(
+            timeout=timeout, headers=swarm_headers(swarm_token), verify=tls.client_context()
+        )
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -130,7 +133,9 @@ class Membership:
         self.refused: str | None = None
         self.url: str | None = None  # where the tracker reaches this node (its answer)
         self.heartbeats = 0
-        self._client = httpx.Client(timeout=timeout_s, headers=swarm_headers(swarm_token))
+        self._client = httpx.Client(
+            timeout=timeout_s, headers=swarm_headers(swarm_token), verify=tls.client_context()
+        )
         self._stop = threading.Event()
         self._again = threading.Event()  # register again before the next heartbeat
         self._thread: threading.Thread | None = None
