@@ -11,7 +11,7 @@ PORT ?= 8080
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint format swarm demo bench clean models
+.PHONY: install test lint format swarm demo bench soak clean models
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ models: install
 # e.g. BENCH_ARGS="--sections decode,ttft"). Tables on stdout, JSON in bench/results/.
 bench: install
 	$(PY) bench/perf.py $(BENCH_ARGS)
+
+# Churn soak (bench/churn_bench.py, ~3 min): streams on a replicated swarm while replicas
+# are killed, restarted and drained; e.g. SOAK_ARGS="--minutes 5 --clients 8".
+soak: install
+	$(PY) bench/churn_bench.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -23,7 +23,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.runtime import build_runtime, create_app
 from meshnet_node.settings import NodeSettings
-from meshnet_node.speculation.drafting import DraftPolicy
+from meshnet_node.speculation.drafting import DraftPolicy, SpeculationSettings
 
 MODEL_ID = "meshnet-tiny/llama"
 A, B, TAIL = "http://mid-a.test", "http://mid-b.test", "http://tail.test"
@@ -128,6 +128,9 @@ def test_a_replay_runs_the_lost_passes_again_and_the_text_is_unchanged(swarm, dr
     generator = swarm.head.openai.generator
     policy = generator.draft_policy
     generator.draft_policy = AlwaysDraft() if drafting else NeverDraft()
+    # bfloat16: drafting is off by default (ADR-0019); the replay must be exact with it too.
+    speculation = generator.speculation
+    generator.speculation = SpeculationSettings("greedy", 2, 2)
     prompt = [(i * 37) % 200 + 3 for i in range(300)]  # 3 wire chunks of the prompt
     try:
         swarm.hops.dead.clear()
@@ -142,6 +145,7 @@ def test_a_replay_runs_the_lost_passes_again_and_the_text_is_unchanged(swarm, dr
         again = complete(swarm, prompt, 40)
     finally:
         generator.draft_policy = policy
+        generator.speculation = speculation
     assert "mid-a.test" in swarm.hops.dead, swarm.hops.steps  # the failover happened
     assert again["choices"][0]["text"] == calm["choices"][0]["text"]
     # The lost session's passes, then the fresh one's, in position order (the order each

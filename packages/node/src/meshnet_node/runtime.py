@@ -21,6 +21,7 @@ from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot
+from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
     DirectiveKind,
     Heartbeat,
@@ -287,8 +288,12 @@ def build_openai(
         generation_config = GenerationConfig.from_pretrained(settings.model_path)
     except OSError:
         generation_config = None
+    mode = settings.speculative
+    if mode == "auto":  # exact where it is: bfloat16 verification flips near-ties (ADR-0019)
+        exact = service.stage.shard.precision == Precision.FLOAT32
+        mode = "greedy" if exact or settings.draft_model else "off"
     draft = None
-    if settings.draft_model and settings.speculative != "off":
+    if settings.draft_model and mode != "off":
         draft = DraftModel(
             draft_snapshot(settings), target_tokenizer=tokenizer,
             dtype=service.stage.shard.precision.compute_dtype,
@@ -296,7 +301,7 @@ def build_openai(
     generator = HeadGenerator(
         service, tokenizer, generation_config,
         speculation=SpeculationSettings(
-            settings.speculative, settings.max_draft_tokens, settings.speculative_max_running
+            mode, settings.max_draft_tokens, settings.speculative_max_running
         ),
         draft_model=draft, coverage_wait_s=settings.coverage_wait_s,
     )  # fmt: skip

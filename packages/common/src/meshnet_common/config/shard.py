@@ -90,10 +90,12 @@ class ShardSettings(ServiceSettings):
     )  # fmt: skip
 
     speculative: str = knob(
-        "greedy", "speculative decoding with drafts looked up in the text itself (n-gram): "
+        "auto", "speculative decoding with drafts looked up in the text itself (n-gram): "
         "greedy (temperature 0 requests), all (sampled ones too: the acceptance rule keeps "
-        "their distribution) or off; the head drafts only while it pays", group=MODEL,
-        choices=("greedy", "all", "off"),
+        "their distribution), off, or auto: greedy in float32, off otherwise (in bfloat16 a "
+        "draft verified in a multi-row pass can flip a near-tie, so the greedy text may "
+        "differ from the unsplit model's); the head drafts only while it pays", group=MODEL,
+        choices=("auto", "greedy", "all", "off"),
     )  # fmt: skip
     max_draft_tokens: int = knob(
         2, "most draft tokens a decode step carries for the chain to verify (more pay when "
@@ -221,8 +223,8 @@ class ShardSettings(ServiceSettings):
     @field_validator("speculative")
     @classmethod
     def _speculative(cls, value: str) -> str:
-        if value not in ("greedy", "all", "off"):
-            raise ValueError("expected one of greedy, all, off")
+        if value not in ("auto", "greedy", "all", "off"):
+            raise ValueError("expected one of auto, greedy, all, off")
         return value
 
     @field_validator("max_draft_tokens")
