@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 from benchlib import REPO_ROOT, write_json
@@ -146,6 +147,16 @@ def failovers(url: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+REPLAYED = re.compile(r"replayed the prompt and (\d+) decode passes in ([\d.]+) s")
+
+
+def replays(swarm: Swarm) -> list[tuple[int, float]]:
+    """(decode passes replayed, seconds) of every failover's replay, from the head's log."""
+    tracker_log = swarm.procs[0].log.name  # type: ignore[attr-defined]
+    text = Path(tracker_log).read_text(errors="replace")
+    return [(int(n), float(s)) for n, s in REPLAYED.findall(text)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=6)
@@ -191,7 +202,7 @@ def main() -> int:
             "calm": calm, "churn": churned, "events": events,
             "failovers": failovers(swarm.tracker_url) - before,
             "rss_mib_start": rss_start, "rss_mib_end": swarm.rss_mib(),
-            "sessions_left": left,
+            "sessions_left": left, "replays": replays(swarm),
         }  # fmt: skip
     finally:
         swarm.stop()
@@ -209,6 +220,14 @@ def main() -> int:
         f"{result['failovers']:.0f} failovers"
     )
     print(f"  sessions left on nodes: {left}")
+    done = result["replays"]
+    if done:  # the cost of exact replay: time to resume against tokens generated so far
+        per_pass = sorted(s / (n + 1) for n, s in done)
+        print(
+            f"  replays: {len(done)}, after {min(n for n, _ in done)}-"
+            f"{max(n for n, _ in done)} decode passes; {max(s for _, s in done):.2f} s at most, "
+            f"{1000 * per_pass[len(per_pass) // 2]:.0f} ms per pass (median)"
+        )
     print(
         "  rss MiB start -> end: "
         + ", ".join(

@@ -226,7 +226,7 @@ def test_heartbeat(tracker):
     }
     resp = tracker.post("/v1/nodes/heartbeat", json=beat)
     assert resp.status_code == 200
-    assert resp.json() == {"known": False, "directives": [], "probe": []}
+    assert resp.json() == {"known": False, "directives": [], "probe": [], "quarantined": None}
     register(tracker, node_id="ghost")
     assert tracker.post("/v1/nodes/heartbeat", json=beat).json()["known"] is True
     assert_error(tracker.post("/v1/nodes/heartbeat", json={**beat, "active_sessions": -1}), 400)
@@ -459,3 +459,37 @@ def test_the_openai_entry_waits_for_coverage_then_fails_naming_the_gap(models_di
         error = assert_error(tracker.post("/v1/completions", json=body), 503)
         waited = time.monotonic() - started
     assert 0.9 <= waited < 5 and "waited" in error["message"] and "[3, 6)" in error["message"]
+
+
+def test_repeated_verdicts_quarantine_a_node_until_lifted(tracker):
+    """docs/adr/0026: verdicts from heads' audits; the map, the heartbeat and the dashboard."""
+    for node_id in ("honest", "faulty"):
+        register(tracker, node_id=node_id)
+    verdict = {"model_id": LLAMA, "reporter": "head", "shard_start": 0, "shard_end": 6,
+               "error": 0.7, "tolerance": 3.5e-4, "witnesses": ["honest"]}  # fmt: skip
+    beat = {"node_id": "faulty", "state": "serving", "active_sessions": 0, "kv_tokens": 0,
+            "memory_free_bytes": 1}  # fmt: skip
+
+    def serving() -> set[str]:
+        models = tracker.get("/v1/coverage").json()["models"]
+        return {n["node_id"] for m in models for n in m["nodes"] if n["state"] == "serving"}
+
+    first = tracker.post("/v1/nodes/faulty/verdicts", json=verdict)
+    assert first.json() == {"strikes": 1, "quarantined": False}
+    assert {"honest", "faulty"} <= serving()  # one verdict may be a fluke
+    second = tracker.post("/v1/nodes/faulty/verdicts", json=verdict)
+    assert second.json() == {"strikes": 2, "quarantined": True}
+    assert "faulty" not in serving() and "honest" in serving()
+    reason = tracker.post("/v1/nodes/heartbeat", json=beat).json()["quarantined"]
+    assert "2 verdicts" in reason and "honest" in reason
+    shown = {n["node_id"]: n for n in tracker.get("/v1/dashboard").json()["nodes"]}
+    assert shown["faulty"]["state"] == "quarantined" and shown["faulty"]["quarantined"] == reason
+    register(tracker, node_id="faulty")  # re-registering does not end it
+    assert "faulty" not in serving()
+
+    assert_error(tracker.post("/v1/nodes/ghost/verdicts", json=verdict), 404)
+    assert_error(tracker.post("/v1/nodes/faulty/verdicts", json={**verdict, "error": -1}), 400)
+    assert tracker.delete("/v1/nodes/faulty/quarantine").status_code == 200
+    assert "faulty" in serving()
+    assert tracker.post("/v1/nodes/heartbeat", json=beat).json()["quarantined"] is None
+    assert_error(tracker.delete("/v1/nodes/faulty/quarantine"), 404)

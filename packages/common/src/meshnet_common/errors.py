@@ -107,6 +107,18 @@ class Draining(MeshnetError):
                          param=url, code="draining")  # fmt: skip
 
 
+class Quarantined(MeshnetError):
+    """The tracker quarantined this node: replicas disagreed with its outputs (verification,
+    docs/adr/0026). It runs no step (503); ``param`` is its URL, so heads fail over."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"node {url} is quarantined ({reason}): it serves no steps",
+                         param=url, code="quarantined")  # fmt: skip
+
+
 class ModelNotCovered(MeshnetError):
     """No chain of serving nodes covers the model's layers (503)."""
 
@@ -130,6 +142,9 @@ class InsufficientMemory(MeshnetError):
 
     status = 507
     error_type = "insufficient_memory"
+
+
+_NAMES_ITS_NODE = ("hop_failed", "draining", "quarantined")  # errors whose param is a URL
 
 
 class HopError(MeshnetError):
@@ -156,7 +171,7 @@ class HopError(MeshnetError):
         """The hop that actually failed (a downstream hop may have reported it)."""
         if isinstance(self.body, dict):
             error = self.body.get("error") or {}
-            if error.get("code") in ("hop_failed", "draining") and error.get("param"):
+            if error.get("code") in _NAMES_ITS_NODE and error.get("param"):
                 return error["param"]
         return self.hop
 

@@ -167,6 +167,17 @@ class Metrics:
             "chain's caches (the prompt, then every decode pass so far)",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
         )  # fmt: skip
+        self.audits = Counter(
+            "meshnet_audits", "Verification audits this head ran (docs/adr/0026), by outcome: "
+            "agreed, convicted (a node computed wrong), disputed (two replicas disagree and "
+            "nothing tells which is right), skipped (no replica to compare with, or the "
+            "session ended first)", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.audit_error = Histogram(
+            "meshnet_audit_error", "Relative L2 distance between a hop's output row and a "
+            "replica's recomputation of it, per audit",
+            buckets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.5, 1.0), registry=r,
+        )  # fmt: skip
         self.shard_fetches = Counter(
             "meshnet_shard_fetches", "Shards this node fetched, by result (ok, cached, failed)",
             ["result"], registry=r,

@@ -25,6 +25,15 @@ class Precision(StrEnum):
         return torch.float32 if self is Precision.FLOAT32 else torch.bfloat16
 
     @property
+    def verify_tolerance(self) -> float:
+        """How far two replicas' outputs for the same input may lie apart (relative L2 of a
+        row) and still count as the same computation: the square root of the activation
+        dtype's machine epsilon, ~0.088 in bfloat16 and ~3.5e-4 in float32. Decode steps and
+        a recomputation in one prefill are other arithmetic: measured up to 1.1e-2 (bfloat16)
+        and 6e-7 (float32) on ten SmolLM2 layers (docs/adr/0026)."""
+        return (2.0**-7 if self is not Precision.FLOAT32 else 2.0**-23) ** 0.5
+
+    @property
     def is_quantized(self) -> bool:
         return self in (Precision.INT8, Precision.NF4)
 

@@ -74,6 +74,9 @@ H_SWARM_TOKEN = "x-meshnet-swarm-token"
 # On a step going down the chain with H_ANSWER_TO: the compute of the hops before this
 # one (after the head), so that the tail's direct answer carries every hop's.
 H_COMPUTE = "x-meshnet-compute-ms"
+# Verification (docs/adr/0026): the global layer an audited session (or a recomputation)
+# enters the node's shard at.
+H_START_LAYER = "x-meshnet-start-layer"
 MAX_HOPS = 64
 MAX_PROBES = 16  # next hops a node times the links to (docs/adr/0021)
 
@@ -208,6 +211,27 @@ class HeartbeatResponse(Strict):
     known: bool  # False: the tracker lost this node (e.g. it restarted) — register again
     directives: tuple[Directive, ...] = ()
     probe: tuple[Url, ...] = Field(default=(), max_length=MAX_PROBES)  # next hops to time
+    # Why the tracker quarantined this node (docs/adr/0026); None: it is not.
+    quarantined: str | None = Field(default=None, max_length=300)
+
+
+class Verdict(Strict):
+    """A head's finding that a node computed wrong (docs/adr/0026): its output for a
+    session's last row lay ``error`` (relative L2) from what ``witnesses`` computed from
+    the same input, more than ``tolerance`` allows, while the witnesses agreed."""
+
+    model_id: ModelId
+    reporter: NodeId  # the head that ran the check
+    shard_start: int = Field(ge=0)  # the layers compared: where the session entered the node
+    shard_end: int = Field(gt=0)
+    error: float = Field(ge=0)
+    tolerance: float = Field(gt=0)
+    witnesses: tuple[NodeId, ...] = Field(min_length=1, max_length=8)
+
+
+class VerdictResponse(Strict):
+    strikes: int  # verdicts against the node so far
+    quarantined: bool
 
 
 class RouteHop(Strict):

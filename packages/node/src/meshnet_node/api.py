@@ -16,6 +16,7 @@ from meshnet_node.dataplane.steps import parse_route
 from meshnet_node.head.routes import handle_chat, handle_completions
 from meshnet_node.head.serving import OpenAIServing
 from meshnet_node.swarm.drain import busy
+from meshnet_node.verification.audit import audit_router
 
 
 def _service(request: Request) -> NodeService:
@@ -25,6 +26,7 @@ def _service(request: Request) -> NodeService:
 def node_router() -> APIRouter:
     """Routes every node serves (the tracker node mounts them too)."""
     router = APIRouter()
+    router.include_router(audit_router())  # a replica's side of verification (ADR-0026)
 
     @router.get("/v1/node")
     async def info(request: Request):

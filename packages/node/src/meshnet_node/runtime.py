@@ -47,6 +47,7 @@ from meshnet_node.speculation.drafting import SpeculationSettings
 from meshnet_node.swarm.drain import Drain
 from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
 from meshnet_node.swarm.membership import Membership, TrackerClient
+from meshnet_node.verification.verifier import SwarmView, build_verifier
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class NodeRuntime:
     on_refused: Callable[[str], None] | None = None  # the tracker refused this node
     state: NodeState = NodeState.SERVING  # LEAVING once it drains (docs/adr/0024)
     drain: Drain | None = None  # set where the process can exit (meshnet-node)
+    view: SwarmView | None = None  # the map and verdicts, for audits (docs/adr/0026)
 
     @property
     def url(self) -> str:
@@ -90,6 +92,15 @@ class NodeRuntime:
         """The server listens: register as serving (the tracker may call back now)."""
         if self.membership is not None:
             self.membership.serve(self.announcement, self.heartbeat)
+
+    def quarantine(self, reason: str | None) -> None:
+        """The tracker's word on this node (docs/adr/0026): quarantined, it runs no step."""
+        was = self.service.quarantined
+        self.service.quarantined = None if reason is None else (self.url, reason)
+        if reason is not None and was is None:
+            logger.error("quarantined by the tracker: %s", reason)
+        elif reason is None and was is not None:
+            logger.warning("no longer quarantined: serving steps again")
 
     def refused(self, message: str) -> None:
         if self.on_refused is not None:
@@ -189,12 +200,10 @@ def load_stage(settings: NodeSettings) -> Stage:
     )
     shard = load_shard(settings.model_path, settings.layers, settings.quantization, settings.device)
     return Stage(
-        shard,
-        max_chunk_tokens=settings.chunk_tokens,
-        kv_budget_tokens=settings.kv_budget_tokens,
-        idle_timeout_s=settings.session_idle_timeout_s,
-        max_sessions=settings.max_sessions,
-    )
+        shard, max_chunk_tokens=settings.chunk_tokens, kv_budget_tokens=settings.kv_budget_tokens,
+        idle_timeout_s=settings.session_idle_timeout_s, max_sessions=settings.max_sessions,
+        perturb=settings.test_only_perturb,
+    )  # fmt: skip
 
 
 def build_runtime(
@@ -204,6 +213,7 @@ def build_runtime(
     metrics: Metrics | None = None,
     membership: Membership | None = None,
     memory_declared_bytes: int | None = None,
+    view: SwarmView | None = None,
 ) -> NodeRuntime:
     """Load the shard and build the services; ``route_provider`` overrides asking the tracker.
 
@@ -211,6 +221,7 @@ def build_runtime(
     ``membership``: the one that announced this node as joining (meshnet-node), if any.
     ``memory_declared_bytes``: what the node declares; default --memory-gb, else what the
     shard needs (weights + KV budget + margin), never the whole host's memory.
+    ``view``: where audits find replicas and report verdicts (default: the tracker).
     """
     if settings.device == "auto":
         settings = settings.replace(device=resolve_device(settings.device))
@@ -220,7 +231,7 @@ def build_runtime(
         url = announced_url(settings)
         if urlsplit(url).hostname not in ("0.0.0.0", "::"):  # a URL tails can dial
             service.answer_url = url
-    watch_node(service)
+    service.watch()
     node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
     tracker = (
         TrackerClient(settings.tracker_url, swarm_token=settings.swarm_token)
@@ -229,7 +240,9 @@ def build_runtime(
     )
     if route_provider is None:
         route_provider = _tracker_routes(tracker, node_id, service)
-    openai = build_openai(settings, service, route_provider)
+    view = view or tracker
+    openai = build_openai(settings, service, route_provider, build_verifier(
+        settings, service, view, node_id))  # fmt: skip
     if memory_declared_bytes is None:
         if settings.memory_gb is not None:
             memory_declared_bytes = int(settings.memory_gb * 1024**3)
@@ -240,45 +253,12 @@ def build_runtime(
             )
     return NodeRuntime(
         settings, node_id, service, openai, memory_declared_bytes, tracker, route_provider,
-        membership=membership,
-    )  # fmt: skip
-
-
-def watch_node(service: NodeService) -> None:
-    """Gauges read from the live stages at scrape time (a reshard swaps them)."""
-
-    def stages() -> list[Stage]:
-        return [s for s in (service.stage, service.retiring) if s is not None]
-
-    metrics = service.metrics
-    metrics.watch(
-        "active_sessions", "Sessions (KV caches) open on this node",
-        lambda: sum(len(s.sessions) for s in stages()),
-    )  # fmt: skip
-    metrics.watch(
-        "kv_tokens", "Tokens held in this node's KV caches",
-        lambda: sum(s.sessions.tokens_held for s in stages()),
-    )  # fmt: skip
-    metrics.watch(
-        "kv_budget_tokens", "The most KV tokens this node holds (--kv-budget-tokens)",
-        lambda: service.stage.sessions.kv_budget_tokens,
-    )  # fmt: skip
-    metrics.watch(
-        "tokens_served", "Tokens generated through this node's stage (sampled steps run)",
-        lambda: service.tokens_served, kind="counter",
-    )  # fmt: skip
-    metrics.watch(
-        "decode_batches", "Decode passes that merged steps of several sessions",
-        lambda: service.batcher.batches, kind="counter",
-    )  # fmt: skip
-    metrics.watch(
-        "shard_layers", "Layers this node serves, by model",
-        lambda: [({"model": service.model_id}, len(service.stage.shard.layers))],
+        membership=membership, view=view,
     )  # fmt: skip
 
 
 def build_openai(
-    settings: NodeSettings, service: NodeService, route_provider: RouteProvider
+    settings: NodeSettings, service: NodeService, route_provider: RouteProvider, verifier=None
 ) -> OpenAIServing | None:
     """OpenAI serving for a head stage (tokenizer + generator); None elsewhere."""
     if not service.stage.shard.is_head:
@@ -303,7 +283,7 @@ def build_openai(
         speculation=SpeculationSettings(
             mode, settings.max_draft_tokens, settings.speculative_max_running
         ),
-        draft_model=draft, coverage_wait_s=settings.coverage_wait_s,
+        draft_model=draft, coverage_wait_s=settings.coverage_wait_s, verifier=verifier,
     )  # fmt: skip
     return OpenAIServing(
         settings.model_id, generator, route_provider,
@@ -370,6 +350,7 @@ async def start_background(runtime: NodeRuntime) -> None:
         apply_directives, runtime, directives
     )
     membership.on_probe = lambda urls: setattr(runtime.service, "probe_urls", urls)
+    membership.on_quarantine = lambda why: loop.call_soon_threadsafe(runtime.quarantine, why)
     membership.on_url = runtime.adopt_url
     if membership.url is not None:  # answered to the joining announcement already
         runtime.adopt_url(membership.url)
@@ -389,6 +370,8 @@ async def stop_background(runtime: NodeRuntime) -> None:
         await asyncio.to_thread(runtime.membership.stop, node_id=runtime.node_id)
     if runtime.tracker is not None:
         await runtime.tracker.aclose()
+    if runtime.openai is not None and runtime.openai.generator.verifier is not None:
+        await runtime.openai.generator.verifier.aclose()
     await runtime.service.aclose()
 
 
@@ -452,7 +435,8 @@ async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
     service.settings = new_settings
     service.model_id = spec.model_id
     service.swap(stage)
-    runtime.openai = build_openai(new_settings, service, runtime.route_provider)
+    verifier = build_verifier(new_settings, service, runtime.view, runtime.node_id)
+    runtime.openai = build_openai(new_settings, service, runtime.route_provider, verifier)
     if runtime.membership is not None:
         runtime.membership.register_again()  # on the membership thread, before its next beat
     logger.info("now serving %s layers %s", spec.model_id, spec.layers)

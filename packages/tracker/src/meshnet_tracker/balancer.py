@@ -203,6 +203,7 @@ class Balancer:
                     and not r.local
                     and r.announcement.movable
                     and r.state == NodeState.SERVING
+                    and r.quarantined is None
                     and r.node_id not in busy
                     and now - self._last_move.get(r.node_id, -1e18) >= self.move_cooldown_s
                 ]

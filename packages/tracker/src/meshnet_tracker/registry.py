@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshnet_common.protocol import Heartbeat, NodeAnnouncement, NodeState
+from meshnet_common.protocol import Heartbeat, NodeAnnouncement, NodeState, Verdict
 from meshnet_tracker.coverage import ModelCoverage, ServingNode, build_coverage
 
 logger = logging.getLogger(__name__)
@@ -32,11 +32,17 @@ class NodeRecord:
     layer_ms: float | None = None  # decode compute per layer it reported
     links: tuple[tuple[str, float], ...] = ()  # (next hop URL, round trip ms) it measured
     local: bool = False  # the tracker node itself: never expires
+    quarantined: str | None = None  # why: replicas disagreed with it (docs/adr/0026)
     since: float = 0.0  # when it registered (a joining node's loading started then)
 
     @property
     def node_id(self) -> str:
         return self.announcement.node_id
+
+    @property
+    def shown_state(self) -> str:
+        """Its state as the map shows it: ``quarantined`` outranks what the node says."""
+        return "quarantined" if self.quarantined else self.state.value
 
     def serving_node(self) -> ServingNode:
         shard = self.announcement.shard
@@ -46,7 +52,7 @@ class NodeRecord:
             model_id=shard.model_id,
             layers=shard.layers,
             load=self.active_sessions,
-            state=self.state.value,
+            state=self.shown_state,
             quantization=self.announcement.quantization.value,
             layer_ms=self.layer_ms,
             links=self.links,
@@ -65,6 +71,11 @@ class Registry:
         self._model_layers: dict[str, int] = {}
         # Nodes dropped for missed heartbeats, and when: one may be restarting (ADR-0023).
         self._lost: dict[str, tuple[NodeRecord, float]] = {}
+        # Verdicts against each node (docs/adr/0026), and why the quarantined ones are: kept
+        # by node id across re-registration, until lifted.
+        self._strikes: dict[str, list[Verdict]] = {}
+        self._quarantined: dict[str, str] = {}
+        self.verdicts = 0  # verdicts received
         self._lock = threading.Lock()
 
     def register(self, announcement: NodeAnnouncement, *, local: bool = False) -> NodeRecord:
@@ -75,6 +86,7 @@ class Registry:
                 last_heartbeat=self.clock(),
                 memory_free_bytes=announcement.memory_free_bytes,
                 local=local,
+                quarantined=self._quarantined.get(announcement.node_id),
             )
             record.since = record.last_heartbeat
             previous = self._nodes.get(announcement.node_id)
@@ -116,6 +128,44 @@ class Registry:
             record.layer_ms = beat.layer_ms
             record.links = tuple(sorted(beat.links.items()))
             return True
+
+    def strike(self, node_id: str, verdict: Verdict, *, quarantine_after: int) -> tuple[int, bool]:
+        """Count a verdict against ``node_id``; at ``quarantine_after`` of them (from distinct
+        reporters or not) it is quarantined: off the map's serving nodes, told so in its
+        heartbeats. Returns (strikes, quarantined)."""
+        with self._lock:
+            strikes = self._strikes.setdefault(node_id, [])
+            strikes.append(verdict)
+            self.verdicts += 1
+            quarantined = node_id in self._quarantined
+            if not quarantined and len(strikes) >= quarantine_after:
+                reason = (
+                    f"{len(strikes)} verdicts: its output for layers [{verdict.shard_start}, "
+                    f"{verdict.shard_end}) lay {verdict.error:.3g} from "
+                    f"{', '.join(verdict.witnesses)}'s (tolerance {verdict.tolerance:.3g})"
+                )
+                self._quarantined[node_id] = reason
+                record = self._nodes.get(node_id)
+                if record is not None:
+                    record.quarantined = reason
+                quarantined = True
+                logger.error("node %s quarantined: %s", node_id, reason)
+            return len(strikes), quarantined
+
+    def lift(self, node_id: str) -> bool:
+        """End a quarantine (an operator fixed the node); False if it was not quarantined."""
+        with self._lock:
+            self._strikes.pop(node_id, None)
+            lifted = self._quarantined.pop(node_id, None) is not None
+            record = self._nodes.get(node_id)
+            if record is not None:
+                record.quarantined = None
+        if lifted:
+            logger.warning("node %s: quarantine lifted", node_id)
+        return lifted
+
+    def strikes(self, node_id: str) -> int:
+        return len(self._strikes.get(node_id, ()))
 
     def remove(self, node_id: str) -> bool:
         with self._lock:

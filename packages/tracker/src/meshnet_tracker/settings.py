@@ -62,6 +62,10 @@ class TrackerSettings(ShardSettings):
         defaults.HEARTBEAT_INTERVAL_S, "seconds between node heartbeats; 3 missed ones drop a "
         "node from the map", group=TRACKER, flag="--heartbeat-interval",
     )  # fmt: skip
+    quarantine_after: int = knob(
+        2, "verdicts (from heads auditing with --verify-fraction) against a node before it is "
+        "quarantined: no routes, shown on the dashboard, told to refuse steps", group=TRACKER,
+    )  # fmt: skip
     proxy_timeout_s: float = knob(
         600.0, "seconds a request proxied to a head node may take", group=TRACKER,
         flag="--proxy-timeout",

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from meshnet_common.metrics import Metrics
-from meshnet_common.protocol import Heartbeat, NodeAnnouncement
+from meshnet_common.protocol import Heartbeat, NodeAnnouncement, Verdict
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.stream_server import max_message_bytes
 from meshnet_node.head.routes import handle_chat, handle_completions
@@ -25,6 +25,7 @@ from meshnet_node.runtime import (
     stop_background,
 )
 from meshnet_node.settings import NodeSettings
+from meshnet_node.verification.verifier import Replica
 from meshnet_tracker.settings import TrackerSettings
 
 NODE_ID = "tracker-node"
@@ -45,7 +46,7 @@ class TrackerNode:
             **tracker.shard_values(), model_path=snapshot, host=tracker.host,
             port=tracker.port, advertise_url=url, node_id=NODE_ID,
         )  # fmt: skip
-        node.runtime = build_runtime(settings, route_provider=node._routes)
+        node.runtime = build_runtime(settings, route_provider=node._routes, view=node)
         return node
 
     @classmethod
@@ -58,6 +59,21 @@ class TrackerNode:
     async def _routes(self, model_id: str, exclude: frozenset[str] = frozenset()):
         hops = self._state.route(model_id, head=self.node_id, exclude_urls=exclude)
         return tuple(h.node.url for h in hops[1:])
+
+    async def replicas(self, model_id: str) -> list[Replica]:
+        """Audits' view of the map (``SwarmView``): the tracker's own."""
+        model = self._state.registry.coverage().get(model_id)
+        if model is None:
+            return []
+        return [Replica(n.node_id, n.url, n.layers.start, n.layers.end, n.quantization)
+                for n in model.serving]  # fmt: skip
+
+    async def report(self, node_id: str, verdict: Verdict) -> None:
+        """A verdict of this head's audits, counted in the tracker's own registry."""
+        if self._state.registry.get(node_id) is not None:
+            self._state.registry.strike(
+                node_id, verdict, quarantine_after=self._state.settings.quarantine_after
+            )
 
     @property
     def node_id(self) -> str:

@@ -75,6 +75,13 @@ class ShardSettings(ServiceSettings):
         "to (a node of that range loading or restarting); with no prospect it fails at once "
         "(0: never wait)", group=MODEL, flag="--coverage-wait",
     )  # fmt: skip
+    verify_fraction: float = knob(
+        0.0, "on a head: the fraction of decode steps after which one hop of the chain is "
+        "audited: a replica of its layers recomputes its output from the same input, and a "
+        "node that disagrees (by more than the precision allows) is reported to the tracker, "
+        "which quarantines it, and failed over (0: never; each audit costs a replica a "
+        "prefill of the session so far)", group=MODEL,
+    )  # fmt: skip
     reasoning_parser: str | None = knob(
         None, "return <think>...</think> text as reasoning_content apart from content: "
         "deepseek_r1 (reasoning until </think>) or qwen3 (only after a leading <think>)",
@@ -137,6 +144,11 @@ class ShardSettings(ServiceSettings):
     # Tests only: a slow shard (every compute pass) and a slow load, as on a big model.
     step_delay_ms: float = knob(0.0, "", group=DATA, hidden=True)
     load_delay_ms: float = knob(0.0, "", group=DATA, hidden=True)
+    test_only_perturb: float = knob(
+        0.0, "TESTING ONLY, never in a real swarm: add noise of this many times each output "
+        "row's RMS to everything this node computes, as faulty hardware would (what "
+        "--verify-fraction must catch)", group=DATA,
+    )  # fmt: skip
     zstd_level: int = knob(1, "activation compression level", group=DATA)
     connect_timeout: float = knob(5.0, "per-hop connect timeout, seconds", group=DATA)
     chunk_timeout: float = knob(120.0, "per-hop prefill chunk timeout, seconds", group=DATA)
@@ -206,6 +218,20 @@ class ShardSettings(ServiceSettings):
         if bad:
             raise ValueError(f"{bad[0]!r} is not a usable model name")
         return names
+
+    @field_validator("verify_fraction")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError("must lie in [0, 1]")
+        return value
+
+    @field_validator("test_only_perturb")
+    @classmethod
+    def _perturb(cls, value: float) -> float:
+        if value < 0.0:
+            raise ValueError("must be >= 0")
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from meshnet_common import wire
-from meshnet_common.errors import Conflict, Draining, InvalidRequest, MeshnetError, NotFound
+from meshnet_common.errors import (
+    Conflict,
+    Draining,
+    InvalidRequest,
+    MeshnetError,
+    NotFound,
+    Quarantined,
+)
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import (
     H_OPEN,
@@ -91,8 +98,47 @@ class NodeService(HopLinks):
         # Route choice (docs/adr/0021): the next hops the tracker asked us to time, and the
         # round trip to each (ms, a moving mean).
         self.draining: str | None = None  # this node's URL once it drains (docs/adr/0024)
+        # (this node's URL, why) once the tracker quarantined it (docs/adr/0026)
+        self.quarantined: tuple[str, str] | None = None
         self.probe_urls: tuple[str, ...] = ()
         self.links: dict[str, float] = {}
+
+    def watch(self) -> None:
+        """Gauges read from the live stages at scrape time (a reshard swaps them)."""
+        service = self
+
+        def stages() -> list[Stage]:
+            return [s for s in (service.stage, service.retiring) if s is not None]
+
+        metrics = service.metrics
+        metrics.watch(
+            "active_sessions", "Sessions (KV caches) open on this node",
+            lambda: sum(len(s.sessions) for s in stages()),
+        )  # fmt: skip
+        metrics.watch(
+            "kv_tokens", "Tokens held in this node's KV caches",
+            lambda: sum(s.sessions.tokens_held for s in stages()),
+        )  # fmt: skip
+        metrics.watch(
+            "kv_budget_tokens", "The most KV tokens this node holds (--kv-budget-tokens)",
+            lambda: service.stage.sessions.kv_budget_tokens,
+        )  # fmt: skip
+        metrics.watch(
+            "tokens_served", "Tokens generated through this node's stage (sampled steps run)",
+            lambda: service.tokens_served, kind="counter",
+        )  # fmt: skip
+        metrics.watch(
+            "decode_batches", "Decode passes that merged steps of several sessions",
+            lambda: service.batcher.batches, kind="counter",
+        )  # fmt: skip
+        metrics.watch(
+            "quarantined", "1 while the tracker quarantines this node (docs/adr/0026)",
+            lambda: int(service.quarantined is not None),
+        )  # fmt: skip
+        metrics.watch(
+            "shard_layers", "Layers this node serves, by model",
+            lambda: [({"model": service.model_id}, len(service.stage.shard.layers))],
+        )  # fmt: skip
 
     def stage_for(self, session_id: str) -> Stage:
         """The stage holding ``session_id``: sessions opened before a reshard stay put."""
@@ -233,6 +279,8 @@ class NodeService(HopLinks):
             raise InvalidRequest(
                 "this stage is not the tail: the route needs a next hop", param=H_ROUTE
             )
+        if self.quarantined is not None:  # replicas disagreed with it: heads fail over
+            raise Quarantined(*self.quarantined)
         opened = False
         if req.open_spec is not None:
             if self.draining is not None:  # leaving: sessions it holds finish, no new ones
@@ -244,6 +292,7 @@ class NodeService(HopLinks):
                 sampling=req.open_spec if stage.shard.is_tail else None,
                 owner=req.session_key,
                 start_layer=req.start_layer,
+                record=req.audit,
             )
             opened = True
         if req.ids is not None and stage.shard.is_tail:  # before any later step samples
@@ -380,7 +429,10 @@ class NodeService(HopLinks):
         """The open header for the next hop: same sampling, entering where this stage ends."""
         if req.open_spec is None:
             return None
-        return {**req.open_spec.model_dump(), "start_layer": stage.shard.layers.end}
+        spec = {**req.open_spec.model_dump(), "start_layer": stage.shard.layers.end}
+        if req.audit:
+            spec["audit"] = True
+        return spec
 
     async def close_session(self, session_id: str, session_key: str | None, route) -> None:
         """Free a session here and (best effort) on every later hop."""

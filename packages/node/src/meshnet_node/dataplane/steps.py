@@ -92,6 +92,7 @@ class StepRequest:
     drafts: int = 0  # how many of the last tokens are drafts to verify (ADR-0019)
     answer_to: str | None = None  # the head's URL: the tail answers there too (ADR-0020)
     compute_before: str | None = None  # compute of the hops before (with answer_to)
+    audit: bool = False  # an opening step: every hop keeps the session's inputs (ADR-0026)
 
     @property
     def draft_ids(self) -> tuple[int, ...]:
@@ -133,10 +134,12 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
     validate_session_id(session_id, param=H_SESSION)
     open_spec = None
     start_layer = None
+    audit = False
     if headers.get(H_OPEN):
         try:
             raw = json.loads(headers[H_OPEN])
             start_layer = raw.pop("start_layer", None)
+            audit = raw.pop("audit", False) is True
             open_spec = SamplingSpec.model_validate(raw)
         except (ValueError, TypeError, AttributeError) as exc:
             raise InvalidRequest(f"malformed {H_OPEN} header: {exc}", param=H_OPEN) from exc
@@ -155,6 +158,7 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
         drafts=_int_header(headers, H_DRAFTS, 0),
         answer_to=parse_answer_to(headers.get(H_ANSWER_TO)),
         compute_before=headers.get(H_COMPUTE),
+        audit=audit,
     )
     if step.drafts:
         tokens = tensor.shape[1] if tensor.dim() >= 2 else tensor.numel()

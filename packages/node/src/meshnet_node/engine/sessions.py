@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
 from transformers import DynamicCache, PreTrainedConfig
 
 from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, NotFound
@@ -14,6 +15,39 @@ from meshnet_common.protocol import SamplingSpec, validate_session_id
 from meshnet_node.engine.sampling import Sampler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InputRecord:
+    """What an audited session received and what it last produced (docs/adr/0026): every
+    input row by position, and the output row of its last position (hidden state, or the
+    tail's logits), so that a replica can recompute it from the same input."""
+
+    pieces: list[torch.Tensor] = field(default_factory=list)  # (1, T, H) each, in order
+    length: int = 0
+    last: torch.Tensor | None = None  # (H,) or (V,): the output row of position length - 1
+
+    def add(self, position: int, inputs: torch.Tensor, last: torch.Tensor) -> None:
+        self.truncate(position)
+        self.pieces.append(inputs)
+        self.length = position + inputs.shape[1]
+        self.last = last
+
+    def truncate(self, position: int) -> None:
+        """Forget the rows from ``position`` on (a rewind past rejected drafts)."""
+        while self.pieces and self.length > position:
+            piece = self.pieces[-1]
+            start = self.length - piece.shape[1]
+            if start >= position:
+                self.pieces.pop()
+                self.length = start
+            else:
+                self.pieces[-1] = piece[:, : position - start]
+                self.length = position
+            self.last = None
+
+    def inputs(self) -> torch.Tensor:
+        return self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces, dim=1)
 
 
 @dataclass
@@ -32,6 +66,7 @@ class Session:
     # step may start at, dropping the cache past it (drafts the tail did not keep).
     rewind_from: int | None = None
     recording: bool = False  # sliding-window layers keep what a rewind needs (ADR-0019)
+    record: InputRecord | None = None  # an audited session's inputs (docs/adr/0026)
 
 
 def crop_cache(cache, tokens: int) -> None:
@@ -83,8 +118,10 @@ class SessionStore:
         sampling: SamplingSpec | None = None,
         owner: str | None = None,
         first_layer: int = 0,
+        record: bool = False,
     ) -> Session:
-        """Create a session; refuse (retryably) when the stage is full."""
+        """Create a session (``record``: keep its inputs for audits); refuse (retryably)
+        when the stage is full."""
         check_session_id(session_id)
         self.expire_idle()
         constraint = None
@@ -112,6 +149,7 @@ class SessionStore:
                 sampler=Sampler(sampling, constraint) if sampling is not None else None,
                 owner=owner,
                 first_layer=first_layer,
+                record=InputRecord() if record else None,
             )
             self._sessions[session_id] = session
             return session
@@ -174,6 +212,8 @@ class SessionStore:
         with self._lock:
             crop_cache(session.cache, session.length - position)
             session.length = position
+            if session.record is not None:
+                session.record.truncate(position)
         # The sampler's history needs no rewind: the steps' ids overwrite it by position,
         # and only requests whose sampling ignores the history carry drafts.
 

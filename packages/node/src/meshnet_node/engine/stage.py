@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +58,12 @@ class Stage:
         kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS,
         idle_timeout_s: float = 300.0,
         max_sessions: int = 256,
+        perturb: float = 0.0,
     ) -> None:
         self.shard = shard
+        # TESTING ONLY (--test-only-perturb): noise of this many times each output row's RMS
+        # is added to everything the stage computes, as a node with faulty hardware would.
+        self.perturb = perturb
         self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
         # One compute pass: consecutive waiting prefill chunks run together (ADR 0010).
         self.max_merge_tokens = max(max_chunk_tokens, max_merge_tokens)
@@ -82,8 +87,10 @@ class Stage:
         sampling: SamplingSpec | None = None,
         owner: str | None = None,
         start_layer: int | None = None,
+        record: bool = False,
     ) -> Session:
-        """Open a session; ``start_layer`` (global) lets a chain enter mid-shard."""
+        """Open a session; ``start_layer`` (global) lets a chain enter mid-shard; ``record``
+        keeps its inputs for audits (docs/adr/0026)."""
         layers = self.shard.layers
         start_layer = layers.start if start_layer is None else start_layer
         if not isinstance(start_layer, int) or start_layer not in layers:
@@ -100,6 +107,7 @@ class Stage:
             sampling=sampling if self.shard.is_tail else None,
             owner=owner,
             first_layer=start_layer - layers.start,
+            record=record and not self.shard.is_head,  # a head's input is the head's own
         )
 
     def close_session(self, session_id: str) -> bool:
@@ -212,6 +220,8 @@ class Stage:
             try:
                 out = self._forward(session, position, tensor, rows=len(drafts) + 1)
                 ok = True
+                if session.record is not None:
+                    session.record.add(position, tensor, _last_row(out))
             except Exception:
                 # A failure inside the layers may have left a partial chunk in the cache.
                 logger.exception("step failed; dropping session %s", session_id)
@@ -278,8 +288,10 @@ class Stage:
             finally:
                 for session in sessions:
                     session.lock.release()
-            for (i, session, _), out in zip(group, outs, strict=True):
+            for (i, session, tensor), out in zip(group, outs, strict=True):
                 self.sessions.commit(session, 1, ok=ok)
+                if ok and session.record is not None:
+                    session.record.add(items[i].position, tensor, _last_row(out))
                 session.rewind_from = None
                 if session.recording:
                     crop_cache(session.cache, 0)
@@ -322,9 +334,10 @@ class Stage:
             ]
             hidden = batched(layer, hidden, per_session)  # (B, 1, H)
         if not shard.is_tail:
-            out = hidden.to(shard.activation_dtype)
+            out = self._faulty(hidden.to(shard.activation_dtype))
             return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]
         logits = final_logits(shard.config, mods.lm_head, mods.norm(hidden)).float().cpu()
+        logits = self._faulty(logits)
         return [StepOutput(logits=logits[b].reshape(-1)) for b in range(len(sessions))]
 
     @torch.inference_mode()
@@ -361,13 +374,40 @@ class Stage:
                 position_embeddings=rotary[layer_type],
             )
         if not shard.is_tail:
-            return StepOutput(hidden=hidden.to(shard.activation_dtype))
+            return StepOutput(hidden=self._faulty(hidden.to(shard.activation_dtype)))
         scores = None if session.sampler is None else session.sampler.prompt
         if scores is not None and scores.rows(position, num_tokens):
             self._score_prompt(session, hidden, position, scores.rows(position, num_tokens))
         last = mods.norm(hidden[:, -rows:, :])  # (1, rows, H)
-        logits = final_logits(shard.config, mods.lm_head, last).float().cpu()[0]  # (rows, V)
+        logits = self._faulty(final_logits(shard.config, mods.lm_head, last).float().cpu()[0])
         return StepOutput(logits=logits.reshape(-1) if rows == 1 else logits)
+
+    def _faulty(self, out: torch.Tensor) -> torch.Tensor:
+        """TESTING ONLY: ``out`` with noise of ``perturb`` times each row's RMS added."""
+        if not self.perturb:
+            return out
+        rows = out.float()
+        rms = rows.pow(2).mean(dim=-1, keepdim=True).sqrt()
+        return (rows + torch.randn_like(rows) * rms * self.perturb).to(out.dtype)
+
+    def recompute(self, hidden: torch.Tensor, start_layer: int) -> torch.Tensor:
+        """The output row of the last of ``hidden``'s positions, computed from scratch in a
+        throwaway session entering at ``start_layer`` (global): a replica's side of an audit
+        (docs/adr/0026). Held to the KV budget like any session while it runs."""
+        if self.shard.is_head:
+            raise InvalidRequest("a head stage takes token ids: it recomputes nothing")
+        session_id = f"audit-{uuid.uuid4().hex}"
+        self.open_session(session_id, start_layer=start_layer)
+        try:
+            out = None
+            for lo in range(0, hidden.shape[1], self.max_merge_tokens):
+                piece = hidden[:, lo : lo + self.max_merge_tokens]
+                out = self.step(session_id, lo, hidden=piece, sample=False)
+            if out is None:
+                raise InvalidRequest("nothing to recompute", param="hidden")
+            return _last_row(out)
+        finally:
+            self.close_session(session_id)
 
     def _score_prompt(self, session: Session, hidden: torch.Tensor, position: int, rows) -> None:
         """Log-probabilities of the prompt's own tokens (``echo`` with ``logprobs``), in
@@ -378,3 +418,10 @@ class Stage:
             states = mods.norm(hidden[:, lo - position : hi - position, :])
             logits = final_logits(self.shard.config, mods.lm_head, states).float()[0]
             sampler.prompt.add(lo, torch.log_softmax(logits, dim=-1), sampler.history)
+
+
+def _last_row(out: StepOutput) -> torch.Tensor:
+    """The output row of a step's last position: its hidden state, or the tail's logits."""
+    if out.hidden is not None:
+        return out.hidden[0, -1].detach().to("cpu", copy=True)  # (H,)
+    return out.logits.reshape(-1, out.logits.shape[-1])[-1].clone()  # (V,)

@@ -6,6 +6,7 @@ the text goes on exactly as it would have (docs/adr/0007, 0023). ``Failover`` is
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,19 @@ FAILOVER_POLICY = RetryPolicy(
 FAILOVER_BAN_S = 30.0
 
 
+class ComputedWrong(HopError):
+    """An audit found a hop of the chain computing wrong (docs/adr/0026)."""
+
+
+def _still_alive(exc: HopError) -> bool:
+    """The failed hop still answers (it computed wrong, or was quarantined for it): free the
+    chain's session there too, not only on the hops after it."""
+    if isinstance(exc, ComputedWrong):
+        return True
+    body = exc.body if isinstance(exc.body, dict) else {}
+    return (body.get("error") or {}).get("code") == "quarantined"
+
+
 @dataclass
 class _Chain:
     """The current session of one generation along its route (replaced on failover)."""
@@ -41,6 +55,8 @@ class _Chain:
     # Every decode pass the chain ran after the prompt, as (position, input ids, drafts):
     # a replay runs them again exactly as they ran (docs/adr/0023).
     passes: list[tuple[int, list[int], int]] = field(default_factory=list)
+    auditing: asyncio.Task | None = None  # the verifier's audit of this chain (ADR-0026)
+    convicted: str | None = None  # a hop an audit found computing wrong: fail over off it
 
     @property
     def failovers(self) -> int:
@@ -49,7 +65,7 @@ class _Chain:
 
 class Failover:
     """Provided by ``HeadGenerator``: ``service``, ``bans``, ``clock``, ``sleep``,
-    ``coverage_wait_s``, ``_prefill``, ``_step``, ``_close``, ``_open_local``."""
+    ``coverage_wait_s``, ``avoided``, ``suspects``, ``_prefill``, ``_step``, ``_close``, ``_open_local``."""
 
     async def _replay(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:
         """Rebuild a fresh session's caches with the computation the lost one ran: the
@@ -80,7 +96,8 @@ class Failover:
         if failed and exc.status != 503:  # a full node is busy, not broken: avoid, don't ban
             self.bans.ban(failed)
         old_session, old_key, old_route = chain.session_id, chain.key, chain.route
-        await self._close(stage, old_session, old_key, tuple(u for u in old_route if u != failed))
+        gone = None if _still_alive(exc) else failed
+        await self._close(stage, old_session, old_key, tuple(u for u in old_route if u != gone))
         await self.sleep(chain.budget.backoff())
 
     async def _reroute(
@@ -95,7 +112,7 @@ class Failover:
         failed = exc.failed_url
 
         async def ask() -> tuple[str, ...]:
-            exclude = self.bans.banned()
+            exclude = self.avoided()
             if failed and exc.status == 503:
                 exclude |= {failed}
             return await reroute(exclude)
@@ -126,7 +143,7 @@ class Failover:
     async def _lift_bans_of_the_living(self) -> None:
         """A banned hop that answers again (a node restarted at its address) is routable
         again: its ban would otherwise keep a request waiting on coverage it has."""
-        for url in self.bans.banned():
+        for url in self.bans.banned() - self.suspects():  # a node computing wrong stays out
             if await self.service.reachable(url):
                 logger.info("hop %s answers again; no longer avoided", url)
                 self.bans.lift(url)

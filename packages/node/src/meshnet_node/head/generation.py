@@ -22,7 +22,13 @@ from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage, StepOutput
-from meshnet_node.head.failover import FAILOVER_BAN_S, FAILOVER_POLICY, Failover, _Chain
+from meshnet_node.head.failover import (
+    FAILOVER_BAN_S,
+    FAILOVER_POLICY,
+    ComputedWrong,
+    Failover,
+    _Chain,
+)
 from meshnet_node.head.params import sampling_defaults
 from meshnet_node.head.text import TextAssembler, skips_special_tokens
 from meshnet_node.head.timings import StepTimings
@@ -100,6 +106,7 @@ class HeadGenerator(Failover):
         speculation: SpeculationSettings = SpeculationSettings(),
         draft_model=None,
         coverage_wait_s: float = 30.0,
+        verifier=None,
     ) -> None:
         if not service.stage.shard.is_head:
             raise ValueError("only a head stage can drive generation")
@@ -117,6 +124,15 @@ class HeadGenerator(Failover):
         self.draft_model = draft_model  # proposes drafts instead of the n-gram lookup
         self.running = 0  # generations under way (drafting pauses when many are)
         self.coverage_wait_s = coverage_wait_s  # how long a failover waits for missing layers
+        self.verifier = verifier  # audits a fraction of decode steps (docs/adr/0026)
+
+    def suspects(self) -> frozenset[str]:
+        """Hops an audit of this head found computing wrong."""
+        return self.verifier.suspects() if self.verifier is not None else frozenset()
+
+    def avoided(self) -> frozenset[str]:
+        """Hops new routes must avoid: failed ones (banned for a while) and suspects."""
+        return self.bans.banned() | self.suspects()
 
     @property
     def context_window(self) -> int:
@@ -205,6 +221,8 @@ class HeadGenerator(Failover):
                     elapsed = time.perf_counter() - started
                     metrics.decode_seconds.observe(elapsed)
                 drafting_s = drafted_at - started  # a draft model's time: part of the step
+                if self.verifier is not None:
+                    self.verifier.after_step(chain)
                 if chain.failovers == failovers:  # a replayed step says nothing of overhead
                     if drafts and result.more is None:
                         raise HopError(
@@ -254,6 +272,10 @@ class HeadGenerator(Failover):
         while True:
             phase = "prefill" if token is None or chain.replay else "decode"
             try:
+                if chain.convicted is not None:  # an audit found it computing wrong
+                    convicted, chain.convicted = chain.convicted, None
+                    raise ComputedWrong(f"hop {convicted} computed wrong (an audit, "
+                                        "docs/adr/0026)", hop=convicted)  # fmt: skip
                 if token is None:  # the prompt (again, in a fresh session, after a failover)
                     chain.replay = False
                     return await self._prefill(
@@ -304,6 +326,8 @@ class HeadGenerator(Failover):
             **request.sampling.model_dump(),
             "start_layer": stage.shard.layers.end,
         }
+        if self.verifier is not None:  # every hop keeps the session's inputs for audits
+            open_spec["audit"] = True
         with_ids = request.sampling.needs_history  # the tail's penalties count the ids
         pending: list[asyncio.Task] = []
         try:

@@ -102,7 +102,7 @@ class OpenAIServing(ResponseShapes):
             raise Draining(generator.service.draining)
 
         async def ask() -> tuple[str, ...]:
-            return await self.route_provider(self.model_id, generator.bans.banned())
+            return await self.route_provider(self.model_id, generator.avoided())
 
         return await wait_for_coverage(
             ask, wait_s=generator.coverage_wait_s, clock=generator.clock, sleep=generator.sleep,

@@ -21,10 +21,12 @@ from meshnet_common.protocol import (
     NodeAnnouncement,
     RegisterResponse,
     RouteResponse,
+    Verdict,
 )
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.retry import RetryPolicy
+from meshnet_node.verification.verifier import Replica, replicas_in_coverage
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,20 @@ class TrackerClient:
             raise error
         return RouteResponse.model_validate_json(resp.content)
 
+    async def replicas(self, model_id: str) -> list[Replica]:
+        """The serving nodes of ``model_id`` on the coverage map (for audits, ADR-0026)."""
+        resp = await self.client.get(f"{self.base}/v1/coverage")
+        resp.raise_for_status()
+        return replicas_in_coverage(resp.json(), model_id)
+
+    async def report(self, node_id: str, verdict: Verdict) -> None:
+        """Tell the tracker that ``node_id`` computed wrong (it counts the strikes)."""
+        resp = await self.client.post(
+            f"{self.base}/v1/nodes/{node_id}/verdicts", content=verdict.model_dump_json(),
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        resp.raise_for_status()
+
 
 class Membership:
     """Keeps a node registered from its own thread: heartbeats every interval, registers
@@ -125,6 +141,8 @@ class Membership:
         self.interval_s = interval_s
         self.on_directives = on_directives
         self.on_probe: Callable[[tuple], None] | None = None  # the next hops to time
+        # why the tracker quarantined this node, or None (every reply says; ADR-0026)
+        self.on_quarantine: Callable[[str | None], None] | None = None
         self.on_refused = on_refused
         self.on_url = on_url
         self.on_registered = on_registered
@@ -269,6 +287,8 @@ class Membership:
                     return
             if self.on_probe is not None:
                 self.on_probe(reply.probe)
+            if self.on_quarantine is not None:
+                self.on_quarantine(reply.quarantined)
             if reply.directives:
                 for directive in reply.directives:
                     logger.info("directive %s %s", directive.kind.value, directive.shard)

@@ -35,7 +35,8 @@ def _node(record: NodeRecord, now: float) -> dict:
         "shard_start": announcement.shard.shard_start,
         "shard_end": announcement.shard.shard_end,
         "num_layers": announcement.num_layers,
-        "state": record.state.value,
+        "state": record.shown_state,
+        "quarantined": record.quarantined,  # why, or None (docs/adr/0026)
         "quantization": announcement.quantization.value,
         "device": announcement.device,
         "memory_declared_bytes": announcement.memory_declared_bytes,
@@ -88,7 +89,7 @@ def watch_swarm(metrics: Metrics, state: TrackerState) -> None:
     def nodes():
         counts: dict[tuple[str, str], int] = {}
         for record in state.registry.records():
-            key = (record.announcement.shard.model_id, record.state.value)
+            key = (record.announcement.shard.model_id, record.shown_state)
             counts[key] = counts.get(key, 0) + 1
         return [({"model": m, "state": s}, n) for (m, s), n in sorted(counts.items())]
 
@@ -108,6 +109,10 @@ def watch_swarm(metrics: Metrics, state: TrackerState) -> None:
         moves, kind="counter",
     )  # fmt: skip
     metrics.watch("swarm_uncovered_layers", "Layers no serving node holds, by model", uncovered)
+    metrics.watch(
+        "swarm_verdicts", "Verdicts heads reported against nodes that computed wrong",
+        lambda: state.registry.verdicts, kind="counter",
+    )  # fmt: skip
 
 
 def dashboard_router() -> APIRouter:

@@ -16,6 +16,8 @@ from meshnet_common.protocol import (
     RouteHop,
     RouteResponse,
     ShardSpec,
+    Verdict,
+    VerdictResponse,
 )
 from meshnet_common.web.http import parse_model
 from meshnet_tracker.api.admission import confirm_reachable, reachable_url
@@ -68,7 +70,30 @@ def nodes_router() -> APIRouter:
         known = state.registry.heartbeat(beat)
         directives = state.balancer.directives_for(beat.node_id) if known else ()
         probe = state.probe_targets(beat.node_id) if known else ()
-        return HeartbeatResponse(known=known, directives=directives, probe=probe)
+        record = state.registry.get(beat.node_id) if known else None
+        return HeartbeatResponse(
+            known=known, directives=directives, probe=probe,
+            quarantined=record.quarantined if record is not None else None,
+        )  # fmt: skip
+
+    @router.post("/v1/nodes/{node_id}/verdicts")
+    async def verdict(node_id: str, request: Request) -> VerdictResponse:
+        """A head's audit found ``node_id`` computing wrong (docs/adr/0026)."""
+        state = _state(request)
+        found = await parse_model(request, Verdict, limit=16 * 1024)
+        if state.registry.get(node_id) is None:
+            raise NotFound(f"unknown node {node_id!r}")
+        strikes, quarantined = state.registry.strike(
+            node_id, found, quarantine_after=state.settings.quarantine_after
+        )
+        return VerdictResponse(strikes=strikes, quarantined=quarantined)
+
+    @router.delete("/v1/nodes/{node_id}/quarantine")
+    async def lift(node_id: str, request: Request):
+        """Let a quarantined node serve again (it was repaired)."""
+        if not _state(request).registry.lift(node_id):
+            raise NotFound(f"node {node_id!r} is not quarantined")
+        return {"lifted": node_id}
 
     @router.post("/v1/nodes/assign")
     async def assign(request: Request) -> AssignResponse:

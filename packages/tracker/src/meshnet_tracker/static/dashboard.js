@@ -93,7 +93,7 @@ function renderNode(node, interval) {
     el("td", {}, el("code", {}, node.node_id), el("div", { class: "url" }, node.url)),
     el("td", { class: "model", title: node.model_id }, node.model_id),
     el("td", {}, range(node.shard_start, node.shard_end)),
-    el("td", { class: `state-${node.state}` }, node.state),
+    el("td", { class: `state-${node.state}`, title: node.quarantined || "" }, node.state),
     el("td", {}, node.quantization),
     el("td", {}, node.device),
     el(

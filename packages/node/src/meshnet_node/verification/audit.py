@@ -1,0 +1,97 @@
+"""A node's side of verification (docs/adr/0026): handing over what an audited session
+received and last produced, and recomputing a row from someone else's record.
+
+- ``POST /v1/node/audit/record/{session_id}`` (the session's key in ``x-meshnet-session-
+  key``): the session's inputs so far and the output row of its last position, as two
+  tensor frames (``pack``), with the layer it entered at (``x-meshnet-start-layer``);
+- ``POST /v1/node/audit/recompute`` (a tensor frame of inputs, ``x-meshnet-start-layer``):
+  the output row of the last position, computed from scratch in a throwaway session.
+
+Both run on the compute thread, between steps: a record is never read half-written. The
+swarm token guards ``/v1/node``. Audits are rare (``--verify-fraction``), so they use the
+node's FastAPI router and plain HTTP, not the hop streams.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from meshnet_common import wire
+from meshnet_common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from meshnet_common.protocol import H_POSITION, H_SESSION_KEY, H_START_LAYER
+from meshnet_node.dataplane.service import NodeService
+from meshnet_node.engine.stage import Stage
+
+RECORD_PATH = "/v1/node/audit/record/{session_id}"
+RECOMPUTE_PATH = "/v1/node/audit/recompute"
+_LEN = struct.Struct("<I")
+
+
+def pack(*frames: bytes) -> bytes:
+    """Tensor frames one after another, each after its length (u32, little-endian)."""
+    return b"".join(_LEN.pack(len(f)) + f for f in frames)
+
+
+def unpack(body: bytes, count: int, *, max_bytes: int) -> list[torch.Tensor]:
+    """The ``count`` tensors of a ``pack``ed body (decoded with the wire's bounds)."""
+    tensors, at = [], 0
+    for _ in range(count):
+        if at + _LEN.size > len(body):
+            raise ValueError("truncated audit body")
+        (size,) = _LEN.unpack_from(body, at)
+        at += _LEN.size
+        if at + size > len(body):
+            raise ValueError("truncated audit body")
+        tensors.append(wire.decode_tensor(body[at : at + size], max_bytes=max_bytes))
+        at += size
+    if at != len(body):
+        raise ValueError("trailing bytes after the audit frames")
+    return tensors
+
+
+def _snapshot(stage: Stage, session_id: str, key: str | None):
+    session = stage.sessions.get(session_id, owner=key)
+    record = session.record
+    if record is None or record.last is None:
+        raise NotFound(f"session {session_id!r} keeps no record to audit", param="session_id")
+    start = stage.shard.layers.start + session.first_layer
+    return record.inputs(), record.last, start, record.length
+
+
+def audit_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.post(RECORD_PATH)
+    async def record(session_id: str, request: Request) -> Response:
+        service: NodeService = request.app.state.node
+        stage = service.stage_for(session_id)
+        inputs, last, start, length = await service.compute(
+            _snapshot, stage, session_id, request.headers.get(H_SESSION_KEY)
+        )
+        options = service.wire_options
+        body = pack(wire.encode_tensor(inputs, options), wire.encode_tensor(last, options))
+        headers = {H_START_LAYER: str(start), H_POSITION: str(length)}
+        return Response(body, media_type=wire.CONTENT_TYPE, headers=headers)
+
+    @router.post(RECOMPUTE_PATH)
+    async def recompute(request: Request) -> Response:
+        service: NodeService = request.app.state.node
+        stage = service.stage
+        limit = service.settings.max_body_bytes
+        body = await request.body()
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+        raw = request.headers.get(H_START_LAYER, "")
+        if not raw.isdigit():
+            raise InvalidRequest(f"header {H_START_LAYER} must be a layer", param=H_START_LAYER)
+        hidden = wire.decode_tensor(body, max_bytes=limit)
+        hidden = stage.check_inputs(None, hidden, limit=stage.sessions.kv_budget_tokens)
+        last = await service.compute(stage.recompute, hidden, int(raw))
+        return Response(wire.encode_tensor(last, service.wire_options),
+                        media_type=wire.CONTENT_TYPE)  # fmt: skip
+
+    return router

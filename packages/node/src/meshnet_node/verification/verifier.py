@@ -1,0 +1,329 @@
+"""The head's side of verification (docs/adr/0026): after a random fraction of decode steps
+(``--verify-fraction``), one hop of the generation's chain is audited.
+
+An audit takes what the hop received for the session and the output row of its last
+position (its record), has an alternate replica of the same layers recompute that row from
+the same input in a throwaway session, and compares the two within a tolerance derived from
+the precision (``Precision.verify_tolerance``). When they disagree, a third opinion decides:
+another replica when there is one (the odd one out is the suspect), else each of the two
+recomputes again (a node that cannot reproduce its own output is the suspect). A suspect is
+reported to the tracker (which quarantines a node after repeated verdicts), avoided by this
+head, and the generation fails over off it (exact replay, docs/adr/0023). Two replicas that
+disagree deterministically, with no third, are a dispute: logged and counted, no one blamed.
+
+Audits run beside the generation, one at a time per generation, and never delay a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+import torch
+
+from meshnet_common import wire
+from meshnet_common.metrics import Metrics
+from meshnet_common.precision import Precision
+from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER, Verdict
+from meshnet_common.web import tls
+from meshnet_common.web.auth import swarm_headers
+from meshnet_node.verification.audit import RECOMPUTE_PATH, RECORD_PATH, unpack
+
+logger = logging.getLogger(__name__)
+
+SUSPECT_S = 600.0  # how long this head avoids a node it convicted
+AUDIT_TIMEOUT_S = 60.0  # one record or recomputation request
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A serving node as the coverage map shows it."""
+
+    node_id: str
+    url: str
+    start: int
+    end: int
+    quantization: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A hop of a chain that can be audited: the node, the layer it is entered at, and the
+    replicas that could recompute its output (same end, same precision)."""
+
+    primary: Replica
+    start: int
+    alternates: tuple[Replica, ...]
+
+
+def replicas_in_coverage(coverage: dict, model_id: str) -> list[Replica]:
+    """The serving nodes of ``model_id`` in a tracker's ``/v1/coverage`` answer."""
+    for model in coverage.get("models", ()):
+        if model.get("id") == model_id:
+            return [
+                Replica(n["node_id"], n["url"], int(n["shard_start"]), int(n["shard_end"]),
+                        str(n.get("quantization", "bfloat16")))
+                for n in model.get("nodes", ()) if n.get("state") == "serving"
+            ]  # fmt: skip
+    return []
+
+
+class SwarmView(Protocol):
+    """What the verifier needs of the swarm: the map, and somewhere to report to."""
+
+    async def replicas(self, model_id: str) -> list[Replica]: ...
+
+    async def report(self, node_id: str, verdict: Verdict) -> None: ...
+
+
+def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
+    """||output - reference|| / ||reference|| (in float32)."""
+    a, b = output.float().reshape(-1), reference.float().reshape(-1)
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def audit_targets(
+    route: tuple[str, ...], head_end: int, replicas: Iterable[Replica]
+) -> list[Target]:
+    """The hops of ``route`` (entered in turn from layer ``head_end``) that some other
+    replica could recompute; a hop missing from the map ends the walk (its span is unknown).
+    A node this head suspects still serves as an alternate: a second audit against it is
+    the repeated verdict that gets it quarantined."""
+    replicas = list(replicas)
+    by_url = {r.url.rstrip("/"): r for r in replicas}
+    targets, start = [], head_end
+    for url in route:
+        primary = by_url.get(url.rstrip("/"))
+        if primary is None or not primary.start <= start < primary.end:
+            break
+        alternates = tuple(
+            r for r in replicas
+            if r.node_id != primary.node_id and r.end == primary.end
+            and r.start <= start and r.quantization == primary.quantization
+        )  # fmt: skip
+        if alternates:
+            targets.append(Target(primary, start, alternates))
+        start = primary.end
+    return targets
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An audit's outcome (``agreed``, ``convicted``, ``disputed``, ``skipped``)."""
+
+    outcome: str
+    hop: str | None = None
+    suspect: Replica | None = None
+    witnesses: tuple[Replica, ...] = ()
+    error: float | None = None
+    detail: str = ""
+    start: int = 0  # the first layer compared (where the session entered the hop)
+
+
+class AuditClient:
+    """The audit's two requests to nodes, over plain HTTP with the swarm token."""
+
+    def __init__(self, swarm_token: str | None, *, max_bytes: int) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=AUDIT_TIMEOUT_S, headers=swarm_headers(swarm_token),
+            verify=tls.client_context(),
+        )  # fmt: skip
+        self.max_bytes = max_bytes
+
+    async def record(self, url: str, session_id: str, key: str):
+        """(inputs, last output row, start layer) of a session on ``url``; None: gone."""
+        path = RECORD_PATH.format(session_id=session_id)
+        resp = await self.client.post(f"{url.rstrip('/')}{path}", headers={H_SESSION_KEY: key})
+        if resp.status_code == 404:
+            return None
+        resp.raise_for_status()
+        inputs, last = unpack(resp.content, 2, max_bytes=self.max_bytes)
+        return inputs, last, int(resp.headers[H_START_LAYER])
+
+    async def recompute(self, url: str, inputs: torch.Tensor, start: int) -> torch.Tensor:
+        resp = await self.client.post(
+            f"{url.rstrip('/')}{RECOMPUTE_PATH}", content=wire.encode_tensor(inputs),
+            headers={H_START_LAYER: str(start), "content-type": wire.CONTENT_TYPE},
+        )  # fmt: skip
+        resp.raise_for_status()
+        return wire.decode_tensor(resp.content, max_bytes=self.max_bytes)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class Verifier:
+    """Audits a fraction of a head's decode steps; remembers the nodes it convicted."""
+
+    def __init__(
+        self,
+        fraction: float,
+        view: SwarmView,
+        client: AuditClient,
+        *,
+        model_id: str,
+        node_id: str,
+        head_end: int,
+        metrics: Metrics,
+        rng: random.Random | None = None,
+        clock=time.monotonic,
+    ) -> None:
+        self.fraction = fraction
+        self.view = view
+        self.client = client
+        self.model_id = model_id
+        self.node_id = node_id
+        self.head_end = head_end  # where the chain after this head starts
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self.clock = clock
+        self._suspects: dict[str, float] = {}  # URL -> until when this head avoids it
+        self._tasks: set[asyncio.Task] = set()
+
+    def suspects(self) -> frozenset[str]:
+        now = self.clock()
+        for url in [u for u, until in self._suspects.items() if until <= now]:
+            del self._suspects[url]
+        return frozenset(self._suspects)
+
+    def after_step(self, chain) -> None:
+        """Called after each decode step of a generation: maybe start auditing its chain
+        (not while an audit of it still runs)."""
+        if not chain.route or (chain.auditing is not None and not chain.auditing.done()):
+            return
+        if self.rng.random() >= self.fraction:
+            return
+        task = asyncio.ensure_future(self._audit_chain(chain, chain.session_id, chain.key,
+                                                       chain.route))  # fmt: skip
+        chain.auditing = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _audit_chain(self, chain, session_id: str, key: str, route) -> None:
+        try:
+            finding = await self.audit(session_id, key, route)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            finding = Finding("skipped", detail=f"{type(exc).__name__}: {exc}")
+        self.metrics.audits.labels(finding.outcome).inc()
+        if finding.error is not None:
+            self.metrics.audit_error.observe(finding.error)
+        if finding.outcome == "disputed":
+            logger.warning("audit of %s: %s", finding.hop, finding.detail)
+        if finding.outcome != "convicted":
+            return
+        suspect = finding.suspect
+        logger.warning("audit: node %s (%s) computed wrong: %s", suspect.node_id, suspect.url,
+                       finding.detail)  # fmt: skip
+        self._suspects[suspect.url] = self.clock() + SUSPECT_S
+        if chain.session_id == session_id and suspect.url in chain.route:
+            chain.convicted = suspect.url  # the generation's next step fails over off it
+        verdict = Verdict(
+            model_id=self.model_id, reporter=self.node_id,
+            shard_start=finding.start, shard_end=suspect.end,
+            error=min(finding.error or 0.0, 1e30), tolerance=_tolerance(suspect),
+            witnesses=tuple(w.node_id for w in finding.witnesses),
+        )  # fmt: skip
+        try:
+            await self.view.report(suspect.node_id, verdict)
+        except Exception as exc:  # the head still avoids it; the tracker hears next time
+            logger.warning("could not report node %s to the tracker: %s", suspect.node_id, exc)
+
+    async def audit(self, session_id: str, key: str, route: tuple[str, ...]) -> Finding:
+        """Audit one hop of ``route`` (chosen at random among those with replicas)."""
+        replicas = await self.view.replicas(self.model_id)
+        targets = audit_targets(route, self.head_end, replicas)
+        if not targets:
+            return Finding("skipped", detail="no hop of the chain has another replica")
+        target = self.rng.choice(targets)
+        primary = target.primary
+        record = await self.client.record(primary.url, session_id, key)
+        if record is None:
+            return Finding("skipped", hop=primary.url, detail="the session ended first")
+        inputs, claimed, start = record
+        tol = _tolerance(primary)
+        alternates = list(target.alternates)
+        self.rng.shuffle(alternates)
+        first = alternates[0]
+
+        def agree(a, b) -> bool:
+            return relative_error(a, b) <= tol
+
+        theirs = await self.client.recompute(first.url, inputs, start)
+        error = relative_error(claimed, theirs)
+        found = _Found(primary, start, error, tol)
+        if error <= tol:
+            return found.agreed()
+        if len(alternates) > 1:  # a third replica decides
+            third = alternates[1]
+            referee = await self.client.recompute(third.url, inputs, start)
+            if agree(theirs, referee) and not agree(claimed, referee):
+                return found.convict(primary, (first, third), "two replicas agree without it")
+            if agree(claimed, referee) and not agree(theirs, referee):
+                return found.convict(first, (primary, third), "two replicas agree without it")
+            return found.dispute(first, "three replicas, no two agreeing")
+        # Two replicas only: each recomputes again; one that cannot reproduce its own
+        # output (from the same input) is the faulty one.
+        again = await self.client.recompute(primary.url, inputs, start)
+        if not agree(again, claimed):
+            return found.convict(primary, (first,), "it does not reproduce its own output")
+        theirs_again = await self.client.recompute(first.url, inputs, start)
+        if not agree(theirs_again, theirs):
+            return found.convict(first, (primary,), "it does not reproduce its own output")
+        return found.dispute(first, "both reproduce their own outputs")
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.client.aclose()
+
+
+@dataclass(frozen=True)
+class _Found:
+    primary: Replica
+    start: int
+    error: float
+    tolerance: float
+
+    def agreed(self) -> Finding:
+        return Finding("agreed", hop=self.primary.url, error=self.error, start=self.start)
+
+    def convict(self, suspect: Replica, witnesses, why: str) -> Finding:
+        detail = (f"layers [{self.start}, {suspect.end}): its output lies {self.error:.3g} "
+                  f"from a replica's (tolerance {self.tolerance:.3g}); {why}")  # fmt: skip
+        return Finding("convicted", self.primary.url, suspect, tuple(witnesses), self.error,
+                       detail, self.start)  # fmt: skip
+
+    def dispute(self, other: Replica, why: str) -> Finding:
+        return Finding(
+            "disputed", self.primary.url, error=self.error,
+            detail=f"{self.primary.node_id} and {other.node_id} disagree on layers "
+            f"[{self.start}, {self.primary.end}) by {self.error:.3g} (tolerance "
+            f"{self.tolerance:.3g}); {why}: nothing tells which is right", start=self.start,
+        )  # fmt: skip
+
+
+def _tolerance(replica: Replica) -> float:
+    try:
+        return Precision(replica.quantization).verify_tolerance
+    except ValueError:
+        return Precision.BFLOAT16.verify_tolerance
+
+
+def build_verifier(settings, service, view: SwarmView | None, node_id: str) -> Verifier | None:
+    """The verifier of a head started with ``--verify-fraction`` (None: not auditing, or
+    no tracker to ask for replicas)."""
+    if not settings.verify_fraction or view is None:
+        return None
+    client = AuditClient(settings.swarm_token, max_bytes=settings.max_body_bytes)
+    return Verifier(
+        settings.verify_fraction, view, client, model_id=settings.model_id, node_id=node_id,
+        head_end=service.stage.shard.layers.end, metrics=service.metrics,
+    )  # fmt: skip
