@@ -75,10 +75,11 @@ class Swarm:
         self.hops = Hops({})
         self.tail_runtime, tail_app, _ = stack.enter_context(node(snapshot, 4, 6, hops=self.hops))
         self.hops.transports["tail.test"] = httpx.ASGITransport(app=tail_app)
-        mids = {}
+        mids, self.mid_services = {}, []
         for url in (A, B):
-            _, app, _ = stack.enter_context(node(snapshot, 2, 4, hops=self.hops))
+            runtime, app, _ = stack.enter_context(node(snapshot, 2, 4, hops=self.hops))
             mids[urlsplit(url).hostname] = app
+            self.mid_services.append(runtime.service)
         self.hops.transports.update({h: httpx.ASGITransport(app=a) for h, a in mids.items()})
 
         async def route(_model_id, exclude=frozenset()):
@@ -98,6 +99,20 @@ class Swarm:
             return await handle(req)
 
         service.handle_step = recorded
+        self.in_flight, self.most_in_flight = 0, 0  # replayed passes a middle hop holds at once
+        for mid in self.mid_services:
+            mid.handle_step = self._counted(mid.handle_step)
+
+    def _counted(self, handle):
+        async def counted(req):
+            self.in_flight += bool(req.replay_pass)
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                return await handle(req)
+            finally:
+                self.in_flight -= bool(req.replay_pass)
+
+        return counted
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +172,9 @@ def test_a_replay_runs_the_lost_passes_again_and_the_text_is_unchanged(swarm, dr
     assert replayed == calm_passes  # and then on as the undisturbed run went
     assert any(drafts for _, _, drafts in lost) == drafting
     assert max(rows for _, rows, _ in replayed) <= 128  # never the history as one prefill
+    # Streamed back to back, not a round trip each: the middle hop held several passes at
+    # once (each waiting for the one before it).
+    assert swarm.most_in_flight >= 2
     replays = swarm.head.service.metrics.replay_seconds.collect()[0].samples
     assert any(s.name.endswith("_count") and s.value >= 1 for s in replays)
 

@@ -131,9 +131,12 @@ def test_replicas_come_from_the_serving_nodes_of_the_coverage_map():
 class FakeNodes:
     """Each replica computes ``truth`` plus its own error; a noisy one differs every time."""
 
-    def __init__(self, offsets: dict[str, float], noisy: set[str] = frozenset()) -> None:
+    def __init__(
+        self, offsets: dict[str, float], noisy: set[str] = frozenset(), decode: float = 0.0
+    ) -> None:
         self.truth = torch.ones(8)
         self.offsets, self.noisy = offsets, noisy
+        self.decode = decode  # how far the hop's decode step lay from any prefill
         self.calls: list[str] = []
         self.draws = 0
 
@@ -145,7 +148,8 @@ class FakeNodes:
         return self.truth + self.offsets.get(node, 0.0) + noise
 
     async def record(self, url, session_id, key):
-        return torch.zeros(1, 3, 8), self.output(url.split("//")[1].split(".")[0]), 2
+        claimed = self.output(url.split("//")[1].split(".")[0]) + self.decode
+        return torch.zeros(1, 3, 8), claimed, 2
 
     async def recompute(self, url, inputs, start):
         node = url.split("//")[1].split(".")[0]
@@ -177,6 +181,15 @@ def audit(nodes: FakeNodes, replicas, route=(P.url, TAIL.url)):
 def test_replicas_that_agree_within_the_tolerance_are_agreed():
     finding = audit(FakeNodes({"a": 1e-3}), [P, A, TAIL])
     assert finding.outcome == "agreed" and finding.error < Precision.BFLOAT16.verify_tolerance
+
+
+def test_a_decode_step_that_only_its_arithmetic_sets_apart_is_agreed():
+    # A near-tie flipped in the decode step (an MoE router, say): every recomputation,
+    # the hop's own included, agrees. No one is blamed.
+    for replicas in ([P, A, TAIL], [P, A, B, TAIL]):
+        nodes = FakeNodes({}, decode=0.5)
+        finding = audit(nodes, replicas)
+        assert finding.outcome == "agreed" and len(nodes.calls) == 2 and nodes.calls[-1] == "p"
 
 
 def test_with_three_replicas_the_odd_one_out_is_convicted():

@@ -67,6 +67,9 @@ H_DRAFTS = "x-meshnet-drafts"
 # The head's base URL: the tail also posts the step's answer straight there
 # (``POST /v1/answers/{session}``), one link instead of the chain back (ADR-0020).
 H_ANSWER_TO = "x-meshnet-answer-to"
+# A failover's replay streams its decode passes down the chain without waiting for their
+# answers (docs/adr/0023): pass n carries n, and a hop runs it once it ran pass n - 1.
+H_REPLAY_PASS = "x-meshnet-replay-pass"
 H_SWARM_TOKEN = "x-meshnet-swarm-token"
 # On a step's answer: model compute of each hop from this one to the tail, in ms, comma-
 # separated. Each hop prepends its own to what the next one answered and relays the tail's

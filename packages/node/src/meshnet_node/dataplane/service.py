@@ -261,6 +261,29 @@ class NodeService(HopLinks):
                     code="wrong_position",
                 ) from exc
 
+    async def wait_for_pass(self, req: StepRequest) -> None:
+        """A replay's pass n waits until pass n - 1 (or, for the first, the prompt) ran here."""
+
+        def ready() -> bool:
+            session = self.stage_for(req.session_id).sessions.peek(req.session_id)
+            return (
+                session is not None
+                and session.replayed == req.replay_pass - 1
+                and session.length >= req.position
+            )
+
+        if ready():
+            return
+        cond = self._turn(req.session_id)
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(ready), self.settings.turn_timeout_s)
+            except TimeoutError as exc:
+                raise Conflict(
+                    f"replayed pass {req.replay_pass} of session {req.session_id} never became "
+                    "next", code="wrong_position",
+                ) from exc  # fmt: skip
+
     async def _advance(self, session_id: str) -> None:
         cond = self._turns.get(session_id)
         if cond is not None:
@@ -270,6 +293,8 @@ class NodeService(HopLinks):
     # -- one step ----------------------------------------------------------------------------
 
     async def handle_step(self, req: StepRequest) -> StepAnswer:
+        if req.replay_pass:  # a replay's passes come back to back: run them in order
+            await self.wait_for_pass(req)
         stage = self.stage if req.open_spec is not None else self.stage_for(req.session_id)
         # Everything checkable without running layers is checked first: a rejected step
         # must leave the session exactly as it was.
@@ -303,6 +328,11 @@ class NodeService(HopLinks):
             if opened:  # an opening step that failed leaves no session behind
                 stage.close_session(req.session_id)
             raise
+        if req.replay_pass:
+            stage.sessions.get(req.session_id, owner=req.session_key).replayed = req.replay_pass
+            await self._advance(req.session_id)
+        elif opened and req.session_id in self._turns:  # a one-row prompt: a pass may wait
+            await self._advance(req.session_id)
         self.tokens_served += req.sample  # a sampled step: one more token through this stage
         own_ms = out.compute_s * 1000
         if stage.shard.is_tail:
@@ -328,6 +358,7 @@ class NodeService(HopLinks):
             ids=req.ids,
             drafts=req.drafts,
             answer_to=req.answer_to,
+            replay_pass=req.replay_pass,
             compute_before=(
                 None if req.answer_to is None else append_compute(req.compute_before, own_ms)
             ),

@@ -20,6 +20,7 @@ from meshnet_common.protocol import (
     H_IDS,
     H_OPEN,
     H_POSITION,
+    H_REPLAY_PASS,
     H_ROUTE,
     H_SAMPLE,
     H_SESSION,
@@ -93,6 +94,7 @@ class StepRequest:
     answer_to: str | None = None  # the head's URL: the tail answers there too (ADR-0020)
     compute_before: str | None = None  # compute of the hops before (with answer_to)
     audit: bool = False  # an opening step: every hop keeps the session's inputs (ADR-0026)
+    replay_pass: int = 0  # n > 0: a replay's n-th decode pass, run after pass n - 1 (ADR-0023)
 
     @property
     def draft_ids(self) -> tuple[int, ...]:
@@ -159,6 +161,7 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
         answer_to=parse_answer_to(headers.get(H_ANSWER_TO)),
         compute_before=headers.get(H_COMPUTE),
         audit=audit,
+        replay_pass=_int_header(headers, H_REPLAY_PASS, 0),
     )
     if step.drafts:
         tokens = tensor.shape[1] if tensor.dim() >= 2 else tensor.numel()
@@ -212,6 +215,7 @@ def step_headers(
     drafts: int = 0,
     answer_to: str | None = None,
     compute_before: str | None = None,
+    replay_pass: int = 0,
 ) -> dict[str, str]:
     headers = {
         "content-type": wire.CONTENT_TYPE,
@@ -229,6 +233,8 @@ def step_headers(
         headers[H_IDS] = ",".join(map(str, ids))
     if drafts:
         headers[H_DRAFTS] = str(drafts)
+    if replay_pass:
+        headers[H_REPLAY_PASS] = str(replay_pass)
     if answer_to is not None:
         headers[H_ANSWER_TO] = answer_to
         if compute_before:

@@ -67,6 +67,7 @@ class Session:
     rewind_from: int | None = None
     recording: bool = False  # sliding-window layers keep what a rewind needs (ADR-0019)
     record: InputRecord | None = None  # an audited session's inputs (docs/adr/0026)
+    replayed: int = 0  # decode passes of a replay run here so far (docs/adr/0023)
 
 
 def crop_cache(cache, tokens: int) -> None:

@@ -72,14 +72,30 @@ class Failover:
         prompt in the same chunks and pieces, then each decode pass with the same inputs
         (drafts included, so every hop rewinds where it rewound). Run as a single prefill,
         the history would be other arithmetic: in bfloat16 near-ties flip, and the text
-        after a failover would differ from an undisturbed run's. The tail's answers to
-        these steps are known already and dropped."""
+        after a failover would differ from an undisturbed run's.
+
+        Every input is known in advance, so nothing waits for an answer: the head runs each
+        pass through its own layers and sends it on at once, numbered (``replay_pass``), and
+        each hop runs pass n once it ran pass n - 1. The tail's answers are known already
+        and dropped; the replay ends when the last one is in."""
         started, passes = time.perf_counter(), list(chain.passes)
-        await self._prefill(stage, chain.session_id, chain.key, request, chain.route)
+        sends: list[asyncio.Future] = []
+        sid, key, route = chain.session_id, chain.key, chain.route
         with_ids = request.sampling.needs_history
-        for position, inputs, drafts in passes:
-            await self._step(stage, chain.session_id, chain.key, inputs, position, chain.route,
-                             with_ids=with_ids, drafts=drafts)  # fmt: skip
+        try:
+            await self._prefill(stage, sid, key, request, route, sends=sends)
+            for number, (position, inputs, drafts) in enumerate(passes, start=1):
+                out = await self._local(stage, sid, key, inputs, position, True, drafts)
+                sends.append(asyncio.ensure_future(self._send(
+                    out, sid, key, position, route, 0, True, None,
+                    ids=tuple(inputs) if with_ids or drafts else None, drafts=drafts,
+                    replay_pass=number,
+                )))  # fmt: skip
+            await asyncio.gather(*sends)
+        except BaseException:
+            for task in sends:
+                task.cancel()
+            raise
         seconds = time.perf_counter() - started
         self.service.metrics.replay_seconds.observe(seconds)
         logger.info("replayed the prompt and %d decode passes in %.2f s", len(passes), seconds)

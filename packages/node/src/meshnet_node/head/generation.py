@@ -305,6 +305,7 @@ class HeadGenerator(Failover):
         key: str,
         request: GenerationRequest,
         route: tuple[str, ...],
+        sends: list[asyncio.Future] | None = None,
     ) -> StepResult:
         """Run the prompt through the local layers in pieces and send it on in wire chunks.
 
@@ -312,7 +313,8 @@ class HeadGenerator(Failover):
         ``PREFILL_PIECE_TOKENS`` long, since one pass over several chunks is much cheaper
         than several passes. Each wire chunk's send overlaps the next piece's compute (the
         next hop merges chunks that wait for it the same way). With no route, the whole
-        prompt runs in passes as large as the stage allows.
+        prompt runs in passes as large as the stage allows. ``sends``: collect the chunks'
+        sends there and return without waiting for them (a replay, docs/adr/0023).
         """
         chunk_tokens = stage.max_chunk_tokens
         ids = request.prompt_ids
@@ -329,7 +331,7 @@ class HeadGenerator(Failover):
         if self.verifier is not None:  # every hop keeps the session's inputs for audits
             open_spec["audit"] = True
         with_ids = request.sampling.needs_history  # the tail's penalties count the ids
-        pending: list[asyncio.Task] = []
+        pending: list[asyncio.Future] = [] if sends is None else sends
         try:
             result = StepResult()
             index = 0
@@ -349,12 +351,13 @@ class HeadGenerator(Failover):
                     )  # fmt: skip
                     pending.append(asyncio.ensure_future(send))
                     index += 1
-            if pending:
+            if pending and sends is None:
                 result = (await asyncio.gather(*pending))[-1]
             return result
         except BaseException:
-            for task in pending:
-                task.cancel()
+            if sends is None:
+                for task in pending:
+                    task.cancel()
             raise
 
     async def _local(
@@ -374,7 +377,7 @@ class HeadGenerator(Failover):
 
     async def _send(
         self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None,
-        drafts=0,
+        drafts=0, replay_pass=0,
     ):  # fmt: skip
         # A sampled step over 2+ hops: the tail answers here directly too (ADR-0020); over
         # one hop the chain's answer is already the direct one.
@@ -392,6 +395,7 @@ class HeadGenerator(Failover):
             ids=ids,
             drafts=drafts,
             answer_to=direct,
+            replay_pass=replay_pass,
         )
 
     async def _step(

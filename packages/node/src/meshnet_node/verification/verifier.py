@@ -4,9 +4,11 @@
 An audit takes what the hop received for the session and the output row of its last
 position (its record), has an alternate replica of the same layers recompute that row from
 the same input in a throwaway session, and compares the two within a tolerance derived from
-the precision (``Precision.verify_tolerance``). When they disagree, a third opinion decides:
-another replica when there is one (the odd one out is the suspect), else each of the two
-recomputes again (a node that cannot reproduce its own output is the suspect). A suspect is
+the precision (``Precision.verify_tolerance``). When they disagree, the hop recomputes the
+row too (a decode step and a prefill are other arithmetic: only recomputations are compared
+to blame anyone), and if that still disagrees a third opinion decides: another replica when
+there is one (the odd one out is the suspect), else each of the two recomputes again (a
+node that cannot reproduce its own output is the suspect). A suspect is
 reported to the tracker (which quarantines a node after repeated verdicts), avoided by this
 head, and the generation fails over off it (exact replay, docs/adr/0023). Two replicas that
 disagree deterministically, with no third, are a dispute: logged and counted, no one blamed.
@@ -261,21 +263,25 @@ class Verifier:
         found = _Found(primary, start, error, tol)
         if error <= tol:
             return found.agreed()
+        # The claim was a decode step's output, the alternate's a prefill: other arithmetic,
+        # which can flip a near-tie (an MoE router's expert, say). Faults are told apart on
+        # recomputations only, which are the same arithmetic everywhere.
+        mine = await self.client.recompute(primary.url, inputs, start)
+        if agree(mine, theirs):
+            return found.agreed()
         if len(alternates) > 1:  # a third replica decides
             third = alternates[1]
             referee = await self.client.recompute(third.url, inputs, start)
-            if agree(theirs, referee) and not agree(claimed, referee):
+            if agree(theirs, referee) and not agree(mine, referee):
                 return found.convict(primary, (first, third), "two replicas agree without it")
-            if agree(claimed, referee) and not agree(theirs, referee):
+            if agree(mine, referee) and not agree(theirs, referee):
                 return found.convict(first, (primary, third), "two replicas agree without it")
             return found.dispute(first, "three replicas, no two agreeing")
-        # Two replicas only: each recomputes again; one that cannot reproduce its own
-        # output (from the same input) is the faulty one.
-        again = await self.client.recompute(primary.url, inputs, start)
-        if not agree(again, claimed):
+        # Two replicas only: each recomputes once more; one that does not reproduce its own
+        # output from the same input is the faulty one.
+        if not agree(await self.client.recompute(primary.url, inputs, start), mine):
             return found.convict(primary, (first,), "it does not reproduce its own output")
-        theirs_again = await self.client.recompute(first.url, inputs, start)
-        if not agree(theirs_again, theirs):
+        if not agree(await self.client.recompute(first.url, inputs, start), theirs):
             return found.convict(first, (primary,), "it does not reproduce its own output")
         return found.dispute(first, "both reproduce their own outputs")
 
