@@ -65,7 +65,8 @@ class _Chain:
 
 class Failover:
     """Provided by ``HeadGenerator``: ``service``, ``bans``, ``clock``, ``sleep``,
-    ``coverage_wait_s``, ``avoided``, ``suspects``, ``_prefill``, ``_step``, ``_close``, ``_open_local``."""
+    ``coverage_wait_s``, ``avoided``, ``suspects``, ``_prefill``, ``_local``, ``_send``,
+    ``_close``, ``_open_local``."""
 
     async def _replay(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:
         """Rebuild a fresh session's caches with the computation the lost one ran: the
