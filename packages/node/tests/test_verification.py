@@ -216,3 +216,61 @@ def test_the_tolerance_follows_the_precision():
     assert 0.05 < Precision.BFLOAT16.verify_tolerance < 0.1
     assert Precision.INT8.verify_tolerance == Precision.BFLOAT16.verify_tolerance
     assert 1e-4 < Precision.FLOAT32.verify_tolerance < 1e-3
+
+
+# -- a node's audit routes and its quarantine, in-process ---------------------------------
+
+
+def test_audit_routes_hand_over_the_record_and_recompute_it(llama):
+    import json as json_module
+
+    from fastapi.testclient import TestClient
+
+    from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER
+    from meshnet_node.dataplane.steps import step_headers
+    from meshnet_node.runtime import build_runtime, create_app
+    from meshnet_node.settings import NodeSettings
+
+    async def no_route(_model_id, _exclude=frozenset()):
+        return ()
+
+    settings = NodeSettings(model_id="meshnet-tiny/llama", model_path=llama,
+                            layers=LayerRange(2, 6), quantization=Precision.FLOAT32)  # fmt: skip
+    runtime = build_runtime(settings, route_provider=no_route)
+    hidden = torch.randn(1, 6, runtime.service.stage.shard.hidden_size)
+    with TestClient(create_app(runtime)) as client:
+
+        def forward(position, rows, open_spec=None):
+            headers = step_headers(session_id="s1", session_key="k", position=position, chunk=0,
+                                   route=(), sample=True, open_spec=open_spec)  # fmt: skip
+            body = wire.encode_tensor(hidden[:, position : position + rows])
+            return client.post("/v1/forward", headers=headers, content=body)
+
+        opened = forward(0, 4, {"temperature": 0, "start_layer": 2, "audit": True})
+        assert opened.status_code == 200, opened.text
+        assert forward(4, 1).status_code == 200
+        refused = client.post("/v1/node/audit/record/s1", headers={H_SESSION_KEY: "other"})
+        assert refused.status_code == 404  # another chain's key: no record for it
+        got = client.post("/v1/node/audit/record/s1", headers={H_SESSION_KEY: "k"})
+        assert got.status_code == 200 and got.headers[H_START_LAYER] == "2"
+        inputs, last = unpack(got.content, 2, max_bytes=1 << 24)
+        assert torch.equal(inputs, hidden[:, :5]) and last.shape == (
+            runtime.service.stage.shard.vocab_size,
+        )
+        again = client.post("/v1/node/audit/recompute", content=wire.encode_tensor(inputs),
+                            headers={H_START_LAYER: "2"})  # fmt: skip
+        assert again.status_code == 200
+        recomputed = wire.decode_tensor(again.content)
+        assert relative_error(last, recomputed) <= Precision.FLOAT32.verify_tolerance
+        bad = client.post("/v1/node/audit/recompute", content=b"junk", headers={H_START_LAYER: "2"})
+        assert bad.status_code == 400 and "error" in bad.json()
+
+        # Quarantined, the node runs no step: 503 naming itself, which heads route around.
+        runtime.quarantine("2 verdicts")
+        refused = forward(5, 1)
+        assert refused.status_code == 503
+        error = json_module.loads(refused.content)["error"]
+        assert error["code"] == "quarantined" and error["param"] == runtime.url
+        assert "meshnet_quarantined 1.0" in client.get("/metrics").text
+        runtime.quarantine(None)
+        assert forward(5, 1).status_code == 200
