@@ -1458,3 +1458,18 @@ def test_a_previous_reply_appended_as_the_client_writes_it_is_accepted(whole):
     assert assert_error(whole.http.post("/v1/chat/completions", json=spoken), 400)
     tagged = {**body, "safety_identifier": "u-1", "prompt_cache_key": "k"}
     assert whole.http.post("/v1/chat/completions", json=tagged).status_code == 200
+
+
+def test_direct_answers_are_asked_for_only_over_slow_links():
+    """ADR-0020: on a LAN the chain's answer is as fast; a direct one costs a message."""
+    from types import SimpleNamespace
+
+    from meshnet_node.dataplane.links import HopLinks
+
+    node = SimpleNamespace(links={"http://lan.test": 0.8, "http://wan.test": 42.0},
+                           settings=SimpleNamespace(direct_min_rtt_ms=5.0))  # fmt: skip
+    assert not HopLinks.direct_pays(node, "http://lan.test")
+    assert HopLinks.direct_pays(node, "http://wan.test")
+    assert HopLinks.direct_pays(node, "http://unmeasured.test")  # until probed: as before
+    node.settings.direct_min_rtt_ms = 0.0
+    assert HopLinks.direct_pays(node, "http://lan.test")

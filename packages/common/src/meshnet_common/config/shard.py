@@ -128,6 +128,12 @@ class ShardSettings(ServiceSettings):
         "answer still comes, so a tail that cannot reach the head only loses the gain",
         group=DATA, action="bool",
     )  # fmt: skip
+    direct_min_rtt_ms: float = knob(
+        5.0, "ask for direct answers only while the round trip to the route's first hop is at "
+        "least this many ms (or not measured yet): on a LAN the chain's answer is as fast and "
+        "a direct one costs each step another message (0: always)", group=DATA,
+        flag="--direct-min-rtt",
+    )  # fmt: skip
     max_decode_batch: int = knob(
         32, "decode steps of concurrent sessions merged into one pass (1: no batching)",
         group=DATA,

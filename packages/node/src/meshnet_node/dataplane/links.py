@@ -134,6 +134,14 @@ class HopLinks:
             before = self.links.get(url)
             self.links[url] = ms if before is None else before + 0.3 * (ms - before)
 
+    def direct_pays(self, hop: str) -> bool:
+        """Whether a direct answer is worth asking for on a chain starting at ``hop``: unless
+        the link to it is known to be fast (``--direct-min-rtt``). A direct answer saves the
+        links back up the chain, but costs every step one more message (about 0.3 ms of
+        both ends' CPU): on a LAN or loopback the chain's answer is as fast (ADR-0020)."""
+        rtt = self.links.get(hop)
+        return rtt is None or rtt >= self.settings.direct_min_rtt_ms
+
     async def reachable(self, url: str) -> bool:
         """Whether ``url`` answers on the data path (a session close it does not know: 404)."""
         try:

@@ -379,9 +379,12 @@ class HeadGenerator(Failover):
         self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None,
         drafts=0, replay_pass=0,
     ):  # fmt: skip
-        # A sampled step over 2+ hops: the tail answers here directly too (ADR-0020); over
-        # one hop the chain's answer is already the direct one.
-        direct = self.service.answer_url if sample and len(route) >= 2 else None
+        # A sampled step over 2+ hops: the tail answers here directly too (ADR-0020), where
+        # the links are slow enough for it to pay; over one hop the chain's answer is
+        # already the direct one.
+        direct = None
+        if sample and len(route) >= 2 and self.service.direct_pays(route[0]):
+            direct = self.service.answer_url
         return await self.service.send(
             route[0],
             out.hidden,
