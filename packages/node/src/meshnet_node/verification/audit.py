@@ -21,8 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from meshnet_common import wire
-from meshnet_common.errors import InvalidRequest, NotFound, PayloadTooLarge
+from meshnet_common.errors import InvalidRequest, NotFound
 from meshnet_common.protocol import H_POSITION, H_SESSION_KEY, H_START_LAYER
+from meshnet_common.web.http import read_body
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage
 
@@ -81,10 +82,8 @@ def audit_router() -> APIRouter:
     async def recompute(request: Request) -> Response:
         service: NodeService = request.app.state.node
         stage = service.stage
-        limit = service.settings.max_body_bytes
-        body = await request.body()
-        if len(body) > limit:
-            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+        limit = service.settings.max_body_bytes  # a record is a frame like a step's
+        body = await read_body(request, limit)
         raw = request.headers.get(H_START_LAYER, "")
         if not raw.isdigit():
             raise InvalidRequest(f"header {H_START_LAYER} must be a layer", param=H_START_LAYER)

@@ -227,13 +227,13 @@ class Verifier:
         self._suspects[suspect.url] = self.clock() + SUSPECT_S
         if chain.session_id == session_id and suspect.url in chain.route:
             chain.convicted = suspect.url  # the generation's next step fails over off it
-        verdict = Verdict(
-            model_id=self.model_id, reporter=self.node_id,
-            shard_start=finding.start, shard_end=suspect.end,
-            error=min(finding.error or 0.0, 1e30), tolerance=_tolerance(suspect),
-            witnesses=tuple(w.node_id for w in finding.witnesses),
-        )  # fmt: skip
         try:
+            verdict = Verdict(
+                model_id=self.model_id, reporter=self.node_id,
+                shard_start=finding.start, shard_end=suspect.end,
+                error=min(finding.error or 0.0, 1e30), tolerance=_tolerance(suspect),
+                witnesses=tuple(w.node_id for w in finding.witnesses),
+            )  # fmt: skip
             await self.view.report(suspect.node_id, verdict)
         except Exception as exc:  # the head still avoids it; the tracker hears next time
             logger.warning("could not report node %s to the tracker: %s", suspect.node_id, exc)
