@@ -78,7 +78,9 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
     return JSONResponse(respond(body, choices))
 
 
-KEEPALIVE_S = 5.0  # a stream silent this long gets an SSE comment (proxies keep it open)
+# A stream silent this long gets an SSE comment: proxies keep it open, and a client with a
+# 5 s read timeout (httpx's default) does not give up on a request waiting for coverage.
+KEEPALIVE_S = 2.0
 
 
 async def with_keepalive(events, every_s: float = KEEPALIVE_S):
