@@ -328,9 +328,9 @@ async def start_background(runtime: NodeRuntime) -> None:
             await asyncio.sleep(SESSION_SWEEP_S)
             runtime.service.stage.sessions.expire_idle()
 
-    async def probe() -> None:  # the links to the next hops the tracker named
+    async def probe() -> None:  # the links to the next hops the tracker named, twice a beat
         while True:
-            await asyncio.sleep(max(1.0, runtime.settings.heartbeat_interval_s))
+            await asyncio.sleep(max(0.5, runtime.settings.heartbeat_interval_s / 2))
             await runtime.service.probe_links()
 
     runtime.tasks.append(asyncio.ensure_future(sweep()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import httpx
 
@@ -12,7 +13,12 @@ from meshnet_common.coverage_wait import COVERAGE_PENDING
 from meshnet_common.errors import ModelError, ModelNotCovered, NotFound
 from meshnet_common.memory import ModelCosts
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.models.models_dir import scan_models_dir, snapshot_fingerprint
+from meshnet_common.models.models_dir import (
+    ModelEntry,
+    ModelScan,
+    scan_models_dir,
+    snapshot_fingerprint,
+)
 from meshnet_common.protocol import MAX_PROBES
 from meshnet_tracker.balancer import Balancer
 from meshnet_tracker.coverage import ModelCoverage
@@ -22,6 +28,13 @@ from meshnet_tracker.routing import Hop, choose_route, keep_or_switch
 from meshnet_tracker.settings import TrackerSettings
 
 logger = logging.getLogger(__name__)
+
+
+class ModelsScan(NamedTuple):
+    """A rescan's findings (``TrackerState.scan_models_dir``), applied on the event loop."""
+
+    scan: ModelScan
+    changed: list[tuple[ModelEntry, tuple, ModelCosts]]  # entry, fingerprint, costs
 
 
 @dataclass
@@ -54,25 +67,41 @@ class TrackerState:
     def rescan_models_dir(self) -> None:
         """Index the models dir again: new snapshots become placeable, changed ones are
         re-indexed, removed ones are forgotten (once no node holds them). The same scan as
-        ``meshnet-models list``; a snapshot whose files did not change costs a few stats."""
+        ``meshnet-models list``."""
+        self.apply_scan(self.scan_models_dir(dict(self.indexed)))
+
+    def scan_models_dir(self, indexed: dict[str, tuple]) -> ModelsScan | None:
+        """The file work of a rescan: reads headers and stats files, touches no state, so
+        the tracker runs it on a worker thread (it takes milliseconds per model, and the
+        tracker node's event loop is on every decode step). ``indexed``: the fingerprints
+        known so far; a snapshot whose files did not change is not re-indexed."""
         if self.settings.models_dir is None:
-            return
+            return None
         try:
             scan = scan_models_dir(self.settings.models_dir)
         except ModelError as exc:
             logger.warning("models dir: %s", exc)
-            return
-        present: set[str] = set()
+            return None
+        changed: list[tuple[ModelEntry, tuple, ModelCosts]] = []
         for entry in scan.entries:
-            present.add(entry.model_id)
             fingerprint = snapshot_fingerprint(entry.path)
-            if self.indexed.get(entry.model_id) == fingerprint:
+            if indexed.get(entry.model_id) == fingerprint:
                 continue
             try:
                 costs = ModelCosts.from_index(CheckpointIndex.load(entry.path))
             except ModelError as exc:
                 logger.warning("models dir: %s", exc)
                 continue
+            changed.append((entry, fingerprint, costs))
+        return ModelsScan(scan, changed)
+
+    def apply_scan(self, found: ModelsScan | None) -> None:
+        """What a scan found, made known to the coverage map and to placement."""
+        if found is None:
+            return
+        scan = found.scan
+        present = {entry.model_id for entry in scan.entries}
+        for entry, fingerprint, costs in found.changed:
             change = "changed" if entry.model_id in self.indexed else "found"
             self.indexed[entry.model_id] = fingerprint
             self.registry.note_model(entry.model_id, entry.num_layers)

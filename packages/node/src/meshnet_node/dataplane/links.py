@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -24,6 +25,7 @@ logger = logging.getLogger("meshnet_node.dataplane.service")
 UNREACHABLE_HEAD_S = 30.0  # a head the tail could not answer directly: through the chain
 LINK_PROBE_SESSION = "link-probe"  # never opened: closing it costs the next hop nothing
 LINK_PROBE_TIMEOUT_S = 2.0
+LINK_SAMPLES = 4  # a link's round trip: the least of this many probes (probe_links)
 
 
 def _parsed(hop: str, body: bytes, compute: str | None) -> StepResult:
@@ -115,13 +117,19 @@ class HopLinks:
 
     async def probe_links(self) -> None:
         """Time one small request (the data path's session close, for a session that does
-        not exist) to each next hop the tracker named; what it reports in heartbeats."""
+        not exist) to each next hop the tracker named; what it reports in heartbeats.
+
+        A link's round trip is the least of its last ``LINK_SAMPLES`` probes: a probe that
+        meets a loop busy computing (either end's: decode steps run on the loop) measures
+        the wait, not the link. A probe during which this node computed on its loop is not
+        counted at all."""
         urls = self.probe_urls
         for url in list(self.links):
             if url not in urls:
                 del self.links[url]
+                self.link_samples.pop(url, None)
         for url in urls:
-            started = time.perf_counter()
+            busy, started = self.inline_runs, time.perf_counter()
             try:
                 await self.hops.request(
                     "DELETE", f"{url.rstrip('/')}/v1/sessions/{LINK_PROBE_SESSION}",
@@ -129,10 +137,14 @@ class HopLinks:
                 )  # fmt: skip
             except HopUnreachable:
                 self.links.pop(url, None)
+                self.link_samples.pop(url, None)
                 continue
             ms = (time.perf_counter() - started) * 1000
-            before = self.links.get(url)
-            self.links[url] = ms if before is None else before + 0.3 * (ms - before)
+            if self.inline_runs != busy:
+                continue
+            samples = self.link_samples.setdefault(url, deque(maxlen=LINK_SAMPLES))
+            samples.append(ms)
+            self.links[url] = min(samples)
 
     def direct_pays(self, hop: str) -> bool:
         """Whether a direct answer is worth asking for on a chain starting at ``hop``: unless

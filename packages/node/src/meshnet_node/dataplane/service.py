@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -82,7 +83,7 @@ class NodeService(HopLinks):
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
         self.metrics = metrics or Metrics()
         self.batcher = DecodeBatcher(self, max_batch=settings.max_decode_batch)
-        self._in_flight = 0  # steps on the compute thread (or inline) right now
+        self._in_flight = self.inline_runs = 0  # steps computing now; runs on the loop so far
         self.inline_decode = settings.inline_decode
         # A decode step runs on the loop's thread only while steps are known to be short:
         # a long one there would stall /health, heartbeats' I/O and every other connection.
@@ -96,12 +97,13 @@ class NodeService(HopLinks):
         self._background: set[asyncio.Task] = set()
         self.answer_url: str | None = None  # where tails answer this head (set when it is one)
         # Route choice (docs/adr/0021): the next hops the tracker asked us to time, and the
-        # round trip to each (ms, a moving mean).
+        # round trip to each (ms: the least of its last probes; HopLinks.probe_links).
         self.draining: str | None = None  # this node's URL once it drains (docs/adr/0024)
         # (this node's URL, why) once the tracker quarantined it (docs/adr/0026)
         self.quarantined: tuple[str, str] | None = None
         self.probe_urls: tuple[str, ...] = ()
         self.links: dict[str, float] = {}
+        self.link_samples: dict[str, deque[float]] = {}
 
     def watch(self) -> None:
         """Gauges read from the live stages at scrape time (a reshard swaps them)."""
@@ -211,6 +213,7 @@ class NodeService(HopLinks):
 
     def compute_inline(self, fn, *args, **kwargs):
         self._in_flight += 1
+        self.inline_runs += 1  # the loop is blocked meanwhile (a link probe's time is off)
         try:
             out = _timed(fn, *args, delay_s=self.step_delay_s, **kwargs)
         finally:

@@ -1,0 +1,72 @@
+"""How a node times its links (``HopLinks.probe_links``, docs/adr/0021): the least of the
+last probes, and a probe during which the prober computed on its loop not counted."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from meshnet_node.dataplane.links import LINK_SAMPLES, HopLinks
+from meshnet_node.dataplane.streams import HopResponse, HopUnreachable
+
+HOP = "http://127.0.0.1:9"
+
+
+class TimedHops:
+    """Answers each probe after the next of ``delays_ms``; None: unreachable. With
+    ``busy``, the prober's loop computes during that probe."""
+
+    def __init__(self, node, delays_ms: list[float | None], busy: set[int] = frozenset()):
+        self.node, self.delays, self.busy, self.calls = node, list(delays_ms), busy, 0
+
+    async def request(self, method, url, *, headers, body, timeout):
+        assert method == "DELETE" and url.startswith(HOP) and "/v1/sessions/" in url
+        delay, self.calls = self.delays[self.calls], self.calls + 1
+        if self.calls - 1 in self.busy:
+            self.node.inline_runs += 1
+        if delay is None:
+            raise HopUnreachable("connection refused")
+        await asyncio.sleep(delay / 1000)
+        return HopResponse(404, b"{}")
+
+
+def probing_node(delays_ms, busy=frozenset()):
+    node = SimpleNamespace(probe_urls=(HOP,), links={}, link_samples={}, inline_runs=0)
+    node.hops = TimedHops(node, delays_ms, busy)
+    return node
+
+
+def probe(node, times: int) -> list[float | None]:
+    seen = []
+    for _ in range(times):
+        asyncio.run(HopLinks.probe_links(node))
+        seen.append(node.links.get(HOP))
+    return seen
+
+
+def test_a_link_is_the_least_of_its_last_probes():
+    # A fast link probed while the far end was busy (30 ms) reads fast; a link that became
+    # slow reads slow once every remembered probe is slow.
+    node = probing_node([2, 30, 30, 2, 30, 30, 30, 30, 30, 30])
+    seen = probe(node, 10)
+    assert all(2 <= ms < 15 for ms in seen[: 3 + LINK_SAMPLES])
+    assert seen[-1] >= 30
+
+
+def test_a_probe_while_the_prober_computed_is_not_counted():
+    node = probing_node([40, 3, 40], busy={0, 2})
+    seen = probe(node, 3)
+    assert seen[0] is None  # nothing measured yet: the only probe met its own compute
+    assert 3 <= seen[1] < 15 and seen[2] == seen[1]
+
+
+def test_an_unreachable_or_unnamed_hop_is_forgotten():
+    node = probing_node([2, None, 2])
+    first, second = probe(node, 2)
+    assert first is not None and second is None
+    assert HOP not in node.links and HOP not in node.link_samples
+    probe(node, 1)
+    assert HOP in node.links
+    node.probe_urls = ()
+    probe(node, 1)
+    assert node.links == {} and node.link_samples == {}
