@@ -40,6 +40,9 @@ class Kind(IntEnum):
     ANSWER = 0x80  # the answer to one of the above
 
 
+_REQUEST_KINDS = {int(k): k for k in (Kind.STEP, Kind.CLOSE, Kind.DELIVER)}  # no enum call
+
+
 class FrameError(ValueError):
     """A message that is not one of this protocol's."""
 
@@ -99,10 +102,11 @@ def decode_request(data: bytes) -> Request:
     if len(data) < _REQUEST.size:
         raise FrameError(f"a request message is at least {_REQUEST.size} bytes")
     kind, request_id, length = _REQUEST.unpack_from(data)
-    if kind not in (Kind.STEP, Kind.CLOSE, Kind.DELIVER):
+    known = _REQUEST_KINDS.get(kind)
+    if known is None:
         raise FrameError(f"unknown request kind {kind}")
     headers = _headers(data, _REQUEST.size, length)
-    return Request(Kind(kind), request_id, headers, data[_REQUEST.size + length :])
+    return Request(known, request_id, headers, data[_REQUEST.size + length :])
 
 
 def decode_answer(data: bytes) -> Answer:
