@@ -36,11 +36,13 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from meshnet_common.errors import UnsupportedArchitecture
 from meshnet_common.models.checkpoint import SUPPORTED_ARCHITECTURES
+from meshnet_node.engine.row_attention import RowAttention
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
 LayerCall = Callable[..., torch.Tensor]
+attend_rows = RowAttention()  # a batched step's attention: per row, projections batched
 
 
 def _call_decoder_layer(layer, hidden, *, mask, position_ids, cache, position_embeddings):
@@ -71,23 +73,18 @@ class SessionContext:
 
 
 def _batched_decoder_layer(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
-    """One decode token for each of B sessions: norms and MLP run batched (B, 1, H), each
-    session's attention runs against its own cache. Mirrors LlamaDecoderLayer.forward."""
+    """One decode token for each of B sessions: norms, MLP and the attention's projections
+    run batched (B, 1, H), each session's attention runs against its own cache
+    (``attend_rows``). Mirrors LlamaDecoderLayer.forward."""
     residual = hidden
-    normed = layer.input_layernorm(hidden)
-    attended = torch.cat(
-        [
-            layer.self_attn(
-                hidden_states=normed[b : b + 1],
-                attention_mask=ctx.mask,
-                position_ids=ctx.position_ids,
-                cache=ctx.cache,
-                use_cache=True,
-                position_embeddings=ctx.position_embeddings,
-            )[0]
-            for b, ctx in enumerate(sessions)
-        ]
-    )  # (B, 1, H)
+
+    def one(attn, row, b):
+        ctx = sessions[b]
+        return attn(hidden_states=row, attention_mask=ctx.mask, position_ids=ctx.position_ids,
+                    cache=ctx.cache, use_cache=True,
+                    position_embeddings=ctx.position_embeddings)[0]  # fmt: skip
+
+    attended = attend_rows(layer.self_attn, layer.input_layernorm(hidden), one)  # (B, 1, H)
     hidden = residual + attended
     residual = hidden
     return residual + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -96,8 +93,9 @@ def _batched_decoder_layer(layer, hidden, sessions: list[SessionContext]) -> tor
 class SessionAttention(nn.Module):
     """Wraps a decoder layer's ``self_attn`` so that the whole layer can run a batched decode
     step: given ``meshnet_sessions`` (one ``SessionContext`` per row), attention runs row by
-    row against each session's own cache, mask and positions; norms, MLP and MoE routing run
-    batched in the layer's own code. Without it, calls pass straight through.
+    row against each session's own cache, mask and positions, its projections batched
+    (``attend_rows``); norms, MLP and MoE routing run batched in the layer's own code.
+    Without it, calls pass straight through.
 
     This keeps every family's decoder layer as transformers wrote it (Gemma's four norms,
     gpt-oss's router scores, Phi-3's dropouts) instead of mirroring each one here."""
@@ -111,18 +109,14 @@ class SessionAttention(nn.Module):
             return self.inner(hidden_states, *args, **kwargs)
         for name in ("attention_mask", "position_ids", "cache", "position_embeddings"):
             kwargs.pop(name, None)
-        rows = [
-            self.inner(
-                hidden_states=hidden_states[b : b + 1],
-                attention_mask=ctx.mask,
-                position_ids=ctx.position_ids,
-                cache=ctx.cache,
-                position_embeddings=ctx.position_embeddings,
-                **kwargs,
-            )[0]
-            for b, ctx in enumerate(meshnet_sessions)
-        ]
-        return torch.cat(rows), None
+
+        def one(attn, row, b):
+            ctx = meshnet_sessions[b]
+            return attn(hidden_states=row, attention_mask=ctx.mask, position_ids=ctx.position_ids,
+                        cache=ctx.cache, position_embeddings=ctx.position_embeddings,
+                        **kwargs)[0]  # fmt: skip
+
+        return attend_rows(self.inner, hidden_states, one), None
 
 
 def _batched_any_layer(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Attention of a batched decode step, one session (row) at a time, with the projections of
+every row computed at once.
+
+A batched decode pass runs B sessions' tokens through a layer together, but each session
+attends to its own KV cache, so the attention module is called once per row. Called as
+transformers wrote it, each row then also runs the module's projections on its own: B
+matrix-vector products per weight, each reading the whole weight, where one (B x H)
+product reads it once. On a CPU that is most of a batched pass (SmolLM2, 10 layers, 16
+sessions: 95 ms against 19 ms for one).
+
+``attend_rows`` keeps every family's attention code as transformers wrote it and only
+moves its projections out of the per-row loop. The first time it meets a module it runs
+row 0 through it with each ``nn.Linear`` child watched (``_Watch``), to learn which
+children read the row itself (the input projections: ``q_proj``, ``k_proj``, ``v_proj``;
+DeepSeek's ``q_a_proj`` and ``kv_a_proj_with_mqa``; Phi-3's ``qkv_proj``) and whether
+one child's output is what the module returns (the output projection, ``o_proj``). From
+then on the input projections run once on all rows and hand each row its slice
+(``_Rows``), and the output projection runs once on all rows' results. Anything else in
+the module (norms on q and k, rotary, the cache update, the attention itself, sinks,
+soft-capping, a projection of a projection) runs per row, unchanged.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+RowCall = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (module, row, b) -> output
+
+
+@dataclass(frozen=True)
+class _Plan:
+    inputs: tuple[str, ...]  # Linear children that read the row (each once)
+    output: str | None  # the Linear child whose output the module returns, if any
+
+
+class _Watch(nn.Module):
+    """Stands in for a Linear child while a row runs: notes what it was given and gave."""
+
+    def __init__(self, inner: nn.Linear, row: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.row = inner, row
+        self.calls = 0
+        self.read_row = False
+        self.out: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.read_row = x is self.row
+        self.out = self.inner(x)
+        return self.out
+
+
+class _Rows(nn.Module):
+    """Stands in for an input projection: row ``b``'s slice of its output for all rows."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self.inner = inner
+        self.row: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+        self.b = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x is self.row:
+            return self.out[self.b : self.b + 1]
+        return self.inner(x)  # not the row after all: computed as written
+
+
+class _Later(nn.Module):
+    """Stands in for the output projection: passes the row's result through, to be
+    projected with every other row's at once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _swapped(module: nn.Module, stand_ins: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    children = module._modules
+    originals = {name: children[name] for name in stand_ins}
+    children.update(stand_ins)
+    return originals
+
+
+def _learn(module: nn.Module, row: torch.Tensor, call: RowCall) -> tuple[_Plan, torch.Tensor]:
+    """Run row 0 through ``module`` as written, watching its Linear children."""
+    watches = {
+        name: _Watch(child, row)
+        for name, child in module.named_children()
+        if isinstance(child, nn.Linear)
+    }
+    originals = _swapped(module, watches)
+    try:
+        result = call(module, row, 0)
+    finally:
+        module._modules.update(originals)
+    inputs = tuple(n for n, w in watches.items() if w.calls == 1 and w.read_row)
+    outputs = [n for n, w in watches.items() if w.calls == 1 and not w.read_row
+               and w.out is result]  # fmt: skip
+    return _Plan(inputs, outputs[0] if len(outputs) == 1 else None), result
+
+
+class RowAttention:
+    """The plans learned so far, one per attention module."""
+
+    def __init__(self) -> None:
+        self._plans: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+        self._stand_ins: weakref.WeakKeyDictionary[nn.Module, dict[str, _Rows]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __call__(self, module: nn.Module, hidden: torch.Tensor, call: RowCall) -> torch.Tensor:
+        """``call(module, row, b)`` for each row ``b`` of ``hidden`` (B, 1, H), that is the
+        module's output for that row; returns every row's, concatenated (B, 1, H').
+
+        Each row runs through the module exactly once (its KV cache grows by one)."""
+        rows = [hidden[b : b + 1] for b in range(hidden.shape[0])]
+        done: list[torch.Tensor] = []  # rows already through the whole module
+        plan = self._plans.get(module)
+        if plan is None:
+            plan, first = _learn(module, rows[0], call)
+            self._plans[module] = plan
+            self._stand_ins[module] = {n: _Rows(module._modules[n]) for n in plan.inputs}
+            done.append(first)
+        todo = range(len(done), len(rows))
+        if not todo:
+            return torch.cat(done)
+        stand_ins = self._stand_ins[module]
+        rest = hidden if not done else hidden[len(done) :]
+        swap: dict[str, nn.Module] = {}
+        for name, stand_in in stand_ins.items():
+            stand_in.out = stand_in.inner(rest)  # every row's projection in one product
+            swap[name] = stand_in
+        output = module._modules[plan.output] if plan.output is not None else None
+        if output is not None:
+            swap[plan.output] = _LATER
+        results: list[torch.Tensor] = []
+        originals = _swapped(module, swap)
+        try:
+            for b in todo:
+                for stand_in in stand_ins.values():
+                    stand_in.row, stand_in.b = rows[b], b - len(done)
+                results.append(call(module, rows[b], b))
+        finally:
+            module._modules.update(originals)
+            for stand_in in stand_ins.values():
+                stand_in.row = stand_in.out = None
+        attended = torch.cat(results)
+        if output is not None:
+            attended = output(attended)
+        return torch.cat([*done, attended]) if done else attended
+
+
+_LATER = _Later()
