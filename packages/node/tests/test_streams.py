@@ -38,7 +38,7 @@ from websockets.sync.client import connect as ws_connect
 from meshnet_common import wire
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_common.protocol import H_SESSION_KEY, H_SWARM_TOKEN, SamplingSpec
+from meshnet_common.protocol import H_COMPUTE, H_SESSION_KEY, H_SWARM_TOKEN, SamplingSpec
 from meshnet_node.dataplane.frames import (
     MAX_HEADER_BYTES,
     STREAM_PATH,
@@ -433,6 +433,15 @@ def test_requests_and_answers_round_trip(kind, rid, headers, body):
     assert decode_request(encode_request(kind, rid, headers, body)) == (kind, rid, headers, body)
     status = 100 + rid % 500
     assert decode_answer(encode_answer(rid, status, headers, body)) == (rid, status, headers, body)
+
+
+@given(value=st.text(alphabet="0123456789.,", max_size=40) | st.text(max_size=20),
+       rid=st.integers(0, 2**32 - 1))  # fmt: skip
+def test_a_step_answers_compute_header_reads_as_json_would(value, rid):
+    headers = {H_COMPUTE: value}
+    as_json = json.dumps(headers, separators=(",", ":")).encode()  # what _reply writes
+    for header in (headers, as_json):
+        assert decode_answer(encode_answer(rid, 200, header, b"{}")) == (rid, 200, headers, b"{}")
 
 
 @given(data=st.binary(max_size=200))

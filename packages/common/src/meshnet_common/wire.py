@@ -154,15 +154,12 @@ def _decompress_exact(body: bytes, expected: int) -> bytes:
             f"zstd frame declares {params.content_size} bytes, shape needs {expected}",
             code="bad_frame",
         )
-    # One pass, no stream reader: zstd checks the output against the declared size
-    # (verified above), so the output stays bounded. Exactly one frame, nothing after it.
-    inflater = _decompressor().decompressobj()
+    # One call: the output buffer is the declared size (verified above), so it stays
+    # bounded; a truncated frame, or anything after the one frame, is an error.
     try:
-        out = inflater.decompress(body)
+        out = _decompressor().decompress(body, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise InvalidRequest(f"corrupt zstd frame: {exc}", code="bad_frame") from exc
-    if not inflater.eof or inflater.unused_data:
-        raise InvalidRequest("zstd frame truncated or followed by extra bytes", code="bad_frame")
     if len(out) != expected:
         raise InvalidRequest(
             f"zstd frame decodes to {len(out)} bytes, shape needs {expected}", code="bad_frame"

@@ -23,6 +23,8 @@ import struct
 from enum import IntEnum
 from typing import NamedTuple
 
+from meshnet_common.protocol import H_COMPUTE
+
 SUBPROTOCOL = "meshnet.hop.v1"  # Sec-WebSocket-Protocol: the version of these messages
 STREAM_PATH = "/v1/stream"
 H_MAX_MESSAGE = "x-meshnet-max-message"  # the handshake answer: the largest message accepted
@@ -117,5 +119,25 @@ def decode_answer(data: bytes) -> Answer:
         raise FrameError(f"expected an answer, got kind {kind}")
     if not 100 <= status < 600:
         raise FrameError(f"status {status} is not an HTTP status")
-    headers = _headers(data, _ANSWER.size, length)
-    return Answer(request_id, status, headers, data[_ANSWER.size + length :])
+    end = _ANSWER.size + length
+    compute = _compute_only(data, _ANSWER.size, end)
+    headers = _headers(data, _ANSWER.size, length) if compute is None else compute
+    return Answer(request_id, status, headers, data[end:])
+
+
+_COMPUTE_HEADER = b'{"%s":"' % H_COMPUTE.encode()
+
+
+def _compute_only(data: bytes, start: int, end: int) -> dict[str, str] | None:
+    """A step's answer header, ``{"x-meshnet-compute-ms":"<digits, dots, commas>"}``, read
+    without a JSON parser (every decode step's answer has exactly this header, once per
+    hop); None for any other header, which goes to ``json.loads``."""
+    value = start + len(_COMPUTE_HEADER)
+    if end > len(data) or end - value < 2 or data[end - 2 : end] != b'"}':
+        return None
+    if not data.startswith(_COMPUTE_HEADER, start):
+        return None
+    digits = data[value : end - 2]
+    if digits.translate(None, b"0123456789.,"):  # anything else: let JSON decide
+        return None
+    return {H_COMPUTE: digits.decode("ascii")}

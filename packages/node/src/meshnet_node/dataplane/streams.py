@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -73,7 +74,10 @@ _ROUTES = (("POST", "/v1/forward", Kind.STEP), ("DELETE", "/v1/sessions/", Kind.
            ("POST", "/v1/answers/", Kind.DELIVER))  # fmt: skip
 
 
+@functools.lru_cache(maxsize=1024)
 def _target(method: str, url: str) -> _Target:
+    # Cached: a node sends every step to the same few URLs, and parsing one costs tens of
+    # microseconds on a CPU whose caches the step's compute emptied (docs/adr/0011).
     parts = urlsplit(url)
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme)
     if scheme is None or not parts.hostname:
