@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from meshnet_common.errors import Conflict
 from meshnet_common.layers import LayerRange
@@ -164,3 +165,46 @@ def test_draft_policy_drafts_only_when_it_pays():
     assert slow.choose(0.7, 3) == 0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0, 3) == 4
+
+
+def _bf16_stages(snapshot, n_layers: int) -> list[Stage]:
+    bounds = [(0, n_layers // 3), (n_layers // 3, 2 * n_layers // 3), (2 * n_layers // 3, n_layers)]
+    return [Stage(load_shard(snapshot, LayerRange(*b), Precision.BFLOAT16)) for b in bounds]
+
+
+def _chain(stages, sid, position, ids, drafts=()):
+    """One step through the chain; each stage's output rows (hidden, then the tail's logits)."""
+    out = stages[0].step(sid, position, token_ids=torch.tensor([ids]), drafts=drafts)
+    rows = [out.hidden]
+    for stage in stages[1:]:
+        out = stage.step(sid, position, hidden=out.hidden, drafts=drafts)
+        rows.append(
+            out.hidden if out.hidden is not None else out.logits.reshape(-1, out.logits.shape[-1])
+        )
+    return rows
+
+
+@pytest.mark.parametrize("family", list(tiny.FAMILIES))
+def test_bfloat16_verification_rows_equal_one_token_steps(tiny_snapshot, family):
+    """In bfloat16 a verification pass (a token and 4 drafts) gives, on every stage, the
+    rows that five one-token steps give, bit for bit, and leaves the caches so that the
+    steps after it (also after a rewind past rejected drafts) agree bit for bit too: the
+    greedy text of speculative decoding is that of plain decoding (ADR-0019)."""
+    snapshot = tiny_snapshot(family)
+    stages = _bf16_stages(snapshot, AutoConfig.from_pretrained(snapshot).num_hidden_layers)
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, 200, (150,), generator=gen).tolist()  # past every window
+    for sid in ("plain", "spec"):
+        for stage in stages:
+            stage.open_session(sid)
+        for lo in range(0, len(prompt), 128):
+            _chain(stages, sid, lo, prompt[lo : lo + 128])
+    position = len(prompt)
+    for kept in (5, 2, 5, 1):  # rows of each pass the next step keeps (a rewind when < 5)
+        ids = torch.randint(3, 200, (5,), generator=gen).tolist()
+        verified = _chain(stages, "spec", position, ids, drafts=tuple(ids[1:]))
+        for i in range(kept):
+            one = _chain(stages, "plain", position + i, [ids[i]])
+            for stage_rows, row in zip(verified, one, strict=True):
+                assert torch.equal(stage_rows.reshape(5, -1)[i], row.reshape(-1)), (family, i)
+        position += kept

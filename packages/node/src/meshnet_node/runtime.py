@@ -21,7 +21,6 @@ from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot
-from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
     DirectiveKind,
     Heartbeat,
@@ -268,10 +267,8 @@ def build_openai(
         generation_config = GenerationConfig.from_pretrained(settings.model_path)
     except OSError:
         generation_config = None
-    mode = settings.speculative
-    if mode == "auto":  # exact where it is: bfloat16 verification flips near-ties (ADR-0019)
-        exact = service.stage.shard.precision == Precision.FLOAT32
-        mode = "greedy" if exact or settings.draft_model else "off"
+    # auto: an older default, kept as a name; verification is exact in every precision now
+    mode = "greedy" if settings.speculative == "auto" else settings.speculative
     draft = None
     if settings.draft_model and mode != "off":
         draft = DraftModel(

@@ -97,17 +97,15 @@ class ShardSettings(ServiceSettings):
     )  # fmt: skip
 
     speculative: str = knob(
-        "auto", "speculative decoding with drafts looked up in the text itself (n-gram): "
-        "greedy (temperature 0 requests), all (sampled ones too: the acceptance rule keeps "
-        "their distribution), off, or auto: greedy in float32, off otherwise (in bfloat16 a "
-        "draft verified in a multi-row pass can flip a near-tie, so the greedy text may "
-        "differ from the unsplit model's); the head drafts only while it pays", group=MODEL,
-        choices=("auto", "greedy", "all", "off"),
+        "greedy", "speculative decoding with drafts looked up in the text itself (n-gram): "
+        "greedy (temperature 0 requests; the text is that of one-at-a-time decoding, in "
+        "bfloat16 too), all (sampled ones too: the acceptance rule keeps their "
+        "distribution), off; auto is the same as greedy. The head drafts only while it pays",
+        group=MODEL, choices=("auto", "greedy", "all", "off"),
     )  # fmt: skip
     max_draft_tokens: int = knob(
-        2, "most draft tokens a decode step carries for the chain to verify (more pay when "
-        "drafts are mostly accepted; in bfloat16 on CPU, passes of 4+ positions round "
-        "differently from one-token steps, so greedy text can then differ at near-ties)",
+        4, "most draft tokens a decode step carries for the chain to verify (the head "
+        "picks fewer, or none, when the measured step times and acceptance say so)",
         group=MODEL,
     )  # fmt: skip
     draft_model: str | None = knob(

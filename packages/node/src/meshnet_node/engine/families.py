@@ -62,14 +62,49 @@ def _call_gpt2_block(layer, hidden, *, mask, position_ids, cache, position_embed
     return layer(hidden, cache, mask, use_cache=True, position_ids=position_ids)
 
 
-@dataclass(frozen=True)
-class SessionContext:
-    """What one session brings to a batched decode step: its cache, mask, positions."""
+class RowMasks:
+    """The attention masks of one row of a batched pass, each built the first time a layer
+    of its type asks for it, from the row's cache as it is at that moment.
 
-    cache: Cache
-    mask: torch.Tensor | None
-    position_ids: torch.Tensor  # (1, 1)
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    Built lazily, a row's mask is the one a one-token step would build, also when several
+    rows of a pass are positions of the same session (a verification pass, ADR-0019): row
+    ``i`` reaches the first layer of a type after rows ``0..i-1`` went through it, so that
+    layer's cache then holds exactly the positions before row ``i``."""
+
+    __slots__ = ("_stage_config", "_layer_types", "_hidden", "_cache", "_position_ids",
+                 "_first", "_built")  # fmt: skip
+
+    def __init__(self, stage_config, layer_types, hidden, cache, position_ids, first=0):
+        self._stage_config, self._layer_types = stage_config, layer_types
+        self._hidden, self._cache, self._position_ids = hidden, cache, position_ids
+        self._first = first
+        self._built: dict[str, torch.Tensor | None] = {}
+
+    def get(self, layer_type: str) -> torch.Tensor | None:
+        if layer_type not in self._built:
+            self._built[layer_type] = build_mask(
+                self._stage_config, self._layer_types, layer_type, self._hidden, self._cache,
+                self._position_ids, self._first,
+            )  # fmt: skip
+        return self._built[layer_type]
+
+
+class SessionContext:
+    """What one row brings to a batched decode pass: its session's cache, its mask (built
+    when first needed, ``RowMasks``), positions and rotary embeddings."""
+
+    __slots__ = ("cache", "position_ids", "position_embeddings", "_masks", "_layer_type")
+
+    def __init__(self, cache: Cache, masks: RowMasks, layer_type: str, position_ids,
+                 position_embeddings) -> None:  # fmt: skip
+        self.cache = cache
+        self.position_ids = position_ids  # (1, 1)
+        self.position_embeddings = position_embeddings  # (cos, sin) or None
+        self._masks, self._layer_type = masks, layer_type
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return self._masks.get(self._layer_type)
 
 
 def _batched_decoder_layer(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
@@ -267,19 +302,32 @@ def build_masks(
     cache's current length, read from the first layer of each type that this session runs
     (layers before ``first_layer`` are never run for it and their cache slots stay empty).
     """
-    masks: dict[str, torch.Tensor | None] = {}
-    for layer_type, make_mask in (
-        (FULL, create_causal_mask),
-        (SLIDING, create_sliding_window_causal_mask),
-    ):
-        local = [i for i in range(first_layer, len(layer_types)) if layer_types[i] == layer_type]
-        if local:
-            masks[layer_type] = make_mask(
-                config=stage_config,
-                inputs_embeds=hidden,
-                attention_mask=None,
-                cache=cache,
-                position_ids=position_ids,
-                layer_idx=local[0],
-            )
-    return masks
+    return {
+        layer_type: build_mask(
+            stage_config, layer_types, layer_type, hidden, cache, position_ids, first_layer
+        )
+        for layer_type in (FULL, SLIDING)
+        if layer_type in layer_types[first_layer:]
+    }
+
+
+def build_mask(
+    stage_config: PreTrainedConfig,
+    layer_types: list[str],
+    layer_type: str,
+    hidden: torch.Tensor,
+    cache: Cache,
+    position_ids: torch.Tensor,
+    first_layer: int = 0,
+) -> torch.Tensor | None:
+    """The attention mask of the layers of ``layer_type`` (``build_masks``)."""
+    make_mask = create_causal_mask if layer_type == FULL else create_sliding_window_causal_mask
+    local = layer_types.index(layer_type, first_layer)
+    return make_mask(
+        config=stage_config,
+        inputs_embeds=hidden,
+        attention_mask=None,
+        cache=cache,
+        position_ids=position_ids,
+        layer_idx=local,
+    )

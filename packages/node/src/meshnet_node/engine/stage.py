@@ -12,7 +12,7 @@ from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest, MeshnetError
 from meshnet_common.protocol import SamplingSpec
 from meshnet_node.engine.constraints import ConstraintFactory
-from meshnet_node.engine.families import SessionContext, build_masks, final_logits
+from meshnet_node.engine.families import RowMasks, SessionContext, build_masks, final_logits
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.sampling import SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
@@ -304,6 +304,14 @@ class Stage:
     def _forward_batch(
         self, sessions: list[Session], positions: list[int], inputs: list[torch.Tensor]
     ) -> list[StepOutput]:
+        """One pass over the layers for several rows, each a one-token step of its session:
+        norms, MLPs and projections run on all rows at once, attention row by row against
+        the row's own session cache, in row order (``attend_rows``).
+
+        Rows may repeat a session at consecutive positions (a verification pass): row ``i``
+        then attends to the positions before it exactly as a one-token step would, with its
+        own mask (``RowMasks``), so every row's output is the one-token step's, bit for bit
+        (linear kernels give each row the same result whatever the number of rows)."""
         shard, mods, device = self.shard, self.shard.modules, self.shard.device
         position_ids = [torch.tensor([[p]], device=device) for p in positions]  # B x (1, 1)
         if shard.is_head:
@@ -316,7 +324,7 @@ class Stage:
         contexts = []
         for b, session in enumerate(sessions):
             one = hidden[b : b + 1]
-            masks = build_masks(
+            masks = RowMasks(
                 shard.stage_config, shard.layer_types, one, session.cache, position_ids[b], first
             )
             rotary = shard.adapter.position_embeddings(
@@ -326,19 +334,33 @@ class Stage:
         batched = shard.adapter.call_layer_batched
         for offset, layer in enumerate(mods.layers[first:]):
             layer_type = shard.layer_types[first + offset]
-            per_session = [
+            per_row = [
                 SessionContext(
-                    session.cache, masks[layer_type], position_ids[b], rotary[layer_type]
+                    session.cache, masks, layer_type, position_ids[b], rotary[layer_type]
                 )
                 for b, (session, (masks, rotary)) in enumerate(zip(sessions, contexts, strict=True))
             ]
-            hidden = batched(layer, hidden, per_session)  # (B, 1, H)
+            hidden = batched(layer, hidden, per_row)  # (B, 1, H)
         if not shard.is_tail:
             out = self._faulty(hidden.to(shard.activation_dtype))
             return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]
         logits = final_logits(shard.config, mods.lm_head, mods.norm(hidden)).float().cpu()
         logits = self._faulty(logits)
         return [StepOutput(logits=logits[b].reshape(-1)) for b in range(len(sessions))]
+
+    def _forward_drafts(self, session: Session, position: int, inputs: torch.Tensor) -> StepOutput:
+        """A verification pass (a token and its drafts): the positions run as rows of one
+        batched pass (``_forward_batch``), so each gives what a one-token step there gives,
+        in bfloat16 too, and the text stays that of one-at-a-time decoding (ADR-0019)."""
+        rows = inputs.shape[1]
+        outs = self._forward_batch(
+            [session] * rows,
+            list(range(position, position + rows)),
+            [inputs[:, i : i + 1] for i in range(rows)],  # rows x (1, 1) ids or (1, 1, H)
+        )
+        if outs[0].hidden is not None:
+            return StepOutput(hidden=torch.cat([out.hidden for out in outs], dim=1))
+        return StepOutput(logits=torch.stack([out.logits for out in outs]))  # (rows, V)
 
     @torch.inference_mode()
     def _forward(
@@ -348,6 +370,8 @@ class Stage:
         mods = shard.modules
         device = shard.device
         num_tokens = inputs.shape[1]
+        if rows > 1 and rows == num_tokens:
+            return self._forward_drafts(session, position, inputs)
         position_ids = torch.arange(position, position + num_tokens, device=device).unsqueeze(0)
         if shard.is_head:
             hidden = mods.embed(inputs.to(device))  # (1, T, H)
