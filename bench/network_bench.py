@@ -6,8 +6,8 @@ one-traversal-per-token bound ``1 / (undelayed step time + 2 x hops x delay)`` (
 when every token waits for a whole round trip of the chain; the step time is the plain
 variant's), for three variants: ``plain`` (no speculation, answers back through the chain:
 the data path before issue #17), ``direct`` (the tail answers the head directly) and
-``direct+spec`` (direct answers and speculative decoding, `--speculative greedy`: in
-bfloat16 the default `auto` leaves drafting off, ADR-0019). Also tokens per
+``direct+spec`` (the defaults: direct answers over slow links and speculative decoding,
+exact in bfloat16 too, ADR-0019). Also tokens per
 traversal, whether the text equals the plain undelayed run's, and TTFT of a 2048-token
 prompt at 100 Mbit/s against the time its activations take on such links.
 
@@ -48,7 +48,7 @@ def variance(values):
 VARIANTS = (  # (label, node flags): today's data path first, it sets the bound
     ("plain", ["--speculative", "off", "--no-direct-answers"]),
     ("direct", ["--speculative", "off"]),
-    ("direct+spec", ["--speculative", "greedy"]),  # bfloat16: auto leaves it off
+    ("direct+spec", []),  # the defaults
 )
 
 
