@@ -92,7 +92,8 @@ def decode_run(url: str, prompt: list[int], tokens: int) -> dict:
     }
 
 
-def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat: int) -> dict:
+def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat: int,
+        variants: tuple[str, ...] = tuple(v for v, _ in VARIANTS)) -> dict:  # fmt: skip
     from transformers import AutoTokenizer
 
     snapshot = models_dir / SMOLLM2_MODEL_ID
@@ -101,6 +102,8 @@ def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat
     step0 = None
     reference_text = None
     for mode, flags in VARIANTS:
+        if mode not in variants:
+            continue
         with relayed_swarm(models_dir, threads, flags) as (swarm, control):
             url = swarm.tracker_url
             for delay in delays:
@@ -110,6 +113,8 @@ def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat
                 if mode == "plain" and delay == 0:
                     step0 = best["wall_s"] / tokens
                     reference_text = best["text"]
+                if step0 is None:  # without the plain variant: this one's own undelayed step
+                    step0, reference_text = best["wall_s"] / tokens, best["text"]
                 bound = 1.0 / (step0 + 2 * HOPS * delay / 1000.0)
                 row = {
                     "variant": mode, "delay_ms": delay,
@@ -153,6 +158,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="one run, 64 tokens")
+    parser.add_argument("--variants", default=",".join(v for v, _ in VARIANTS),
+                        help="which of " + ", ".join(v for v, _ in VARIANTS))  # fmt: skip
     parser.add_argument("--models-dir", default=str(REPO_ROOT / ".cache" / "test-models"))
     args = parser.parse_args()
     models_dir = Path(args.models_dir)
@@ -160,7 +167,8 @@ def main() -> None:
     runs, tokens = (1, 64) if args.quick else (args.runs, args.tokens)
     delays = [float(d) for d in args.delays.split(",")]
     started = time.time()
-    results = run(models_dir, delays, tokens, args.threads, runs)
+    variants = tuple(args.variants.split(","))
+    results = run(models_dir, delays, tokens, args.threads, runs, variants)
     results["seconds"] = round(time.time() - started, 1)
     print(f"wrote {write_json('network.json', results)}")
 

@@ -164,6 +164,27 @@ def test_draft_policy_drafts_only_when_it_pays():
     slow.observe(4, 0.050)  # compute-bound: each draft costs a whole step
     assert slow.choose(0.7, 3) == 0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_draft_policy_tells_a_slower_link_from_costlier_drafts():
+    """Plain steps measured on a fast link, then the link slows down while every step
+    drafts: the extra wall time is link (outside the hops' compute), not the drafts' cost,
+    so drafting stays on; compute-bound drafts still turn it off."""
+    policy = DraftPolicy(max_draft=4)
+    for _ in range(3):
+        policy.observe(0, 0.080, 0.078)  # loopback: 2 ms of the step outside compute
+    policy.observe(2, 0.094, 0.092)  # drafts: 7 ms of compute each
+    assert policy.choose(0.6, 3) > 0
+    for _ in range(8):
+        policy.observe(2, 0.194, 0.092)  # 25 ms links: 100 ms more wall, the same compute
+    assert policy.choose(0.6, 12) >= 2  # drafts pay more over slow links, not less
+    assert policy.per_draft_s.value == pytest.approx(0.007)
+    assert policy.link_s.value > 0.09
+    costly = DraftPolicy(max_draft=4)
+    costly.observe(0, 0.080, 0.078)
+    for _ in range(8):
+        costly.observe(2, 0.200, 0.198)  # each draft costs most of a step of compute
+    assert costly.choose(0.6, 5) == 0
     assert expected_tokens(1.0, 3) == 4
 
 

@@ -234,7 +234,11 @@ class HeadGenerator(Failover):
                     kept = len(result.more or ())
                     self.service.tokens_served += kept  # the kept drafts: tokens here too
                     if speculation is not None:
-                        speculation.settle(len(drafts), kept, elapsed)
+                        compute_s = (  # every hop's compute, and the drafting
+                            sum(result.compute_ms) / 1000 + drafting_s
+                            if result.compute_ms else None
+                        )  # fmt: skip
+                        speculation.settle(len(drafts), kept, elapsed, compute_s)
                     if drafts:
                         metrics.draft_tokens.inc(len(drafts))
                         metrics.accepted_tokens.inc(kept)

@@ -94,33 +94,42 @@ class _Mean:
 class DraftPolicy:
     """How many drafts a step should carry, from what this head measured.
 
-    A step with ``k`` drafts costs about ``t(0) + k * c`` (the plain step time, plus each
-    extra position's compute on every hop) and yields ``(1 - a^(k+1)) / (1 - a)`` tokens when
-    each draft is accepted with probability ``a``. The policy picks the ``k`` with the most
-    tokens per second; 0 (no drafting) when nothing pays, probing again now and then in case
-    the link or the text changed. Step times are the head's (shared by its generations);
+    A step with ``k`` drafts costs about ``link + compute(0) + k * c`` and yields
+    ``(1 - a^(k+1)) / (1 - a)`` tokens when each draft is accepted with probability ``a``.
+    ``link`` is a step's wall time outside the hops' compute (links, messages: the same
+    whatever ``k``), learned from every step; ``compute(0)`` from steps without drafts; ``c``
+    (each draft's compute on every hop) from the compute of steps with them. Kept apart, a
+    link that becomes slower (or faster) moves ``link`` within a few steps, drafting or not,
+    instead of reading as drafts that cost more. The policy picks the ``k`` with the most
+    tokens per second; 0 (no drafting) when nothing pays, probing again now and then in
+    case the link or the text changed. Times are the head's (shared by its generations);
     acceptance is each generation's own, starting from the head's recent mean."""
 
     def __init__(self, max_draft: int = MAX_DRAFT) -> None:
         self.max_draft = max_draft
-        self.plain_s = _Mean(0.2)  # wall time of a step without drafts
-        self.per_draft_s = _Mean(0.2)  # what each draft adds to a step's wall time
+        self.link_s = _Mean(0.3)  # a step's wall time outside compute
+        self.plain_s = _Mean(0.2)  # the compute of a step without drafts (every hop)
+        self.per_draft_s = _Mean(0.2)  # what each draft adds to a step's compute
         self.acceptance = _Mean(0.1, 0.6)  # the head's recent acceptance (a prior)
 
-    def observe(self, drafts: int, wall_s: float) -> None:
+    def observe(self, drafts: int, wall_s: float, compute_s: float | None = None) -> None:
+        """A step's wall time and the compute in it (every hop's, and drafting's); without
+        a compute figure the whole wall counts as compute."""
+        compute_s = wall_s if compute_s is None else min(compute_s, wall_s)
+        self.link_s.add(wall_s - compute_s)
         if drafts == 0:
-            self.plain_s.add(wall_s)
+            self.plain_s.add(compute_s)
         elif self.plain_s.value is not None:
-            self.per_draft_s.add(max(0.0, wall_s - self.plain_s.value) / drafts)
+            self.per_draft_s.add(max(0.0, compute_s - self.plain_s.value) / drafts)
 
     def choose(self, acceptance: float, steps: int) -> int:
         """Drafts for the next step of a generation whose drafts were accepted at rate
         ``acceptance``; ``steps`` counts its steps (for probing)."""
-        plain = self.plain_s.value
-        if plain is None:  # measure a plain step first
+        if self.plain_s.value is None:  # measure a plain step first
             return 0
         if self.per_draft_s.value is None:
             return min(4, self.max_draft)  # then one with drafts
+        plain = self.plain_s.value + (self.link_s.value or 0.0)
         best, best_rate = 0, 1.0 / max(plain, 1e-6)
         for k in range(1, self.max_draft + 1):
             rate = expected_tokens(acceptance, k) / (plain + k * self.per_draft_s.value)
@@ -166,8 +175,10 @@ class Speculation:
         self.drafter.sync(context)
         return self.drafter.propose(k)
 
-    def settle(self, drafted: int, accepted: int, wall_s: float) -> None:
-        self.policy.observe(drafted, wall_s)
+    def settle(
+        self, drafted: int, accepted: int, wall_s: float, compute_s: float | None = None
+    ) -> None:
+        self.policy.observe(drafted, wall_s, compute_s)
         if drafted:
             # Drafts are judged up to the first rejected one: the accepted ones and that one.
             judged = accepted + (accepted < drafted)
