@@ -182,3 +182,29 @@ def test_a_gap_shorter_than_the_grace_period_moves_nobody():
     beat(registry, "head", "spare")
     assert balancer.plan_moves() == 1
     assert balancer.move_counts == Counter({(MODEL, "gap"): 1})
+
+
+def test_requests_wait_for_a_lost_node_longer_than_moves_do():
+    """A node dropped for missed heartbeats may be restarting: its layers count as on their
+    way for requests (they wait) for --restart-grace, well past --move-grace; after that a
+    request for them fails at once."""
+    clock = Clock()
+    registry = Registry(1.0, clock=clock)
+    registry.note_model(MODEL, 12)
+    balancer = Balancer(registry, {MODEL: COSTS}, Counter(), clock=clock, move_grace_s=10.0,
+                        restart_grace_s=60.0)  # fmt: skip
+    announce(registry, "head", 0, 6, 6)
+    announce(registry, "tail", 6, 12, 6)
+    assert balancer.coverage_on_its_way(MODEL)
+    clock.now += 5  # the tail misses its heartbeats and is dropped
+    beat(registry, "head")
+    registry.records()
+    assert "tail" not in {r.node_id for r in registry.records()}
+    clock.now += 20  # past the move grace: still expected back (a slow restart)
+    beat(registry, "head")
+    assert balancer.coverage_on_its_way(MODEL)
+    clock.now += 41  # past the restart grace: no prospect left
+    beat(registry, "head")
+    assert not balancer.coverage_on_its_way(MODEL)
+    assert Balancer(registry, {MODEL: COSTS}, Counter(), move_grace_s=90.0,
+                    restart_grace_s=5.0).restart_grace_s == 90.0  # fmt: skip

@@ -63,6 +63,7 @@ class Balancer:
         pending_ttl_s: float = 180.0,
         move_cooldown_s: float = 30.0,
         move_grace_s: float = 10.0,
+        restart_grace_s: float = 60.0,
         joining_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -72,6 +73,7 @@ class Balancer:
         self.pending_ttl_s = pending_ttl_s
         self.move_cooldown_s = move_cooldown_s
         self.move_grace_s = move_grace_s
+        self.restart_grace_s = max(restart_grace_s, move_grace_s)
         self.joining_ttl_s = joining_ttl_s
         self.clock = clock
         self._pending: dict[str, Pending] = {}
@@ -127,9 +129,11 @@ class Balancer:
         if view is None:
             return False
         counts = list(view.capacity)
-        # A node lost within the grace period may be restarting: the balancer waits for it
-        # as long before it moves another node into its range, and so do requests.
-        for record in self.registry.lost(self.move_grace_s):
+        # A node lost to missed heartbeats may be restarting: requests wait for it for
+        # restart_grace_s (a process restart on a loaded host takes tens of seconds before it
+        # even announces its range), while moves wait only move_grace_s (a move costs a
+        # shard download, and is itself coverage on its way).
+        for record in self.registry.lost(self.restart_grace_s):
             if record.announcement.shard.model_id == model_id:
                 for layer in record.announcement.shard.layers:
                     if layer < len(counts):

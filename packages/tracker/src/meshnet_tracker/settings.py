@@ -50,6 +50,11 @@ class TrackerSettings(ShardSettings):
         10.0, "seconds a coverage gap must last before the tracker moves a redundant node into "
         "it (nodes still loading count as coverage)", group=TRACKER, flag="--move-grace",
     )  # fmt: skip
+    restart_grace_s: float = knob(
+        60.0, "seconds a node dropped for missed heartbeats counts as restarting: requests for "
+        "its layers wait for them (--coverage-wait) instead of failing at once (at least "
+        "--move-grace)", group=TRACKER, flag="--restart-grace",
+    )  # fmt: skip
     joining_ttl_s: float = knob(
         600.0, "seconds a node may stay loading before it no longer holds its range",
         group=TRACKER, flag="--joining-ttl",

@@ -58,6 +58,7 @@ class TrackerState:
         self.balancer = Balancer(
             self.registry, self.costs, self.demand,
             move_grace_s=self.settings.move_grace_s, joining_ttl_s=self.settings.joining_ttl_s,
+            restart_grace_s=self.settings.restart_grace_s,
         )  # fmt: skip
 
     def index_models_dir(self) -> None:
