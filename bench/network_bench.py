@@ -11,7 +11,7 @@ exact in bfloat16 too, ADR-0019). Also tokens per
 traversal, whether the text equals the plain undelayed run's, and TTFT of a 2048-token
 prompt at 100 Mbit/s against the time its activations take on such links.
 
-    .venv/bin/python bench/network_bench.py [--quick] [--delays 0,5,25]
+    .venv/bin/python bench/network_bench.py [--quick] [--delays 0,5,25] [--variants plain,direct,direct+spec]
 """
 
 from __future__ import annotations
