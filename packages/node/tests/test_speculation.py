@@ -216,8 +216,8 @@ def test_bfloat16_verification_rows_equal_one_token_steps(tiny_snapshot, family)
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, 200, (150,), generator=gen).tolist()  # past every window
     for sid in ("plain", "spec"):
-        for stage in stages:
-            stage.open_session(sid)
+        for stage in stages:  # recorded: the tail computes every row's logits (else only
+            stage.open_session(sid, record=sid == "spec")  # those verification reads)
         for lo in range(0, len(prompt), 128):
             _chain(stages, sid, lo, prompt[lo : lo + 128])
     position = len(prompt)
@@ -229,3 +229,37 @@ def test_bfloat16_verification_rows_equal_one_token_steps(tiny_snapshot, family)
             for stage_rows, row in zip(verified, one, strict=True):
                 assert torch.equal(stage_rows.reshape(5, -1)[i], row.reshape(-1)), (family, i)
         position += kept
+
+
+def test_a_tail_computes_only_the_logits_verification_reads(tiny_snapshot):
+    """A tail verifying drafts computes the first row's logits alone and the others only
+    once the first draft is kept; every row it computes is the eagerly computed one, bit
+    for bit, and the tokens are the same (ADR-0019)."""
+    snapshot = tiny_snapshot("llama")
+    layers = AutoConfig.from_pretrained(snapshot).num_hidden_layers
+    tail = Stage(load_shard(snapshot, LayerRange(layers // 2, layers), Precision.BFLOAT16))
+    gen = torch.Generator().manual_seed(3)
+    width = tail.shard.config.hidden_size
+    prefix = torch.randn(1, 20, width, generator=gen).bfloat16()
+    rows = torch.randn(1, 4, width, generator=gen).bfloat16()
+    def fresh(sid: str, record: bool) -> str:
+        tail.open_session(sid, record=record)  # recorded: every row computed
+        tail.step(sid, 0, hidden=prefix)
+        return sid
+
+    eager = tail.step(fresh("eager", True), 20, hidden=rows, drafts=(1, 2, 3))
+    assert eager.logits.shape[0] == 4
+    best = eager.logits.argmax(dim=-1).tolist()
+    wrong = [(t + 1) % eager.logits.shape[1] for t in best]
+    cases = [  # drafts, rows read
+        ((wrong[0], best[1], best[2]), 1),  # the first draft missed: row 0 alone
+        ((best[0], best[1], wrong[2]), 4),  # kept: the other rows together
+        ((best[0], best[1], best[2]), 4),
+    ]  # fmt: skip
+    for n, (drafts, read) in enumerate(cases):
+        out = tail.step(fresh(f"lazy{n}", False), 20, hidden=rows, drafts=drafts)
+        assert out.logits.shape[0] == read
+        assert torch.equal(out.logits, eager.logits[:read])
+        tokens = [out.token.token_id, *(t.token_id for t in out.more)]
+        kept = next((i for i, (d, b) in enumerate(zip(drafts, best)) if d != b), 3)
+        assert tokens == best[: kept + 1]

@@ -176,7 +176,7 @@ class Sampler:
         probability the row gives it, else a token drawn from the row without it. Either
         way each token has exactly the distribution one-at-a-time decoding gives it."""
         out = []
-        for i in range(rows.shape[0]):
+        for i in range(len(rows)):  # rows may be computed as they are read
             draft = int(drafts[i]) if i < len(drafts) else None
             token = self._sample(rows[i], draft)
             out.append(token)

@@ -40,7 +40,9 @@ class StepOutput:
     """What a stage produces: hidden states (head/middle) or last-token logits (tail)."""
 
     hidden: torch.Tensor | None = None  # (1, T, H) in the stage's activation dtype
-    logits: torch.Tensor | None = None  # (V,) float32, tail only; (k + 1, V) verifying drafts
+    # (V,) float32, tail only; verifying drafts (k + 1, V), or, where the tail verified
+    # them, the rows verification read (``DeferredRows``)
+    logits: torch.Tensor | None = None
     token: SampledToken | None = None  # tail only, when the session samples
     more: list[SampledToken] | None = None  # after ``token``: the tail kept drafts (ADR-0019)
     compute_s: float = 0.0  # time on the compute thread (shared by a batch's steps)
@@ -217,8 +219,14 @@ class Stage:
             if drafts and not session.recording:  # sliding windows keep what a rewind needs
                 session.cache.activate_past_recording()
                 session.recording = True
+            # Verification reads the logits of a pass's rows in order and stops at the
+            # first draft it rejects: the rows after it need no lm_head (an audited
+            # session records the last row, so computes them all).
+            deferred = bool(drafts) and session.sampler is not None and session.record is None
             try:
-                out = self._forward(session, position, tensor, rows=len(drafts) + 1)
+                out = self._forward(
+                    session, position, tensor, rows=len(drafts) + 1, defer_logits=deferred
+                )
                 ok = True
                 if session.record is not None:
                     session.record.add(position, tensor, _last_row(out))
@@ -236,6 +244,8 @@ class Stage:
                 if drafts:
                     kept = session.sampler.verify(out.logits, drafts)
                     out.token, out.more = kept[0], kept[1:]
+                    if isinstance(out.logits, DeferredRows):
+                        out.logits = out.logits.computed()
                 else:
                     out.token = session.sampler(out.logits)
             return out
@@ -302,7 +312,11 @@ class Stage:
 
     @torch.inference_mode()
     def _forward_batch(
-        self, sessions: list[Session], positions: list[int], inputs: list[torch.Tensor]
+        self,
+        sessions: list[Session],
+        positions: list[int],
+        inputs: list[torch.Tensor],
+        logits: bool = True,
     ) -> list[StepOutput]:
         """One pass over the layers for several rows, each a one-token step of its session:
         norms, MLPs and projections run on all rows at once, attention row by row against
@@ -311,7 +325,10 @@ class Stage:
         Rows may repeat a session at consecutive positions (a verification pass): row ``i``
         then attends to the positions before it exactly as a one-token step would, with its
         own mask (``RowMasks``), so every row's output is the one-token step's, bit for bit
-        (linear kernels give each row the same result whatever the number of rows)."""
+        (linear kernels give each row the same result whatever the number of rows).
+
+        ``logits=False``: a tail returns each row's final-norm state as ``hidden`` instead,
+        for ``DeferredRows``."""
         shard, mods, device = self.shard, self.shard.modules, self.shard.device
         position_ids = [torch.tensor([[p]], device=device) for p in positions]  # B x (1, 1)
         if shard.is_head:
@@ -344,34 +361,55 @@ class Stage:
         if not shard.is_tail:
             out = self._faulty(hidden.to(shard.activation_dtype))
             return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]
-        logits = final_logits(shard.config, mods.lm_head, mods.norm(hidden)).float().cpu()
-        logits = self._faulty(logits)
-        return [StepOutput(logits=logits[b].reshape(-1)) for b in range(len(sessions))]
+        states = mods.norm(hidden)  # (B, 1, H)
+        if not logits:
+            return [StepOutput(hidden=states[b : b + 1]) for b in range(len(sessions))]
+        out = self._logits(states)
+        return [StepOutput(logits=out[b].reshape(-1)) for b in range(len(sessions))]
 
-    def _forward_drafts(self, session: Session, position: int, inputs: torch.Tensor) -> StepOutput:
+    @torch.inference_mode()
+    def _logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Final-norm states (B, 1, H) -> float32 logits (B, 1, V)."""
+        shard = self.shard
+        return self._faulty(final_logits(shard.config, shard.modules.lm_head, states).float().cpu())
+
+    def _forward_drafts(
+        self, session: Session, position: int, inputs: torch.Tensor, defer_logits: bool = False
+    ) -> StepOutput:
         """A verification pass (a token and its drafts): the positions run as rows of one
         batched pass (``_forward_batch``), so each gives what a one-token step there gives,
-        in bfloat16 too, and the text stays that of one-at-a-time decoding (ADR-0019)."""
+        in bfloat16 too, and the text stays that of one-at-a-time decoding (ADR-0019).
+        ``defer_logits``: a tail's logits are ``DeferredRows``."""
         rows = inputs.shape[1]
+        defer = defer_logits and self.shard.is_tail
         outs = self._forward_batch(
             [session] * rows,
             list(range(position, position + rows)),
             [inputs[:, i : i + 1] for i in range(rows)],  # rows x (1, 1) ids or (1, 1, H)
+            logits=not defer,
         )
+        if defer:
+            states = torch.cat([out.hidden for out in outs])  # (rows, 1, H)
+            return StepOutput(logits=DeferredRows(self._logits, states))  # type: ignore[arg-type]
         if outs[0].hidden is not None:
             return StepOutput(hidden=torch.cat([out.hidden for out in outs], dim=1))
         return StepOutput(logits=torch.stack([out.logits for out in outs]))  # (rows, V)
 
     @torch.inference_mode()
     def _forward(
-        self, session: Session, position: int, inputs: torch.Tensor, rows: int = 1
+        self,
+        session: Session,
+        position: int,
+        inputs: torch.Tensor,
+        rows: int = 1,
+        defer_logits: bool = False,
     ) -> StepOutput:
         shard = self.shard
         mods = shard.modules
         device = shard.device
         num_tokens = inputs.shape[1]
         if rows > 1 and rows == num_tokens:
-            return self._forward_drafts(session, position, inputs)
+            return self._forward_drafts(session, position, inputs, defer_logits)
         position_ids = torch.arange(position, position + num_tokens, device=device).unsqueeze(0)
         if shard.is_head:
             hidden = mods.embed(inputs.to(device))  # (1, T, H)
@@ -442,6 +480,37 @@ class Stage:
             states = mods.norm(hidden[:, lo - position : hi - position, :])
             logits = final_logits(self.shard.config, mods.lm_head, states).float()[0]
             sampler.prompt.add(lo, torch.log_softmax(logits, dim=-1), sampler.history)
+
+
+class DeferredRows:
+    """The logits of a verification pass's rows, computed as verification reads them: the
+    first row (the step's own token) alone, then, once its draft is kept, all the others
+    in one call. Verification stops at the first draft it rejects, and where a product
+    costs the same per row whatever the number of rows (bfloat16 on CPUs without bf16
+    instructions: ~10 ms a row for SmolLM2's lm_head), the rows after it are never paid
+    for. Each row is the one a one-token step gives: a linear gives each row the same
+    bits whatever the number of rows (ADR-0019)."""
+
+    def __init__(self, logits_of, states: torch.Tensor) -> None:
+        self._logits_of = logits_of  # (n, 1, H) -> (n, 1, V)
+        self._states = states  # (rows, 1, H), after the final norm
+        self._rows: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return self._states.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # (V,)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        while len(self._rows) <= i:
+            done = len(self._rows)
+            got = self._logits_of(self._states[done : done + 1 if done == 0 else len(self)])
+            self._rows.extend(got[j].reshape(-1) for j in range(got.shape[0]))
+        return self._rows[i]
+
+    def computed(self) -> torch.Tensor:
+        """The rows read so far, (n, V)."""
+        return torch.stack(self._rows)
 
 
 def _last_row(out: StepOutput) -> torch.Tensor:
