@@ -261,5 +261,5 @@ def test_a_tail_computes_only_the_logits_verification_reads(tiny_snapshot):
         assert out.logits.shape[0] == read
         assert torch.equal(out.logits, eager.logits[:read])
         tokens = [out.token.token_id, *(t.token_id for t in out.more)]
-        kept = next((i for i, (d, b) in enumerate(zip(drafts, best)) if d != b), 3)
+        kept = next((i for i, (d, b) in enumerate(zip(drafts, best[:3], strict=True)) if d != b), 3)
         assert tokens == best[: kept + 1]
