@@ -242,6 +242,7 @@ def test_a_tail_computes_only_the_logits_verification_reads(tiny_snapshot):
     width = tail.shard.config.hidden_size
     prefix = torch.randn(1, 20, width, generator=gen).bfloat16()
     rows = torch.randn(1, 4, width, generator=gen).bfloat16()
+
     def fresh(sid: str, record: bool) -> str:
         tail.open_session(sid, record=record)  # recorded: every row computed
         tail.step(sid, 0, hidden=prefix)
