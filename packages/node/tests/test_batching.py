@@ -115,3 +115,46 @@ def test_concurrent_decode_steps_are_merged(tiny_snapshot):
     assert service.batcher.batches >= 1 and service.batcher.batched_steps >= 2
     assert len({o.token.token_id for o in outs}) == 1  # same history, same next token
     assert all(stage.sessions.peek(sid).length == 4 for sid in sids)
+
+
+def test_a_head_splits_its_sessions_into_one_micro_batch_per_stage(tiny_snapshot):
+    """On a head whose chains have 3 stages, 6 sessions' decode steps run as 3 passes of
+    2: every stage of the chain then has a batch of its own to compute (pipelining)
+    instead of one batch moving down the chain in lockstep. A stage that is not a head
+    batches whatever waits."""
+    snapshot = tiny_snapshot("llama")
+    settings = NodeSettings(
+        model_id="meshnet-tiny/llama", model_path=snapshot, layers=LayerRange(0, 3)
+    )
+    sids = [f"p{i}" for i in range(6)]
+
+    def batches_of(layers: LayerRange) -> tuple[list[int], list]:
+        stage = Stage(load_shard(snapshot, layers, Precision.FLOAT32))
+        for sid in sids:
+            stage.open_session(sid)
+            if stage.shard.is_head:
+                stage.step(sid, 0, token_ids=torch.tensor([[5, 6, 7]]), sample=False)
+            else:
+                stage.step(sid, 0, hidden=torch.ones(1, 3, stage.shard.config.hidden_size))
+
+        async def run() -> tuple[list[int], list]:
+            service = NodeService(stage, settings, model_id=settings.model_id)
+            service.batcher.depth = 3
+            sizes: list[int] = []
+            original = stage.step_batch
+            stage.step_batch = lambda items: sizes.append(len(items)) or original(items)
+            tensor = {"token_ids": torch.tensor([[9]])} if stage.shard.is_head else {
+                "hidden": torch.ones(1, 1, stage.shard.config.hidden_size)}  # fmt: skip
+            outs = await asyncio.gather(
+                *(service.run_stage(stage, sid, 3, sample=False, **tensor) for sid in sids)
+            )
+            await service.aclose()
+            return sizes, outs
+
+        return asyncio.run(run())
+
+    sizes, outs = batches_of(LayerRange(0, 3))
+    assert sizes == [2, 2, 2]
+    assert all(torch.allclose(o.hidden, outs[0].hidden, atol=1e-5) for o in outs)  # same input
+    sizes, _ = batches_of(LayerRange(3, 6))  # not a head: one pass for all
+    assert sizes == [6]

@@ -4,6 +4,7 @@ thread run as one forward pass (``Stage.step_batch``)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,12 @@ class DecodeBatcher:
     A lone step runs alone (unbatched, bit-identical to ``step``); steps arriving while the
     compute thread is busy are taken together next time, after a gather window of up to
     ``gather_s`` for the other sessions' steps (see ``_gather``).
+
+    On a head, the sessions are split into ``depth`` micro-batches, ``depth`` being the
+    number of stages of its chains (set by the head's generator): one batch of every
+    session would move down the chain in lockstep, one stage computing while the others
+    wait; ``depth`` smaller batches keep every stage busy, each with its own (pipeline
+    parallelism's micro-batches; vLLM keeps one batch per pipeline stage the same way).
     """
 
     def __init__(self, service: NodeService, max_batch: int = 32, gather_s: float = 0.005) -> None:
@@ -46,6 +53,7 @@ class DecodeBatcher:
         self.batches = 0
         self.batched_steps = 0
         self.gather_s = gather_s
+        self.depth = 1  # stages of the head's chains: micro-batches kept in flight
         self._arrived = asyncio.Event()
 
     async def submit(self, stage: Stage, item: DecodeItem) -> StepOutput:
@@ -82,7 +90,7 @@ class DecodeBatcher:
         """
         stage = self._queue[0][0]
         deadline = asyncio.get_running_loop().time() + self.gather_s
-        while len(self._queue) < min(len(stage.sessions), self.max_batch):
+        while len(self._queue) < min(len(stage.sessions), self.limit(stage)):
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return
@@ -92,12 +100,20 @@ class DecodeBatcher:
             except TimeoutError:
                 return
 
+    def limit(self, stage: Stage) -> int:
+        """The most steps one pass of ``stage`` takes: on a head, its sessions shared out
+        over ``depth`` micro-batches."""
+        if self.depth <= 1 or not stage.shard.is_head:
+            return self.max_batch
+        return max(1, min(self.max_batch, math.ceil(len(stage.sessions) / self.depth)))
+
     def _take(self) -> tuple[Stage, list[tuple[DecodeItem, asyncio.Future]]]:
         stage = self._queue[0][0]
+        limit = self.limit(stage)
         taken, rest, sessions = [], [], set()
         for entry in self._queue:
             s, item, future = entry
-            if s is stage and item.session_id not in sessions and len(taken) < self.max_batch:
+            if s is stage and item.session_id not in sessions and len(taken) < limit:
                 sessions.add(item.session_id)
                 taken.append((item, future))
             else:

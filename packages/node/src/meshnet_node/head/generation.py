@@ -410,6 +410,8 @@ class HeadGenerator(Failover):
     ):
         """One decode step (its last ``drafts`` tokens to verify): local layers, then the
         rest of the chain."""
+        # The chain's stages: the head splits concurrent sessions into as many micro-batches.
+        self.service.batcher.depth = len(route) + 1
         out = await self._local(stage, session_id, key, token_ids, position, True, drafts)
         if not route:  # head is also the tail
             return _as_result(out)
