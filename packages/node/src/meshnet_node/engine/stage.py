@@ -14,7 +14,7 @@ from meshnet_common.protocol import SamplingSpec
 from meshnet_node.engine.constraints import ConstraintFactory
 from meshnet_node.engine.families import RowMasks, SessionContext, build_masks, final_logits
 from meshnet_node.engine.loader import LoadedShard
-from meshnet_node.engine.sampling import SampledToken
+from meshnet_node.engine.sampling import DeferredRows, SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
 
 logger = logging.getLogger(__name__)
@@ -480,37 +480,6 @@ class Stage:
             states = mods.norm(hidden[:, lo - position : hi - position, :])
             logits = final_logits(self.shard.config, mods.lm_head, states).float()[0]
             sampler.prompt.add(lo, torch.log_softmax(logits, dim=-1), sampler.history)
-
-
-class DeferredRows:
-    """The logits of a verification pass's rows, computed as verification reads them: the
-    first row (the step's own token) alone, then, once its draft is kept, all the others
-    in one call. Verification stops at the first draft it rejects, and where a product
-    costs the same per row whatever the number of rows (bfloat16 on CPUs without bf16
-    instructions: ~10 ms a row for SmolLM2's lm_head), the rows after it are never paid
-    for. Each row is the one a one-token step gives: a linear gives each row the same
-    bits whatever the number of rows (ADR-0019)."""
-
-    def __init__(self, logits_of, states: torch.Tensor) -> None:
-        self._logits_of = logits_of  # (n, 1, H) -> (n, 1, V)
-        self._states = states  # (rows, 1, H), after the final norm
-        self._rows: list[torch.Tensor] = []
-
-    def __len__(self) -> int:
-        return self._states.shape[0]
-
-    def __getitem__(self, i: int) -> torch.Tensor:  # (V,)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        while len(self._rows) <= i:
-            done = len(self._rows)
-            got = self._logits_of(self._states[done : done + 1 if done == 0 else len(self)])
-            self._rows.extend(got[j].reshape(-1) for j in range(got.shape[0]))
-        return self._rows[i]
-
-    def computed(self) -> torch.Tensor:
-        """The rows read so far, (n, V)."""
-        return torch.stack(self._rows)
 
 
 def _last_row(out: StepOutput) -> torch.Tensor:
