@@ -48,7 +48,8 @@ def variance(values):
 VARIANTS = (  # (label, node flags): today's data path first, it sets the bound
     ("plain", ["--speculative", "off", "--no-direct-answers"]),
     ("direct", ["--speculative", "off"]),
-    ("direct+spec", []),  # the defaults
+    ("direct+drafts", ["--guess-steps", "0"]),  # drafts verified in one pass per step
+    ("direct+spec", []),  # the defaults: guess steps in flight (ADR-0019)
 )
 
 

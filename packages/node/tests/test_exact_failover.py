@@ -23,7 +23,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.runtime import build_runtime, create_app
 from meshnet_node.settings import NodeSettings
-from meshnet_node.speculation.drafting import DraftPolicy, SpeculationSettings
+from meshnet_node.speculation.drafting import DraftPolicy, NgramDrafter, SpeculationSettings
 
 MODEL_ID = "meshnet-tiny/llama"
 A, B, TAIL = "http://mid-a.test", "http://mid-b.test", "http://tail.test"
@@ -88,15 +88,25 @@ class Swarm:
             )
 
         self.head, _, self.http = stack.enter_context(node(snapshot, 0, 2, route, self.hops))
-        self.passes: dict[str, list[tuple[int, int, int]]] = {}  # session -> (pos, rows, drafts)
+        # session -> (pos, rows, drafts, a guess step's rewind position or -1)
+        self.passes: dict[str, list[tuple[int, int, int, int]]] = {}
         service = self.tail_runtime.service
         handle = service.handle_step
 
+        self.stale = 0  # guess steps the tail answered stale
+
         async def recorded(req):
             self.passes.setdefault(req.session_id, []).append(
-                (req.position, req.tensor.shape[1], req.drafts)
+                (
+                    req.position,
+                    req.tensor.shape[1],
+                    req.drafts,
+                    -1 if req.guess_from is None else req.guess_from,
+                )
             )
-            return await handle(req)
+            answer = await handle(req)
+            self.stale += b'"stale":true' in answer.body
+            return answer
 
         service.handle_step = recorded
         self.in_flight, self.most_in_flight = 0, 0  # replayed passes a middle hop holds at once
@@ -138,20 +148,34 @@ def complete(swarm: Swarm, prompt: list[int], max_tokens: int) -> dict:
     return resp.json()
 
 
-@pytest.mark.parametrize("drafting", [False, True], ids=["plain", "speculative"])
-def test_a_replay_runs_the_lost_passes_again_and_the_text_is_unchanged(swarm, drafting):
+@pytest.mark.parametrize("drafting, guessing", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "speculative", "guessing"])  # fmt: skip
+def test_a_replay_runs_the_lost_passes_again_and_the_text_is_unchanged(
+    swarm, drafting, guessing, monkeypatch
+):
     generator = swarm.head.openai.generator
+    if guessing:  # every third proposal's last guess is wrong: the tail finds some stale
+        propose = NgramDrafter.propose
+
+        def sometimes_wrong(drafter, k):
+            out = propose(drafter, k)
+            if out and len(drafter.text) % 3 == 0:
+                out[-1] = 3 + (out[-1] + 1) % 190
+            return out
+
+        monkeypatch.setattr(NgramDrafter, "propose", sometimes_wrong)
     policy = generator.draft_policy
     generator.draft_policy = AlwaysDraft() if drafting else NeverDraft()
     # bfloat16: drafting is off by default (ADR-0019); the replay must be exact with it too.
     speculation = generator.speculation
-    generator.speculation = SpeculationSettings("greedy", 2, 2)
+    generator.speculation = SpeculationSettings("greedy", 2, 2, 4 if guessing else 0)
     prompt = [(i * 37) % 200 + 3 for i in range(300)]  # 3 wire chunks of the prompt
     try:
         swarm.hops.dead.clear()
         swarm.hops.die_after.clear()
         generator.bans.lift(A)  # an earlier test's failover
         swarm.passes.clear()
+        swarm.stale = 0
         calm = complete(swarm, prompt, 40)
         [calm_passes] = map(sorted, swarm.passes.values())
         swarm.passes.clear()
@@ -163,15 +187,25 @@ def test_a_replay_runs_the_lost_passes_again_and_the_text_is_unchanged(swarm, dr
         generator.speculation = speculation
     assert "mid-a.test" in swarm.hops.dead, swarm.hops.steps  # the failover happened
     assert again["choices"][0]["text"] == calm["choices"][0]["text"]
+    lost, replayed = map(sorted, swarm.passes.values())
+    if guessing:
+        # Guess steps were in flight (some stale: the tail computed nothing for those);
+        # which of them left before a wrong guess was seen depends on timing, so only the
+        # text is compared. The replay runs the passes that counted, as one-token steps.
+        assert any(guess >= 0 for *_, guess in calm_passes + lost)
+        assert swarm.stale >= 1  # some guesses were wrong: the tail computed nothing for them
+        accepted = generator.service.metrics.accepted_tokens.collect()[0].samples
+        assert any(s.name.endswith("_total") and s.value >= 1 for s in accepted)  # some right
+        assert all(guess < 0 for *_, guess in replayed[: len(lost) - 3])
+        return
     # The lost session's passes, then the fresh one's, in position order (the order each
     # hop runs them in; prompt chunks may arrive out of order). Positions only grow: a
     # pass with drafts is followed by one past the drafts the tail kept.
-    lost, replayed = map(sorted, swarm.passes.values())
     assert len(lost) == 14, lost
     assert replayed[: len(lost)] == lost, (lost, replayed)  # the same passes, in order
     assert replayed == calm_passes  # and then on as the undisturbed run went
-    assert any(drafts for _, _, drafts in lost) == drafting
-    assert max(rows for _, rows, _ in replayed) <= 128  # never the history as one prefill
+    assert any(drafts for _, _, drafts, _ in lost) == drafting
+    assert max(rows for _, rows, _, _ in replayed) <= 128  # never the history as one prefill
     # Streamed back to back, not a round trip each: the middle hop held several passes at
     # once (each waiting for the one before it).
     assert swarm.most_in_flight >= 2

@@ -148,6 +148,10 @@ def test_ngram_drafter_follows_the_latest_earlier_occurrence():
     long = list(range(100)) * 3
     drafter.sync(long)
     assert drafter.propose(4) == [0, 1, 2, 3]
+    drafter.sync([4, 1, 2, 1, 2, 1, 2])  # a pattern repeating up to the end: it goes on
+    assert drafter.propose(5) == [1, 2, 1, 2, 1]
+    drafter.sync([4, 5, 5, 5])
+    assert drafter.propose(3) == [5, 5, 5]
 
 
 def test_draft_policy_drafts_only_when_it_pays():

@@ -64,6 +64,11 @@ H_IDS = (
 # How many of the step's last tokens are drafts for the tail to verify (speculative
 # decoding, ADR-0019); such a step always carries its ids.
 H_DRAFTS = "x-meshnet-drafts"
+# A guess step (ADR-0019): its one token is the head's guess of the token the tail has not
+# answered yet, sent before that answer. The value is the first position a later step may
+# go back to (the head's first guess still unanswered); a tail that did not sample this
+# token there answers ``stale`` without computing.
+H_GUESS = "x-meshnet-guess"
 # The head's base URL: the tail also posts the step's answer straight there
 # (``POST /v1/answers/{session}``), one link instead of the chain back (ADR-0020).
 H_ANSWER_TO = "x-meshnet-answer-to"
@@ -350,6 +355,8 @@ class StepResult(BaseModel):
     # from the step's wall time to see what serving and the network cost per hop. On the
     # wire it travels in the H_COMPUTE header, not in the body.
     compute_ms: list[float] = Field(default_factory=list, max_length=MAX_HOPS)
+    # A guess step whose guess was wrong (ADR-0019): the tail computed nothing
+    stale: bool = False
 
 
 class AssignRequest(Strict):

@@ -278,7 +278,8 @@ def build_openai(
     generator = HeadGenerator(
         service, tokenizer, generation_config,
         speculation=SpeculationSettings(
-            mode, settings.max_draft_tokens, settings.speculative_max_running
+            mode, settings.max_draft_tokens, settings.speculative_max_running,
+            settings.guess_steps,
         ),
         draft_model=draft, coverage_wait_s=settings.coverage_wait_s, verifier=verifier,
     )  # fmt: skip

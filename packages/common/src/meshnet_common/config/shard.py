@@ -113,6 +113,13 @@ class ShardSettings(ServiceSettings):
         "instead of the n-gram lookup: a snapshot folder, or a model id in --models-dir",
         group=MODEL,
     )  # fmt: skip
+    guess_steps: int = knob(
+        4, "over a chain, the decode steps of one greedy generation in flight: each after "
+        "the first carries the head's n-gram guess of its input, sent before the token it "
+        "guesses is known, and a wrong guess costs the hops a row they would have idled "
+        "through (0 or 1: none; drafts are then verified in one pass per step)",
+        group=MODEL,
+    )  # fmt: skip
     speculative_max_running: int = knob(
         2, "no drafting while more generations than this run on the head (batched decode "
         "already shares each pass over the weights)", group=MODEL,
@@ -255,6 +262,13 @@ class ShardSettings(ServiceSettings):
     def _speculative(cls, value: str) -> str:
         if value not in ("auto", "greedy", "all", "off"):
             raise ValueError("expected one of auto, greedy, all, off")
+        return value
+
+    @field_validator("guess_steps")
+    @classmethod
+    def _guess_steps(cls, value: int) -> int:
+        if not 0 <= value <= 16:
+            raise ValueError("expected 0..16")
         return value
 
     @field_validator("max_draft_tokens")

@@ -64,6 +64,7 @@ class DecodeBatcher:
             out = self.service.compute_inline(
                 stage.step, item.session_id, item.position, token_ids=item.token_ids,
                 hidden=item.hidden, owner=item.owner, sample=item.sample,
+                guess_from=item.guess_from,
             )  # fmt: skip
             # A node that is head and tail, generating alone, awaits nothing else between
             # its steps: give the loop one turn so /health and other connections are
@@ -134,6 +135,7 @@ class DecodeBatcher:
                         await self.service.compute(
                             stage.step, item.session_id, item.position, token_ids=item.token_ids,
                             hidden=item.hidden, owner=item.owner, sample=item.sample,
+                            guess_from=item.guess_from,
                         )
                     ]  # fmt: skip
                     self.service.note_decode(results)

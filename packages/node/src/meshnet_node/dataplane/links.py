@@ -194,6 +194,7 @@ class HopLinks:
         answer_to: str | None = None,
         compute_before: str | None = None,
         replay_pass: int = 0,
+        guess_from: int | None = None,
     ) -> HopResponse:
         """POST one tensor frame to ``hop``; returns its answer (a 200) unparsed."""
         prefill = hidden.shape[1] > 1 and not drafts
@@ -214,6 +215,7 @@ class HopLinks:
             answer_to=answer_to,
             compute_before=compute_before,
             replay_pass=replay_pass,
+            guess_from=guess_from,
         )
         request_id = request_id_var.get()
         if request_id is not None:  # every hop's log lines of this step carry the same id

@@ -23,23 +23,19 @@ from meshnet_common.errors import (
     Quarantined,
 )
 from meshnet_common.metrics import Metrics
-from meshnet_common.protocol import (
-    H_OPEN,
-    H_ROUTE,
-    H_SESSION_KEY,
-    append_compute,
-    format_compute,
-)
+from meshnet_common.protocol import H_OPEN, H_ROUTE, H_SESSION_KEY, append_compute, format_compute
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.dataplane.batching import DecodeBatcher, _timed
 from meshnet_node.dataplane.links import HopLinks
 from meshnet_node.dataplane.steps import (
     _EMPTY_RESULT,
+    STALE_RESULT,
     StepAnswer,
     StepRequest,
     _token_json,
-)
+    stale_guess,
+)  # fmt: skip
 from meshnet_node.dataplane.streams import HopTransport, HopUnreachable, StreamHops
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.settings import NodeSettings
@@ -169,11 +165,12 @@ class NodeService(HopLinks):
         owner: str | None = None,
         sample: bool = True,
         drafts: tuple[int, ...] = (),
+        guess_from: int | None = None,
     ) -> StepOutput:
         """Run a step on the compute thread; single-token decode steps may be batched."""
         tensor = token_ids if token_ids is not None else hidden
         if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
-            item = DecodeItem(session_id, position, token_ids, hidden, owner, sample)
+            item = DecodeItem(session_id, position, token_ids, hidden, owner, sample, guess_from)
             return await self.batcher.submit(stage, item)
         return await self.compute(
             stage.step, session_id, position, token_ids=token_ids, hidden=hidden,
@@ -323,6 +320,8 @@ class NodeService(HopLinks):
                 record=req.audit,
             )
             opened = True
+        if req.guess_from is not None and stage.shard.is_tail and stale_guess(stage, req):
+            return StepAnswer(STALE_RESULT, format_compute(0.0))  # computes nothing
         if req.ids is not None and stage.shard.is_tail:  # before any later step samples
             stage.sessions.observe(req.session_id, req.position, req.ids, owner=req.session_key)
         try:
@@ -362,6 +361,7 @@ class NodeService(HopLinks):
             drafts=req.drafts,
             answer_to=req.answer_to,
             replay_pass=req.replay_pass,
+            guess_from=req.guess_from,
             compute_before=(
                 None if req.answer_to is None else append_compute(req.compute_before, own_ms)
             ),
@@ -383,6 +383,7 @@ class NodeService(HopLinks):
             return await self.run_stage(
                 stage, req.session_id, req.position, token_ids=token_ids, hidden=hidden,
                 owner=req.session_key, sample=req.sample, drafts=req.draft_ids,
+                guess_from=req.guess_from,
             )  # fmt: skip
         stage.check_inputs(token_ids, hidden)  # a bad chunk must not spoil a merged pass
         waiting = self._waiting.setdefault(req.session_id, {})

@@ -17,6 +17,7 @@ from meshnet_common.protocol import (
     H_CHUNK,
     H_COMPUTE,
     H_DRAFTS,
+    H_GUESS,
     H_IDS,
     H_OPEN,
     H_POSITION,
@@ -40,6 +41,15 @@ class StepAnswer(NamedTuple):
 
 
 _EMPTY_RESULT = StepResult().model_dump_json(exclude={"compute_ms"}).encode()
+STALE_RESULT = StepResult(stale=True).model_dump_json(exclude={"compute_ms"}).encode()
+
+
+def stale_guess(stage, req: StepRequest) -> bool:
+    """Whether a guess step reaching the tail guessed wrong (or follows one that did): the
+    tail did not sample its token at its position (ADR-0019). Such a step computes nothing
+    here; the hops before it computed it, and the head's next step rewinds them."""
+    session = stage.sessions.get(req.session_id, owner=req.session_key)
+    return req.ids is None or session.expect != (req.position, req.ids[0])
 
 
 LOGPROB_FLOOR = -1e30  # how a log-probability of -inf (or NaN) travels: JSON has neither
@@ -95,6 +105,7 @@ class StepRequest:
     compute_before: str | None = None  # compute of the hops before (with answer_to)
     audit: bool = False  # an opening step: every hop keeps the session's inputs (ADR-0026)
     replay_pass: int = 0  # n > 0: a replay's n-th decode pass, run after pass n - 1 (ADR-0023)
+    guess_from: int | None = None  # a guess step: later steps may go back to here (ADR-0019)
 
     @property
     def draft_ids(self) -> tuple[int, ...]:
@@ -162,7 +173,17 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
         compute_before=headers.get(H_COMPUTE),
         audit=audit,
         replay_pass=_int_header(headers, H_REPLAY_PASS, 0),
+        guess_from=_int_header(headers, H_GUESS) if H_GUESS in headers else None,
     )
+    if step.guess_from is not None and (
+        step.guess_from > step.position or step.ids is None or len(step.ids) != 1
+        or not step.sample or step.drafts or step.chunk or step.open_spec is not None
+    ):  # fmt: skip
+        raise InvalidRequest(
+            f"a step with {H_GUESS} is one sampled decode token, with its id ({H_IDS}), that "
+            "may go back no further than its own position",
+            param=H_GUESS,
+        )
     if step.drafts:
         tokens = tensor.shape[1] if tensor.dim() >= 2 else tensor.numel()
         if step.ids is None or step.drafts >= tokens or not step.sample or step.chunk:
@@ -216,6 +237,7 @@ def step_headers(
     answer_to: str | None = None,
     compute_before: str | None = None,
     replay_pass: int = 0,
+    guess_from: int | None = None,
 ) -> dict[str, str]:
     headers = {
         "content-type": wire.CONTENT_TYPE,
@@ -235,6 +257,8 @@ def step_headers(
         headers[H_DRAFTS] = str(drafts)
     if replay_pass:
         headers[H_REPLAY_PASS] = str(replay_pass)
+    if guess_from is not None:
+        headers[H_GUESS] = str(guess_from)
     if answer_to is not None:
         headers[H_ANSWER_TO] = answer_to
         if compute_before:

@@ -68,6 +68,16 @@ class Session:
     recording: bool = False  # sliding-window layers keep what a rewind needs (ADR-0019)
     record: InputRecord | None = None  # an audited session's inputs (docs/adr/0026)
     replayed: int = 0  # decode passes of a replay run here so far (docs/adr/0023)
+    # Tail: the position and input token of the step that follows the last one sampled
+    # here; a guess step (ADR-0019) that does not start there is stale.
+    expect: tuple[int, int] | None = None
+
+    def expect_next(self, after: int, out) -> None:
+        """After the tail sampled ``out`` (a StepOutput) for a step whose tokens (drafts
+        not counted) end before ``after``."""
+        if out.token is not None:
+            last = out.more[-1] if out.more else out.token
+            self.expect = (after + len(out.more or ()), int(last.token_id))
 
 
 def crop_cache(cache, tokens: int) -> None:

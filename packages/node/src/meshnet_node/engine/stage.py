@@ -33,6 +33,7 @@ class DecodeItem:
     hidden: torch.Tensor | None = None
     owner: str | None = None
     sample: bool = True
+    guess_from: int | None = None  # a guess step (ADR-0019): may be rewound back to here
 
 
 @dataclass
@@ -185,6 +186,7 @@ class Stage:
         owner: str | None = None,
         sample: bool = True,
         drafts: tuple[int, ...] = (),
+        guess_from: int | None = None,
     ) -> StepOutput:
         """Run ``T`` tokens starting at absolute ``position`` through this stage.
 
@@ -194,6 +196,9 @@ class Stage:
 
         Every check happens before any layer runs, so a rejected step leaves the session
         exactly as it was (except that it may drop drafts the tail did not keep).
+
+        ``guess_from``: a guess step (its input is the head's guess, ADR-0019): a later step
+        may go back to any position from ``guess_from`` on.
         """
         shard = self.shard
         session = self.sessions.get(session_id, owner=owner)
@@ -216,7 +221,8 @@ class Stage:
             self.sessions.rewind(session, position)
             self.sessions.reserve(session, position, num_tokens)
             ok = False
-            if drafts and not session.recording:  # sliding windows keep what a rewind needs
+            rewinds = position + 1 if drafts else guess_from  # where a next step may go back to
+            if rewinds is not None and not session.recording:  # sliding windows keep it
                 session.cache.activate_past_recording()
                 session.recording = True
             # Verification reads the logits of a pass's rows in order and stops at the
@@ -237,8 +243,8 @@ class Stage:
                 raise
             finally:
                 self.sessions.commit(session, num_tokens, ok=ok)
-            session.rewind_from = position + 1 if drafts else None
-            if session.recording and not drafts:
+            session.rewind_from = rewinds
+            if session.recording and rewinds is None:
                 crop_cache(session.cache, 0)  # nothing to go back to: windows trimmed
             if out.logits is not None and sample and session.sampler is not None:
                 if drafts:
@@ -248,6 +254,7 @@ class Stage:
                         out.logits = out.logits.computed()
                 else:
                     out.token = session.sampler(out.logits)
+                session.expect_next(position + num_tokens - len(drafts), out)
             return out
 
     def step_batch(self, items: list[DecodeItem]) -> list[StepOutput | Exception]:
@@ -269,6 +276,9 @@ class Stage:
                     raise InvalidRequest("a batched step is one token inside the context")
                 self.sessions.rewind(session, item.position)
                 self.sessions.reserve(session, item.position, 1)
+                if item.guess_from is not None and not session.recording:
+                    session.cache.activate_past_recording()
+                    session.recording = True
                 sampler = session.sampler
                 if self.shard.is_head and sampler is not None and sampler.wants_history:
                     sampler.observe(item.position, tensor.reshape(-1).tolist())
@@ -302,11 +312,12 @@ class Stage:
                 self.sessions.commit(session, 1, ok=ok)
                 if ok and session.record is not None:
                     session.record.add(items[i].position, tensor, _last_row(out))
-                session.rewind_from = None
-                if session.recording:
+                session.rewind_from = items[i].guess_from
+                if session.recording and session.rewind_from is None:
                     crop_cache(session.cache, 0)
                 if ok and out.logits is not None and items[i].sample and session.sampler:
                     out.token = session.sampler(out.logits)
+                    session.expect_next(items[i].position + 1, out)
                 results[i] = out
         return results  # type: ignore[return-value]
 

@@ -39,6 +39,7 @@ from meshnet_node.speculation.drafting import (
     SpeculationSettings,
     speculates,
 )
+from meshnet_node.speculation.guessing import GuessFlight, GuessSteps
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ Reroute = Callable[[frozenset[str]], Awaitable[tuple[str, ...]]]
 PREFILL_PIECE_TOKENS = 512
 
 
-class HeadGenerator(Failover):
+class HeadGenerator(Failover, GuessSteps):
     """Drives generation from a head stage through the hops of a route (failing over to
     another when a hop dies: ``Failover``)."""
 
@@ -167,6 +168,10 @@ class HeadGenerator(Failover):
         if speculates(request.sampling, self.speculation.mode):
             model = self.draft_model
             speculation = Speculation(self.draft_policy, model.session() if model else None)
+        flight = None  # guess steps in flight (ADR-0019): greedy n-gram speculation only
+        if speculation is not None and speculation.model_session is None:
+            depth = self.speculation.guess_depth
+            flight = GuessFlight(depth) if depth > 1 else None
         self.running += 1
         try:
             with metrics.timer(metrics.prefill_seconds):
@@ -198,6 +203,15 @@ class HeadGenerator(Failover):
                         return
                 history.extend(t for t, _, _ in outputs[:-1])  # kept drafts: in every cache
                 token = outputs[-1][0]  # the next step's input
+                if flight is not None and (len(flight) or self._guesses(chain)):
+                    room = min(request.max_tokens - produced - 1,
+                               self.context_window - len(history) - 2)  # fmt: skip
+                    result = await self._guessed_step(
+                        stage, chain, request, history, token, reroute, flight,
+                        speculation, room, timings,
+                    )  # fmt: skip
+                    history.append(token)
+                    continue
                 drafts: list[int] = []
                 started, failovers = time.perf_counter(), chain.failovers
                 if speculation is not None and self.running <= self.speculation.max_running:
@@ -246,6 +260,8 @@ class HeadGenerator(Failover):
                 history.append(token)
         finally:
             self.running -= 1
+            if flight is not None:
+                await flight.drop()
             await self._close(stage, chain.session_id, chain.key, chain.route)
 
     def _open_local(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:
@@ -365,7 +381,7 @@ class HeadGenerator(Failover):
             raise
 
     async def _local(
-        self, stage, session_id, key, token_ids, position, sample, drafts=0
+        self, stage, session_id, key, token_ids, position, sample, drafts=0, guess_from=None
     ) -> StepOutput:
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
         self.service.tokens_served += sample  # a sampled step: one more token through the head
@@ -377,11 +393,12 @@ class HeadGenerator(Failover):
             owner=key,
             sample=sample,
             drafts=tuple(token_ids[len(token_ids) - drafts :]) if drafts else (),
+            guess_from=guess_from,
         )
 
     async def _send(
         self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None,
-        drafts=0, replay_pass=0,
+        drafts=0, replay_pass=0, guess_from=None,
     ):  # fmt: skip
         # A sampled step over 2+ hops: the tail answers here directly too (ADR-0020), where
         # the links are slow enough for it to pay; over one hop the chain's answer is
@@ -403,21 +420,26 @@ class HeadGenerator(Failover):
             drafts=drafts,
             answer_to=direct,
             replay_pass=replay_pass,
+            guess_from=guess_from,
         )
 
     async def _step(
-        self, stage, session_id, key, token_ids, position, route, with_ids=False, drafts=0
-    ):
+        self, stage, session_id, key, token_ids, position, route, with_ids=False, drafts=0,
+        guess_from=None,
+    ):  # fmt: skip
         """One decode step (its last ``drafts`` tokens to verify): local layers, then the
         rest of the chain."""
         # The chain's stages: the head splits concurrent sessions into as many micro-batches.
         self.service.batcher.depth = len(route) + 1
-        out = await self._local(stage, session_id, key, token_ids, position, True, drafts)
+        out = await self._local(
+            stage, session_id, key, token_ids, position, True, drafts, guess_from
+        )
         if not route:  # head is also the tail
             return _as_result(out)
         result = await self._send(
-            out, session_id, key, position, route, 0, True, None,
-            ids=tuple(token_ids) if with_ids or drafts else None, drafts=drafts,
+            out, session_id, key, position, route, 0, True, None, drafts=drafts,
+            ids=tuple(token_ids) if with_ids or drafts or guess_from is not None else None,
+            guess_from=guess_from,
         )  # fmt: skip
         result.compute_ms.insert(0, out.compute_s * 1000)
         return result

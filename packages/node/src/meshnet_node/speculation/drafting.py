@@ -24,6 +24,9 @@ class SpeculationSettings(NamedTuple):
     mode: str = "off"  # greedy | all | off (see ``speculates``)
     max_draft: int = MAX_DRAFT
     max_running: int = 2  # generations on the head beyond which no step drafts
+    # over a chain: decode steps of a generation in flight (guess steps, ADR-0019); 0 or
+    # 1: none, drafts verified in one pass instead
+    guess_depth: int = 4
 
 
 def speculates(sampling: SamplingSpec, mode: str) -> bool:
@@ -74,7 +77,13 @@ class NgramDrafter:
                 continue
             start = self._before.get(gram)
             if start is not None:
-                return text[start : start + k]
+                # Where the earlier occurrence runs into the text's end (a repeating
+                # pattern), the proposal goes on copying itself: each proposed token is
+                # text as far as the tokens after it are concerned.
+                out = text[start : start + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (len(text) - start)])
+                return out
         return []
 
 

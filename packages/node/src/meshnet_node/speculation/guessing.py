@@ -1,0 +1,157 @@
+"""Guess steps (docs/adr/0019): over a chain, a greedy generation's next decode steps are
+sent before the answers they depend on, each carrying the head's guess of its input token
+(the same n-gram lookup that proposes drafts).
+
+A decode step waits for the token before it, so a single generation keeps every hop idle
+for all but its own share of a traversal: the links, the other hops' compute. Guess steps
+fill that idle time. Step ``p`` carries the token the head knows; step ``p + 1`` carries
+its guess of the token the tail will sample at ``p``, sent right behind it; and so on, up
+to ``depth`` steps in flight. Every hop computes them in order, one row each, as it would
+the steps sent one by one. The tail knows what it sampled: a guess step whose token is not
+that one (or that follows one that was not) is *stale* and the tail answers so without
+computing. When the answer to step ``p`` shows the guess for ``p + 1`` right, that step's
+answer is already on its way; when wrong, the head drops the steps after ``p`` and sends the
+right token, and every hop rewinds its cache to that position (the guess steps said how
+far back a later step may go).
+
+Each row a hop computes is the row of a one-token step at that position with that input,
+so the text is exactly that of one-at-a-time decoding (bit for bit, in bfloat16 too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import NamedTuple
+
+from meshnet_common.errors import HopError
+
+DEFAULT_DEPTH = 4  # decode steps of one generation in flight at most
+
+
+class InFlight(NamedTuple):
+    position: int  # the step's position
+    token: int  # its input token: known, or the head's guess
+    task: asyncio.Future  # its answer (a StepResult)
+
+
+class GuessFlight:
+    """One generation's decode steps in flight, oldest first: the first one's input is known
+    (or its guess was confirmed), the others' are guesses."""
+
+    def __init__(self, depth: int = DEFAULT_DEPTH) -> None:
+        self.depth = depth
+        self.steps: deque[InFlight] = deque()
+        self.guessed = 0  # guess steps sent
+        self.confirmed = 0  # guess steps whose guess was the tail's token
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def take(self, position: int, token: int) -> InFlight | None:
+        """The step in flight for input ``token`` at ``position`` (a right guess), else
+        None: then every step in flight is stale (``drop`` them)."""
+        if self.steps and self.steps[0].position == position and self.steps[0].token == token:
+            self.confirmed += 1
+            return self.steps.popleft()
+        return None
+
+    async def drop(self) -> None:
+        """Cancel every step in flight and wait until they let go (their answers, still
+        coming, are dropped by the link)."""
+        stale = [step.task for step in self.steps]
+        self.steps.clear()
+        for task in stale:
+            task.cancel()
+        if stale:
+            await asyncio.gather(*stale, return_exceptions=True)
+
+    def rewind_from(self, position: int) -> int:
+        """How far back a later step may take the hops, for a guess step at ``position``:
+        to the first guess still unanswered."""
+        return self.steps[0].position if self.steps else position
+
+    def guessed_tokens(self) -> list[int]:
+        return [step.token for step in self.steps]
+
+    def add(self, position: int, token: int, task: asyncio.Future) -> None:
+        self.steps.append(InFlight(position, token, task))
+        self.guessed += 1
+
+
+class GuessSteps:
+    """Provided by ``HeadGenerator``: ``service``, ``speculation``, ``verifier``,
+    ``running``, ``_step``, ``_advance``, ``_abandon``, ``_reroute``."""
+
+    def _guesses(self, chain) -> bool:
+        """Whether this generation's next steps may be guesses: over a chain, with no
+        replay or audit under way, and few generations on this head (with many, batched
+        decoding keeps the hops busy already, and a stale guess would cost them a row)."""
+        return (
+            bool(chain.route)
+            and not chain.replay
+            and chain.convicted is None
+            and self.verifier is None
+            and self.running <= self.speculation.max_running
+        )
+
+    def _launch(self, stage, chain, request, token: int, position: int, guess_from=None):
+        return asyncio.ensure_future(self._step(
+            stage, chain.session_id, chain.key, [token], position, chain.route,
+            with_ids=request.sampling.needs_history, guess_from=guess_from,
+        ))  # fmt: skip
+
+    async def _guessed_step(
+        self, stage, chain, request, history, token, reroute, flight: GuessFlight,
+        speculation, room: int, timings,
+    ):  # fmt: skip
+        """The step for input ``token`` at ``len(history)``: already in flight when it was
+        guessed right, else sent now (the guesses in flight were wrong); then more guesses
+        behind it, up to ``flight.depth`` steps in flight. Returns its answer."""
+        metrics = self.service.metrics
+        position, started = len(history), time.perf_counter()
+        current = flight.take(position, token)
+        fresh = current is None
+        if current is None:
+            await flight.drop()
+            current = InFlight(
+                position, token, self._launch(stage, chain, request, token, position)
+            )
+        else:
+            metrics.accepted_tokens.inc()
+            speculation.accepted += 1
+        if not self._guesses(chain):
+            await flight.drop()
+        elif (want := min(flight.depth - 1, room) - len(flight)) > 0:
+            have = flight.guessed_tokens()
+            proposal = speculation.propose([*history, token], len(have) + want)
+            if proposal[: len(have)] == have:  # the guesses go on from those in flight
+                at = position + 1 + len(have)
+                for guess in proposal[len(have) :]:
+                    task = self._launch(
+                        stage, chain, request, guess, at, guess_from=flight.rewind_from(at)
+                    )
+                    flight.add(at, guess, task)
+                    at += 1
+                metrics.draft_tokens.inc(len(proposal) - len(have))
+                speculation.drafted += len(proposal) - len(have)
+        try:
+            result = await current.task
+            if result.stale:  # cannot happen: its input is the tail's token; start afresh
+                await flight.drop()
+                fresh, result = True, await self._launch(stage, chain, request, token, position)
+        except HopError as exc:
+            await flight.drop()
+            if reroute is None or not exc.recoverable or not chain.budget.failed():
+                raise
+            await self._abandon(stage, chain, exc, "decode")
+            await self._reroute(stage, chain, request, exc, reroute)
+            return await self._advance(stage, chain, request, history, token, reroute)
+        elapsed = time.perf_counter() - started
+        metrics.decode_seconds.observe(elapsed)
+        metrics.tokens_per_step.observe(1)
+        chain.passes.append((position, [token], 0))  # what a replay runs again
+        if fresh:  # a step sent now: its time is a step's (one sent early is not)
+            timings.add(elapsed, result.compute_ms, len(chain.route))
+        return result

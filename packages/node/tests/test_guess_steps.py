@@ -1,0 +1,133 @@
+"""Guess steps (ADR-0019): decode steps sent before the token they carry is known. Every
+row a stage computes for one is the row of a one-token step, bit for bit, including after
+the hops rewind past wrong guesses; the tail knows which guesses are stale; the step
+header is validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from meshnet_common.errors import InvalidRequest
+from meshnet_common.layers import LayerRange
+from meshnet_common.models import tiny
+from meshnet_common.precision import Precision
+from meshnet_common.protocol import H_GUESS, H_IDS, H_POSITION, H_SAMPLE, H_SESSION
+from meshnet_common.wire import encode_tensor
+from meshnet_node.dataplane.steps import StepRequest, parse_step, stale_guess
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.stage import Stage
+from meshnet_node.speculation.guessing import GuessFlight
+
+
+def _stages(snapshot) -> list[Stage]:
+    n = AutoConfig.from_pretrained(snapshot).num_hidden_layers
+    bounds = [(0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n)]
+    return [Stage(load_shard(snapshot, LayerRange(*b), Precision.BFLOAT16)) for b in bounds]
+
+
+def _step(stages, sid, position, tokens, guess_from=None):
+    """One step through the chain: each stage's rows, and the tail's output."""
+    out = stages[0].step(sid, position, token_ids=torch.tensor([tokens]), guess_from=guess_from)
+    rows = [out.hidden]
+    for stage in stages[1:]:
+        out = stage.step(sid, position, hidden=out.hidden, guess_from=guess_from)
+        rows.append(out.hidden if out.hidden is not None else out.logits.reshape(1, -1))
+    return rows, out
+
+
+def _equal(got, want) -> bool:
+    return all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("family", list(tiny.FAMILIES))
+def test_guess_steps_and_their_rewinds_give_the_rows_of_one_token_steps(tiny_snapshot, family):
+    """bfloat16, prompt past every sliding window: a right guess computes the one-token
+    step's rows; wrong guesses are rewound by the next step that knows the token, and
+    every row after that is the one-token step's again, on every stage."""
+    stages = _stages(tiny_snapshot(family))
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 200, (150,), generator=gen).tolist()
+    for sid in ("plain", "guess"):
+        for stage in stages:
+            stage.open_session(sid)
+        for lo in range(0, len(prompt), 128):
+            _, out = _step(stages, sid, lo, prompt[lo : lo + 128])
+    start = len(prompt)
+    truth, plain = [out.token.token_id], {}
+    for position in range(start, start + 7):  # one-token steps: the reference
+        plain[position], out = _step(stages, "plain", position, [truth[-1]])
+        truth.append(out.token.token_id)
+    tail = stages[-1].sessions.get("guess")
+    assert tail.expect == (start, truth[0])  # the prompt's step sampled truth[0] there
+
+    def wrong(token: int) -> int:
+        return 3 + (token + 1) % 190
+
+    rows, out = _step(stages, "guess", start, [truth[0]])  # known
+    assert _equal(rows, plain[start])
+    assert tail.expect == (start + 1, truth[1])
+    rows, _ = _step(stages, "guess", start + 1, [truth[1]], guess_from=start + 1)  # right
+    assert _equal(rows, plain[start + 1])
+    _step(stages, "guess", start + 2, [wrong(truth[2])], guess_from=start + 2)  # wrong
+    _step(stages, "guess", start + 3, [wrong(truth[3])], guess_from=start + 2)  # after it
+    rows, _ = _step(stages, "guess", start + 2, [truth[2]])  # the token: back to start + 2
+    assert _equal(rows, plain[start + 2])
+    _step(stages, "guess", start + 3, [wrong(truth[3])], guess_from=start + 3)
+    rows, _ = _step(stages, "guess", start + 3, [truth[3]])
+    assert _equal(rows, plain[start + 3])
+    for position in range(start + 4, start + 7):
+        rows, out = _step(stages, "guess", position, [truth[position - start]])
+        assert _equal(rows, plain[position]), (family, position)
+    assert out.token.token_id == truth[-1]
+
+
+def _request(position: int, ids: list[int], guess_from: int | None) -> StepRequest:
+    headers = {H_SESSION: "s1", H_POSITION: str(position), H_SAMPLE: "1",
+               H_IDS: ",".join(map(str, ids))}  # fmt: skip
+    if guess_from is not None:
+        headers[H_GUESS] = str(guess_from)
+    body = encode_tensor(torch.zeros(1, len(ids), 8, dtype=torch.bfloat16))
+    return parse_step(headers, body, max_bytes=1 << 20)
+
+
+def test_a_guess_step_is_one_sampled_token_that_goes_back_no_further_than_allowed():
+    assert _request(10, [5], 8).guess_from == 8
+    assert _request(10, [5], None).guess_from is None
+    for position, ids, guess_from in ((10, [5], 11), (10, [5, 6], 10), (10, [5], -1)):
+        with pytest.raises(InvalidRequest):
+            _request(position, ids, guess_from)
+
+
+def test_the_tail_answers_stale_a_guess_it_did_not_sample(tiny_snapshot):
+    snapshot = tiny_snapshot("llama")
+    layers = LayerRange(0, AutoConfig.from_pretrained(snapshot).num_hidden_layers)
+    stage = Stage(load_shard(snapshot, layers, Precision.FLOAT32))  # head and tail
+    stage.open_session("s1")
+    out = stage.step("s1", 0, token_ids=torch.tensor([[5, 6, 7]]))
+    sampled = out.token.token_id
+    assert not stale_guess(stage, _request(3, [sampled], 3))
+    assert stale_guess(stage, _request(3, [sampled + 1], 3))  # a wrong guess
+    assert stale_guess(stage, _request(4, [sampled], 3))  # one after a guess not yet sampled
+
+
+def test_a_flight_confirms_a_right_guess_and_drops_the_rest_on_a_wrong_one():
+    import asyncio
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        flight = GuessFlight(depth=4)
+        futures = [loop.create_future() for _ in range(3)]
+        for i, future in enumerate(futures):
+            at = 11 + i
+            flight.add(at, 100 + i, future)
+            assert flight.rewind_from(at + 1) == 11  # the first guess still unanswered
+        assert flight.take(11, 100).position == 11  # the tail sampled the guess
+        assert flight.take(12, 999) is None  # it did not: the rest are stale
+        await flight.drop()
+        assert len(flight) == 0 and futures[1].cancelled() and futures[2].cancelled()
+        assert flight.rewind_from(20) == 20
+        assert (flight.guessed, flight.confirmed) == (3, 1)
+
+    asyncio.run(scenario())
