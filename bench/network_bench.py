@@ -4,12 +4,14 @@ of every process (``link_relay.py``), one-way delays 0 / 5 / 25 ms and a 100 Mbi
 For each delay it reports greedy decode tokens/s on a code-completion prompt against the
 one-traversal-per-token bound ``1 / (undelayed step time + 2 x hops x delay)`` (the ceiling
 when every token waits for a whole round trip of the chain; the step time is the plain
-variant's), for three variants: ``plain`` (no speculation, answers back through the chain:
-the data path before issue #17), ``direct`` (the tail answers the head directly) and
-``direct+spec`` (the defaults: direct answers over slow links and speculative decoding,
-exact in bfloat16 too, ADR-0019). Also tokens per
-traversal, whether the text equals the plain undelayed run's, and TTFT of a 2048-token
-prompt at 100 Mbit/s against the time its activations take on such links.
+variant's), for four variants: ``plain`` (no speculation, answers back through the chain:
+the data path before issue #17), ``direct`` (the tail answers the head directly),
+``direct+drafts`` (drafts verified in one pass per step, ``--guess-steps 0``) and
+``direct+spec`` (the defaults: direct answers over slow links and guess steps in flight,
+exact in bfloat16 too, ADR-0019). Also tokens per traversal (for guess steps: per step
+whose answer was waited for from the start), whether the text equals the plain undelayed
+run's, and TTFT of a 2048-token prompt at 100 Mbit/s against the time its activations take
+on such links.
 
     .venv/bin/python bench/network_bench.py [--quick] [--delays 0,5,25] [--variants plain,direct,direct+spec]
 """

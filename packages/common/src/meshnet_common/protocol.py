@@ -355,8 +355,8 @@ class StepResult(BaseModel):
     # from the step's wall time to see what serving and the network cost per hop. On the
     # wire it travels in the H_COMPUTE header, not in the body.
     compute_ms: list[float] = Field(default_factory=list, max_length=MAX_HOPS)
-    # A guess step whose guess was wrong (ADR-0019): the tail computed nothing
-    stale: bool = False
+    # True: a guess step whose guess was wrong (ADR-0019); the tail computed nothing
+    stale: bool | None = None
 
 
 class AssignRequest(Strict):
