@@ -148,6 +148,9 @@ class GuessSteps:
             await self._abandon(stage, chain, exc, "decode")
             await self._reroute(stage, chain, request, exc, reroute)
             return await self._advance(stage, chain, request, history, token, reroute)
+        except BaseException:  # cancelled (the client left): the flight is dropped by then
+            current.task.cancel()
+            raise
         elapsed = time.perf_counter() - started
         metrics.decode_seconds.observe(elapsed)
         metrics.tokens_per_step.observe(1)
