@@ -229,3 +229,48 @@ def test_a_silent_stream_gets_sse_comments_and_loses_nothing():
     got = asyncio.run(collect())
     assert got[0] == "data: 1\n\n" and got[-1] == "data: 2\n\n"
     assert 2 <= got.count(": waiting\n\n") <= 4 and len(got) == got.count(": waiting\n\n") + 2
+
+
+def test_a_client_that_leaves_with_guess_steps_in_flight_frees_every_hop(swarm):
+    """The server's cancel scope cancels every await after the client left (anyio cancels
+    level-triggered): the generation must still close its sessions on every hop, with the
+    guess steps it had in flight cancelled, not awaited."""
+    import anyio
+
+    from meshnet_common.protocol import SamplingSpec
+    from meshnet_node.head.generation import GenerationRequest
+
+    generator = swarm.head.openai.generator
+    speculation = generator.speculation
+    generator.speculation = SpeculationSettings("greedy", 2, 2, 4)
+    swarm.hops.dead.clear()
+    swarm.hops.die_after.clear()
+    generator.bans.lift(A)
+    stages = [swarm.head.service.stage, swarm.tail_runtime.service.stage]
+    stages += [service.stage for service in swarm.mid_services]
+    before = [len(stage.sessions) for stage in stages]  # a failed-over hop keeps its own
+    guesses = generator.service.metrics.draft_tokens._value  # guess steps sent, so far
+    sent_before, in_flight = guesses.get(), []
+
+    async def leave_after_three_tokens():
+        request = GenerationRequest(
+            prompt_ids=[5, 6, 7, 8] * 8, max_tokens=200,
+            sampling=SamplingSpec(temperature=0), ignore_eos=True,
+        )  # fmt: skip
+        with anyio.CancelScope() as scope:
+            produced = 0
+            async for _ in generator.generate(request, (A, TAIL)):
+                produced += 1
+                if produced == 3:
+                    in_flight.append(guesses.get() - sent_before)
+                    scope.cancel()
+        with anyio.fail_after(5):
+            while [len(stage.sessions) for stage in stages] != before:
+                await anyio.sleep(0.02)
+
+    try:
+        swarm.http.portal.call(leave_after_three_tokens)
+    finally:
+        generator.speculation = speculation
+    assert in_flight and in_flight[0] >= 1  # guesses had been sent when the client left
+    assert [len(stage.sessions) for stage in stages] == before

@@ -114,7 +114,7 @@ class ShardSettings(ServiceSettings):
         group=MODEL,
     )  # fmt: skip
     guess_steps: int = knob(
-        0, "over a chain, the decode steps of one greedy generation in flight: each after "
+        4, "over a chain, the decode steps of one greedy generation in flight: each after "
         "the first carries the head's n-gram guess of its input, sent before the token it "
         "guesses is known, and a wrong guess costs the hops a row they would have idled "
         "through (0 or 1: none; drafts are then verified in one pass per step)",

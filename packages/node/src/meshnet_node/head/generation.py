@@ -261,7 +261,9 @@ class HeadGenerator(Failover, GuessSteps):
         finally:
             self.running -= 1
             if flight is not None:
-                await flight.drop()
+                # Not awaited: a client that left cancels every await from here on (the
+                # server's cancel scope), and the sessions must close all the same.
+                flight.cancel()
             await self._close(stage, chain.session_id, chain.key, chain.route)
 
     def _open_local(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:

@@ -57,14 +57,20 @@ class GuessFlight:
             return self.steps.popleft()
         return None
 
-    async def drop(self) -> None:
-        """Cancel every step in flight and wait until they let go (their answers, still
-        coming, are dropped by the link)."""
+    def cancel(self) -> list[asyncio.Future]:
+        """Cancel every step in flight, without waiting: for a generation that ends (its
+        sessions close next, so the hops drop whatever of those steps still reaches them).
+        Returns the cancelled steps."""
         stale = [step.task for step in self.steps]
         self.steps.clear()
         for task in stale:
             task.cancel()
-        if stale:
+        return stale
+
+    async def drop(self) -> None:
+        """Cancel every step in flight and wait until they let go (their answers, still
+        coming, are dropped by the link)."""
+        if stale := self.cancel():
             await asyncio.gather(*stale, return_exceptions=True)
 
     def rewind_from(self, position: int) -> int:
