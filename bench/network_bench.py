@@ -51,7 +51,7 @@ VARIANTS = (  # (label, node flags): today's data path first, it sets the bound
     ("plain", ["--speculative", "off", "--no-direct-answers"]),
     ("direct", ["--speculative", "off"]),
     ("direct+drafts", ["--guess-steps", "0"]),  # drafts verified in one pass per step
-    ("direct+spec", ["--guess-steps", "4"]),  # guess steps in flight (ADR-0019)
+    ("direct+spec", []),  # the defaults: guess steps in flight (ADR-0019)
 )
 
 

@@ -274,3 +274,47 @@ def test_a_client_that_leaves_with_guess_steps_in_flight_frees_every_hop(swarm):
         generator.speculation = speculation
     assert in_flight and in_flight[0] >= 1  # guesses had been sent when the client left
     assert [len(stage.sessions) for stage in stages] == before
+
+
+def test_a_seeded_sampled_request_with_guess_steps_gives_the_text_without_them(swarm, monkeypatch):
+    """With ``--speculative all`` guess steps serve sampled requests too: the tail samples
+    each position once, as one step at a time would, and a stale guess samples nothing, so
+    a seeded request draws the same numbers in the same order: the same text, whether the
+    guesses are all wrong or mostly right."""
+    seen: list[int] = []  # the longest history a proposal saw: prompt and sampled tokens
+
+    def last_again(drafter, k):  # sampled text seldom repeats itself: all wrong, mostly
+        seen[:] = max(seen, drafter.text, key=len)
+        return drafter.text[-1:] * k
+
+    def mostly_right(drafter, k):  # the tokens the first run sampled, every third one off
+        n = len(drafter.text)
+        return [t if (n + i) % 3 else t + 1 for i, t in enumerate(seen[n : n + k])]
+
+    generator = swarm.head.openai.generator
+    speculation = generator.speculation
+    swarm.hops.dead.clear()
+    swarm.hops.die_after.clear()
+    generator.bans.lift(A)
+    body = {"model": MODEL_ID, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 40, "seed": 1234,
+            "temperature": 0.7, "ignore_eos": True}  # fmt: skip
+    metrics = generator.service.metrics
+    runs = {}
+    try:
+        for label, mode, propose in (("off", "off", None), ("wrong", "all", last_again),
+                                     ("right", "all", mostly_right)):  # fmt: skip
+            if propose is not None:
+                monkeypatch.setattr(NgramDrafter, "propose", propose)
+            generator.speculation = SpeculationSettings(mode, 2, 2, 4)
+            swarm.stale = 0
+            kept = metrics.accepted_tokens._value.get()
+            resp = swarm.http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            text = resp.json()["choices"][0]["text"]
+            runs[label] = (text, swarm.stale, metrics.accepted_tokens._value.get() - kept)
+    finally:
+        generator.speculation = speculation
+    assert runs["wrong"][0] == runs["off"][0] == runs["right"][0]
+    assert runs["off"][1:] == (0, 0)  # no guess steps without speculation
+    assert runs["wrong"][1] >= 10  # many stale guesses
+    assert runs["right"][1] >= 1 and runs["right"][2] >= 10  # some stale, many right
