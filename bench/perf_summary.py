@@ -9,6 +9,7 @@ from benchlib import busy_flag, fmt_summary, print_table
 
 SMOL = "SmolLM2-135M"
 LLAMA_1B = "Llama-1B (random)"
+DEFAULTS = "direct+spec"  # network_bench.py's variant with the nodes' default flags
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,19 @@ def _concurrency_most(results: dict):
     return res["sessions"][most]["vs_first"], res["other_cores"]
 
 
+def _network(delay_ms: float):
+    """The defaults' decode over links of ``delay_ms`` one way, against the bound of one
+    traversal per token (network_bench.py's ``direct+spec`` row)."""
+
+    def find(results: dict):
+        rows = (results.get("network") or {}).get("rows", [])
+        row = next((r for r in rows if r["variant"] == DEFAULTS and r["delay_ms"] == delay_ms),
+                   None)  # fmt: skip
+        return (row["ratio_to_bound"], 0.0) if row else (None, 0.0)
+
+    return find
+
+
 def _wire(payload: str):
     def find(results: dict):
         wire = results.get("wire")
@@ -73,7 +87,7 @@ def _memory(results: dict):
 
 TARGETS = [
     Target("decode tok/s meshnet (3 procs) / HF, Llama ~1B", ">=", 0.90, _decode(LLAMA_1B)),
-    Target("decode tok/s meshnet (3 procs) / HF, SmolLM2-135M", ">=", 0.80, _decode(SMOL)),
+    Target("decode tok/s meshnet (3 procs) / HF, SmolLM2-135M", ">=", 0.85, _decode(SMOL)),
     Target("per-hop overhead ms, SmolLM2 3 procs", "<=", 1.5, _per_hop("SmolLM2 3 procs")),
     Target("per-hop overhead ms, SmolLM2 2 procs", "<=", 1.5, _per_hop("SmolLM2 2 procs")),
     Target(
@@ -89,6 +103,8 @@ TARGETS = [
         "wire bytes / raw bf16, 128-token chunk (worst hop)", "<=", 0.85, _wire("prefill_chunk")
     ),  # fmt: skip
     Target("shard memory: quarter / full RSS, net (earlier issue)", "<=", 0.35, _memory),
+    Target("decode over 5 ms links / one-traversal bound", ">=", 1.0, _network(5.0)),
+    Target("decode over 25 ms links / one-traversal bound", ">=", 1.3, _network(25.0)),
 ]
 
 
@@ -111,6 +127,11 @@ def targets(results: dict) -> list[dict]:
                     "measured": None if res is None else res["tokens_equal"],
                     "pass": None if res is None else res["tokens_equal"],
                     "other_cores": 0.0})  # fmt: skip
+    rows = (results.get("network") or {}).get("rows")
+    if rows:
+        same = all(r["same_text"] for r in rows)
+        out.append({"target": "same text over links as undelayed, every variant", "goal": "yes",
+                    "measured": same, "pass": same, "other_cores": 0.0})  # fmt: skip
     return out
 
 
