@@ -312,9 +312,12 @@ def test_a_seeded_sampled_request_with_guess_steps_gives_the_text_without_them(s
             assert resp.status_code == 200, resp.text
             text = resp.json()["choices"][0]["text"]
             runs[label] = (text, swarm.stale, metrics.accepted_tokens._value.get() - kept)
+
     finally:
         generator.speculation = speculation
     assert runs["wrong"][0] == runs["off"][0] == runs["right"][0]
     assert runs["off"][1:] == (0, 0)  # no guess steps without speculation
-    assert runs["wrong"][1] >= 10  # many stale guesses
-    assert runs["right"][1] >= 1 and runs["right"][2] >= 10  # some stale, many right
+    assert runs["wrong"][2] == 0 and runs["right"][2] >= 10  # none right, then many
+    # How many wrong guesses reach the tail (and are answered stale there) rather than
+    # being dropped on the head, known wrong before they left, depends on timing; in a run
+    # of this test alone, 111 and 15 of them did.

@@ -131,3 +131,11 @@ def test_a_flight_confirms_a_right_guess_and_drops_the_rest_on_a_wrong_one():
         assert (flight.guessed, flight.confirmed) == (3, 1)
 
     asyncio.run(scenario())
+
+
+def test_a_flight_counts_the_tokens_of_each_traversal_waited_for():
+    flight = GuessFlight(depth=4)
+    # waited, right, right | waited | waited, right: traversals of 3, 1 and 2 tokens
+    done = [flight.traversal(fresh) for fresh in (True, False, False, True, True, False)]
+    assert done == [0, 0, 0, 3, 1, 0]
+    assert flight.finish() == 2 and flight.finish() == 0

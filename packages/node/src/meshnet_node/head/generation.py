@@ -264,6 +264,8 @@ class HeadGenerator(Failover, GuessSteps):
                 # Not awaited: a client that left cancels every await from here on (the
                 # server's cancel scope), and the sessions must close all the same.
                 flight.cancel()
+                if rest := flight.finish():
+                    metrics.tokens_per_step.observe(rest)
             await self._close(stage, chain.session_id, chain.key, chain.route)
 
     def _open_local(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:

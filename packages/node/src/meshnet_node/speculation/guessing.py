@@ -45,6 +45,9 @@ class GuessFlight:
         self.steps: deque[InFlight] = deque()
         self.guessed = 0  # guess steps sent
         self.confirmed = 0  # guess steps whose guess was the tail's token
+        # tokens of the traversal under way: its step, waited for from the start, and the
+        # right guesses whose answers rode along behind it
+        self.riding = 0
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -72,6 +75,18 @@ class GuessFlight:
         coming, are dropped by the link)."""
         if stale := self.cancel():
             await asyncio.gather(*stale, return_exceptions=True)
+
+    def traversal(self, fresh: bool) -> int:
+        """Count one step's token. A step waited for from the start (``fresh``) begins a
+        traversal: returns the tokens of the one it ends (0 for the first), else 0."""
+        done = self.riding if fresh else 0
+        self.riding = 1 if fresh else self.riding + 1
+        return done
+
+    def finish(self) -> int:
+        """The tokens of the traversal under way, which ends with the generation."""
+        done, self.riding = self.riding, 0
+        return done
 
     def rewind_from(self, position: int) -> int:
         """How far back a later step may take the hops, for a guess step at ``position``:
@@ -159,7 +174,8 @@ class GuessSteps:
             raise
         elapsed = time.perf_counter() - started
         metrics.decode_seconds.observe(elapsed)
-        metrics.tokens_per_step.observe(1)
+        if done := flight.traversal(fresh):  # tokens per traversal waited for
+            metrics.tokens_per_step.observe(done)
         chain.passes.append((position, [token], 0))  # what a replay runs again
         if fresh:  # a step sent now: its time is a step's (one sent early is not)
             timings.add(elapsed, result.compute_ms, len(chain.route))
