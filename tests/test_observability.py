@@ -85,10 +85,12 @@ def test_metrics_move_and_logs_carry_ids_but_no_prompt(tiny_snapshot, swarm_fact
     assert delta(head, "meshnet_tokens_generated_total") == generated
     assert delta(head, "meshnet_prompt_tokens_total") == resp.json()["usage"]["prompt_tokens"]
     assert delta(head, "meshnet_prefill_seconds_count") == 1
-    # decode steps: one traversal each, yielding 1 + the drafts the tail kept (ADR-0019)
+    # decode steps answered; guess steps (ADR-0019, on by default over a chain): a traversal
+    # is a step waited for, with the right guesses whose answers rode along behind it
     steps = delta(head, "meshnet_decode_step_seconds_count")
     assert 1 <= steps <= generated - 1
-    assert delta(head, "meshnet_tokens_per_traversal_count") == steps
+    traversals = steps - delta(head, "meshnet_spec_decode_num_accepted_tokens_total")
+    assert delta(head, "meshnet_tokens_per_traversal_count") == traversals
     assert delta(head, "meshnet_tokens_per_traversal_sum") == generated - 1
     assert delta(head, "meshnet_hop_seconds_count", hop=tail.url) == steps + 1
     assert delta(head, "meshnet_wire_sent_bytes_total") > 0

@@ -44,8 +44,15 @@ def test_the_tail_answers_the_tracker_node_directly(models_dir, tiny_snapshot, t
         tokenizer_text = choice["text"]
         assert len(choice["logprobs"]["tokens"]) == 24
         assert reply.json()["meshnet_timing"]["hops"] == 2
-        # sampled steps: the prefill's last chunk and every decode traversal
-        steps = 1 + _metric(tracker.url, "meshnet_tokens_per_traversal_count")
+        # steps sent for the tail to sample: the prefill's last chunk, every decode step
+        # answered, less the right guesses among them, plus every guess step sent (those
+        # dropped or answered stale included; ADR-0019)
+        steps = (
+            1
+            + _metric(tracker.url, "meshnet_decode_step_seconds_count")
+            - _metric(tracker.url, "meshnet_spec_decode_num_accepted_tokens_total")
+            + _metric(tracker.url, "meshnet_spec_decode_num_draft_tokens_total")
+        )
         direct = _metric(tracker.url, "meshnet_direct_answers_total")
         # The tail's direct answer and the chain's race on loopback; a busy host decides
         # which arrives first, so only that some did, and never more than one a step.
