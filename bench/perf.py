@@ -270,6 +270,22 @@ def run_smollm2(plan: Plan, run: Run, snapshot: Path, prompts: SmolPrompts) -> N
         print_overhead(results["overhead"])
 
 
+def run_widened(plan: Plan, run: Run, prompts: SmolPrompts) -> None:
+    """The concurrency section again on a swarm started with ``--widen-bf16`` (opt-in: many-row
+    products in float32 where bf16 arithmetic is emulated, ADR-0027)."""
+    label = "SmolLM2 3 procs --widen-bf16"
+    with run.section("concurrency --widen-bf16", quiet=False), running_swarm(
+        plan.smol_dir, SMOLLM2_MODEL_ID, SMOL_LAYOUTS[3], plan.threads, label,
+        flags=("--widen-bf16",),
+    ) as swarm:  # fmt: skip
+        plan.repeat.wait_quiet(label)
+        res = concurrency_section(
+            swarm, prompts.sessions, list(plan.sessions), plan.session_tokens, plan.repeat
+        )
+        run.results["concurrency_widened"] = res
+        print_concurrency(res, note=" (--widen-bf16)")
+
+
 def run_llama_1b(plan: Plan, run: Run) -> None:
     """Decode on the random ~1B Llama of shard_memory.py (built once, cached)."""
     from hf_ref import load_model
@@ -316,6 +332,8 @@ def print_all(results: dict) -> None:
         print_ttft(results["ttft"])
     if "concurrency" in results:
         print_concurrency(results["concurrency"])
+    if "concurrency_widened" in results:
+        print_concurrency(results["concurrency_widened"], note=" (--widen-bf16)")
     if "overhead" in results:
         print_overhead(results["overhead"])
     if "sampling" in results:
@@ -392,6 +410,8 @@ def main() -> None:
                 print_wire(run.results["wire"])
         if wanted & {"decode", "ttft", "concurrency", "overhead", "sampling"}:
             run_smollm2(plan, run, snapshot, prompts)
+    if "concurrency" in wanted:
+        run_widened(plan, run, prompts)
     if "decode" in wanted:
         run_llama_1b(plan, run)
     if "network" in wanted:

@@ -240,7 +240,7 @@ def concurrency_section(
             "prompt_tokens": len(prompts[0]), "sessions": out, "other_cores": other}  # fmt: skip
 
 
-def print_concurrency(res: dict) -> None:
+def print_concurrency(res: dict, note: str = "") -> None:
     flag = busy_flag(res["other_cores"])
     rows = [
         [
@@ -258,7 +258,7 @@ def print_concurrency(res: dict) -> None:
                "token gap p99 ms", "TTFT p50 ms", "other cores"]  # fmt: skip
     print_table(
         f"3. Concurrency: streamed sessions of {res['tokens_per_session']} tokens on "
-        f"{_fmt_ranges(res['ranges'])}; median [min-max] over runs",
+        f"{_fmt_ranges(res['ranges'])}{note}; median [min-max] over runs",
         headers,
         rows,
     )

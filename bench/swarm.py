@@ -134,10 +134,16 @@ DATA_PATH_FLAGS = ("--speculative", "off")
 
 @contextlib.contextmanager
 def running_swarm(
-    models_dir: Path, model_id: str, ranges: list[tuple[int, int]], threads: int, label: str
+    models_dir: Path,
+    model_id: str,
+    ranges: list[tuple[int, int]],
+    threads: int,
+    label: str,
+    flags: tuple[str, ...] = (),
 ) -> Iterator[Swarm]:
-    """Start a swarm, wait until it covers the model, and always stop it afterwards."""
-    extra = {i: list(DATA_PATH_FLAGS) for i in range(len(ranges))}
+    """Start a swarm (every process also given ``flags``), wait until it covers the model,
+    and always stop it afterwards."""
+    extra = {i: [*DATA_PATH_FLAGS, *flags] for i in range(len(ranges))}
     swarm = Swarm(models_dir, model_id, ranges, threads, extra=extra)
     try:
         swarm.start()

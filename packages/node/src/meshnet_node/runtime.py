@@ -197,7 +197,10 @@ def load_stage(settings: NodeSettings) -> Stage:
         kv_budget_tokens=settings.kv_budget_tokens,
         declared_gb=settings.memory_gb,
     )
-    shard = load_shard(settings.model_path, settings.layers, settings.quantization, settings.device)
+    shard = load_shard(
+        settings.model_path, settings.layers, settings.quantization, settings.device,
+        widen_bf16=settings.widen_bf16,
+    )  # fmt: skip
     return Stage(
         shard, max_chunk_tokens=settings.chunk_tokens, kv_budget_tokens=settings.kv_budget_tokens,
         idle_timeout_s=settings.session_idle_timeout_s, max_sessions=settings.max_sessions,

@@ -52,6 +52,12 @@ class ShardSettings(ServiceSettings):
     )  # fmt: skip
     device: str = knob("auto", "auto, cpu or cuda", group=MODEL)
     threads: int | None = knob(None, "torch compute threads (default: torch's)", group=MODEL)
+    widen_bf16: bool = knob(
+        False, "on a CPU without bfloat16 arithmetic (no AVX-512), multiply calls of many rows "
+        "(prompts, batched steps, drafts) in float32 on the bf16 weights: 2-4.6x faster there, "
+        "but rounding then depends on how many rows share a call, so in a rare near-tie the "
+        "output can differ from the unsplit model's (ADR-0027)", group=MODEL, action="bool",
+    )  # fmt: skip
     kv_budget_tokens: int = knob(
         defaults.KV_BUDGET_TOKENS, "most tokens held in KV caches across sessions (beyond: 503)",
         group=MODEL,

@@ -23,6 +23,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.native_formats import dequantize_tensors, native_format
 from meshnet_common.precision import Precision
+from meshnet_node.engine.bf16_upcast import widen_if_emulated
 from meshnet_node.engine.families import FamilyAdapter, SessionAttention, adapter_for
 from meshnet_node.engine.quantization import quantize_linears
 
@@ -196,8 +197,13 @@ def load_shard(
     layers: LayerRange,
     precision: Precision = Precision.BFLOAT16,
     device: str = "cpu",
+    *,
+    widen_bf16: bool = False,
 ) -> LoadedShard:
-    """Materialize ``layers`` of the snapshot (plus head/tail extras) and nothing more."""
+    """Materialize ``layers`` of the snapshot (plus head/tail extras) and nothing more.
+
+    ``widen_bf16``: multiply many-row calls in float32 where bf16 arithmetic is emulated
+    (``bf16_upcast``); off, every product is torch's own, as in the unsplit model."""
     index = CheckpointIndex.load(snapshot)
     layers.check_within(index.num_layers)
     config = AutoConfig.from_pretrained(index.root)
@@ -264,6 +270,8 @@ def load_shard(
         for layer in modules.layers:  # batched decode steps split attention by session
             layer.self_attn = SessionAttention(layer.self_attn)
     modules.to(device)
+    if widen_bf16:
+        widen_if_emulated(modules, device)
     meta_left = _still_meta(modules)
     if meta_left:
         # Refuse to serve a half-materialized model (e.g. a checkpoint missing tensors).
