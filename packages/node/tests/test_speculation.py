@@ -13,6 +13,8 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import SamplingSpec
+from meshnet_node.engine import bf16_upcast
+from meshnet_node.engine.bf16_upcast import widen_linears
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.engine.sampling import Sampler
@@ -192,9 +194,12 @@ def test_draft_policy_tells_a_slower_link_from_costlier_drafts():
     assert expected_tokens(1.0, 3) == 4
 
 
-def _bf16_stages(snapshot, n_layers: int) -> list[Stage]:
+def _bf16_stages(snapshot, n_layers: int, widen: bool = False) -> list[Stage]:
     bounds = [(0, n_layers // 3), (n_layers // 3, 2 * n_layers // 3), (2 * n_layers // 3, n_layers)]
-    return [Stage(load_shard(snapshot, LayerRange(*b), Precision.BFLOAT16)) for b in bounds]
+    shards = [load_shard(snapshot, LayerRange(*b), Precision.BFLOAT16) for b in bounds]
+    for shard in shards if widen else ():
+        assert widen_linears(shard.modules) > 0  # --widen-bf16, forced whatever the CPU
+    return [Stage(shard) for shard in shards]
 
 
 def _chain(stages, sid, position, ids, drafts=()):
@@ -209,14 +214,25 @@ def _chain(stages, sid, position, ids, drafts=()):
     return rows
 
 
-@pytest.mark.parametrize("family", list(tiny.FAMILIES))
-def test_bfloat16_verification_rows_equal_one_token_steps(tiny_snapshot, family):
+WIDENED = [(f, False) for f in tiny.FAMILIES] + [
+    (f, True)
+    for f in ("llama", "gpt2", "phi3", "deepseek_v3")  # Linear, Conv1D, fused, MLA
+]
+
+
+@pytest.mark.parametrize(("family", "widen"), WIDENED)
+def test_bfloat16_verification_rows_equal_one_token_steps(
+    tiny_snapshot, monkeypatch, family, widen
+):
     """In bfloat16 a verification pass (a token and 4 drafts) gives, on every stage, the
     rows that five one-token steps give, bit for bit, and leaves the caches so that the
     steps after it (also after a rewind past rejected drafts) agree bit for bit too: the
-    greedy text of speculative decoding is that of plain decoding (ADR-0019)."""
+    greedy text of speculative decoding is that of plain decoding (ADR-0019). With
+    ``--widen-bf16`` too: a verification pass is never widened (ADR-0027)."""
     snapshot = tiny_snapshot(family)
-    stages = _bf16_stages(snapshot, AutoConfig.from_pretrained(snapshot).num_hidden_layers)
+    n_layers = AutoConfig.from_pretrained(snapshot).num_hidden_layers
+    stages = _bf16_stages(snapshot, n_layers, widen)
+    monkeypatch.setattr(bf16_upcast, "ROWS_PER_THREAD", 1)  # 5 rows would be widened
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, 200, (150,), generator=gen).tolist()  # past every window
     for sid in ("plain", "spec"):

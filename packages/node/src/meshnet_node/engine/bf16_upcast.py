@@ -16,9 +16,12 @@ bf16 inputs, and the result is rounded back to bfloat16.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import types
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -33,7 +36,10 @@ logger = logging.getLogger(__name__)
 ROWS_PER_THREAD = 3
 SCRATCH_BYTES = 4 << 20  # float32 weight block; 4 MiB was fastest of 256 KiB .. 4 MiB
 
-_scratch = threading.local()
+_scratch = threading.local()  # .buf: the float32 block; .exact: widening paused (depth)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def bf16_is_emulated(device: torch.device | str) -> bool:
@@ -71,8 +77,27 @@ def widened_linear(
 
 
 def upcast_min_rows() -> int:
-    """Rows in one call from which :func:`widened_linear` beats torch's bf16 fallback."""
+    """Rows in one call from which :func:`widened_linear` beats torch's bf16 fallback; no
+    rows at all (widening paused) inside :func:`torch_products`."""
+    if getattr(_scratch, "exact", 0):
+        return 2**62
     return ROWS_PER_THREAD * torch.get_num_threads()
+
+
+def torch_products(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` with every product torch's own, however many rows: a verification pass's rows
+    must each equal the one-token step at their position bit for bit (ADR-0019), and a
+    one-token step is never widened."""
+
+    @functools.wraps(fn)
+    def exact(*args: P.args, **kwargs: P.kwargs) -> R:
+        _scratch.exact = getattr(_scratch, "exact", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _scratch.exact -= 1
+
+    return exact
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest, MeshnetError
 from meshnet_common.protocol import SamplingSpec
+from meshnet_node.engine.bf16_upcast import torch_products
 from meshnet_node.engine.constraints import ConstraintFactory
 from meshnet_node.engine.families import RowMasks, SessionContext, build_masks, final_logits
 from meshnet_node.engine.loader import LoadedShard
@@ -384,15 +385,14 @@ class Stage:
         shard = self.shard
         return self._faulty(final_logits(shard.config, shard.modules.lm_head, states).float().cpu())
 
+    @torch_products  # rows as the one-token steps, in bf16 too: never widened (ADR-0027)
     def _forward_drafts(
         self, session: Session, position: int, inputs: torch.Tensor, defer_logits: bool = False
     ) -> StepOutput:
         """A verification pass (a token and its drafts): the positions run as rows of one
         batched pass (``_forward_batch``), so each gives what a one-token step there gives,
-        in bfloat16 too, and the text stays that of one-at-a-time decoding (ADR-0019).
-        ``defer_logits``: a tail's logits are ``DeferredRows``."""
-        rows = inputs.shape[1]
-        defer = defer_logits and self.shard.is_tail
+        in bfloat16 too (ADR-0019). ``defer_logits``: a tail's logits are ``DeferredRows``."""
+        rows, defer = inputs.shape[1], defer_logits and self.shard.is_tail
         outs = self._forward_batch(
             [session] * rows,
             list(range(position, position + rows)),
@@ -401,7 +401,8 @@ class Stage:
         )
         if defer:
             states = torch.cat([out.hidden for out in outs])  # (rows, 1, H)
-            return StepOutput(logits=DeferredRows(self._logits, states))  # type: ignore[arg-type]
+            logits = DeferredRows(torch_products(self._logits), states)
+            return StepOutput(logits=logits)  # type: ignore[arg-type]
         if outs[0].hidden is not None:
             return StepOutput(hidden=torch.cat([out.hidden for out in outs], dim=1))
         return StepOutput(logits=torch.stack([out.logits for out in outs]))  # (rows, V)
@@ -483,8 +484,7 @@ class Stage:
             self.close_session(session_id)
 
     def _score_prompt(self, session: Session, hidden: torch.Tensor, position: int, rows) -> None:
-        """Log-probabilities of the prompt's own tokens (``echo`` with ``logprobs``), in
-        pieces of a wire chunk so the (T, V) logits stay small."""
+        """Log-probs of the prompt's own tokens (``echo``), in wire chunks: small (T, V)."""
         mods, sampler = self.shard.modules, session.sampler
         for lo in range(rows.start, rows.stop, self.max_chunk_tokens):
             hi = min(lo + self.max_chunk_tokens, rows.stop)
