@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -90,3 +92,20 @@ def test_a_widened_split_stays_within_bfloat16_tolerance(tiny_snapshot, family):
     tokens, logits = split_greedy(stages, prompt, 4)
     assert tokens[0] == ref_tokens[0]
     assert float((logits[0] - ref_logits[0]).abs().max()) <= 2e-2
+
+
+def test_the_scratch_serves_calls_in_and_out_of_inference_mode():
+    """A thread's first call may come from a stage (inference mode) and a later one from
+    elsewhere: the scratch buffer must stay writable in both."""
+    w, x = torch.ones(64, 576).bfloat16(), torch.ones(8, 576).bfloat16()
+    results: list[torch.Tensor] = []
+
+    def work():
+        with torch.inference_mode():
+            results.append(widened_linear(x, w, None))
+        results.append(widened_linear(x, w, None))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert len(results) == 2 and all(bool((r == 576).all()) for r in results)

@@ -52,7 +52,8 @@ def bf16_is_emulated(device: torch.device | str) -> bool:
 def _scratch_buffer() -> torch.Tensor:
     buf = getattr(_scratch, "buf", None)
     if buf is None:
-        buf = _scratch.buf = torch.empty(SCRATCH_BYTES // 4, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of it
+            buf = _scratch.buf = torch.empty(SCRATCH_BYTES // 4, dtype=torch.float32)
     return buf
 
 
