@@ -45,7 +45,7 @@ models: install
 	$(VENV)/bin/meshnet-models import-smollm2 --models-dir $(MODELS_DIR)
 	$(VENV)/bin/meshnet-models list --models-dir $(MODELS_DIR)
 
-# Benchmark suite (bench/perf.py; 2-core CPU: ~8-9 min, BENCH_ARGS=--quick: ~4 min;
+# Benchmark suite (bench/perf.py; 2-core CPU: 20-32 min with the network section, BENCH_ARGS=--quick shorter;
 # e.g. BENCH_ARGS="--sections decode,ttft"). Tables on stdout, JSON in bench/results/.
 bench: install
 	$(PY) bench/perf.py $(BENCH_ARGS)
