@@ -36,7 +36,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from meshnet_common.errors import UnsupportedArchitecture
 from meshnet_common.models.checkpoint import SUPPORTED_ARCHITECTURES
-from meshnet_node.engine.row_attention import RowAttention
+from meshnet_node.engine.row_attention import RowAttention, attend_together, together_ok
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -107,19 +107,44 @@ class SessionContext:
         return self._masks.get(self._layer_type)
 
 
+def _together(attn: nn.Module, hidden: torch.Tensor, sessions: list[SessionContext], **kwargs):
+    """``attn`` run once for all rows (B, 1, H), each row attending to its own session's
+    cache with the mask and rotary embeddings a one-token step gives it
+    (``attend_together``); None where the module cannot (then nothing ran)."""
+    masks = [ctx.mask for ctx in sessions]  # built before any row's cache grows
+    rotary = sessions[0].position_embeddings
+    if rotary is not None:
+        rotary = tuple(torch.cat([ctx.position_embeddings[i] for ctx in sessions]) for i in (0, 1))
+    position_ids = torch.cat([ctx.position_ids for ctx in sessions])  # (B, 1)
+
+    def run(cache) -> torch.Tensor:
+        if rotary is None:  # GPT-2: learned positions, no rotary argument
+            return attn(hidden, cache=cache, attention_mask=None, position_ids=position_ids,
+                        **kwargs)[0]  # fmt: skip
+        return attn(hidden_states=hidden, attention_mask=None, position_ids=position_ids,
+                    cache=cache, position_embeddings=rotary, **kwargs)[0]  # fmt: skip
+
+    return attend_together(attn, [ctx.cache for ctx in sessions], masks, run)
+
+
 def _batched_decoder_layer(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
     """One decode token for each of B sessions: norms, MLP and the attention's projections
     run batched (B, 1, H), each session's attention runs against its own cache
     (``attend_rows``). Mirrors LlamaDecoderLayer.forward."""
     residual = hidden
+    normed = layer.input_layernorm(hidden)
+    attended = None
+    if together_ok(layer.self_attn, [ctx.cache for ctx in sessions]):
+        attended = _together(layer.self_attn, normed, sessions, use_cache=True)
+    if attended is None:
 
-    def one(attn, row, b):
-        ctx = sessions[b]
-        return attn(hidden_states=row, attention_mask=ctx.mask, position_ids=ctx.position_ids,
-                    cache=ctx.cache, use_cache=True,
-                    position_embeddings=ctx.position_embeddings)[0]  # fmt: skip
+        def one(attn, row, b):
+            ctx = sessions[b]
+            return attn(hidden_states=row, attention_mask=ctx.mask, position_ids=ctx.position_ids,
+                        cache=ctx.cache, use_cache=True,
+                        position_embeddings=ctx.position_embeddings)[0]  # fmt: skip
 
-    attended = attend_rows(layer.self_attn, layer.input_layernorm(hidden), one)  # (B, 1, H)
+        attended = attend_rows(layer.self_attn, normed, one)  # (B, 1, H)
     hidden = residual + attended
     residual = hidden
     return residual + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -144,6 +169,10 @@ class SessionAttention(nn.Module):
             return self.inner(hidden_states, *args, **kwargs)
         for name in ("attention_mask", "position_ids", "cache", "position_embeddings"):
             kwargs.pop(name, None)
+        if together_ok(self.inner, [ctx.cache for ctx in meshnet_sessions]):
+            attended = _together(self.inner, hidden_states, meshnet_sessions, **kwargs)
+            if attended is not None:
+                return attended, None
 
         def one(attn, row, b):
             ctx = meshnet_sessions[b]
@@ -152,6 +181,12 @@ class SessionAttention(nn.Module):
                         **kwargs)[0]  # fmt: skip
 
         return attend_rows(self.inner, hidden_states, one), None
+
+
+def attention_module(layer: nn.Module) -> nn.Module:
+    """The transformers attention module of a decoder layer (inside its SessionAttention)."""
+    attn = layer.self_attn if hasattr(layer, "self_attn") else layer.attn
+    return attn.inner if isinstance(attn, SessionAttention) else attn
 
 
 def _batched_any_layer(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
@@ -164,18 +199,22 @@ def _batched_gpt2_block(layer, hidden, sessions: list[SessionContext]) -> torch.
     """GPT2Block.forward for B sessions' decode tokens (no cross-attention)."""
     residual = hidden
     normed = layer.ln_1(hidden)
-    attended = torch.cat(
-        [
-            layer.attn(
-                normed[b : b + 1],
-                cache=ctx.cache,
-                attention_mask=ctx.mask,
-                use_cache=True,
-                position_ids=ctx.position_ids,
-            )[0]
-            for b, ctx in enumerate(sessions)
-        ]
-    )  # (B, 1, H)
+    attended = None
+    if together_ok(layer.attn, [ctx.cache for ctx in sessions]):
+        attended = _together(layer.attn, normed, sessions, use_cache=True)
+    if attended is None:
+        attended = torch.cat(
+            [
+                layer.attn(
+                    normed[b : b + 1],
+                    cache=ctx.cache,
+                    attention_mask=ctx.mask,
+                    use_cache=True,
+                    position_ids=ctx.position_ids,
+                )[0]
+                for b, ctx in enumerate(sessions)
+            ]
+        )  # (B, 1, H)
     hidden = attended + residual
     residual = hidden
     return residual + layer.mlp(layer.ln_2(hidden))

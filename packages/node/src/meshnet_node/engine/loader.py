@@ -24,8 +24,14 @@ from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.native_formats import dequantize_tensors, native_format
 from meshnet_common.precision import Precision
 from meshnet_node.engine.bf16_upcast import widen_if_emulated
-from meshnet_node.engine.families import FamilyAdapter, SessionAttention, adapter_for
+from meshnet_node.engine.families import (
+    FamilyAdapter,
+    SessionAttention,
+    adapter_for,
+    attention_module,
+)
 from meshnet_node.engine.quantization import quantize_linears
+from meshnet_node.engine.row_attention import enable_together
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +275,8 @@ def load_shard(
     if adapter.split_attention:
         for layer in modules.layers:  # batched decode steps split attention by session
             layer.self_attn = SessionAttention(layer.self_attn)
+    for layer in modules.layers:  # a batched step runs each attention module once (ADR-0028)
+        enable_together(attention_module(layer))
     modules.to(device)
     if widen_bf16:
         widen_if_emulated(modules, device)

@@ -18,16 +18,30 @@ then on the input projections run once on all rows and hand each row its slice
 (``_Rows``), and the output projection runs once on all rows' results. Anything else in
 the module (norms on q and k, rotary, the cache update, the attention itself, sinks,
 soft-capping, a projection of a projection) runs per row, unchanged.
+
+``attend_together`` goes further where a module's attention goes through transformers'
+attention interface (every supported family): the module runs once for all rows, as
+written (projections, norms, rotary on the whole batch), and only what depends on a
+row's own session runs per row: its cache update (``RowCaches``) and the attention
+function itself, called with the row's keys, values and mask exactly as a one-token step
+calls it (``enable_together`` points the module at ``_rows_attention``). A row's result
+is then the one-token step's bit for bit. Rows repeating a session (a verification pass)
+take ``attend_rows``: their masks must see the rows before them.
 """
 
 from __future__ import annotations
 
+import copy
+import sys
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 
 RowCall = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (module, row, b) -> output
 
@@ -162,3 +176,115 @@ class RowAttention:
 
 
 _LATER = _Later()
+
+
+TOGETHER = "meshnet_rows"  # the attention implementation ``enable_together`` installs
+_together = threading.local()  # .rows: the RowCaches of the call in progress on this thread
+
+
+class NotTogether(Exception):
+    """The module changed what the cache returned before attending to it (DeepSeek's MLA
+    expands its latent cache): its rows must run one by one."""
+
+
+class RowCaches:
+    """Stands in for the cache while a module runs once for all rows. The update is held
+    until the attention function runs (``_rows_attention``), which checks that it was given
+    what ``update`` returned, then writes each row's keys and values to its own session's
+    cache and attends row by row."""
+
+    def __init__(self, caches: Sequence[Cache], masks: Sequence[torch.Tensor | None]) -> None:
+        self.caches, self.masks = caches, masks
+        self.held: tuple | None = None  # (keys, values, layer_idx, args, kwargs)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.held = (key_states, value_states, layer_idx, args, kwargs)
+        return key_states, value_states
+
+    def write(self, key, value) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each row's keys and values after its cache took the new ones."""
+        if self.held is None or key is not self.held[0] or value is not self.held[1]:
+            raise NotTogether  # nothing written yet: the caller can still go row by row
+        keys, values, layer_idx, args, kwargs = self.held
+        return [
+            cache.update(keys[b : b + 1], values[b : b + 1], layer_idx, *args, **kwargs)
+            for b, cache in enumerate(self.caches)
+        ]  # fmt: skip
+
+
+def _rows_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function of a module ``enable_together`` set up: outside
+    ``attend_together`` the one it had (bit for bit the same call), inside it that function
+    once per row, on the row's own keys, values and mask."""
+    original = module.__dict__["_meshnet_attention"]
+    rows: RowCaches | None = getattr(_together, "rows", None)
+    if rows is None:
+        return original(module, query, key, value, attention_mask, **kwargs)
+    kv = rows.write(key, value)
+    position_ids = kwargs.pop("position_ids", None)
+    outs = []
+    for b, ((k, v), mask) in enumerate(zip(kv, rows.masks, strict=True)):
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids[b : b + 1]
+        outs.append(original(module, query[b : b + 1], k, v, mask, **kwargs)[0])
+    return torch.cat(outs), None
+
+
+AttentionInterface.register(TOGETHER, _rows_attention)
+
+
+def enable_together(module: nn.Module) -> bool:
+    """Route ``module``'s attention function through ``_rows_attention`` (its own config
+    copy names it; the shard's config, which builds the masks, is left alone). False where
+    the module has no transformers attention implementation to keep."""
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation == TOGETHER:
+        return True
+    if implementation == "eager":
+        original = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    elif implementation in AttentionInterface._global_mapping:
+        original = AttentionInterface._global_mapping[implementation]
+    else:
+        original = None
+    if original is None:
+        return False
+    own = copy.copy(config)
+    own._attn_implementation_internal = TOGETHER
+    module.config = own
+    module.__dict__["_meshnet_attention"] = original
+    return True
+
+
+def together_ok(module: nn.Module, caches: Sequence[Cache]) -> bool:
+    """Whether ``attend_together`` may serve these rows: the module is set up for it (and
+    has not shown it cannot be), and no two rows share a session (a row's mask must not
+    see another row of its own session)."""
+    state = module.__dict__
+    return (
+        "_meshnet_attention" in state
+        and not state.get("_meshnet_rows_only", False)
+        and len({id(c) for c in caches}) == len(caches)
+    )
+
+
+def attend_together(
+    module: nn.Module,
+    caches: Sequence[Cache],
+    masks: Sequence[torch.Tensor | None],
+    run: Callable[[RowCaches], torch.Tensor],
+) -> torch.Tensor | None:
+    """``run(row_caches)`` (``module`` called once, for every row, with ``cache=row_caches``)
+    with each row's attention against its own cache and mask; ``masks`` are built before
+    any row's cache grows, as a one-token step builds its mask. None, with no cache
+    touched, when the module turns out not to attend to what its cache returned: it then
+    always goes row by row (``attend_rows``)."""
+    rows = RowCaches(caches, masks)
+    _together.rows = rows
+    try:
+        return run(rows)
+    except NotTogether:
+        module.__dict__["_meshnet_rows_only"] = True
+        return None
+    finally:
+        _together.rows = None
