@@ -128,9 +128,10 @@ def _together(attn: nn.Module, hidden: torch.Tensor, sessions: list[SessionConte
 
 
 def _batched_decoder_layer(layer, hidden, sessions: list[SessionContext]) -> torch.Tensor:
-    """One decode token for each of B sessions: norms, MLP and the attention's projections
-    run batched (B, 1, H), each session's attention runs against its own cache
-    (``attend_rows``). Mirrors LlamaDecoderLayer.forward."""
+    """One decode token for each of B sessions: norms, MLP and the attention module run
+    batched (B, 1, H), each session's row attending to its own cache (``_together``; row
+    by row with batched projections where it cannot: ``attend_rows``). Mirrors
+    LlamaDecoderLayer.forward."""
     residual = hidden
     normed = layer.input_layernorm(hidden)
     attended = None
@@ -152,9 +153,10 @@ def _batched_decoder_layer(layer, hidden, sessions: list[SessionContext]) -> tor
 
 class SessionAttention(nn.Module):
     """Wraps a decoder layer's ``self_attn`` so that the whole layer can run a batched decode
-    step: given ``meshnet_sessions`` (one ``SessionContext`` per row), attention runs row by
-    row against each session's own cache, mask and positions, its projections batched
-    (``attend_rows``); norms, MLP and MoE routing run batched in the layer's own code.
+    step: given ``meshnet_sessions`` (one ``SessionContext`` per row), the attention module
+    runs once for all rows, each attending to its own session's cache with its own mask and
+    positions (``_together``; where it cannot, row by row with batched projections:
+    ``attend_rows``); norms, MLP and MoE routing run batched in the layer's own code.
     Without it, calls pass straight through.
 
     This keeps every family's decoder layer as transformers wrote it (Gemma's four norms,
