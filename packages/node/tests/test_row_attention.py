@@ -69,3 +69,103 @@ def test_one_row():
     want = row_by_row(module, hidden)
     for _ in range(2):
         torch.testing.assert_close(attend(module, hidden, call), want)
+
+
+# ``attend_together`` (ADR-0028) on transformers' own LlamaAttention.
+
+
+def _llama_attention(seed: int = 0):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, num_hidden_layers=1)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return LlamaAttention(config, layer_idx=0).to(torch.bfloat16).eval(), LlamaRotaryEmbedding(
+        config
+    )
+
+
+def _caches(lengths, width=64):
+    """A DynamicCache per session, filled by running ``n`` random tokens through a fresh
+    attention module of the same seed (so keys and values are real ones)."""
+    from transformers import DynamicCache
+
+    attn, rotary = _llama_attention()
+    gen = torch.Generator().manual_seed(5)
+    caches = []
+    for n in lengths:
+        cache = DynamicCache()
+        x = torch.randn(1, n, width, generator=gen).to(torch.bfloat16)
+        pos = torch.arange(n)[None]
+        attn(x, rotary(x, pos), None, cache=cache)  # causal prompt: is_causal, no mask
+        caches.append(cache)
+    return caches
+
+
+def _one_by_one(attn, rotary, hidden, lengths, caches):
+    outs = []
+    for b, n in enumerate(lengths):
+        row, pos = hidden[b : b + 1], torch.tensor([[n]])
+        outs.append(attn(row, rotary(row, pos), None, cache=caches[b])[0])
+    return torch.cat(outs)
+
+
+def _together_call(attn, rotary, hidden, lengths, caches):
+    from meshnet_node.engine.row_attention import attend_together
+
+    pos = torch.tensor([[n] for n in lengths])
+    parts = [rotary(hidden[b : b + 1], pos[b : b + 1]) for b in range(len(lengths))]
+    rot = (torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
+    return attend_together(
+        attn, caches, [None] * len(lengths),
+        lambda cache: attn(hidden, rot, None, cache=cache, position_ids=pos)[0],
+    )  # fmt: skip
+
+
+def test_together_rows_equal_one_token_calls_bit_for_bit():
+    from meshnet_node.engine.row_attention import enable_together, together_ok
+
+    lengths = [3, 40, 17]
+    hidden = torch.randn(3, 1, 64).to(torch.bfloat16)
+    attn, rotary = _llama_attention()
+    want = _one_by_one(attn, rotary, hidden, lengths, alone := _caches(lengths))
+    assert enable_together(attn)
+    assert torch.equal(_one_by_one(attn, rotary, hidden, lengths, _caches(lengths)), want)
+    caches = _caches(lengths)
+    assert together_ok(attn, caches) and not together_ok(attn, [caches[0], caches[0]])
+    assert torch.equal(_together_call(attn, rotary, hidden, lengths, caches), want)
+    for got, ref in zip(caches, alone, strict=True):
+        assert torch.equal(got.layers[0].keys, ref.layers[0].keys)
+        assert torch.equal(got.layers[0].values, ref.layers[0].values)
+
+
+def test_a_module_that_changes_its_cache_output_goes_row_by_row_untouched():
+    """Like DeepSeek's MLA: what the attention reads is not what the cache returned. The
+    module is refused before any cache is written, and marked to go row by row."""
+    from meshnet_node.engine.row_attention import enable_together
+
+    class Expanding(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, hidden, rot, mask, cache=None, **kwargs):
+            class Doubling:  # hands the attention a transformed copy of the cache's output
+                def update(self, k, v, idx, *args, **kw):
+                    k, v = cache.update(k, v, idx, *args, **kw)
+                    return k * 1, v * 1
+
+            return self.inner(hidden, rot, mask, cache=Doubling(), **kwargs)
+
+    lengths = [3, 40]
+    hidden = torch.randn(2, 1, 64).to(torch.bfloat16)
+    attn, rotary = _llama_attention()
+    assert enable_together(attn)
+    caches = _caches(lengths)
+    before = [c.get_seq_length() for c in caches]
+    module = Expanding(attn)
+    assert _together_call(module, rotary, hidden, lengths, caches) is None
+    assert [c.get_seq_length() for c in caches] == before  # nothing written
+    assert module.__dict__["_meshnet_rows_only"] is True
