@@ -11,6 +11,7 @@ from meshnet_common.errors import Conflict, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
+from meshnet_node.dataplane.batching import micro_batches
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.families import attention_module
 from meshnet_node.engine.loader import load_shard
@@ -198,3 +199,27 @@ def test_bfloat16_batched_rows_equal_one_token_steps_bit_for_bit(tiny_snapshot, 
     assert all("_meshnet_attention" in m.__dict__ for m in modules)  # set up by the loader
     rows_only = {m.__dict__.get("_meshnet_rows_only", False) for m in modules}
     assert rows_only == {family == "deepseek_v3"}
+
+
+LOOPBACK = ("http://127.0.0.1:9001", "http://localhost:9002")
+REMOTE = ("http://10.0.0.2:8000", "https://gpu-box.lan:8000")
+
+
+@pytest.mark.parametrize(
+    ("route", "threads", "cpus", "expected"),
+    [
+        ((), 1, 2, 1),  # head and tail in one: nothing to pipeline
+        (LOOPBACK, 1, 2, 2),  # three stages on a 2-core machine: two compute at once
+        (LOOPBACK, 1, 16, 3),  # enough cores: every stage its own micro-batch
+        (LOOPBACK, 4, 8, 2),  # 4 threads a stage: two stages fill 8 CPUs
+        (LOOPBACK, 8, 4, 1),  # one stage's threads take the machine
+        (REMOTE, 1, 1, 3),  # other machines compute beside this one, whatever its CPUs
+        (("http://[::1]:9001", *REMOTE), 1, 1, 3),  # 2 here share 1 CPU: 1 + 2 elsewhere
+    ],
+)
+def test_a_head_keeps_one_micro_batch_per_stage_that_computes_in_parallel(
+    route, threads, cpus, expected
+):
+    """Stages at a loopback address share the head's CPUs; a micro-batch beyond what they
+    can run at once would repeat each pass's fixed cost for no parallelism."""
+    assert micro_batches(route, threads, cpus) == expected

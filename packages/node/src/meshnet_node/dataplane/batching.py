@@ -4,10 +4,13 @@ thread run as one forward pass (``Stage.step_batch``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
+from meshnet_common.web.hosts import url_is_loopback
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 
 if TYPE_CHECKING:
@@ -30,6 +33,31 @@ def _timed(fn, *args, delay_s: float = 0.0, **kwargs):
     return result
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=256)
+def micro_batches(route: tuple[str, ...], threads: int, cpus: int | None = None) -> int:
+    """How many micro-batches a head keeps in flight on a chain of its own stage and the
+    hops of ``route`` (their URLs): one per stage that can compute at the same time as the
+    others (docs/adr/0029).
+
+    A stage on another machine computes in parallel with the rest: one micro-batch each.
+    Stages on this machine (the head, and hops at a loopback address, which only this
+    machine answers) share its ``cpus``: at most ``cpus // threads`` of them compute at
+    once, and a micro-batch beyond that only repeats a pass's fixed cost (on a CPU
+    without bf16 arithmetic, widening every weight again).
+    """
+    cpus = usable_cpus() if cpus is None else cpus
+    here = 1 + sum(1 for url in route if url_is_loopback(url))
+    elsewhere = len(route) + 1 - here
+    return elsewhere + min(here, max(1, cpus // max(1, threads)))
+
+
 class DecodeBatcher:
     """Merges decode steps of different sessions that wait for the compute thread into one
     forward pass (``Stage.step_batch``): weights are read once for the whole batch.
@@ -39,7 +67,8 @@ class DecodeBatcher:
     ``gather_s`` for the other sessions' steps (see ``_gather``).
 
     On a head, the sessions are split into ``depth`` micro-batches, ``depth`` being the
-    number of stages of its chains (set by the head's generator): one batch of every
+    number of stages of its chains that can compute at once (set by the head's generator
+    from :func:`micro_batches`): one batch of every
     session would move down the chain in lockstep, one stage computing while the others
     wait; ``depth`` smaller batches keep every stage busy, each with its own (pipeline
     parallelism's micro-batches; vLLM keeps one batch per pipeline stage the same way).

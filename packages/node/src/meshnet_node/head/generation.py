@@ -20,6 +20,7 @@ import torch
 from meshnet_common.errors import HopError, ModelNotCovered
 from meshnet_common.logs import bind_session
 from meshnet_common.protocol import SamplingSpec, StepResult
+from meshnet_node.dataplane.batching import micro_batches
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage, StepOutput
 from meshnet_node.head.failover import (
@@ -433,8 +434,11 @@ class HeadGenerator(Failover, GuessSteps):
     ):  # fmt: skip
         """One decode step (its last ``drafts`` tokens to verify): local layers, then the
         rest of the chain."""
-        # The chain's stages: the head splits concurrent sessions into as many micro-batches.
-        self.service.batcher.depth = len(route) + 1
+        # The head splits concurrent sessions into one micro-batch per stage that computes
+        # in parallel with the others (stages sharing this machine's CPUs count once each).
+        self.service.batcher.depth = micro_batches(
+            route, self.service.settings.threads or torch.get_num_threads()
+        )
         out = await self._local(
             stage, session_id, key, token_ids, position, True, drafts, guess_from
         )

@@ -12,13 +12,14 @@ address and checks the node id; a node it cannot reach is refused with a message
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from urllib.parse import urlsplit
 
 import httpx
 
 from meshnet_common.errors import InvalidRequest
+from meshnet_common.web.hosts import ip_of as _ip
+from meshnet_common.web.hosts import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -34,24 +35,10 @@ class NodeUnreachable(InvalidRequest):
         super().__init__(message, param=param, code="node_unreachable")
 
 
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return None
-
-
 def is_wildcard(host: str | None) -> bool:
     return (host or "") in WILDCARD_HOSTS or (
         (ip := _ip(host or "")) is not None and ip.is_unspecified
     )
-
-
-def is_loopback(host: str | None) -> bool:
-    if host in ("localhost",):
-        return True
-    ip = _ip(host or "")
-    return ip is not None and ip.is_loopback
 
 
 def url_with_host(url: str, host: str) -> str:
