@@ -169,3 +169,46 @@ def test_a_module_that_changes_its_cache_output_goes_row_by_row_untouched():
     assert _together_call(module, rotary, hidden, lengths, caches) is None
     assert [c.get_seq_length() for c in caches] == before  # nothing written
     assert module.__dict__["_meshnet_rows_only"] is True
+
+
+def test_widened_many_rows_attend_in_float32_and_few_rows_as_torch_does():
+    """``--widen-bf16`` (ADR-0027): a batched call of at least ``upcast_min_rows`` rows runs
+    each row's SDPA in float32 on the bf16 keys and values, within bf16 rounding of the
+    one-token calls; fewer rows, and every one-token call, stay torch's bf16 SDPA."""
+    from meshnet_node.engine.bf16_upcast import upcast_min_rows
+    from meshnet_node.engine.row_attention import enable_together, widen_attention
+
+    attn, rotary = _llama_attention()
+    assert enable_together(attn) and widen_attention(attn)
+    original = attn.__dict__["_meshnet_attention"]
+    seen: list[torch.dtype] = []
+
+    def recording(module, query, key, value, mask, **kwargs):
+        seen.append(query.dtype)
+        assert key.dtype == value.dtype == query.dtype
+        return original(module, query, key, value, mask, **kwargs)
+
+    attn.__dict__["_meshnet_attention"] = recording
+    many = [3 + 7 * b for b in range(max(upcast_min_rows(), 2))]
+    hidden = torch.randn(len(many), 1, 64).to(torch.bfloat16)
+    want = _one_by_one(attn, rotary, hidden, many, _caches(many))
+    assert set(seen) == {torch.bfloat16}  # one-token calls: torch's own
+    seen.clear()
+    got = _together_call(attn, rotary, hidden, many, _caches(many))
+    assert seen == [torch.float32] * len(many) and got.dtype is torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    seen.clear()
+    few = many[: upcast_min_rows() - 1] or many[:1]
+    if len(few) < upcast_min_rows():
+        _together_call(attn, rotary, hidden[: len(few)], few, _caches(few))
+        assert set(seen) == {torch.bfloat16}
+
+
+def test_only_sdpa_attention_is_widened():
+    from meshnet_node.engine.row_attention import enable_together, widen_attention
+
+    attn, _ = _llama_attention()
+    assert not widen_attention(attn)  # not set up for batched steps: nothing to widen
+    attn.config._attn_implementation = "eager"
+    assert enable_together(attn) and not widen_attention(attn)
+    assert "_meshnet_widen" not in attn.__dict__

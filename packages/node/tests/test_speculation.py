@@ -15,8 +15,10 @@ from meshnet_common.precision import Precision
 from meshnet_common.protocol import SamplingSpec
 from meshnet_node.engine import bf16_upcast
 from meshnet_node.engine.bf16_upcast import widen_linears
+from meshnet_node.engine.families import attention_module
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
+from meshnet_node.engine.row_attention import widen_attention
 from meshnet_node.engine.sampling import Sampler
 from meshnet_node.engine.stage import Stage
 from meshnet_node.speculation.drafting import DraftPolicy, NgramDrafter, expected_tokens
@@ -199,6 +201,8 @@ def _bf16_stages(snapshot, n_layers: int, widen: bool = False) -> list[Stage]:
     shards = [load_shard(snapshot, LayerRange(*b), Precision.BFLOAT16) for b in bounds]
     for shard in shards if widen else ():
         assert widen_linears(shard.modules) > 0  # --widen-bf16, forced whatever the CPU
+        for layer in shard.modules.layers:  # and many-row attention (SDPA families)
+            widen_attention(attention_module(layer))
     return [Stage(shard) for shard in shards]
 
 

@@ -31,7 +31,7 @@ from meshnet_node.engine.families import (
     attention_module,
 )
 from meshnet_node.engine.quantization import quantize_linears
-from meshnet_node.engine.row_attention import enable_together
+from meshnet_node.engine.row_attention import enable_together, widen_attention
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +278,9 @@ def load_shard(
     for layer in modules.layers:  # a batched step runs each attention module once (ADR-0028)
         enable_together(attention_module(layer))
     modules.to(device)
-    if widen_bf16:
-        widen_if_emulated(modules, device)
+    if widen_bf16 and widen_if_emulated(modules, device):
+        for layer in modules.layers:  # and their many-row attention calls (ADR-0027)
+            widen_attention(attention_module(layer))
     meta_left = _still_meta(modules)
     if meta_left:
         # Refuse to serve a half-materialized model (e.g. a checkpoint missing tensors).

@@ -42,6 +42,9 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from meshnet_node.engine.bf16_upcast import upcast_min_rows
 
 RowCall = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (module, row, b) -> output
 
@@ -222,12 +225,21 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
         return original(module, query, key, value, attention_mask, **kwargs)
     kv = rows.write(key, value)
     position_ids = kwargs.pop("position_ids", None)
+    dtype = query.dtype
+    wide = module.__dict__.get("_meshnet_widen", False) and len(kv) >= upcast_min_rows()
+    if wide:  # --widen-bf16 (ADR-0027): many rows attend in float32, rounded back once
+        query = query.float()
     outs = []
     for b, ((k, v), mask) in enumerate(zip(kv, rows.masks, strict=True)):
         if position_ids is not None:
             kwargs["position_ids"] = position_ids[b : b + 1]
+        if wide:
+            k, v = k.float(), v.float()
+            if mask is not None and mask.is_floating_point():
+                mask = mask.float()
         outs.append(original(module, query[b : b + 1], k, v, mask, **kwargs)[0])
-    return torch.cat(outs), None
+    attended = torch.cat(outs)
+    return (attended.to(dtype) if wide else attended), None
 
 
 AttentionInterface.register(TOGETHER, _rows_attention)
@@ -253,6 +265,18 @@ def enable_together(module: nn.Module) -> bool:
     own._attn_implementation_internal = TOGETHER
     module.config = own
     module.__dict__["_meshnet_attention"] = original
+    return True
+
+
+def widen_attention(module: nn.Module) -> bool:
+    """With ``--widen-bf16`` where bf16 arithmetic is emulated (ADR-0027): the per-row
+    attention calls of a batched step of many rows run in float32 on the bf16 keys and
+    values, rounded back to bf16 (torch's bf16 SDPA costs ~2.5-6x float32's per call on
+    such a CPU). Only for transformers' SDPA, whose float32 kernel takes the same
+    arguments; False, and nothing changed, for any other attention function."""
+    if module.__dict__.get("_meshnet_attention") is not sdpa_attention_forward:
+        return False
+    module.__dict__["_meshnet_widen"] = True
     return True
 
 
