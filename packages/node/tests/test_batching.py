@@ -223,3 +223,69 @@ def test_a_head_keeps_one_micro_batch_per_stage_that_computes_in_parallel(
     """Stages at a loopback address share the head's CPUs; a micro-batch beyond what they
     can run at once would repeat each pass's fixed cost for no parallelism."""
     assert micro_batches(route, threads, cpus) == expected
+
+
+def _head_service(tiny_snapshot, sids: list[str]):
+    """A head stage (layers 0-3 of the tiny Llama) with ``sids`` prefilled, and a service
+    whose batcher keeps 2 micro-batches; ``passes`` records each pass's session ids."""
+    snapshot = tiny_snapshot("llama")
+    settings = NodeSettings(
+        model_id="meshnet-tiny/llama", model_path=snapshot, layers=LayerRange(0, 3)
+    )
+    stage = Stage(load_shard(snapshot, LayerRange(0, 3), Precision.FLOAT32))
+    for sid in sids:
+        stage.open_session(sid)
+        stage.step(sid, 0, token_ids=torch.tensor([[5, 6, 7]]), sample=False)
+    passes: list[list[str]] = []
+    original = stage.step_batch
+    stage.step_batch = lambda items: passes.append([i.session_id for i in items]) or original(items)
+    return stage, settings, passes
+
+
+def test_a_session_keeps_its_micro_batch_whatever_the_order_steps_arrive_in(tiny_snapshot):
+    """Slots (ADR-0029): each session is given the least filled micro-batch at its first
+    step and keeps it, so later passes group the same sessions even when their steps
+    arrive interleaved with the other micro-batch's."""
+    sids = [f"q{i}" for i in range(6)]
+    stage, settings, passes = _head_service(tiny_snapshot, sids)
+
+    async def run() -> None:
+        service = NodeService(stage, settings, model_id=settings.model_id)
+        service.batcher.depth = 2
+        for position, order in ((3, sids), (4, sids[::-1]), (5, sids[1:] + sids[:1])):
+            await asyncio.gather(*(
+                service.run_stage(stage, sid, position, token_ids=torch.tensor([[9]]),
+                                  sample=False) for sid in order
+            ))  # fmt: skip
+        await service.aclose()
+
+    asyncio.run(run())
+    groups = [frozenset(p) for p in passes]
+    assert len(groups) == 6 and all(len(g) == 3 for g in groups)
+    assert len(set(groups)) == 2  # the same two micro-batches every step
+    assert set(groups) == {frozenset(sids[0::2]), frozenset(sids[1::2])}
+
+
+def test_a_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
+    """A member whose last step went down the chain with its slot, and comes back later
+    than the others, is waited for (up to a cycle: a pass per micro-batch) instead of
+    leaving it to a pass of its own, which would split the micro-batch for good."""
+    sids = [f"r{i}" for i in range(4)]
+    stage, settings, passes = _head_service(tiny_snapshot, sids)
+
+    async def step(service, sid: str, position: int, delay: float = 0.0) -> None:
+        await asyncio.sleep(delay)
+        await service.run_stage(stage, sid, position, token_ids=torch.tensor([[9]]),
+                                sample=False)  # fmt: skip
+
+    async def run() -> None:
+        service = NodeService(stage, settings, model_id=settings.model_id)
+        service.batcher.depth = 2
+        await asyncio.gather(*(step(service, sid, 3) for sid in sids))  # all in phase
+        service.batcher._pass_s = 0.1  # a cycle of 0.2 s: as a real pass would measure
+        late = sids[2]  # slot 0 is r0 and r2
+        await asyncio.gather(*(step(service, s, 4, 0.05 if s == late else 0) for s in sids))
+        await service.aclose()
+
+    asyncio.run(run())
+    assert {frozenset(p) for p in passes[-2:]} == {frozenset({"r0", "r2"}), frozenset({"r1", "r3"})}

@@ -4,8 +4,8 @@ thread run as one forward pass (``Stage.step_batch``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import math
 import os
 import time
 from typing import TYPE_CHECKING
@@ -72,6 +72,12 @@ class DecodeBatcher:
     session would move down the chain in lockstep, one stage computing while the others
     wait; ``depth`` smaller batches keep every stage busy, each with its own (pipeline
     parallelism's micro-batches; vLLM keeps one batch per pipeline stage the same way).
+    A session keeps its micro-batch (*slot*) from its first decode step on, given the
+    least filled one (as vLLM gives a request one virtual engine): a pass takes the steps
+    of one slot, and waits up to ``gather_s`` for the slot's other sessions, up to a cycle
+    for those whose last step is still down the chain (docs/adr/0029). Batches
+    formed from whatever happened to be queued drift apart into uneven groups (8, 5 and 3
+    steps where 16 sessions should run as 8 and 8), each pass paying its fixed cost.
     """
 
     def __init__(self, service: NodeService, max_batch: int = 32, gather_s: float = 0.005) -> None:
@@ -83,6 +89,9 @@ class DecodeBatcher:
         self.batched_steps = 0
         self.gather_s = gather_s
         self.depth = 1  # stages of the head's chains: micro-batches kept in flight
+        self._slots: dict[str, int] = {}  # head: a session's micro-batch, 0 .. depth - 1
+        self._out: dict[str, float] = {}  # head: sessions whose step is down the chain, since
+        self._pass_s = 0.0  # the last pass's wall time on this node
         self._arrived = asyncio.Event()
 
     async def submit(self, stage: Stage, item: DecodeItem) -> StepOutput:
@@ -104,6 +113,9 @@ class DecodeBatcher:
                 await asyncio.sleep(0)
             return out
         future = asyncio.get_running_loop().create_future()
+        if self._slotted(stage):
+            self.slot(stage, item.session_id)
+            self._out.pop(item.session_id, None)
         self._queue.append((stage, item, future))
         self._arrived.set()
         if self._worker is None or self._worker.done():
@@ -115,35 +127,85 @@ class DecodeBatcher:
 
         Sessions decode in lockstep along a chain: when one session's step reaches this node,
         the others' are usually a few milliseconds behind it (still being parsed, or on the
-        previous hop). Waiting up to ``gather_s`` — less once every open session has a step
-        queued — turns a run of small passes into one large one.
+        previous hop). Waiting up to ``gather_s`` — less once every open session (on a head
+        with micro-batches: of the first step's slot) has a step queued — turns a run of
+        small passes into one large one.
         """
-        stage = self._queue[0][0]
-        deadline = asyncio.get_running_loop().time() + self.gather_s
-        while len(self._queue) < min(len(stage.sessions), self.limit(stage)):
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return
+        stage, first, _ = self._queue[0]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gather_s
+        slot = self.slot(stage, first.session_id) if self._slotted(stage) else None
+        if slot is None:
+            want = min(len(stage.sessions), self.max_batch)
+        else:
+            want = min(self._members(stage, slot), self.max_batch)
+        # On a head, members of the slot whose last step is still down the chain come back
+        # within a cycle (a pass per micro-batch): waiting for them puts the slot back in
+        # one phase, where a pass without them would split it for good.
+        late = deadline if slot is None else loop.time() + self._pass_s * self.depth
+        while self._queued(stage, slot) < want:
+            now = loop.time()
+            until = deadline
+            if now >= deadline:
+                if now >= late or not self._coming(slot, now):
+                    return
+                until = late
             self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), left)
-            except TimeoutError:
-                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), until - now)
 
-    def limit(self, stage: Stage) -> int:
-        """The most steps one pass of ``stage`` takes: on a head, its sessions shared out
-        over ``depth`` micro-batches."""
-        if self.depth <= 1 or not stage.shard.is_head:
-            return self.max_batch
-        return max(1, min(self.max_batch, math.ceil(len(stage.sessions) / self.depth)))
+    def _coming(self, slot: int | None, now: float) -> bool:
+        """Whether a session of ``slot`` has a step down the chain, sent within 2 cycles."""
+        window = 2 * self._pass_s * self.depth
+        return slot is not None and any(
+            self._slots.get(sid) == slot and now - since < window
+            for sid, since in self._out.items()
+        )  # fmt: skip
+
+    def _slotted(self, stage: Stage) -> bool:
+        return self.depth > 1 and stage.shard.is_head
+
+    def slot(self, stage: Stage, session_id: str) -> int:
+        """The micro-batch of ``session_id`` on head ``stage``: kept once given, else the
+        least filled of ``depth`` (sessions closed since are forgotten first)."""
+        slot = self._slots.get(session_id)
+        if slot is not None and slot < self.depth:
+            return slot
+        self._forget_closed(stage)
+        counts = [0] * self.depth
+        for s in self._slots.values():
+            if s < self.depth:
+                counts[s] += 1
+        slot = counts.index(min(counts))
+        self._slots[session_id] = slot
+        return slot
+
+    def _forget_closed(self, stage: Stage) -> None:
+        self._slots = {
+            sid: s for sid, s in self._slots.items() if stage.sessions.peek(sid) is not None
+        }  # fmt: skip
+        self._out = {sid: t for sid, t in self._out.items() if sid in self._slots}
+
+    def _members(self, stage: Stage, slot: int) -> int:
+        """Open sessions of micro-batch ``slot``."""
+        self._forget_closed(stage)
+        return sum(1 for s in self._slots.values() if s == slot)
+
+    def _queued(self, stage: Stage, slot: int | None) -> int:
+        if slot is None:
+            return len(self._queue)
+        return sum(1 for s, item, _ in self._queue
+                   if s is stage and self._slots.get(item.session_id) == slot)  # fmt: skip
 
     def _take(self) -> tuple[Stage, list[tuple[DecodeItem, asyncio.Future]]]:
-        stage = self._queue[0][0]
-        limit = self.limit(stage)
+        stage, first, _ = self._queue[0]
+        limit = self.max_batch
+        slot = self.slot(stage, first.session_id) if self._slotted(stage) else None
         taken, rest, sessions = [], [], set()
         for entry in self._queue:
             s, item, future = entry
-            if s is stage and item.session_id not in sessions and len(taken) < limit:
+            if (s is stage and item.session_id not in sessions and len(taken) < limit
+                    and (slot is None or self._slots.get(item.session_id) == slot)):  # fmt: skip
                 sessions.add(item.session_id)
                 taken.append((item, future))
             else:
@@ -157,6 +219,7 @@ class DecodeBatcher:
                 await self._gather()
             stage, taken = self._take()
             items = [item for item, _ in taken]
+            started = time.perf_counter()
             try:
                 if len(items) == 1:
                     item = items[0]
@@ -175,6 +238,10 @@ class DecodeBatcher:
                     self.batched_steps += len(items)
             except Exception as exc:  # the single-step path raises instead of returning
                 results = [exc] * len(items)
+            self._pass_s = time.perf_counter() - started
+            if self._slotted(stage):
+                sent = asyncio.get_running_loop().time()
+                self._out.update((item.session_id, sent) for item in items)
             for (_, future), result in zip(taken, results, strict=True):
                 if future.done():
                     continue
