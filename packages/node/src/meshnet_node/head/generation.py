@@ -434,8 +434,8 @@ class HeadGenerator(Failover, GuessSteps):
     ):  # fmt: skip
         """One decode step (its last ``drafts`` tokens to verify): local layers, then the
         rest of the chain."""
-        # The head splits concurrent sessions into one micro-batch per stage that computes
-        # in parallel with the others (stages sharing this machine's CPUs count once each).
+        # The head splits concurrent sessions into one micro-batch per stage that can compute
+        # at the same time as the others (stages sharing this machine: as many as its CPUs run).
         self.service.batcher.depth = micro_batches(
             route, self.service.settings.threads or torch.get_num_threads()
         )
