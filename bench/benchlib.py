@@ -120,6 +120,7 @@ class CpuWatch:
     def __init__(self, pids: Callable[[], Iterable[int]] = lambda: ()) -> None:
         self.pids = pids
         self.other_cores = 0.0
+        self.own_cores = 0.0  # this process, its children and ``pids``: our own CPU use
 
     def __enter__(self) -> CpuWatch:
         self._t0 = time.monotonic()
@@ -129,8 +130,9 @@ class CpuWatch:
 
     def __exit__(self, *exc) -> None:
         wall = max(time.monotonic() - self._t0, 1e-6)
-        other = (_system_busy_s() - self._sys0) - (_own_busy_s(self.pids()) - self._own0)
-        self.other_cores = max(0.0, other / wall)
+        own = _own_busy_s(self.pids()) - self._own0
+        self.other_cores = max(0.0, (_system_busy_s() - self._sys0 - own) / wall)
+        self.own_cores = own / wall
 
 
 BUSY_CORES = 0.25  # other processes using more than this many cores: timings unreliable

@@ -6,11 +6,13 @@ each ``print_*`` prints that dict as a table. See bench/README.md for what is me
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, replace
 
 import httpx
 from benchlib import (
+    CpuWatch,
     Slack,
     busy_flag,
     fmt_summary,
@@ -227,7 +229,12 @@ def concurrency_section(
     asyncio.run(_sessions(swarm, prompts[:2], 4))  # warm-up
 
     def one_run() -> dict[int, dict]:
-        return {n: asyncio.run(_sessions(swarm, prompts[:n], tokens)) for n in sessions}
+        out = {}
+        for n in sessions:
+            with CpuWatch(lambda: swarm.pids) as watch:
+                out[n] = asyncio.run(_sessions(swarm, prompts[:n], tokens))
+            out[n]["busy_cores"] = watch.own_cores  # the swarm's and this client's CPU use
+        return out
 
     runs, other = repeat.steady(one_run, swarm)
     base = [run[sessions[0]]["aggregate_tokens_per_s"] for run in runs]
@@ -250,12 +257,13 @@ def print_concurrency(res: dict, note: str = "") -> None:
             fmt_summary(r["token_gap_ms_p50"]),
             fmt_summary(r["token_gap_ms_p99"]),
             fmt_summary(r["ttft_ms_p50"]),
+            fmt_summary(r["busy_cores"], 2) if "busy_cores" in r else "-",
             f"{res['other_cores']:.2f}",
         ]  # fmt: skip
         for n, r in res["sessions"].items()
     ]
     headers = ["sessions", "aggregate tok/s", "vs 1 session", "token gap p50 ms",
-               "token gap p99 ms", "TTFT p50 ms", "other cores"]  # fmt: skip
+               "token gap p99 ms", "TTFT p50 ms", "busy cores", "other cores"]  # fmt: skip
     print_table(
         f"3. Concurrency: streamed sessions of {res['tokens_per_session']} tokens on "
         f"{_fmt_ranges(res['ranges'])}{note}; median [min-max] over runs",
@@ -263,7 +271,11 @@ def print_concurrency(res: dict, note: str = "") -> None:
         rows,
     )
     print("aggregate = all tokens / wall time from the first request to the last token;")
-    print("token gap = time between consecutive SSE chunks of a session (all sessions pooled).")
+    print("token gap = time between consecutive SSE chunks of a session (all sessions pooled);")
+    print(
+        f"busy cores = CPU time of the swarm and this client / wall time ({os.cpu_count()} "
+        "cores here): at the core count, more sessions cannot add throughput."
+    )
 
 
 # -- 5. per-hop overhead ---------------------------------------------------------------------
