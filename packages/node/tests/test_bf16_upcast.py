@@ -17,6 +17,7 @@ from meshnet_node.engine.bf16_upcast import upcast_min_rows, widen_linears, wide
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy
 from meshnet_node.engine.stage import Stage
+from meshnet_node.kernels import bf16_dot
 
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values
 
@@ -63,14 +64,22 @@ def test_float32_linears_are_left_alone():
 
 
 def test_by_default_a_shard_keeps_torchs_products(tiny_snapshot):
+    """Never widened by default: a linear is torch's own, or, where torch multiplies bf16
+    one row at a time, the kernel that sums as it does (ADR-0030)."""
     shard = load_shard(tiny_snapshot("llama"), LayerRange(0, 6))
     linears = [m for m in shard.modules.modules() if isinstance(m, nn.Linear)]
-    assert linears and not any("forward" in vars(m) for m in linears)
+    forwards = {vars(m)["forward"].__func__ for m in linears if "forward" in vars(m)}
+    assert linears and forwards <= {bf16_dot._forward}
+    assert bool(forwards) == bf16_dot.applies("cpu")
+    plain = load_shard(tiny_snapshot("llama"), LayerRange(0, 6), bf16_kernel=False)
+    assert not any("forward" in vars(m) for m in plain.modules.modules())
 
 
 def test_the_flag_reaches_the_settings():
     assert ShardSettings().widen_bf16 is False
     assert ShardSettings(widen_bf16=True).widen_bf16 is True
+    assert ShardSettings().bf16_kernel is True
+    assert ShardSettings(bf16_kernel=False).bf16_kernel is False
 
 
 @pytest.mark.parametrize("family", [f for f in tiny.FAMILIES if f not in tiny.MOE_FAMILIES])

@@ -200,6 +200,7 @@ def load_stage(settings: NodeSettings) -> Stage:
     shard = load_shard(
         settings.model_path, settings.layers, settings.quantization, settings.device,
         widen_bf16=settings.widen_bf16,
+        bf16_kernel=settings.bf16_kernel,
     )  # fmt: skip
     return Stage(
         shard, max_chunk_tokens=settings.chunk_tokens, kv_budget_tokens=settings.kv_budget_tokens,

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from meshnet_node.kernels import bf16_dot
+
 logger = logging.getLogger(__name__)
 
 # Rows per compute thread from which widening pays, measured on a 2-core AMD EPYC without
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 # thread break-even falls at 2-3 rows, with two (the bf16 fallback splits rows between
 # threads, float32 GEMM of few rows scales less) at 5-6.
 ROWS_PER_THREAD = 3
+# With the kernel that sums as torch does several rows at a time (ADR-0030), float32 GEMM
+# pays only from 48-128 rows of a call on that machine (2 threads; 64 on SmolLM2's weights).
+ROWS_PER_THREAD_WITH_KERNEL = 32
 SCRATCH_BYTES = 4 << 20  # float32 weight block; 4 MiB was fastest of 256 KiB .. 4 MiB
 
 _scratch = threading.local()  # .buf: the float32 block; .exact: widening paused (depth)
@@ -77,12 +82,15 @@ def widened_linear(
     return out.view(*x.shape[:-1], out_features)
 
 
-def upcast_min_rows() -> int:
-    """Rows in one call from which :func:`widened_linear` beats torch's bf16 fallback; no
-    rows at all (widening paused) inside :func:`torch_products`."""
+def upcast_min_rows(*, attention: bool = False) -> int:
+    """Rows in one call from which :func:`widened_linear` beats the bf16 product (torch's,
+    or the kernel's when it is ready), or float32 attention torch's bf16 SDPA; no rows at
+    all (widening paused) inside :func:`torch_products`."""
     if getattr(_scratch, "exact", 0):
         return 2**62
-    return ROWS_PER_THREAD * torch.get_num_threads()
+    kernel = not attention and bf16_dot.kernel() is not None
+    per_thread = ROWS_PER_THREAD_WITH_KERNEL if kernel else ROWS_PER_THREAD
+    return per_thread * torch.get_num_threads()
 
 
 def torch_products(fn: Callable[P, R]) -> Callable[P, R]:
@@ -104,7 +112,7 @@ def torch_products(fn: Callable[P, R]) -> Callable[P, R]:
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dtype is torch.bfloat16 and x.numel() >= upcast_min_rows() * x.shape[-1]:
         return widened_linear(x, self.weight, self.bias)
-    return nn.functional.linear(x, self.weight, self.bias)
+    return bf16_dot.linear(x, self.weight, self.bias)
 
 
 def _conv1d_forward(self: Conv1D, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from meshnet_node.engine.families import (
 )
 from meshnet_node.engine.quantization import quantize_linears
 from meshnet_node.engine.row_attention import enable_together, widen_attention
+from meshnet_node.kernels import bf16_dot
 
 logger = logging.getLogger(__name__)
 
@@ -205,11 +206,14 @@ def load_shard(
     device: str = "cpu",
     *,
     widen_bf16: bool = False,
+    bf16_kernel: bool = True,
 ) -> LoadedShard:
     """Materialize ``layers`` of the snapshot (plus head/tail extras) and nothing more.
 
     ``widen_bf16``: multiply many-row calls in float32 where bf16 arithmetic is emulated
-    (``bf16_upcast``); off, every product is torch's own, as in the unsplit model."""
+    (``bf16_upcast``); off, every product is torch's own, as in the unsplit model.
+    ``bf16_kernel``: where torch multiplies bf16 one row at a time, do its sums several rows
+    at a time (``meshnet_node.kernels.bf16_dot``: the same numbers, ADR-0030)."""
     index = CheckpointIndex.load(snapshot)
     layers.check_within(index.num_layers)
     config = AutoConfig.from_pretrained(index.root)
@@ -278,6 +282,8 @@ def load_shard(
     for layer in modules.layers:  # a batched step runs each attention module once (ADR-0028)
         enable_together(attention_module(layer))
     modules.to(device)
+    if bf16_kernel and bf16_dot.start(device):
+        bf16_dot.route_linears(modules)
     if widen_bf16 and widen_if_emulated(modules, device):
         for layer in modules.layers:  # and their many-row attention calls (ADR-0027)
             widen_attention(attention_module(layer))

@@ -226,7 +226,9 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
     kv = rows.write(key, value)
     position_ids = kwargs.pop("position_ids", None)
     dtype = query.dtype
-    wide = module.__dict__.get("_meshnet_widen", False) and len(kv) >= upcast_min_rows()
+    wide = module.__dict__.get("_meshnet_widen", False) and len(kv) >= upcast_min_rows(
+        attention=True
+    )
     if wide:  # --widen-bf16 (ADR-0027): many rows attend in float32, rounded back once
         query = query.float()
     outs = []
