@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,3 +69,31 @@ def greedy(model, ids: list[int], new_tokens: int, *, logprobs: bool = False) ->
 def prefill_ms(model, ids: list[int]) -> float:
     """Time to first token of the baseline: ``generate`` with one new token (one pass)."""
     return greedy(model, ids, 1).elapsed_s * 1000
+
+
+@contextmanager
+def bf16_kernel(model) -> Iterator[bool]:
+    """Within the block, the model's bf16 linears run on meshnet's bf16 product kernel (the
+    same numbers as torch's, faster where torch multiplies bf16 one row at a time: ADR-0030),
+    so that a comparison with meshnet measures the distribution alone. Yields whether the
+    kernel applies here (else the model is left as it is)."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from meshnet_node.kernels import bf16_dot
+
+    if not bf16_dot.start("cpu") or bf16_dot.wait() is None:
+        yield False
+        return
+    linears = [
+        m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype is torch.bfloat16
+    ]
+    for m in linears:
+        m.forward = types.MethodType(bf16_dot._forward, m)
+    try:
+        yield True
+    finally:
+        for m in linears:
+            del m.forward

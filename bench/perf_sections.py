@@ -23,7 +23,7 @@ from benchlib import (
     summary,
     wait_quiet,
 )
-from hf_ref import greedy, prefill_ms
+from hf_ref import bf16_kernel, greedy, prefill_ms
 from swarm import REQUEST_TIMEOUT_S, Swarm, complete, stream_arrivals, ttft_ms
 
 LOGPROB_TOLERANCE = 0.05  # max |meshnet - HF| log-probability of a greedy token
@@ -80,7 +80,9 @@ def _tokens_match(tokenizer, hf, mesh: dict) -> dict:
 def decode_section(
     model, tokenizer, swarm: Swarm, prompt: list[int], new_tokens: int, repeat: Repeat
 ) -> dict:
-    """Tokens/s of HF ``generate`` and of meshnet, measured in back-to-back pairs."""
+    """Tokens/s of HF ``generate`` and of meshnet, measured back to back; where meshnet's
+    bf16 product kernel applies (ADR-0030), HF runs a second time on that kernel, so that
+    one ratio compares against plain transformers and the other isolates the distribution."""
     url, model_id = swarm.tracker_url, swarm.model_id
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         greedy(model, prompt, WARMUP_TOKENS)
@@ -88,13 +90,18 @@ def decode_section(
 
         def one_pair() -> tuple:
             hf = greedy(model, prompt, new_tokens, logprobs=True)
+            with bf16_kernel(model) as on:
+                hf_kernel = greedy(model, prompt, new_tokens) if on else None
             mesh = complete(client, url, model_id, prompt, new_tokens, logprobs=1)
-            return hf, mesh
+            return hf, mesh, hf_kernel
 
-        pairs, other = repeat.steady(one_pair, swarm)
+        runs, other = repeat.steady(one_pair, swarm)
+    pairs = [(hf, mesh) for hf, mesh, _ in runs]
     hf_tps = [new_tokens / hf.elapsed_s for hf, _ in pairs]
     mesh_tps = [new_tokens / mesh["wall_s"] for _, mesh in pairs]
+    kernel_tps = [new_tokens / k.elapsed_s for _, _, k in runs if k is not None]
     checks = [_tokens_match(tokenizer, hf, mesh) for hf, mesh in pairs]
+    same = all(k is None or k.token_ids == hf.token_ids for hf, _, k in runs)
     timings = [mesh["response"].get("meshnet_timing") for _, mesh in pairs]
     per_hop = [
         t["overhead_per_hop_ms_p50"] for t in timings if t and "overhead_per_hop_ms_p50" in t
@@ -107,7 +114,9 @@ def decode_section(
         "hf_tokens_per_s": summary(hf_tps),
         "meshnet_tokens_per_s": summary(mesh_tps),
         "ratio": ratio_summary(mesh_tps, hf_tps),
-        "tokens_equal": all(c["equal"] for c in checks),
+        "hf_kernel_tokens_per_s": summary(kernel_tps) if kernel_tps else None,
+        "ratio_same_kernel": ratio_summary(mesh_tps, kernel_tps) if kernel_tps else None,
+        "tokens_equal": all(c["equal"] for c in checks) and same,
         "checks": checks,
         "meshnet_timing": timings,
         "overhead_per_hop_ms": summary(per_hop) if per_hop else None,
@@ -130,15 +139,18 @@ def print_decode(results: dict[str, dict]) -> None:
     rows = []
     for name, res in results.items():
         hop = res["overhead_per_hop_ms"]
+        kernel, same = res.get("hf_kernel_tokens_per_s"), res.get("ratio_same_kernel")
         rows.append([
             name + busy_flag(res["other_cores"]), _fmt_ranges(res["ranges"]), res["new_tokens"],
-            fmt_summary(res["hf_tokens_per_s"], 2), fmt_summary(res["meshnet_tokens_per_s"], 2),
-            fmt_summary(res["ratio"], 2), fmt_summary(hop, 2) if hop else "-",
+            fmt_summary(res["hf_tokens_per_s"], 2), fmt_summary(kernel, 2) if kernel else "-",
+            fmt_summary(res["meshnet_tokens_per_s"], 2), fmt_summary(res["ratio"], 2),
+            fmt_summary(same, 2) if same else "-", fmt_summary(hop, 2) if hop else "-",
             _equal_label(res), "/".join(f"{r:.0f}" for r in res["rss_mib_per_process"]),
             f"{res['other_cores']:.2f}",
         ])  # fmt: skip
-    headers = ["model", "meshnet layers", "tokens", "HF tok/s", "meshnet tok/s", "ratio",
-               "overhead/hop ms", "tokens=HF", "RSS MiB/proc", "other cores"]  # fmt: skip
+    headers = ["model", "meshnet layers", "tokens", "HF tok/s", "HF+kernel tok/s",
+               "meshnet tok/s", "ratio", "ratio, same kernel", "overhead/hop ms", "tokens=HF",
+               "RSS MiB/proc", "other cores"]  # fmt: skip
     print_table("1. Decode: greedy tokens/s, HF generate (1 proc) vs meshnet (3 procs); "
                 "median [min-max]; ratio = meshnet/HF per back-to-back pair", headers, rows)  # fmt: skip
     print(
@@ -146,6 +158,9 @@ def print_decode(results: dict[str, dict]) -> None:
         f"{LOGPROB_TOLERANCE} of HF's (dlogp: largest difference). The random 1B model"
     )
     print('emits ids its small tokenizer cannot spell (text ""): there the log-probs decide.')
+    print("HF+kernel: the same HF model with its bf16 linears on meshnet's bf16 product kernel")
+    print("(ADR-0030; same tokens); ratio, same kernel = meshnet / HF+kernel: the distribution's")
+    print("own cost. '-': the kernel does not apply on this machine.")
 
 
 # -- 2. time to first token ------------------------------------------------------------------

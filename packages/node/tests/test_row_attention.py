@@ -189,7 +189,7 @@ def test_widened_many_rows_attend_in_float32_and_few_rows_as_torch_does():
         return original(module, query, key, value, mask, **kwargs)
 
     attn.__dict__["_meshnet_attention"] = recording
-    many = [3 + 7 * b for b in range(max(upcast_min_rows(), 2))]
+    many = [3 + 7 * b for b in range(max(upcast_min_rows(attention=True), 2))]
     hidden = torch.randn(len(many), 1, 64).to(torch.bfloat16)
     want = _one_by_one(attn, rotary, hidden, many, _caches(many))
     assert set(seen) == {torch.bfloat16}  # one-token calls: torch's own
@@ -198,8 +198,8 @@ def test_widened_many_rows_attend_in_float32_and_few_rows_as_torch_does():
     assert seen == [torch.float32] * len(many) and got.dtype is torch.bfloat16
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     seen.clear()
-    few = many[: upcast_min_rows() - 1] or many[:1]
-    if len(few) < upcast_min_rows():
+    few = many[: upcast_min_rows(attention=True) - 1] or many[:1]
+    if len(few) < upcast_min_rows(attention=True):
         _together_call(attn, rotary, hidden[: len(few)], few, _caches(few))
         assert set(seen) == {torch.bfloat16}
 

@@ -21,7 +21,11 @@ products are torch's, which are the same numbers.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
+import os
+import sys
 import threading
 import types
 from pathlib import Path
@@ -50,16 +54,41 @@ def applies(device: torch.device | str = "cpu") -> bool:
     return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _build() -> types.ModuleType:
-    from torch.utils import cpp_extension  # imported here: it pulls in setuptools
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]  # torch's libgomp, already loaded (same soname), serves it
 
-    return cpp_extension.load(
-        name=NAME,
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],  # torch's libgomp, already loaded, serves it
-        verbose=False,
+
+def build_path() -> Path:
+    """Where the built module lies: one folder per source, flags, torch and Python, under
+    torch's extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``)."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(),
+                 torch.__version__.encode(), sys.version.encode()):  # fmt: skip
+        key.update(part)
+    name = f"{NAME}_{key.hexdigest()[:16]}"
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "torch_extensions"
     )
+    return Path(cache, name, f"{name}.so")
+
+
+def _import(path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(path: Path) -> types.ModuleType:
+    from torch.utils import cpp_extension  # imported only to build: it pulls in setuptools
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=path.stem, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        build_directory=str(path.parent), verbose=False,
+    )  # fmt: skip
 
 
 def probe(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,9 +130,9 @@ def agrees_with_torch(module: types.ModuleType) -> str | None:
     return None
 
 
-def _load() -> None:
+def _load(path: Path) -> None:
     try:
-        module = _build()
+        module = _import(path) if path.exists() else _build(path)
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's product stays
         reason = f"not built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
     else:
@@ -118,15 +147,21 @@ def _load() -> None:
 
 
 def start(device: torch.device | str = "cpu") -> bool:
-    """Build and check the kernel in the background where it applies (once per process).
-    Returns whether it applies here."""
+    """Load and check the kernel where it applies (once per process): at once when it is
+    built already (milliseconds), else built in a background thread meanwhile torch's
+    product serves (the same numbers). Returns whether it applies here."""
     if not applies(device):
         return False
     with _lock:
         if _state["thread"] is None:
-            thread = threading.Thread(target=_load, name="bf16-dot-build", daemon=True)
+            path = build_path()
+            # Not a daemon: a process that ends during the one-time build waits for it
+            # rather than tearing the compiler's import down under it.
+            thread = threading.Thread(target=_load, args=(path,), name="bf16-dot-build")
             _state["thread"] = thread
             thread.start()
+            if path.exists():
+                thread.join()
     return True
 
 
