@@ -106,3 +106,18 @@ def test_a_split_with_the_kernel_has_torchs_logits_bit_for_bit(kernel, tiny_snap
     plain_tokens, plain_logits = split_greedy(plain, prompt, 8)
     assert tokens == plain_tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits, strict=True))
+
+
+def test_a_kernel_that_does_not_build_leaves_torchs_product(monkeypatch, tmp_path, caplog):
+    def no_compiler(path):
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(bf16_dot, "_build", no_compiler)
+    for key in ("module", "reason"):
+        monkeypatch.setitem(bf16_dot._state, key, None)
+    bf16_dot._load(tmp_path / "k" / "k.so")
+    assert bf16_dot.kernel() is None
+    assert "g++: command not found" in bf16_dot.unavailable_reason()
+    assert "stay torch's own" in caplog.text
+    x, w = torch.randn(4, 128).bfloat16(), torch.randn(8, 128).bfloat16()
+    assert torch.equal(bf16_dot.linear(x, w, None), nn.functional.linear(x, w))

@@ -134,7 +134,8 @@ def _load(path: Path) -> None:
     try:
         module = _import(path) if path.exists() else _build(path)
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's product stays
-        reason = f"not built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
+        last = (str(exc).strip().splitlines() or [""])[-1]  # a compiler's last line
+        reason = f"not built ({type(exc).__name__}: {last})"
     else:
         differs = agrees_with_torch(module)
         if differs is None:
