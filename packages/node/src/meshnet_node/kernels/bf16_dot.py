@@ -15,8 +15,9 @@ under ``TORCH_EXTENSIONS_DIR``, ``make install`` builds it ahead). Before the fi
 is checked against torch on inputs whose sums depend on the order of every addition; a
 machine where it does not build, or where torch sums differently (another torch build, a
 CPU that dispatches another kernel), keeps torch's product and says so once in the log.
-Building runs in a background thread, so a node never waits for it: until it is ready,
-products are torch's, which are the same numbers.
+Once built, it is imported at once; the one-time build runs in a background thread, so a
+node never waits for it: until it is ready, products are torch's, which are the same
+numbers.
 """
 
 from __future__ import annotations
