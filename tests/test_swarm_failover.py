@@ -198,7 +198,9 @@ def test_the_last_replica_down_briefly_costs_latency_not_the_request(smollm2_sna
                     mid.start()  # the same node, at the same address, loading again
         print(f"a stream across the outage took {time.perf_counter() - started:.1f}s")
         assert "".join(text) == expected["choices"][0]["text"]
-        log = tracker.log()
+        # All of it: log() is a tail, and late answers to the abandoned session can push
+        # the failover's warning out of it.
+        log = tracker.log_path.read_text(errors="replace")
         assert "failed during decode" in log and "answers again" in log
     finally:
         swarm.close()
