@@ -33,6 +33,7 @@ from meshnet_node.engine.families import (
 from meshnet_node.engine.quantization import quantize_linears
 from meshnet_node.engine.row_attention import enable_together, widen_attention
 from meshnet_node.kernels import bf16_dot
+from meshnet_node.lowbit.loading import PACKED, ShardPacker
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class LoadedShard:
     device: torch.device
     modules: StageModules
     layer_types: list[str]  # attention type per local layer
+    dtype: torch.dtype = torch.bfloat16  # compute dtype: activations, norms, dense weights
+    group_size: int | None = None  # int4's quantization group
 
     @property
     def is_head(self) -> bool:
@@ -83,10 +86,13 @@ class LoadedShard:
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        return self.precision.compute_dtype
+        return self.dtype
 
     def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.modules.parameters())
+        """Bytes of the weights held: parameters and packed weights (buffers of a packed
+        module; RoPE's few inverse frequencies count too)."""
+        tensors = [*self.modules.parameters(), *self.modules.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _local_name(name: str, adapter: FamilyAdapter, index: CheckpointIndex, start: int) -> str:
@@ -205,10 +211,17 @@ def load_shard(
     precision: Precision = Precision.BFLOAT16,
     device: str = "cpu",
     *,
+    dtype: torch.dtype | None = None,
+    group_size: int = 64,
     widen_bf16: bool = False,
     bf16_kernel: bool = True,
 ) -> LoadedShard:
     """Materialize ``layers`` of the snapshot (plus head/tail extras) and nothing more.
+
+    ``precision`` is the weights' (resolved: never auto); ``dtype`` the compute dtype
+    (default: the precision's, bfloat16 unless float32). Packed precisions (int8, int4 in
+    groups of ``group_size``, fp8, mxfp4) are packed tensor by tensor as they are read
+    (``meshnet_node.lowbit``, ADR-0031).
 
     ``widen_bf16``: multiply many-row calls in float32 where bf16 arithmetic is emulated
     (``bf16_upcast``); off, every product is torch's own, as in the unsplit model.
@@ -218,7 +231,7 @@ def load_shard(
     layers.check_within(index.num_layers)
     config = AutoConfig.from_pretrained(index.root)
     adapter = adapter_for(config)
-    dtype = precision.compute_dtype
+    dtype = dtype or precision.compute_dtype
     try:
         native = native_format(index.config)
     except InvalidRequest as exc:
@@ -247,6 +260,12 @@ def load_shard(
     rotary_cls = type(base.rotary_emb) if adapter.rotary else None
 
     names = index.tensors_for(layers)
+    packer = plan = None
+    if precision in PACKED:  # packed Linears first, each read alone (never the range at 16 bit)
+        packer = ShardPacker(index, precision, dtype, group_size, native)
+        plan = packer.plan(names, full)
+        packer.pack_linears(full, plan)
+        names = [n for n in names if n not in plan.taken]
     tensors = _read_tensors(index, names, None if native is not None else dtype)
     if native is not None:  # FP8 / MXFP4 checkpoints: dequantized here, the range only
         tensors = dequantize_tensors(tensors, native, dtype)
@@ -261,7 +280,11 @@ def load_shard(
         if tied not in tensors:
             raise ModelError(f"{index.root}: no lm_head.weight and no tied embedding {tied}")
         state["lm_head.weight"] = tensors[tied]
-    expected = set(modules.state_dict().keys()) if not adapter.split_attention else set()
+    expected = (
+        {k for k, v in modules.state_dict().items() if v.is_meta}
+        if not adapter.split_attention
+        else set()
+    )
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
     for key in unexpected:
@@ -275,6 +298,12 @@ def load_shard(
         modules.rotary = rotary_cls(config=config)
     if missing:
         raise ModelError(f"{index.root}: checkpoint lacks tensors for {missing[:5]}")
+    if packer is not None:
+        try:
+            for layer, layer_names in plan.experts.items():  # expert by expert
+                packer.pack_experts(modules.layers[layer - layers.start], layer_names)
+        finally:
+            packer.close()
     quantize_linears(modules.layers, precision, device)
     if adapter.split_attention:
         for layer in modules.layers:  # batched decode steps split attention by session
@@ -294,9 +323,9 @@ def load_shard(
     modules.eval().requires_grad_(False)
     release_freed_memory()
     logger.info(
-        "loaded %s layers %s (%s, %.1f MiB of parameters)",
-        index.root.name, layers, precision.value,
-        sum(p.numel() * p.element_size() for p in modules.parameters()) / 2**20,
+        "loaded %s layers %s (%s, %.1f MiB of weights)", index.root.name, layers,
+        precision.value, sum(t.numel() * t.element_size()
+                             for t in [*modules.parameters(), *modules.buffers()]) / 2**20,
     )  # fmt: skip
     return LoadedShard(
         snapshot=index.root,
@@ -309,4 +338,6 @@ def load_shard(
         device=torch.device(device),
         modules=modules,
         layer_types=adapter.layer_types(config)[layers.start : layers.end],
+        dtype=dtype,
+        group_size=group_size if precision is Precision.INT4 else None,
     )

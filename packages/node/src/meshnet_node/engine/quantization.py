@@ -1,9 +1,9 @@
-"""Weight quantization of a shard's Linear layers through bitsandbytes (int8, nf4)."""
+"""nf4 through bitsandbytes: the one precision meshnet does not pack itself (int8, int4, fp8
+and mxfp4 are ``meshnet_node.lowbit``)."""
 
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 from torch import nn
@@ -14,8 +14,6 @@ from meshnet_common.precision import Precision
 
 logger = logging.getLogger(__name__)
 
-# bitsandbytes warns on every int8 matmul that bf16 inputs are cast to fp16; that is expected.
-warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 
 NF4_CPU_BLOCK = 32  # bitsandbytes' CPU 4-bit kernel needs output widths divisible by this
 
@@ -24,7 +22,7 @@ def _bnb():
     try:
         import bitsandbytes
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ModelError("int8/nf4 need bitsandbytes: pip install bitsandbytes") from exc
+        raise ModelError("nf4 needs bitsandbytes: pip install bitsandbytes") from exc
     return bitsandbytes
 
 
@@ -53,11 +51,11 @@ def _as_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, in
 
 
 def quantize_linears(root: nn.Module, precision: Precision, device: str) -> int:
-    """Replace every Linear/Conv1D under ``root`` by its bitsandbytes counterpart, in place.
+    """At nf4: replace every Linear/Conv1D under ``root`` by bitsandbytes' 4-bit one, in place.
 
     Weights must already be real (not meta). Returns the number of layers replaced.
     """
-    if not precision.is_quantized:
+    if precision is not Precision.NF4:
         return 0
     bnb = _bnb()
     targets = [
@@ -68,22 +66,13 @@ def quantize_linears(root: nn.Module, precision: Precision, device: str) -> int:
     ]
     for parent, child_name, child in targets:
         weight, bias, in_features, out_features = _as_linear(child)
-        if precision is Precision.INT8:
-            new = bnb.nn.Linear8bitLt(
-                in_features, out_features, bias=bias is not None, has_fp16_weights=False,
-                threshold=0.0, device="meta",
-            )  # fmt: skip
-            new.weight = bnb.nn.Int8Params(
-                weight.to(torch.float16), requires_grad=False, has_fp16_weights=False
-            )
-        else:
-            new = bnb.nn.Linear4bit(
-                in_features, out_features, bias=bias is not None, compute_dtype=torch.bfloat16,
-                quant_type="nf4", device="meta",
-            )  # fmt: skip
-            new.weight = bnb.nn.Params4bit(
-                weight.to(torch.bfloat16), requires_grad=False, quant_type="nf4"
-            )
+        new = bnb.nn.Linear4bit(
+            in_features, out_features, bias=bias is not None, compute_dtype=torch.bfloat16,
+            quant_type="nf4", device="meta",
+        )  # fmt: skip
+        new.weight = bnb.nn.Params4bit(
+            weight.to(torch.bfloat16), requires_grad=False, quant_type="nf4"
+        )
         if bias is not None:
             new.bias = nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
         setattr(parent, child_name, new.to(device))  # .to() performs the quantization

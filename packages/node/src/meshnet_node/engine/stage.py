@@ -17,6 +17,7 @@ from meshnet_node.engine.families import RowMasks, SessionContext, build_masks, 
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.sampling import DeferredRows, SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
+from meshnet_node.lowbit.packed import prompt_calls
 
 logger = logging.getLogger(__name__)
 
@@ -226,14 +227,13 @@ class Stage:
             if rewinds is not None and not session.recording:  # sliding windows keep it
                 session.cache.activate_past_recording()
                 session.recording = True
-            # Verification reads the logits of a pass's rows in order and stops at the
-            # first draft it rejects: the rows after it need no lm_head (an audited
-            # session records the last row, so computes them all).
+            # Verification reads the logits of a pass's rows in order and stops at the first
+            # draft it rejects: later rows need no lm_head (unless audited: the record).
             deferred = bool(drafts) and session.sampler is not None and session.record is None
-            try:
-                out = self._forward(
-                    session, position, tensor, rows=len(drafts) + 1, defer_logits=deferred
-                )
+            rows = len(drafts) + 1
+            try:  # one session's chunk: a long one may unpack low-bit weights (ADR-0031)
+                with prompt_calls():
+                    out = self._forward(session, position, tensor, rows, defer_logits=deferred)
                 ok = True
                 if session.record is not None:
                     session.record.add(position, tensor, _last_row(out))

@@ -1,0 +1,230 @@
+"""Packing a stage's weights as they are read, one tensor (one expert) at a time.
+
+The loader hands this the range's tensor names before it loads anything else; the packer
+takes the Linear weights and expert tensors its precision packs, reads each alone from the
+checkpoint, packs it and puts a ``PackedLinear`` / ``PackedExperts`` in the model, so the
+range never sits in memory at 16 bits (peak: the packed range plus one matrix). What it
+leaves (norms, routers, embeddings, attention of an MXFP4 model) loads as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from meshnet_common.errors import ModelError
+from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.native_formats import fp8_dequantize, mxfp4_dequantize
+from meshnet_common.precision import Precision
+from meshnet_node.lowbit.modules import PackedExperts, PackedLinear
+from meshnet_node.lowbit.packed import Int4Weight, Int8Weight, PackedWeight
+from meshnet_node.lowbit.shipped import DenseWeight, Fp8Weight, Mxfp4Weight
+
+logger = logging.getLogger(__name__)
+
+PACKED = (Precision.INT8, Precision.INT4, Precision.FP8, Precision.MXFP4)
+SCALE_INV = "_scale_inv"
+# Routers choose experts: a rounding there changes which experts run, for a few bytes saved.
+_ROUTERS = (".gate.weight", ".router.weight", "shared_expert_gate.weight")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)\.(?P<kind>weight|weight_scale_inv)$"
+)
+_FUSED_EXPERTS = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<kind>|_blocks|_scales|_bias)$"
+)
+_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+          "down_proj": "down", "w2": "down"}  # fmt: skip
+
+
+@dataclass
+class _Plan:
+    """Which of the range's tensors the packer takes, and how."""
+
+    linears: dict[str, str] = field(default_factory=dict)  # module path -> weight name
+    experts: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
+    taken: set[str] = field(default_factory=set)
+
+
+class ShardPacker:
+    """Packs the Linear layers and experts of a layer range at ``precision`` (int8, int4:
+    quantized from the checkpoint's values; fp8, mxfp4: the checkpoint's own bytes)."""
+
+    def __init__(self, index: CheckpointIndex, precision: Precision, dtype: torch.dtype,
+                 group_size: int, native: tuple[str, tuple[int, int]] | None) -> None:  # fmt: skip
+        if precision not in PACKED:
+            raise ValueError(f"{precision.value} is not a packed precision")
+        self.index, self.precision, self.dtype = index, precision, dtype
+        self.group_size = group_size
+        self.fp8_block = native[1] if native is not None and native[0] == "fp8" else (128, 128)
+        self._files = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    # -- what to take ---------------------------------------------------------------------
+
+    def plan(self, names: list[str], model: nn.Module) -> _Plan:
+        """Split the range's tensor names: packed Linears, experts per layer, the rest."""
+        plan = _Plan()
+        present = set(names)
+        for name in names:
+            layer = self.index.layer_of(name)
+            if layer is None:
+                continue
+            if _PER_EXPERT.match(name) or _FUSED_EXPERTS.match(name):
+                plan.experts[layer].append(name)
+                plan.taken.add(name)
+            elif self._packs_linear(name, present, model):
+                path = name[: -len(".weight")]
+                plan.linears[path] = name
+                plan.taken.update(
+                    n for n in (name, name + SCALE_INV, path + ".bias") if n in present
+                )
+        return plan
+
+    def _packs_linear(self, name: str, present: set[str], model: nn.Module) -> bool:
+        if not name.endswith(".weight") or name.endswith(_ROUTERS):
+            return False
+        try:
+            module = model.get_submodule(name[: -len(".weight")])
+        except AttributeError:
+            return False  # renamed by the family's conversion: loads as a plain tensor
+        if not isinstance(module, nn.Linear | Conv1D):
+            return False
+        shipped_fp8 = name + SCALE_INV in present
+        if self.precision is Precision.FP8:
+            return shipped_fp8
+        if self.precision is Precision.MXFP4:
+            return False  # gpt-oss ships only its experts in MXFP4
+        if self.precision is Precision.INT4:
+            out_in = tuple(self.index.tensors[name].shape)
+            if isinstance(module, Conv1D):
+                out_in = out_in[::-1]
+            return Int4Weight.fits(out_in, self.group_size)
+        return True
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _handle(self, name: str):
+        fname = self.index.tensors[name].file
+        if fname not in self._handles:
+            path = str(self.index.root / fname)
+            self._handles[fname] = self._files.enter_context(safe_open(path, framework="pt"))
+        return self._handles[fname]
+
+    def _read(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name).clone()  # detached from the mmap
+
+    def _read_expert(self, name: str, expert: int) -> torch.Tensor:
+        return self._handle(name).get_slice(name)[expert].clone()
+
+    def close(self) -> None:
+        self._files.close()
+        self._handles.clear()
+
+    # -- packing --------------------------------------------------------------------------
+
+    def quantize(self, weight: torch.Tensor) -> PackedWeight:
+        """An ``[out, in]`` matrix at this precision (dense where the format cannot hold it)."""
+        if self.precision is Precision.INT8:
+            return Int8Weight.quantize(weight, self.dtype)
+        if self.precision is Precision.INT4 and Int4Weight.fits(
+            tuple(weight.shape), self.group_size
+        ):
+            return Int4Weight.quantize(weight, self.group_size, self.dtype)
+        return DenseWeight(weight.to(self.dtype))
+
+    def _matrix(self, name: str, stored: torch.Tensor | None = None) -> PackedWeight:
+        """A Linear weight by checkpoint name: FP8 bytes kept or dequantized, then packed."""
+        weight = self._read(name) if stored is None else stored
+        if weight.dtype == torch.float8_e4m3fn:
+            scale = self._read(name + SCALE_INV)
+            if self.precision is Precision.FP8:
+                return Fp8Weight(weight, scale, self.fp8_block)
+            weight = fp8_dequantize(weight, scale, self.fp8_block)
+        return self.quantize(weight)
+
+    def pack_linears(self, model: nn.Module, plan: _Plan) -> int:
+        for path, name in plan.linears.items():
+            parent_path, _, attr = path.rpartition(".")
+            module = model.get_submodule(path)
+            weight = self._read(name)
+            if isinstance(module, Conv1D):
+                weight = weight.t()  # GPT-2 stores [in, out]
+            bias_name = path + ".bias"
+            bias = self._read(bias_name).to(self.dtype) if bias_name in self.index.tensors else None
+            setattr(model.get_submodule(parent_path), attr,
+                    PackedLinear(self._matrix(name, weight), bias))  # fmt: skip
+        return len(plan.linears)
+
+    def pack_experts(self, layer: nn.Module, names: list[str]) -> PackedExperts:
+        """The layer's routed experts, read and packed expert by expert."""
+        path, family_module = _experts_module(layer)
+        per_expert: dict[int, dict[str, str]] = defaultdict(dict)
+        fused: dict[str, str] = {}
+        for name in names:
+            if m := _PER_EXPERT.match(name):
+                if m["kind"] == "weight":
+                    role = _ROLES.get(m["proj"])
+                    if role is None:
+                        raise ModelError(f"{name}: an expert projection meshnet does not know")
+                    per_expert[int(m["expert"])][role] = name
+            elif m := _FUSED_EXPERTS.match(name):
+                fused[m["proj"] + m["kind"]] = name
+        count = family_module.num_experts
+        if per_expert:
+            gate_up = [self._gate_up(per_expert[e]) for e in range(count)]
+            down = [self._matrix(per_expert[e]["down"]) for e in range(count)]
+            biases = (None, None)
+        else:
+            gate_up = [[self._fused(fused, "gate_up_proj", e)] for e in range(count)]
+            down = [self._fused(fused, "down_proj", e) for e in range(count)]
+            biases = tuple(
+                self._read(fused[b]).to(self.dtype) if b in fused else None
+                for b in ("gate_up_proj_bias", "down_proj_bias")
+            )
+        packed = PackedExperts(family_module, gate_up, down, *biases)
+        parent_path, _, attr = path.rpartition(".")
+        setattr(layer.get_submodule(parent_path) if parent_path else layer, attr, packed)
+        return packed
+
+    def _gate_up(self, names: dict[str, str]) -> list[PackedWeight]:
+        gate, up = self._read(names["gate"]), self._read(names["up"])
+        if self.precision is Precision.FP8 and gate.dtype == torch.float8_e4m3fn:
+            # kept as shipped: each part has its own tile grid (a ragged edge may sit between)
+            return [self._matrix(names["gate"], gate), self._matrix(names["up"], up)]
+        gate, up = self._plain(names["gate"], gate), self._plain(names["up"], up)
+        return [self.quantize(torch.cat([gate, up]))]  # (2I, H): one product per expert
+
+    def _plain(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.float8_e4m3fn:
+            weight = fp8_dequantize(weight, self._read(name + SCALE_INV), self.fp8_block)
+        return weight
+
+    def _fused(self, fused: dict[str, str], proj: str, expert: int) -> PackedWeight:
+        """gpt-oss: one expert of a fused ``[E, in, out]`` tensor, or of its MXFP4 blocks."""
+        if proj + "_blocks" in fused:
+            blocks = self._read_expert(fused[proj + "_blocks"], expert)  # (out, in/32, 16)
+            scales = self._read_expert(fused[proj + "_scales"], expert)  # (out, in/32)
+            if self.precision is Precision.MXFP4:
+                return Mxfp4Weight(blocks, scales)
+            weight = mxfp4_dequantize(blocks[None], scales[None])[0].t()  # (out, in)
+            return self.quantize(weight)
+        if proj not in fused:
+            raise ModelError(f"{self.index.root}: experts lack {proj}")
+        return self.quantize(self._read_expert(fused[proj], expert).t())  # (out, in)
+
+
+def _experts_module(layer: nn.Module) -> tuple[str, nn.Module]:
+    """The family's experts module in a decoder layer (fused 3-D expert parameters)."""
+    for path, module in layer.named_modules():
+        down = getattr(module, "down_proj", None)
+        if isinstance(down, nn.Parameter) and down.dim() == 3:
+            return path, module
+    raise ModelError("expert tensors for a layer without an experts module")

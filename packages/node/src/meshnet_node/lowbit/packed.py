@@ -1,0 +1,236 @@
+"""Weights held packed (int8, int4, FP8, MXFP4) and multiplied without unpacking them for good.
+
+Every packed weight is one matrix ``[out, in]`` (a Linear's layout) with a ``matmul(x)``
+that returns ``x @ W.T`` in ``x``'s dtype. Two ways to compute it (docs/adr/0031):
+
+- **few rows** (a decode step, a batch of sessions, a verification pass): a weight-only
+  kernel that reads the packed bytes — torch's ``_weight_int8pack_mm`` /
+  ``_weight_int4pack_mm_for_cpu`` (the ones gpt-fast and torchao build on), meshnet's FP8 /
+  MXFP4 kernels (``meshnet_node.kernels.packed``). Each output row depends on its input row
+  alone, so a session gives the same numbers alone, batched or replayed.
+- **a prompt chunk of many rows**: dequantize into a reused scratch matrix and run the
+  compute dtype's GEMM. The low-bit kernels cost ~one GEMV per row, 2-4x bf16's GEMM at 64+
+  rows. Only ``Stage._forward`` (one session's chunk) allows this path (``prompt_calls``):
+  a chunk is computed with the same arithmetic every time it runs (failover replays the
+  same chunks), while a decode row never depends on how many sessions share its pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+# Above this many rows a prompt chunk dequantizes and uses the GEMM (measured crossover on
+# a Zen 4 EPYC, 2 threads: the int8/int4 kernels equal bf16's GEMM at ~8-16 rows).
+WIDE_ROWS = 16
+INT4_TILE = 16  # torch's int4 packing needs output widths divisible by this
+
+_wide_ok: contextvars.ContextVar[bool] = contextvars.ContextVar("lowbit_wide_ok", default=False)
+_scratch = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_calls() -> Iterator[None]:
+    """Within: calls of more than ``WIDE_ROWS`` rows may take the dequantize + GEMM path."""
+    token = _wide_ok.set(True)
+    try:
+        yield
+    finally:
+        _wide_ok.reset(token)
+
+
+def _wide(x: torch.Tensor) -> bool:
+    return x.shape[0] > WIDE_ROWS and _wide_ok.get()
+
+
+def scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused per-thread matrix of ``shape``: allocating a fresh one per call costs page
+    faults that outweigh the product (~20 ms for 32 MB here)."""
+    key = (dtype, device)
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    numel = shape[0] * shape[1]
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+def _rows_chunked(weight: torch.Tensor, rows: int = 1024) -> Iterator[tuple[int, torch.Tensor]]:
+    """Row blocks of ``weight`` in float32: quantizing a whole matrix at once would hold a
+    float32 copy (2x its bf16 bytes) at load."""
+    for start in range(0, weight.shape[0], rows):
+        yield start, weight[start : start + rows].float()
+
+
+class PackedWeight:
+    """A matrix ``[out, in]`` in a packed format; subclasses own their tensors."""
+
+    fmt = "packed"
+    out_features: int
+    in_features: int
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for 2-D ``x`` (rows, in), in ``x.dtype``."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The matrix the packed bytes stand for (a fresh tensor; tests and references)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        for name, tensor in self.tensors().items():
+            setattr(self, name, tensor.to(device))
+        return self
+
+
+class Int8Weight(PackedWeight):
+    """Per-output-channel symmetric int8: ``W[n, k] = q[n, k] * scale[n]``."""
+
+    fmt = "int8"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.q, self.scale = q, scale  # (N, K) int8, (N,) compute dtype
+        self.out_features, self.in_features = q.shape
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+        q = torch.empty(weight.shape, dtype=torch.int8)
+        scale = torch.empty(weight.shape[0], dtype=dtype)
+        for start, block in _rows_chunked(weight):
+            s = (block.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(dtype)  # (rows,)
+            scale[start : start + len(block)] = s
+            q[start : start + len(block)] = torch.round(block / s.float()[:, None]).clamp(-127, 127)
+        return cls(q, scale)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"q": self.q, "scale": self.scale}
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and not _wide(x):
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
+        w = scratch(tuple(self.q.shape), x.dtype, x.device)
+        w.copy_(self.q)  # exact: int8 values are integers every float dtype holds
+        return F.linear(x, w) * self.scale.to(x.dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scale.float()[:, None]).to(dtype)
+
+
+class Int4Weight(PackedWeight):
+    """Group-wise asymmetric int4 in torch's CPU packing: ``W[n, k] = (q - 8) * scale + zero``
+    per group of ``group`` inputs, ``scale_zero`` ``[in / group, out, 2]`` in the compute dtype
+    (``aten._weight_int4pack_mm_for_cpu``'s form)."""
+
+    fmt = "int4"
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, shape) -> None:
+        self.packed, self.scale_zero, self.group = packed, scale_zero, group
+        self.out_features, self.in_features = shape
+
+    @staticmethod
+    def fits(shape: tuple[int, int], group: int) -> bool:
+        return shape[0] % INT4_TILE == 0 and shape[1] % group == 0
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group: int, dtype: torch.dtype) -> Int4Weight:
+        n, k = weight.shape
+        q = torch.empty(n, k, dtype=torch.int32)
+        scale_zero = torch.empty(k // group, n, 2, dtype=dtype)
+        for start, block in _rows_chunked(weight):
+            rows = len(block)
+            grouped = block.reshape(rows, k // group, group)
+            low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # (rows, G)
+            scale = ((high - low) / 15.0).clamp(min=1e-8).to(dtype)
+            zero = (low + 8.0 * scale.float()).to(dtype)  # the value code 8 stands for
+            base = zero.float() - 8.0 * scale.float()  # code 0
+            codes = torch.round((grouped - base[..., None]) / scale.float()[..., None])
+            q[start : start + rows] = codes.clamp(0, 15).reshape(rows, k).to(torch.int32)
+            scale_zero[:, start : start + rows, 0] = scale.t()
+            scale_zero[:, start : start + rows, 1] = zero.t()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        return cls(packed, scale_zero, group, (n, k))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scale_zero": self.scale_zero}
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and not (_wide(x) and int4_unpacker.ready(self)):
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, self.group, self.scale_zero.to(x.dtype)
+            )
+        w = scratch((self.out_features, self.in_features), x.dtype, x.device)
+        int4_unpacker.dequantize_into(self, w)
+        return F.linear(x, w)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if int4_unpacker.ready(self):
+            w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+            return int4_unpacker.dequantize_into(self, w).to(dtype)
+        # Any layout: the kernel applied to the identity is the matrix (slow; tests only).
+        eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.packed, self.group, self.scale_zero
+        )
+        return out.t().contiguous().to(dtype)
+
+
+class _Int4Unpacker:
+    """Unpacks torch's CPU int4 layout for the many-row path.
+
+    torch packs ``[N, K]`` codes as ``[N / B, K, B / 2]`` bytes, row ``j`` of a block of ``B``
+    in the low nibble and row ``B/2 + j`` in the high one, with ``B`` chosen by the CPU's
+    vector width (64 on AVX-512). The layout is torch's private choice, so it is found by
+    packing a probe and checked before any weight uses it; where no known layout matches,
+    every call stays on torch's kernel (correct, slower for prompts)."""
+
+    def __init__(self) -> None:
+        self._block: dict[int, int | None] = {}  # N -> B (None: unknown layout)
+
+    def ready(self, weight: Int4Weight) -> bool:
+        n = weight.out_features
+        if n not in self._block:
+            self._block[n] = self._find_block(n)
+        return self._block[n] is not None
+
+    @staticmethod
+    def _find_block(n: int) -> int | None:
+        k = 64
+        probe = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator())
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+        for block in (64, 32, 16):
+            if n % block == 0 and torch.equal(_unpack(packed, n, k, block), probe.to(torch.uint8)):
+                return block
+        return None
+
+    def dequantize_into(self, weight: Int4Weight, out: torch.Tensor) -> torch.Tensor:
+        n, k, g = weight.out_features, weight.in_features, weight.group
+        codes = _unpack(weight.packed, n, k, self._block[n])  # (N, K) uint8
+        out.copy_(codes)
+        grouped = out.view(n, k // g, g)
+        scale_zero = weight.scale_zero.to(out.dtype)  # (G, N, 2)
+        grouped.sub_(8).mul_(scale_zero[:, :, 0].t()[..., None])
+        grouped.add_(scale_zero[:, :, 1].t()[..., None])
+        return out
+
+
+def _unpack(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    v = packed.reshape(n // block, k, block // 2)
+    codes = torch.cat([v & 15, v >> 4], dim=2)  # (N/B, K, B)
+    return codes.transpose(1, 2).reshape(n, k)
+
+
+int4_unpacker = _Int4Unpacker()
