@@ -264,7 +264,7 @@ def load_shard(
     if precision in PACKED:  # packed Linears first, each read alone (never the range at 16 bit)
         packer = ShardPacker(index, precision, dtype, group_size, native)
         plan = packer.plan(names, full)
-        packer.pack_linears(full, plan)
+        packer.pack_linears(full, plan, after_layer=release_freed_memory)
         names = [n for n in names if n not in plan.taken]
     tensors = _read_tensors(index, names, None if native is not None else dtype)
     if native is not None:  # FP8 / MXFP4 checkpoints: dequantized here, the range only
@@ -301,7 +301,9 @@ def load_shard(
     if packer is not None:
         try:
             for layer, layer_names in plan.experts.items():  # expert by expert
-                packer.pack_experts(modules.layers[layer - layers.start], layer_names)
+                packer.pack_experts(
+                    modules.layers[layer - layers.start], layer_names, release_freed_memory
+                )
         finally:
             packer.close()
     quantize_linears(modules.layers, precision, device)

@@ -119,10 +119,16 @@ class ShardPacker:
         return self._handles[fname]
 
     def _read(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name).clone()  # detached from the mmap
+        """The tensor, backed by the file's mapping: what is packed from it is a new tensor,
+        what is kept as read must be copied (``_kept``)."""
+        return self._handle(name).get_tensor(name)
 
     def _read_expert(self, name: str, expert: int) -> torch.Tensor:
-        return self._handle(name).get_slice(name)[expert].clone()
+        return self._handle(name).get_slice(name)[expert]
+
+    def _kept(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        tensor = self._read(name)
+        return tensor.to(dtype=dtype or tensor.dtype, copy=True)  # detached from the mapping
 
     def close(self) -> None:
         self._files.close()
@@ -138,7 +144,7 @@ class ShardPacker:
             tuple(weight.shape), self.group_size
         ):
             return Int4Weight.quantize(weight, self.group_size, self.dtype)
-        return DenseWeight(weight.to(self.dtype))
+        return DenseWeight(weight.to(self.dtype, copy=True))
 
     def _matrix(self, name: str, stored: torch.Tensor | None = None) -> PackedWeight:
         """A Linear weight by checkpoint name: FP8 bytes kept or dequantized, then packed."""
@@ -146,25 +152,34 @@ class ShardPacker:
         if weight.dtype == torch.float8_e4m3fn:
             scale = self._read(name + SCALE_INV)
             if self.precision is Precision.FP8:
-                return Fp8Weight(weight, scale, self.fp8_block)
+                return Fp8Weight(weight.clone(), scale.clone(), self.fp8_block)
             weight = fp8_dequantize(weight, scale, self.fp8_block)
         return self.quantize(weight)
 
-    def pack_linears(self, model: nn.Module, plan: _Plan) -> int:
+    def pack_linears(self, model: nn.Module, plan: _Plan, after_layer=lambda: None) -> int:
+        """Put a PackedLinear in place of each planned Linear; ``after_layer`` runs when a
+        layer's are done (the loader hands freed temporaries back to the OS there)."""
+        last_layer = None
         for path, name in plan.linears.items():
+            if last_layer is not None and self.index.layer_of(name) != last_layer:
+                after_layer()
+            last_layer = self.index.layer_of(name)
             parent_path, _, attr = path.rpartition(".")
             module = model.get_submodule(path)
             weight = self._read(name)
             if isinstance(module, Conv1D):
                 weight = weight.t()  # GPT-2 stores [in, out]
             bias_name = path + ".bias"
-            bias = self._read(bias_name).to(self.dtype) if bias_name in self.index.tensors else None
+            bias = self._kept(bias_name, self.dtype) if bias_name in self.index.tensors else None
             setattr(model.get_submodule(parent_path), attr,
                     PackedLinear(self._matrix(name, weight), bias))  # fmt: skip
         return len(plan.linears)
 
-    def pack_experts(self, layer: nn.Module, names: list[str]) -> PackedExperts:
-        """The layer's routed experts, read and packed expert by expert."""
+    def pack_experts(
+        self, layer: nn.Module, names: list[str], after_expert=lambda: None
+    ) -> PackedExperts:
+        """The layer's routed experts, read and packed expert by expert (``after_expert``
+        runs after each: the loader hands its temporaries back to the OS there)."""
         path, family_module = _experts_module(layer)
         per_expert: dict[int, dict[str, str]] = defaultdict(dict)
         fused: dict[str, str] = {}
@@ -177,18 +192,20 @@ class ShardPacker:
                     per_expert[int(m["expert"])][role] = name
             elif m := _FUSED_EXPERTS.match(name):
                 fused[m["proj"] + m["kind"]] = name
-        count = family_module.num_experts
-        if per_expert:
-            gate_up = [self._gate_up(per_expert[e]) for e in range(count)]
-            down = [self._matrix(per_expert[e]["down"]) for e in range(count)]
-            biases = (None, None)
-        else:
-            gate_up = [[self._fused(fused, "gate_up_proj", e)] for e in range(count)]
-            down = [self._fused(fused, "down_proj", e) for e in range(count)]
-            biases = tuple(
-                self._read(fused[b]).to(self.dtype) if b in fused else None
-                for b in ("gate_up_proj_bias", "down_proj_bias")
-            )
+        gate_up: list[list[PackedWeight]] = []
+        down: list[PackedWeight] = []
+        for e in range(family_module.num_experts):
+            if per_expert:
+                gate_up.append(self._gate_up(per_expert[e]))
+                down.append(self._matrix(per_expert[e]["down"]))
+            else:
+                gate_up.append([self._fused(fused, "gate_up_proj", e)])
+                down.append(self._fused(fused, "down_proj", e))
+            after_expert()
+        biases = tuple(
+            self._kept(fused[b], self.dtype) if b in fused else None
+            for b in ("gate_up_proj_bias", "down_proj_bias")
+        )
         packed = PackedExperts(family_module, gate_up, down, *biases)
         parent_path, _, attr = path.rpartition(".")
         setattr(layer.get_submodule(parent_path) if parent_path else layer, attr, packed)
@@ -213,7 +230,7 @@ class ShardPacker:
             blocks = self._read_expert(fused[proj + "_blocks"], expert)  # (out, in/32, 16)
             scales = self._read_expert(fused[proj + "_scales"], expert)  # (out, in/32)
             if self.precision is Precision.MXFP4:
-                return Mxfp4Weight(blocks, scales)
+                return Mxfp4Weight(blocks.clone(), scales.clone())
             weight = mxfp4_dequantize(blocks[None], scales[None])[0].t()  # (out, in)
             return self.quantize(weight)
         if proj not in fused:

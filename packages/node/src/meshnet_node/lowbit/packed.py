@@ -62,11 +62,12 @@ def scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) ->
     return buf[:numel].view(shape)
 
 
-def _rows_chunked(weight: torch.Tensor, rows: int = 1024) -> Iterator[tuple[int, torch.Tensor]]:
-    """Row blocks of ``weight`` in float32: quantizing a whole matrix at once would hold a
-    float32 copy (2x its bf16 bytes) at load."""
+def _rows_chunked(weight: torch.Tensor, rows: int = 256) -> Iterator[tuple[int, torch.Tensor]]:
+    """Row blocks of ``weight`` in float32: quantizing a whole matrix at once would hold
+    float32 temporaries of it (several times its bf16 bytes) at load; 256 rows keep them to
+    a few MB for the widest weights."""
     for start in range(0, weight.shape[0], rows):
-        yield start, weight[start : start + rows].float()
+        yield start, weight[start : start + rows].to(torch.float32, copy=True)
 
 
 class PackedWeight:
@@ -148,20 +149,31 @@ class Int4Weight(PackedWeight):
     @classmethod
     def quantize(cls, weight: torch.Tensor, group: int, dtype: torch.dtype) -> Int4Weight:
         n, k = weight.shape
-        q = torch.empty(n, k, dtype=torch.int32)
         scale_zero = torch.empty(k // group, n, 2, dtype=dtype)
+        # torch packs rows in blocks it chooses; whole 256-row chunks pack independently
+        # (checked: a chunk's bytes are the matching slice), else the matrix packs at once.
+        chunked = n % 256 == 0
+        parts, codes_all = [], None if chunked else torch.empty(n, k, dtype=torch.int32)
         for start, block in _rows_chunked(weight):
             rows = len(block)
-            grouped = block.reshape(rows, k // group, group)
+            grouped = block.view(rows, k // group, group)
             low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # (rows, G)
             scale = ((high - low) / 15.0).clamp(min=1e-8).to(dtype)
             zero = (low + 8.0 * scale.float()).to(dtype)  # the value code 8 stands for
             base = zero.float() - 8.0 * scale.float()  # code 0
-            codes = torch.round((grouped - base[..., None]) / scale.float()[..., None])
-            q[start : start + rows] = codes.clamp(0, 15).reshape(rows, k).to(torch.int32)
+            grouped.sub_(base[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
+            codes = block.to(torch.int32)  # (rows, K)
             scale_zero[:, start : start + rows, 0] = scale.t()
             scale_zero[:, start : start + rows, 1] = zero.t()
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            if chunked:
+                parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            else:
+                codes_all[start : start + rows] = codes
+        packed = (
+            torch.cat(parts)
+            if chunked
+            else torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes_all, 1)
+        )
         return cls(packed, scale_zero, group, (n, k))
 
     def tensors(self) -> dict[str, torch.Tensor]:
