@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from batching_helpers import decode_sessions
+from stage_drivers import decode_sessions
 
 from meshnet_common.errors import Conflict, NotFound
 from meshnet_common.layers import LayerRange

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batching_helpers import decode_sessions
+from stage_drivers import decode_sessions, speculative_greedy
 from torch import nn
 
 from meshnet_common.layers import LayerRange
@@ -74,6 +74,21 @@ def test_int4_in_bfloat16_tracks_the_bfloat16_model(tiny_snapshot, family):
 def test_batched_decode_equals_one_session_at_a_time(tiny_snapshot, family, precision):
     stages = _stages(tiny_snapshot(family), precision, [(0, 3), (3, 6)], torch.bfloat16)
     assert decode_sessions(stages, batched=True) == decode_sessions(stages, batched=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
+def test_verified_drafts_keep_the_tokens_of_plain_int4_decoding(tiny_snapshot, family):
+    """Verification passes (1 + drafts rows, accepted and rejected) on int4 stages give
+    the tokens of plain decoding at int4, in bfloat16 compute: each row is a one-token
+    step's, bit for bit."""
+    snapshot = tiny_snapshot(family)
+    cuts = [(0, 2), (2, 4), (4, 6)]
+    reference, _ = split_greedy(
+        _stages(snapshot, Precision.INT4, cuts, torch.bfloat16), _prompt(), 20
+    )
+    stages = _stages(snapshot, Precision.INT4, cuts, torch.bfloat16)
+    vocab = stages[0].shard.vocab_size
+    assert speculative_greedy(stages, _prompt(), reference, vocab) == reference
 
 
 # -- the packed formats -------------------------------------------------------------------

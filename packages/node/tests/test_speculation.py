@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stage_drivers import speculative_greedy
 from transformers import AutoConfig
 
 from meshnet_common.errors import Conflict
@@ -26,55 +27,6 @@ from meshnet_node.speculation.drafting import DraftPolicy, NgramDrafter, expecte
 
 def stages_of(snapshot, bounds) -> list[Stage]:
     return [Stage(load_shard(snapshot, LayerRange(*b), Precision.FLOAT32)) for b in bounds]
-
-
-def draft_plan(step: int, truth: list[int], vocab: int) -> list[int]:
-    """Drafts of 1-4 tokens from the true continuation: all right, the last one wrong, or
-    the first one wrong, in turn (every accept / reject path of the verification)."""
-    k = min(step % 4 + 1, len(truth))
-    drafts = truth[:k]
-    if drafts and step % 3 == 1:
-        drafts[-1] = (drafts[-1] + 1) % vocab
-    elif drafts and step % 3 == 2:
-        drafts[0] = (drafts[0] + 1) % vocab
-    return drafts
-
-
-def speculative_greedy(stages, prompt: list[int], reference: list[int], vocab: int):
-    """Greedy decoding through in-process stages, each decode step carrying drafts."""
-    sid = "spec"
-    for stage in stages:
-        stage.open_session(sid)
-    try:
-        position, out = 0, None
-        for lo in range(0, len(prompt), 128):
-            chunk = prompt[lo : lo + 128]
-            out = stages[0].step(sid, position, token_ids=torch.tensor([chunk]))
-            for stage in stages[1:]:
-                out = stage.step(sid, position, hidden=out.hidden)
-            position += len(chunk)
-        tokens = [out.token.token_id]
-        step = 0
-        while len(tokens) < len(reference):
-            drafts = draft_plan(step, reference[len(tokens) :], vocab)
-            drafts = drafts[: len(reference) - len(tokens) - 1]
-            ids = [tokens[-1], *drafts]
-            out = stages[0].step(sid, position, token_ids=torch.tensor([ids]),
-                                 drafts=tuple(drafts))  # fmt: skip
-            for stage in stages[1:]:
-                out = stage.step(sid, position, hidden=out.hidden, drafts=tuple(drafts))
-            got = [out.token.token_id, *(t.token_id for t in out.more or ())]
-            assert len(got) <= len(drafts) + 1
-            kept = len(got) - 1
-            assert got[:kept] == drafts[:kept]
-            tokens.extend(got)
-            position += 1 + kept  # the next step starts after the kept drafts
-            step += 1
-        assert all(len(s.sessions) == 1 for s in stages)
-        return tokens[: len(reference)]
-    finally:
-        for stage in stages:
-            stage.close_session(sid)
 
 
 @pytest.mark.parametrize("family", list(tiny.FAMILIES))
