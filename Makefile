@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/tracker/pyproject.toml requirements-dev.txt Makefile packages/node/src/meshnet_node/kernels/bf16_dot.cpp
+$(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/tracker/pyproject.toml requirements-dev.txt Makefile packages/node/src/meshnet_node/kernels/bf16_dot.cpp packages/node/src/meshnet_node/kernels/packed.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
@@ -25,6 +25,8 @@ $(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/t
 	# The bf16 product kernel (docs/adr/0030), built and checked once here rather than by the
 	# first node; where it cannot be built, nodes keep torch's product (same numbers, slower).
 	$(PY) -m meshnet_node.kernels.bf16_dot
+	# The FP8/MXFP4 packed-weight kernels, likewise (without them: pure torch, slow).
+	$(PY) -m meshnet_node.kernels.packed
 	touch $(STAMP)
 
 test: install

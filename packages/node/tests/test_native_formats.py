@@ -85,24 +85,32 @@ def test_checkpoint_holds_packed_tensors_and_scales(native, family, fmt):
     assert {index.layer_of(n) for n in names} == {2, 3}
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-packed", "dequantized"])
 @pytest.mark.parametrize(("family", "fmt"), CASES)
-def test_split_native_checkpoint_matches_its_dequantized_reference(native, family, fmt):
+def test_split_native_checkpoint_matches_its_dequantized_reference(native, family, fmt, kept):
+    """Kept in its shipped bytes (``--quantization auto``) or dequantized at load
+    (``--quantization float32``), split over 3 stages in float32: the dequantized model's
+    greedy tokens and logits."""
     snapshot, reference = native[family]
     model = load_reference_model(reference, torch.float32)
     prompt = torch.randint(3, 200, (160,), generator=torch.Generator().manual_seed(5)).tolist()
     ref_tokens, ref_logits = hf_chunked_greedy(model, prompt, 12)
+    precision = Precision(fmt) if kept else Precision.FLOAT32
     stages = [
-        Stage(load_shard(snapshot, LayerRange(a, b), Precision.FLOAT32))
+        Stage(load_shard(snapshot, LayerRange(a, b), precision, dtype=torch.float32))
         for a, b in ((0, 2), (2, 4), (4, 6))
     ]
     tokens, logits = split_greedy(stages, prompt, 12)
     assert tokens == ref_tokens
     assert max(float((a - b).abs().max()) for a, b in zip(ref_logits, logits, strict=True)) < 1e-4
-    # resident bytes: the dequantized range, as priced from the packed checkpoint
+    # resident bytes: what the packed checkpoint prices the range at, at this precision
     costs = ModelCosts.from_index(CheckpointIndex.load(snapshot))
     for stage in stages:
-        expected = costs.weight_bytes(stage.shard.layers, Precision.FLOAT32)
+        expected = costs.weight_bytes(stage.shard.layers, precision, dtype="float32")
         assert stage.shard.parameter_bytes() == pytest.approx(expected, rel=0.01)
+    if kept:  # the shipped bytes, not a dequantized copy
+        held = {b.dtype for s in stages for b in s.shard.modules.buffers()}
+        assert torch.uint8 in held
 
 
 def test_unknown_quantization_is_refused_in_one_line(native, tmp_path):

@@ -33,6 +33,7 @@ from meshnet_node.engine.families import (
 from meshnet_node.engine.quantization import quantize_linears
 from meshnet_node.engine.row_attention import enable_together, widen_attention
 from meshnet_node.kernels import bf16_dot
+from meshnet_node.kernels import packed as packed_kernels
 from meshnet_node.lowbit.loading import PACKED, ShardPacker
 
 logger = logging.getLogger(__name__)
@@ -261,6 +262,8 @@ def load_shard(
 
     names = index.tensors_for(layers)
     packer = plan = None
+    if precision in (Precision.FP8, Precision.MXFP4):
+        packed_kernels.start(device)  # imported (or built in the background) meanwhile
     if precision in PACKED:  # packed Linears first, each read alone (never the range at 16 bit)
         packer = ShardPacker(index, precision, dtype, group_size, native)
         plan = packer.plan(names, full)

@@ -44,7 +44,8 @@ def prompt_calls() -> Iterator[None]:
         _wide_ok.reset(token)
 
 
-def _wide(x: torch.Tensor) -> bool:
+def wide_call(x: torch.Tensor) -> bool:
+    """True for a call that may unpack for a GEMM: a long chunk inside ``prompt_calls``."""
     return x.shape[0] > WIDE_ROWS and _wide_ok.get()
 
 
@@ -121,7 +122,7 @@ class Int8Weight(PackedWeight):
         return {"q": self.q, "scale": self.scale}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and not _wide(x):
+        if x.device.type == "cpu" and not wide_call(x):
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
         w = scratch(tuple(self.q.shape), x.dtype, x.device)
         w.copy_(self.q)  # exact: int8 values are integers every float dtype holds
@@ -180,7 +181,7 @@ class Int4Weight(PackedWeight):
         return {"packed": self.packed, "scale_zero": self.scale_zero}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and not (_wide(x) and int4_unpacker.ready(self)):
+        if x.device.type == "cpu" and not (wide_call(x) and int4_unpacker.ready(self)):
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.packed, self.group, self.scale_zero.to(x.dtype)
             )

@@ -3,17 +3,11 @@ and plain matrices where a format does not apply (``DenseWeight``)."""
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 
-from meshnet_node.lowbit.packed import PackedWeight
-
-
-def _kernels():
-    """``meshnet_node.kernels.packed``, imported when a shipped-format weight first computes."""
-    return importlib.import_module("meshnet_node.kernels.packed")
+from meshnet_node.kernels import packed as kernels
+from meshnet_node.lowbit.packed import PackedWeight, wide_call
 
 
 class Fp8Weight(PackedWeight):
@@ -32,11 +26,13 @@ class Fp8Weight(PackedWeight):
         return {"weight": self.weight, "scale_inv": self.scale_inv}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return _kernels().fp8_linear(x, self.weight, self.scale_inv, self.block)
+        # decode rows: always the fused kernel (each row its own, whatever the batch)
+        fused = None if wide_call(x) else True
+        return kernels.fp8_linear(x, self.weight, self.scale_inv, self.block, fused=fused)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        return _kernels().fp8_dequantize(self.weight, self.scale_inv, self.block, out).to(dtype)
+        return kernels.fp8_dequantize(self.weight, self.scale_inv, self.block, out).to(dtype)
 
 
 class Mxfp4Weight(PackedWeight):
@@ -54,11 +50,12 @@ class Mxfp4Weight(PackedWeight):
         return {"blocks": self.blocks, "scales": self.scales}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return _kernels().mxfp4_linear(x, self.blocks, self.scales)
+        fused = None if wide_call(x) else True
+        return kernels.mxfp4_linear(x, self.blocks, self.scales, fused=fused)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        return _kernels().mxfp4_dequantize(self.blocks, self.scales, out).to(dtype)
+        return kernels.mxfp4_dequantize(self.blocks, self.scales, out).to(dtype)
 
 
 class DenseWeight(PackedWeight):
