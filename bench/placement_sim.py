@@ -155,10 +155,8 @@ def fits_any_layer(costs: dict[str, ModelCosts], request: NodeRequest) -> bool:
     """
     for model in costs.values():
         for layer in (0, model.num_layers // 2, model.num_layers - 1):
-            need = model.shard_bytes(
-                LayerRange(layer, layer + 1), request.precision, request.kv_tokens
-            )
-            if need <= request.memory_bytes:
+            need = request.shard_bytes(model, LayerRange(layer, layer + 1))
+            if need is not None and need <= request.memory_bytes:
                 return True
     return False
 

@@ -106,6 +106,17 @@ def test_startup_errors_are_one_clear_line(models_dir, tiny_snapshot, swarm_fact
              "--shard-end", "6", *quiet],
             "meshnet-node: error: the tracker refused this node: the tracker cannot reach node",
         ),
+        "node: a shipped format the checkpoint lacks": (
+            ["meshnet_node.cli", "--models-dir", str(models_dir), "--model-id", MODEL,
+             "--shard-start", "0", "--shard-end", "6", "--quantization", "fp8", *quiet],
+            "meshnet-node: error: --quantization fp8: this checkpoint ships plain weights",
+        ),
+        "tracker node: a shipped format the checkpoint lacks": (
+            ["meshnet_tracker.cli", "--models-dir", str(models_dir), "--port", str(free_port()),
+             "--model-id", MODEL, "--shard-start", "0", "--shard-end", "2",
+             "--quantization", "mxfp4", *quiet],
+            "meshnet-tracker: error: --quantization mxfp4: this checkpoint ships plain weights",
+        ),
         "node: unknown model": (
             ["meshnet_node.cli", "--tracker", tracker.url, "--model-id", "nope/none",
              "--shard-start", "0", "--shard-end", "2", "--cache-dir", str(tmp_path / "cache"),

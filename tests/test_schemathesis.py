@@ -227,7 +227,7 @@ def test_openapi_schema(service: Service, mode: GenerationMode) -> None:
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "n", "seed", "stop", "stream", "temperature",
     "top_p", "top_k", "logprobs", "echo", "user", "node_id", "url", "shard", "num_layers",
-    "quantization", "device", "memory_bytes", "memory_declared_bytes", "memory_free_bytes",
+    "quantization", "dtype", "quant_group_size", "device", "memory_bytes", "memory_declared_bytes", "memory_free_bytes",
     "kv_tokens", "kv_budget_tokens", "state", "held_models", "active_sessions", "version",
 ]  # fmt: skip
 BIG_INTS = [2**31, 2**53 + 1, 2**63, 2**64, -(2**63) - 1, 10**300, -(10**300)]
@@ -391,6 +391,9 @@ bad_node_ids = junk("", "a" * 65, "a b", "ü", "../x")
 sizes = st.one_of(st.integers(0, 2**40), st.just(2**2000))
 bad_sizes = junk(-1, 1.5, "1")
 precisions = st.sampled_from([p.value for p in Precision])
+quantizations = st.sampled_from(["auto", *(p.value for p in Precision)])  # what a node asks
+dtypes = st.sampled_from(["bfloat16", "float32"])
+group_sizes = st.sampled_from([32, 64, 128])
 states = st.sampled_from(["joining", "serving", "leaving"])
 
 
@@ -414,7 +417,13 @@ announcements = near_valid(
         "memory_declared_bytes": sizes,
         "memory_free_bytes": sizes,
     },
-    {"kv_budget_tokens": st.integers(1, 2**40), "state": states, "version": st.just(1)},
+    {
+        "kv_budget_tokens": st.integers(1, 2**40),
+        "state": states,
+        "version": st.just(1),
+        "dtype": dtypes,
+        "quant_group_size": group_sizes,
+    },
     {
         "node_id": bad_node_ids,
         "url": junk("ftp://x.test", "http://a b", "http://x.test/path", "x" * 301),
@@ -425,7 +434,9 @@ announcements = near_valid(
             {"model_id": "other/model", "shard_start": 0, "shard_end": 2},
         ),
         "num_layers": junk(0, 5, 7, -1, 2**64),
-        "quantization": junk("fp8", ""),
+        "quantization": junk("auto", "int3", ""),  # announced precisions are resolved
+        "dtype": junk("float16", ""),
+        "quant_group_size": junk(48, 0, "64"),
         "device": junk("x" * 33),
         "memory_declared_bytes": bad_sizes,
         "memory_free_bytes": bad_sizes,
@@ -459,7 +470,9 @@ assign_requests = near_valid(
         "kv_tokens": st.integers(1, 1 << 24),
     },
     {
-        "quantization": precisions,
+        "quantization": quantizations,
+        "dtype": dtypes,
+        "quant_group_size": group_sizes,
         "held_models": st.lists(st.sampled_from([MODEL, "meshnet-tiny/gpt2", "x/y"]), max_size=3),
     },
     {
@@ -467,7 +480,9 @@ assign_requests = near_valid(
         "memory_bytes": junk(0, -1, "1"),
         "device": junk("x" * 33),
         "kv_tokens": junk(0, (1 << 24) + 1),
-        "quantization": junk("fp8"),
+        "quantization": junk("int3", "AUTO"),
+        "dtype": junk("float16"),
+        "quant_group_size": junk(16, "64"),
         "held_models": junk(["bad"], "x/y"),
     },
 )

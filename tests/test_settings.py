@@ -111,3 +111,63 @@ def test_each_default_is_defined_once_and_shown_in_help():
             default = getattr(info.default, "value", info.default)
             if default not in (None, False, 0, (), ""):
                 assert f"(default: {default})" in action.help, (name, action.help)
+
+
+def tracker(*argv: str) -> TrackerSettings:
+    return TrackerSettings.from_args(tracker_parser().parse_args(list(argv)))
+
+
+def test_quantization_dtype_and_group_size(monkeypatch):
+    """--quantization defaults to auto; --dtype picks the compute precision on its own;
+    --quantization float32 stays the alias for float32 weights and compute."""
+    from meshnet_common.precision import Precision
+
+    got = node()
+    assert (got.quantization, got.dtype, got.quant_group_size) == ("auto", "bfloat16", 64)
+    assert got.precision_for(None) is Precision.BFLOAT16
+    assert got.precision_for("fp8") is Precision.FP8  # a shipped format stays packed
+    alias = node("--quantization", "float32")
+    assert alias.precision_for(None) is Precision.FLOAT32
+    assert alias.precision_for("mxfp4") is Precision.FLOAT32
+    assert alias.compute_dtype_for(Precision.FLOAT32) == "float32"
+    int4 = node("--quantization", "int4", "--dtype", "float32", "--quant-group-size", "32")
+    assert int4.precision_for("fp8") is Precision.INT4 and int4.quant_group_size == 32
+    assert int4.precision_fields(Precision.INT4) == {
+        "quantization": Precision.INT4, "dtype": "float32", "quant_group_size": 32,
+    }  # fmt: skip
+    assert (
+        node("--quantization", "int8").precision_fields(Precision.INT8)["quant_group_size"] is None
+    )
+    assert node("--dtype", "float32").precision_for(None) is Precision.FLOAT32
+    monkeypatch.setenv("MESHNET_QUANTIZATION", "INT8")
+    monkeypatch.setenv("MESHNET_DTYPE", "float32")
+    monkeypatch.setenv("MESHNET_QUANT_GROUP_SIZE", "128")
+    env = node()
+    assert (env.quantization, env.dtype, env.quant_group_size) == ("int8", "float32", 128)
+    assert tracker("--quantization", "int4").quantization == "int4"  # the tracker node's too
+
+
+def test_quantization_flags_refuse_unknown_values(monkeypatch, capsys):
+    from meshnet_common.errors import InvalidRequest
+
+    for argv in (["--quantization", "int3"], ["--dtype", "float16"], ["--quant-group-size", "48"]):
+        with pytest.raises(SystemExit):
+            node(*argv)
+    assert "invalid choice" in capsys.readouterr().err
+    monkeypatch.setenv("MESHNET_QUANT_GROUP_SIZE", "48")
+    with pytest.raises(ValueError, match=r"--quant-group-size \[env MESHNET_QUANT_GROUP_SIZE\]"):
+        node()
+    monkeypatch.delenv("MESHNET_QUANT_GROUP_SIZE")
+    monkeypatch.setenv("MESHNET_DTYPE", "half")
+    with pytest.raises(ValueError, match=r"--dtype \[env MESHNET_DTYPE\]"):
+        node()
+    monkeypatch.delenv("MESHNET_DTYPE")
+    with pytest.raises(InvalidRequest, match="this checkpoint ships plain weights"):
+        node("--quantization", "fp8").precision_for(None)
+
+
+def test_help_lists_the_quantization_flags():
+    for build in (node_parser, tracker_parser):
+        text = build().format_help()
+        assert "--quantization {auto,bfloat16,float32,int8,int4,nf4,fp8,mxfp4}" in text
+        assert "--dtype {bfloat16,float32}" in text and "--quant-group-size {32,64,128}" in text

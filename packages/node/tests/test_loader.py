@@ -8,12 +8,17 @@ import shutil
 import pytest
 import torch
 
-from meshnet_common.errors import InsufficientMemory, ModelError, UnsupportedArchitecture
+from meshnet_common.errors import (
+    InsufficientMemory,
+    InvalidRequest,
+    ModelError,
+    UnsupportedArchitecture,
+)
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.preflight import preflight, weight_bytes
+from meshnet_node.engine.preflight import preflight, resolve_precision_for, weight_bytes
 from meshnet_node.engine.quantization import check_nf4_widths
 
 
@@ -50,6 +55,32 @@ def test_resident_bytes_match_the_checkpoint_subset(tiny_snapshot, family):
         assert shard.parameter_bytes() == pytest.approx(expected, rel=0.01)
     full = weight_bytes(index, LayerRange(0, 6), Precision.BFLOAT16)
     assert weight_bytes(index, LayerRange(2, 4), Precision.BFLOAT16) < full / 2
+
+
+@pytest.mark.parametrize(
+    ("family", "precision", "dtype", "group"),
+    [
+        ("llama", Precision.INT4, "bfloat16", 64),
+        ("gpt2", Precision.INT8, "bfloat16", 64),
+        ("mixtral", Precision.INT4, "bfloat16", 32),
+        ("deepseek_v3", Precision.INT8, "bfloat16", 64),
+        ("gpt_oss", Precision.INT8, "float32", 64),
+        ("qwen2_moe", Precision.INT4, "float32", 64),
+    ],
+)
+def test_packed_shards_hold_what_memory_accounting_predicts(
+    tiny_snapshot, family, precision, dtype, group
+):
+    """Placement and preflight price a range with ``ModelCosts``; the loader packs the
+    tensors ``quantized_tensor`` names: the bytes agree (routers kept float32 aside)."""
+    snapshot = tiny_snapshot(family)
+    layers = LayerRange(1, 4)
+    shard = load_shard(snapshot, layers, precision, dtype=getattr(torch, dtype), group_size=group)
+    held = {t.data_ptr(): t.numel() * t.element_size()
+            for t in (*shard.modules.parameters(), *shard.modules.buffers())}  # fmt: skip
+    index = CheckpointIndex.load(snapshot)
+    expected = weight_bytes(index, layers, precision, dtype=dtype, group_size=group)
+    assert sum(held.values()) == pytest.approx(expected, rel=0.02)
 
 
 def test_tied_tail_uses_the_embedding(tiny_snapshot):
@@ -120,6 +151,43 @@ def test_quantized_estimates_shrink(tiny_snapshot):
     bf16 = weight_bytes(index, layers, Precision.BFLOAT16)
     assert weight_bytes(index, layers, Precision.INT8) < 0.6 * bf16
     assert weight_bytes(index, layers, Precision.NF4) < 0.4 * bf16
+
+
+def test_preflight_prices_the_resolved_precision_dtype_and_group(tiny_snapshot):
+    index = CheckpointIndex.load(tiny_snapshot("llama"))
+    layers = LayerRange(1, 5)
+    bf16 = preflight(index, layers, Precision.BFLOAT16, declared_gb=1.0)
+    int4 = preflight(index, layers, Precision.INT4, declared_gb=1.0, group_size=32)
+    assert int4.weight_bytes < bf16.weight_bytes / 3 and int4.kv_bytes == bf16.kv_bytes
+    wide = preflight(index, layers, Precision.INT4, declared_gb=1.0, group_size=32,
+                     dtype="float32")  # fmt: skip
+    assert wide.kv_bytes == 2 * int4.kv_bytes and wide.weight_bytes > int4.weight_bytes
+    with pytest.raises(InsufficientMemory, match="at int4 g32 · float32 do not fit"):
+        preflight(index, layers, Precision.INT4, declared_gb=0.0001, group_size=32,
+                  dtype="float32")  # fmt: skip
+    with pytest.raises(ModelError, match="fp8 needs a checkpoint that ships it"):
+        preflight(index, layers, Precision.FP8, declared_gb=1.0)
+
+
+def test_a_node_resolves_its_precision_from_the_checkpoint(tiny_snapshot):
+    from meshnet_node.launch import expected_precision
+    from meshnet_node.settings import NodeSettings
+
+    index = CheckpointIndex.load(tiny_snapshot("llama"))  # plain bfloat16 weights
+    auto = NodeSettings.exactly()
+    assert resolve_precision_for(auto, index) == (Precision.BFLOAT16, "bfloat16")
+    wide = NodeSettings.exactly(quantization="int8", dtype="float32")
+    assert resolve_precision_for(wide, index) == (Precision.INT8, "float32")
+    assert resolve_precision_for(NodeSettings.exactly(quantization="float32"), index) == (
+        Precision.FLOAT32, "float32",
+    )  # fmt: skip
+    with pytest.raises(InvalidRequest, match="ships plain weights"):
+        resolve_precision_for(NodeSettings.exactly(quantization="fp8"), index)
+    # before the weights are here: as the tracker resolved it, else as asked
+    assert expected_precision(auto, index) is Precision.BFLOAT16
+    assert expected_precision(auto, None, Precision.MXFP4) is Precision.MXFP4
+    assert expected_precision(NodeSettings.exactly(quantization="fp8"), None) is Precision.FP8
+    assert expected_precision(auto, None) is Precision.BFLOAT16
 
 
 def test_nf4_width_check():

@@ -245,6 +245,7 @@ def test_health_and_node_info(middle):
     assert (health["shard_start"], health["shard_end"]) == (2, 4)
     info = middle.http.get("/v1/node").json()
     assert info["num_layers"] == 6 and info["quantization"] == "float32"
+    assert info["dtype"] == "float32" and info["quant_group_size"] is None
 
 
 def test_unknown_path_and_method_use_the_error_shape(middle, whole):

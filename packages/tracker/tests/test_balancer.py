@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
@@ -208,3 +209,21 @@ def test_requests_wait_for_a_lost_node_longer_than_moves_do():
     assert not balancer.coverage_on_its_way(MODEL)
     assert Balancer(registry, {MODEL: COSTS}, Counter(), move_grace_s=90.0,
                     restart_grace_s=5.0).restart_grace_s == 90.0  # fmt: skip
+
+
+def test_an_assignment_resolves_the_requested_precision_for_the_model():
+    """A node asking for auto, int4 or fp8 is priced at what it would serve the model at."""
+    clock = Clock()
+    registry = Registry(1.0, clock=clock)
+    registry.note_model(MODEL, 12)
+    fp8 = ModelCosts(12, (1_000_000,) * 12, (0,) * 12, 1000, 1000, 1000, 64, native="fp8",
+                     layer_packed=(1_000_000,) * 12, layer_packed_bytes=(1_000_100,) * 12)  # fmt: skip
+    balancer = Balancer(registry, {MODEL: fp8}, Counter(), clock=clock)
+    memory = node_memory(4)  # four layers at bfloat16
+    auto = balancer.assign(AssignRequest(node_id="a", memory_bytes=memory, device="cpu",
+                                         kv_tokens=16, quantization="auto"))  # fmt: skip
+    assert auto.precision is Precision.FP8 and len(auto.layers) > 4
+    int4 = balancer.assign(AssignRequest(node_id="b", memory_bytes=memory, device="cpu",
+                                         kv_tokens=16, quantization="int4",
+                                         quant_group_size=32))  # fmt: skip
+    assert int4.precision is Precision.INT4 and int4.layers == LayerRange(auto.layers.end, 12)

@@ -106,6 +106,28 @@ def test_dashboard_json_counts_layers_and_shows_gaps(tracker):
     assert model["gaps"] == [[3, 8]] and model["layer_counts"][3:] == [0] * 5
 
 
+def test_each_node_shows_its_precision_dtype_and_group(tracker):
+    """int4 names its group, a float32 compute dtype shows after a dot; an older node that
+    announces no dtype reads as bfloat16 (float32 for a float32 shard)."""
+    declared = {
+        "a": {"quantization": "int4", "quant_group_size": 64},
+        "b": {"quantization": "fp8"},
+        "c": {"quantization": "int8", "dtype": "float32"},
+        "d": {"quantization": "float32"},
+        "e": {"quantization": "bfloat16"},
+    }
+    for i, (node_id, fields) in enumerate(declared.items()):
+        body = announcement(node_id, i, i + 1) | fields
+        assert tracker.post("/v1/nodes/register", json=body).status_code == 200
+    nodes = {n["node_id"]: n for n in tracker.get("/v1/dashboard").json()["nodes"]}
+    shown = {node_id: nodes[node_id]["precision"] for node_id in declared}
+    assert shown == {"a": "int4 g64", "b": "fp8", "c": "int8 · float32", "d": "float32",
+                     "e": "bfloat16"}  # fmt: skip
+    assert nodes["d"]["dtype"] == "float32" and nodes["a"]["quant_group_size"] == 64
+    js = tracker.get("/static/dashboard.js").text
+    assert "node.precision" in js
+
+
 def test_tokens_per_second_from_heartbeats():
     now = [100.0]
     registry = Registry(2.0, clock=lambda: now[0])

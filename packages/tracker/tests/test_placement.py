@@ -62,13 +62,19 @@ def holding(model_costs: ModelCosts, layers: LayerRange, **request) -> NodeReque
     """A node whose memory is exactly what ``layers`` needs (so it holds that much, no more)."""
     precision = request.get("precision", BF16)
     kv_tokens = request.get("kv_tokens", 0)
-    need = model_costs.shard_bytes(layers, precision, kv_tokens)
-    return NodeRequest(need, precision, kv_tokens, request.get("held_models", frozenset()))
+    dtype, group = request.get("dtype", "bfloat16"), request.get("group_size", 64)
+    ask = NodeRequest(0, precision, kv_tokens, dtype=dtype, group_size=group)
+    need = ask.shard_bytes(model_costs, layers)
+    return NodeRequest(
+        need, precision, kv_tokens, request.get("held_models", frozenset()),
+        dtype=dtype, group_size=group,
+    )  # fmt: skip
 
 
 def fits(view_: ModelView, request: NodeRequest, layers: LayerRange) -> bool:
-    need = view_.costs.shard_bytes(layers, request.precision, request.kv_tokens)
-    return need <= request.memory_bytes
+    """Whether the node can serve the model at all and ``layers`` fit in its memory."""
+    need = request.shard_bytes(view_.costs, layers)
+    return need is not None and need <= request.memory_bytes
 
 
 def one_layer_fits(view_: ModelView, request: NodeRequest, layer: int) -> bool:
@@ -102,6 +108,89 @@ def test_the_kv_budget_counts_against_memory():
     with_kv = NodeRequest(roomy.memory_bytes, BF16, kv_tokens=32768)  # 128 MiB/layer of KV
     assert place([view("m", model, [0] * 8)], roomy).layers == LayerRange(0, 4)
     assert len(place([view("m", model, [0] * 8)], with_kv).layers) < 4
+
+
+# -- precisions ----------------------------------------------------------------------------
+
+
+def _packed_costs(num_layers: int, native: str | None, *, moe: bool = False) -> ModelCosts:
+    """Layers of 100M quantizable weights, 1% of rows' scales; ``native`` ships packed."""
+    layer = (LAYER,) * num_layers
+    return ModelCosts(
+        num_layers=num_layers, layer_quantizable=layer, layer_other=(1024,) * num_layers,
+        head_numel=0, tail_numel=0, tied_numel=0, kv_elements=0, moe=moe, native=native,
+        layer_int8=layer, layer_int8_rows=(LAYER // 4096,) * num_layers,
+        layer_int4=(layer, layer, layer),
+        layer_packed=layer if native else None,
+        layer_packed_bytes=(LAYER + LAYER // 4096,) * num_layers if native else None,
+    )  # fmt: skip
+
+
+def test_the_same_memory_holds_more_layers_at_fewer_bits():
+    model = _packed_costs(40, None)
+    memory = 2 * GIB
+    held = {
+        precision: len(place([view("m", model, [0] * 40)], NodeRequest(memory, precision, 0)).layers)
+        for precision in (Precision.FLOAT32, BF16, Precision.INT8, Precision.INT4)
+    }  # fmt: skip
+    assert held[Precision.FLOAT32] < held[BF16] < held[Precision.INT8] < held[Precision.INT4]
+    assert held[Precision.INT8] == pytest.approx(2 * held[BF16], abs=1)
+    assert held[Precision.INT4] >= 3 * held[BF16]
+    float32_compute = NodeRequest(memory, Precision.INT8, 0, dtype="float32")
+    assert len(place([view("m", model, [0] * 40)], float32_compute).layers) <= held[Precision.INT8]
+
+
+def test_mixed_precisions_fill_a_model_together():
+    model = _packed_costs(24, None)
+    capacity = [0] * 24
+    ranges = []
+    for precision in (Precision.INT4, BF16, Precision.INT8, Precision.FLOAT32, Precision.INT4):
+        request = NodeRequest(GIB, precision, 0, group_size=32)
+        placement = place([view("m", model, capacity)], request)
+        assert placement.precision is precision
+        assert fits(view("m", model, capacity), request, placement.layers)
+        apply(capacity, placement.layers)
+        ranges.append(placement.layers)
+    assert all(capacity[:22])  # five 1 GiB nodes cover what bfloat16 alone could not
+    sizes = [len(r) for r in ranges]
+    assert sizes[0] > sizes[2] > sizes[1] > sizes[3]  # int4 > int8 > bf16 > float32
+
+
+def test_moe_models_take_int8_and_int4_nodes_but_not_nf4():
+    moe = _packed_costs(8, None, moe=True)
+    for precision in (Precision.INT8, Precision.INT4):
+        placement = place([view("org/moe", moe, [0] * 8)], NodeRequest(GIB, precision, 0))
+        assert placement.model_id == "org/moe" and placement.precision is precision
+    with pytest.raises(InsufficientMemory) as info:
+        place([view("org/moe", moe, [0] * 8)], NodeRequest(GIB, Precision.NF4, 0))
+    assert "org/moe: nf4 is not supported for Mixture-of-Experts" in info.value.message
+
+
+def test_fp8_nodes_go_only_to_models_that_ship_fp8_and_auto_resolves_per_model():
+    plain = _packed_costs(8, None)
+    fp8 = _packed_costs(8, "fp8")
+    views = [view("org/plain", plain, [0] * 8), view("org/zz-fp8", fp8, [0] * 8)]
+    placement = place(views, NodeRequest(GIB, Precision.FP8, 0))
+    assert placement.model_id == "org/zz-fp8" and placement.precision is Precision.FP8
+    with pytest.raises(InsufficientMemory) as info:
+        place(views[:1], NodeRequest(GIB, Precision.FP8, 0))
+    assert info.value.message.startswith("no model this tracker serves can be served at fp8")
+    assert "org/plain: fp8 needs a checkpoint that ships it" in info.value.message
+    many = [view(f"org/p{i}", plain, [0] * 8) for i in range(6)]
+    many.append(view("org/x", _packed_costs(8, "mxfp4"), [0] * 8))
+    with pytest.raises(InsufficientMemory) as info:
+        place(many, NodeRequest(GIB, Precision.FP8, 0))
+    assert "org/p0, org/p1, org/p2 and 3 more: fp8 needs a checkpoint that ships it and this " \
+        "one ships plain weights; org/x: fp8 needs" in info.value.message  # fmt: skip
+    # auto: the plain model at bfloat16, the FP8 one packed (so more of its layers fit)
+    on_plain = place(views[:1], NodeRequest(GIB, "auto", 0))
+    on_fp8 = place(views[1:], NodeRequest(GIB, "auto", 0))
+    assert on_plain.precision is BF16 and on_fp8.precision is Precision.FP8
+    assert len(on_fp8.layers) > len(on_plain.layers)
+    # auto with a float32 compute dtype: float32 weights on the plain model
+    assert place(views[:1], NodeRequest(GIB, "auto", 0, dtype="float32")).precision is (
+        Precision.FLOAT32
+    )
 
 
 # -- coverage first ------------------------------------------------------------------------
@@ -294,10 +383,12 @@ def min_nodes_to_cover(model_costs: ModelCosts, request: NodeRequest) -> int | N
         for start in range(end):
             if best[start] is None:
                 continue
-            need = model_costs.shard_bytes(
-                LayerRange(start, end), request.precision, request.kv_tokens
-            )
-            if need <= request.memory_bytes and (best[end] is None or best[start] + 1 < best[end]):
+            need = request.shard_bytes(model_costs, LayerRange(start, end))
+            if (
+                need is not None
+                and need <= request.memory_bytes
+                and (best[end] is None or best[start] + 1 < best[end])
+            ):
                 best[end] = best[start] + 1
     return best[n]
 
@@ -339,7 +430,7 @@ def test_equal_nodes_cover_in_the_minimum_count(num_layers, per_node, head, tail
 
 # -- properties ----------------------------------------------------------------------------
 
-PRECISIONS = list(Precision)
+PRECISIONS = [*Precision, "auto"]  # what a node may ask for (fp8/mxfp4: native models only)
 
 
 @st.composite
@@ -359,6 +450,8 @@ def model_costs(draw, max_layers: int = 24) -> ModelCosts:
         tail_numel=tail,
         tied_numel=draw(st.sampled_from([0, min(head, tail)])),
         kv_elements=draw(st.sampled_from([0, 256, 2048, 16384])),
+        native=draw(st.sampled_from([None, None, "fp8", "mxfp4"])),
+        moe=draw(st.booleans()),
     )
 
 
@@ -373,6 +466,8 @@ def node_requests(draw, model_ids: list[str]) -> NodeRequest:
         precision=draw(st.sampled_from(PRECISIONS)),
         kv_tokens=draw(st.sampled_from([0, 1024, 32768])),
         held_models=frozenset(draw(st.lists(st.sampled_from(model_ids), max_size=2))),
+        dtype=draw(st.sampled_from(["bfloat16", "float32"])),
+        group_size=draw(st.sampled_from([32, 64, 128])),
     )
 
 
@@ -455,9 +550,7 @@ def test_property_gap_fill_is_the_largest_run_from_a_gap_start(swarm):
     else:
         assert not any(one_layer_fits(chosen, request, s) for s in range(gap.start, layers.start))
     for other in chosen.gaps():  # no gap's start-anchored run is longer
-        k = chosen.costs.max_layers_from(
-            other.start, len(other), request.memory_bytes, request.precision, request.kv_tokens
-        )
+        k = request.max_layers_from(chosen.costs, other.start, len(other))
         assert k <= len(layers)
 
 
@@ -533,8 +626,8 @@ def test_property_choose_move(case, rng):
     cand, layers = move
     assert all(serving[layer] >= 2 for layer in cand.layers)  # moving it opens no gap
     assert layers.start == gaps[0].start and layers.end <= gaps[0].end
-    need = model_view.costs.shard_bytes(layers, cand.request.precision, cand.request.kv_tokens)
-    assert need <= cand.request.memory_bytes  # never more than fits
+    need = cand.request.shard_bytes(model_view.costs, layers)
+    assert need is not None and need <= cand.request.memory_bytes  # never more than fits
 
 
 def test_repeated_joins_over_a_random_swarm_respect_memory_and_fill_gaps_first():

@@ -132,6 +132,8 @@ def test_register_shows_node_and_gaps(tracker):
             "shard_end": 3,
             "state": "serving",
             "quantization": "float32",
+            "dtype": "float32",
+            "quant_group_size": None,
         }
     ]
     register(tracker, node_id="tail", start=2, end=6)
@@ -176,7 +178,10 @@ BAD_REGISTRATIONS = {
     "empty node id": _mutate(node_id=""),
     "node id too long": _mutate(node_id="n" * 65),
     "version 2": _mutate(version=2),
-    "unknown quantization": _mutate(quantization="int4"),
+    "unknown quantization": _mutate(quantization="int3"),
+    "unknown dtype": _mutate(dtype="float16"),
+    "unknown group size": _mutate(quant_group_size=48),
+    "auto is never announced": _mutate(quantization="auto"),
     "zero layers": _mutate(num_layers=0),
     "negative memory": _mutate(memory_free_bytes=-1),
     "unknown state": _mutate(state="sleeping"),

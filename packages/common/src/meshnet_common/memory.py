@@ -1,7 +1,9 @@
 """What a layer range costs in memory, from the checkpoint: shared by node preflight and placement.
 
-Quantization applies to the 2-D weights inside decoder layers (Linear / GPT-2 Conv1D);
-embeddings, norms and biases stay at the compute precision.
+Which tensors a precision quantizes is ``meshnet_common.precision.quantized_tensor`` (the
+loader asks the same): weights inside decoder layers; embeddings, norms, biases and routers
+stay at the compute dtype. A range is priced at a precision, a compute dtype and (int4) a
+group size, in O(1) from per-layer prefix sums.
 """
 
 from __future__ import annotations
@@ -9,9 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.precision import Precision
+from meshnet_common.precision import (
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZES,
+    Precision,
+    compute_dtype_name,
+    dtype_bytes,
+    linear_widths,
+    native_format_name,
+    quantized_tensor,
+)
 
 # Loading briefly holds one extra tensor, plus allocator slack: keep a margin.
 OVERHEAD_FRACTION = 0.10
@@ -26,6 +38,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 _SCALES = ("weight_scale_inv", "_scales")
+NF4_BYTES_PER_PARAM = 0.5 + 4.0 / 64  # 4 bit + one fp32 absmax per 64-weight block
+FP8_SCALE_BYTES = 4  # weight_scale_inv is float32, one per block
+
+
+def _logical(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+    """A tensor's name and shape as a plain checkpoint holds it: MXFP4 ``X_blocks``
+    [experts, out, groups, 16] is ``X`` [experts, in, out] (two values a byte)."""
+    if name.endswith("_blocks") and len(shape) >= 3:
+        *lead, out, groups, block = shape
+        return name[: -len("_blocks")], (*lead, groups * block * 2, out)
+    return name, shape
 
 
 def kv_elements_per_token_layer(config: dict) -> int:
@@ -43,49 +66,95 @@ def kv_elements_per_token_layer(config: dict) -> int:
     return 2 * kv_heads * head_dim
 
 
+def _checked_group(group_size: int) -> int:
+    if group_size not in GROUP_SIZES:
+        raise InvalidRequest(
+            f"int4 group size {group_size}: expected one of {', '.join(map(str, GROUP_SIZES))}"
+        )
+    return group_size
+
+
 @dataclass(frozen=True)
 class ModelCosts:
-    """Per-layer parameter counts of one model, enough to price any layer range."""
+    """Per-layer parameter counts of one model, enough to price any layer range at any
+    precision, compute dtype and int4 group size.
+
+    Counts are of values (an MXFP4 byte holds two). ``layer_quantizable`` + ``layer_other``
+    is every value of a layer; the optional per-precision buckets say how many of them a
+    precision quantizes (None, for costs built by hand: every quantizable weight, no scale
+    overhead for int8, nothing stored packed)."""
 
     num_layers: int
-    layer_quantizable: tuple[int, ...]  # numel of quantizable weights, per layer
-    layer_other: tuple[int, ...]  # numel of everything else, per layer
+    layer_quantizable: tuple[int, ...]  # 2-D weights inside the layer (nf4 quantizes these)
+    layer_other: tuple[int, ...]  # everything else, per layer
     head_numel: int  # embeddings (and learned positions)
     tail_numel: int  # final norm + lm_head (or the tied embedding)
     tied_numel: int  # numel shared by head and tail when embeddings are tied
     kv_elements: int  # per token per layer
     moe: bool = False  # has expert weights (fused 3D tensors once loaded)
+    native: str | None = None  # the packed format the checkpoint ships: fp8, mxfp4 or None
+    layer_int8: tuple[int, ...] | None = None  # values int8 quantizes
+    layer_int8_rows: tuple[int, ...] | None = None  # their output rows (one scale each)
+    layer_int4: tuple[tuple[int, ...], ...] | None = None  # per GROUP_SIZES: values int4 takes
+    layer_packed: tuple[int, ...] | None = None  # values stored packed (fp8 / mxfp4)
+    layer_packed_bytes: tuple[int, ...] | None = None  # their bytes, scales included
 
     def refusal(self, precision: Precision) -> str | None:
         """Why this model cannot be served at ``precision`` (None: it can)."""
-        if self.moe and precision.is_quantized:
+        if self.moe and precision is Precision.NF4:
             return (
-                f"{precision.value} is not supported for Mixture-of-Experts models yet: "
-                "bitsandbytes quantizes nn.Linear layers only, and most of an MoE's weights are "
-                "experts (fused 3D tensors), so the memory would not be saved; serve it in "
-                "bfloat16 or float32"
+                "nf4 is not supported for Mixture-of-Experts models: bitsandbytes quantizes "
+                "nn.Linear layers only, and most of an MoE's weights are experts (fused 3D "
+                "tensors), so the memory would not be saved; serve it in int8 or int4"
             )
+        if precision.is_native and self.native != precision.value:
+            shipped = f"ships {self.native}" if self.native else "ships plain weights"
+            return f"{precision.value} needs a checkpoint that ships it and this one {shipped}"
         return None
 
     @classmethod
     def from_index(cls, index: CheckpointIndex) -> ModelCosts:
         n = index.num_layers
+        gpt2 = index.architecture == "GPT2LMHeadModel"
+        names = index.tensors.keys()
         quantizable, other = [0] * n, [0] * n
+        int8, int8_rows, packed, packed_bytes = [0] * n, [0] * n, [0] * n, [0] * n
+        int4 = [[0] * n for _ in GROUP_SIZES]
         for name, info in index.tensors.items():
             layer = index.layer_of(name)
             if layer is None or layer >= n or name.endswith(_SCALES):
-                continue  # scales of FP8 / MXFP4 weights are consumed when they dequantize
-            numel = _numel(info.shape) * (2 if name.endswith("_blocks") else 1)  # 2 FP4 a byte
-            if name.endswith(".weight") and len(info.shape) == 2:
+                continue  # scales of FP8 / MXFP4 weights are counted with their weights
+            logical, shape = _logical(name, info.shape)
+            numel = _numel(shape)
+            if quantized_tensor(logical, shape, Precision.NF4, gpt2=gpt2):
                 quantizable[layer] += numel
             else:
                 other[layer] += numel
+            if quantized_tensor(logical, shape, Precision.INT8, gpt2=gpt2):
+                int8[layer] += numel
+                _out, width = linear_widths(logical, shape, gpt2=gpt2)
+                int8_rows[layer] += numel // width  # one scale per output row
+            for i, group in enumerate(GROUP_SIZES):
+                if quantized_tensor(logical, shape, Precision.INT4, gpt2=gpt2, group_size=group):
+                    int4[i][layer] += numel
+            if quantized_tensor(name, info.shape, Precision.FP8, gpt2=gpt2, names=names):
+                scale = index.tensors[f"{name}_scale_inv"]
+                packed[layer] += numel
+                packed_bytes[layer] += _numel(info.shape) + FP8_SCALE_BYTES * _numel(scale.shape)
+            elif quantized_tensor(name, info.shape, Precision.MXFP4, gpt2=gpt2):
+                scales = index.tensors.get(f"{logical}_scales")
+                packed[layer] += numel
+                packed_bytes[layer] += info.nbytes + (scales.nbytes if scales else 0)
         head = index.tensors_for(LayerRange(0, 1))
         tail = index.tensors_for(LayerRange(n - 1, n))
         extras = lambda names: sum(  # noqa: E731 - tiny local helper
             _numel(index.tensors[t].shape) for t in names if index.layer_of(t) is None
         )
         shared = set(head) & set(tail)
+        try:
+            native = native_format_name(index.config)
+        except InvalidRequest:
+            native = None  # a format nodes cannot read: the loader says so
         return cls(
             num_layers=n,
             layer_quantizable=tuple(quantizable),
@@ -97,47 +166,110 @@ class ModelCosts:
             ),
             kv_elements=kv_elements_per_token_layer(index.config),
             moe=any(".experts." in name for name in index.tensors),
+            native=native,
+            layer_int8=tuple(int8),
+            layer_int8_rows=tuple(int8_rows),
+            layer_int4=tuple(tuple(g) for g in int4),
+            layer_packed=tuple(packed),
+            layer_packed_bytes=tuple(packed_bytes),
         )
 
     @cached_property
-    def _prefix(self) -> tuple[list[int], list[int]]:
-        """Prefix sums of the per-layer counts: a range is priced in O(1) (placement is hot)."""
-        q, o = [0], [0]
-        for layer_q, layer_o in zip(self.layer_quantizable, self.layer_other, strict=True):
-            q.append(q[-1] + layer_q)
-            o.append(o[-1] + layer_o)
-        return q, o
+    def _prefix(self) -> dict[str, list[int]]:
+        """Prefix sums of each per-layer bucket: a range is priced in O(1) (placement is hot)."""
+        zeros = (0,) * self.num_layers
+        buckets = {
+            "total": tuple(
+                q + o for q, o in zip(self.layer_quantizable, self.layer_other, strict=True)
+            ),
+            "nf4": self.layer_quantizable,
+            "int8": self.layer_int8 if self.layer_int8 is not None else self.layer_quantizable,
+            "int8_rows": self.layer_int8_rows or zeros,
+            "packed": self.layer_packed or zeros,
+            "packed_bytes": self.layer_packed_bytes or zeros,
+        }
+        for i, group in enumerate(GROUP_SIZES):
+            buckets[f"int4_{group}"] = (
+                self.layer_int4[i] if self.layer_int4 is not None else self.layer_quantizable
+            )
+        prefix = {}
+        for key, values in buckets.items():
+            sums = [0]
+            for value in values:
+                sums.append(sums[-1] + value)
+            prefix[key] = sums
+        return prefix
 
-    def weight_bytes(self, layers: LayerRange, precision: Precision) -> int:
-        """Resident bytes of the range's tensors at ``precision``."""
-        prefix_q, prefix_o = self._prefix
-        q = prefix_q[layers.end] - prefix_q[layers.start]
-        o = prefix_o[layers.end] - prefix_o[layers.start]
+    def weight_bytes(
+        self,
+        layers: LayerRange,
+        precision: Precision,
+        *,
+        dtype: str | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+    ) -> int:
+        """Resident bytes of the range's tensors at ``precision``, computing in ``dtype``
+        (default: the precision's own), int4 in groups of ``group_size``."""
+        act = dtype_bytes(compute_dtype_name(precision, dtype))
+        prefix = self._prefix
+
+        def span(key: str) -> int:
+            return prefix[key][layers.end] - prefix[key][layers.start]
+
+        values = span("total")
         if layers.is_head():
-            o += self.head_numel
+            values += self.head_numel
         if layers.is_tail(self.num_layers):
-            o += self.tail_numel
+            values += self.tail_numel
             if layers.is_head():
-                o -= self.tied_numel  # one tensor serves both roles
-        lin = (
-            precision.linear_bytes_per_param
-            if precision.is_quantized
-            else precision.other_bytes_per_param
-        )
-        return int(q * lin + o * precision.other_bytes_per_param)
+                values -= self.tied_numel  # one tensor serves both roles
+        quantized, packed = 0, 0.0
+        if precision is Precision.INT8:  # int8 + one scale per output row
+            quantized = span("int8")
+            packed = quantized + act * span("int8_rows")
+        elif precision is Precision.INT4:  # 4 bit + a scale and a zero per group
+            group = _checked_group(group_size)
+            quantized = span(f"int4_{group}")
+            packed = quantized / 2 + 2 * act * quantized / group
+        elif precision is Precision.NF4:
+            quantized = span("nf4")
+            packed = quantized * NF4_BYTES_PER_PARAM
+        elif precision.is_native:
+            quantized = span("packed")
+            packed = span("packed_bytes")
+        return int(packed + (values - quantized) * act)
 
-    def kv_bytes(self, num_layers: int, tokens: int, precision: Precision) -> int:
-        act_bytes = 4 if precision is Precision.FLOAT32 else 2
-        return num_layers * tokens * self.kv_elements * act_bytes
+    def kv_bytes(
+        self, num_layers: int, tokens: int, precision: Precision, *, dtype: str | None = None
+    ) -> int:
+        """The KV cache of ``tokens`` over ``num_layers`` layers, held at the compute dtype."""
+        act = dtype_bytes(compute_dtype_name(precision, dtype))
+        return num_layers * tokens * self.kv_elements * act
 
-    def shard_bytes(self, layers: LayerRange, precision: Precision, kv_tokens: int) -> int:
+    def shard_bytes(
+        self,
+        layers: LayerRange,
+        precision: Precision,
+        kv_tokens: int,
+        *,
+        dtype: str | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+    ) -> int:
         """Everything a node needs for ``layers``: weights, KV budget and a load margin."""
-        weights = self.weight_bytes(layers, precision)
+        weights = self.weight_bytes(layers, precision, dtype=dtype, group_size=group_size)
         overhead = max(OVERHEAD_MIN_BYTES, int(OVERHEAD_FRACTION * weights))
-        return weights + self.kv_bytes(len(layers), kv_tokens, precision) + overhead
+        return weights + self.kv_bytes(len(layers), kv_tokens, precision, dtype=dtype) + overhead
 
     def max_layers_from(
-        self, start: int, limit: int, memory_bytes: int, precision: Precision, kv_tokens: int
+        self,
+        start: int,
+        limit: int,
+        memory_bytes: int,
+        precision: Precision,
+        kv_tokens: int,
+        *,
+        dtype: str | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
     ) -> int:
         """Largest k <= limit such that ``[start, start + k)`` fits in ``memory_bytes`` (0 if none)."""
         if self.refusal(precision) is not None:
@@ -145,10 +277,11 @@ class ModelCosts:
         lo, hi = 0, min(limit, self.num_layers - start)
         while lo < hi:  # shard_bytes grows with k: binary search
             mid = (lo + hi + 1) // 2
-            if (
-                self.shard_bytes(LayerRange(start, start + mid), precision, kv_tokens)
-                <= memory_bytes
-            ):
+            need = self.shard_bytes(
+                LayerRange(start, start + mid), precision, kv_tokens,
+                dtype=dtype, group_size=group_size,
+            )  # fmt: skip
+            if need <= memory_bytes:
                 lo = mid
             else:
                 hi = mid - 1

@@ -18,7 +18,7 @@ from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.models_dir import validate_model_id
-from meshnet_common.precision import Precision
+from meshnet_common.precision import Precision, compute_dtype_name
 
 PROTOCOL_VERSION = 1
 
@@ -37,6 +37,10 @@ ModelId = Annotated[str, Field(min_length=3, max_length=200), AfterValidator(_mo
 # A name clients may use for a model (--served-model-name): free-form, as in vLLM.
 ServedName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\w.:/@+-]+$")]
 Url = Annotated[str, Field(min_length=8, max_length=300, pattern=r"^https?://[^\s/]+(:\d+)?/?$")]
+# --quantization, --dtype and --quant-group-size as they travel (meshnet_common.precision).
+Quantization = Literal["auto", "bfloat16", "float32", "int8", "int4", "nf4", "fp8", "mxfp4"]
+ComputeDtype = Literal["bfloat16", "float32"]
+GroupSize = Literal[32, 64, 128]
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -154,7 +158,11 @@ class NodeAnnouncement(Strict):
     url: Url
     shard: ShardSpec
     num_layers: int = Field(gt=0)
+    # The precision the node holds its weights in (resolved: never auto), its compute dtype
+    # (--dtype; float32 for a float32 shard), and for int4 the quantization group size.
     quantization: Precision
+    dtype: ComputeDtype = "bfloat16"
+    quant_group_size: GroupSize | None = None
     device: str = Field(max_length=32)
     memory_declared_bytes: int = Field(ge=0)
     memory_free_bytes: int = Field(ge=0)
@@ -175,6 +183,12 @@ class NodeAnnouncement(Strict):
     served_names: tuple[ServedName, ...] = Field(default=(), max_length=16)
     max_model_len: int | None = Field(default=None, gt=0)
     created: int = Field(default=0, ge=0)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype it computes in: float32 for a float32 shard whatever ``dtype`` says
+        (an older node announces no dtype)."""
+        return compute_dtype_name(self.quantization, self.dtype)
 
 
 class RegisterResponse(Strict):
@@ -365,7 +379,11 @@ class AssignRequest(Strict):
     node_id: NodeId
     memory_bytes: int = Field(gt=0)
     device: str = Field(max_length=32)
-    quantization: Precision = Precision.BFLOAT16
+    # What the node asks for: auto (each model's shipped format, else the compute dtype) or
+    # a precision; the tracker resolves it per candidate model.
+    quantization: Quantization = "bfloat16"
+    dtype: ComputeDtype = "bfloat16"
+    quant_group_size: GroupSize = 64
     kv_tokens: int = Field(gt=0, le=1 << 24)
     held_models: tuple[ModelId, ...] = ()
 
@@ -378,3 +396,4 @@ class AssignResponse(Strict):
     reason: str
     sources: tuple[Url, ...] = ()
     memory_bytes: int = Field(ge=0, default=0)  # what the shard needs (weights + KV budget)
+    quantization: Precision | None = None  # the node's request resolved for this model

@@ -32,12 +32,15 @@ def node_router() -> APIRouter:
     async def info(request: Request):
         service = _service(request)
         shard = service.stage.shard
+        declared = service.settings.precision_fields(shard.precision)
         return {
             "model_id": service.model_id,
             "shard_start": shard.layers.start,
             "shard_end": shard.layers.end,
             "num_layers": shard.num_layers,
             "quantization": shard.precision.value,
+            "dtype": declared["dtype"],
+            "quant_group_size": declared["quant_group_size"],
             "device": str(shard.device),
             "active_sessions": len(service.stage.sessions),
             "kv_tokens": service.stage.sessions.tokens_held,

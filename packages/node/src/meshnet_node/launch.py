@@ -14,6 +14,7 @@ from meshnet_common.errors import MeshnetError
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.precision import Precision, describe_precision, native_format_name
 from meshnet_common.protocol import NodeAnnouncement, NodeState
 from meshnet_common.web import tls
 from meshnet_common.web.shards import ShardServer
@@ -31,6 +32,22 @@ from meshnet_node.swarm.membership import Membership
 
 PROG = "meshnet-node"
 logger = logging.getLogger("meshnet_node.cli")
+
+
+def expected_precision(
+    settings: NodeSettings, index: CheckpointIndex | None, assigned: Precision | None = None
+) -> Precision:
+    """The precision this node will serve at, before the shard is loaded: --quantization
+    and --dtype resolved with the local snapshot's shipped format, else as the tracker
+    resolved them for the model it assigned, else (weights still to fetch) as asked (auto:
+    plain weights; loading resolves it again with the checkpoint in hand)."""
+    if index is not None:
+        return settings.precision_for(native_format_name(index.config))
+    if assigned is not None:
+        return assigned
+    if settings.quantization in ("fp8", "mxfp4"):
+        return Precision(settings.quantization)
+    return settings.precision_for(None)
 
 
 def launch(settings: NodeSettings) -> None:
@@ -80,6 +97,7 @@ def launch(settings: NodeSettings) -> None:
         claims.claim(offer.bytes)  # until the range is known, the whole offer is claimed
         sources: tuple[str, ...] = ()
         need: int | None = None
+        assigned: Precision | None = None
         model_id = settings.model_id
         if model_id is None:
             logger.info("offering the tracker %s", offer.describe())
@@ -87,15 +105,20 @@ def launch(settings: NodeSettings) -> None:
             sources, need = assignment.sources, assignment.memory_bytes or None
             model_id = assignment.shard.model_id
             start, end = assignment.shard.shard_start, assignment.shard.shard_end
+            assigned = assignment.quantization
         else:
             start, end = settings.shard_start, settings.shard_end
         local = local_snapshot(settings, model_id)
         num_layers = model_layers(settings, model_id, local)
         layers = check_range(start, end, num_layers)
-        if local is not None and need is None:
-            need = ModelCosts.from_index(CheckpointIndex.load(local)).shard_bytes(
-                layers, settings.quantization, settings.kv_budget_tokens
-            )
+        index = CheckpointIndex.load(local) if local is not None else None
+        precision = expected_precision(settings, index, assigned)
+        if index is not None and need is None:
+            need = ModelCosts.from_index(index).shard_bytes(
+                layers, precision, settings.kv_budget_tokens,
+                dtype=settings.compute_dtype_for(precision),
+                group_size=settings.quant_group_size,
+            )  # fmt: skip
         declared = offer.bytes if offer.explicit or need is None else need
         claims.claim(declared)
         if declared == offer.bytes:
@@ -103,7 +126,9 @@ def launch(settings: NodeSettings) -> None:
         else:
             logger.info(
                 "declaring %.2f GiB to the tracker: what layers %s need at %s with a %d-token "
-                "KV budget (offered %s)", declared / 2**30, layers, settings.quantization,
+                "KV budget (offered %s)", declared / 2**30, layers,
+                describe_precision(precision, settings.compute_dtype_for(precision),
+                                   settings.quant_group_size),
                 settings.kv_budget_tokens, offer.describe(),
             )  # fmt: skip
         movable = settings.allow_rebalance or explicit[0] is None
@@ -111,7 +136,7 @@ def launch(settings: NodeSettings) -> None:
             url = (settings.advertise_url or bind_url(host, port, settings.tls_cert)).rstrip("/")
             membership = announce_joining(
                 settings, node_id=node_id, url=url, model_id=model_id, num_layers=num_layers,
-                layers=layers, declared=declared, movable=movable,
+                layers=layers, declared=declared, movable=movable, precision=precision,
             )  # fmt: skip
         if settings.load_delay_ms:
             time.sleep(settings.load_delay_ms / 1000)
@@ -147,10 +172,13 @@ def launch(settings: NodeSettings) -> None:
     shard = runtime.service.stage.shard
     printed = []
 
+    declared = settings.precision_fields(shard.precision)
+    weights = describe_precision(shard.precision, declared["dtype"], declared["quant_group_size"])
+
     def ready_line() -> str:
         return (
             f"meshnet-node ready: {runtime.url} serving {model_id} layers {shard.layers} "
-            f"({shard.precision.value})"
+            f"({weights})"
         )
 
     def registered(announcement: NodeAnnouncement) -> None:

@@ -35,7 +35,7 @@ from meshnet_node.api import head_router, node_router
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.preflight import preflight, resolve_device
+from meshnet_node.engine.preflight import preflight, resolve_device, resolve_precision_for
 from meshnet_node.engine.stage import Stage
 from meshnet_node.head.generation import HeadGenerator
 from meshnet_node.head.queue import RequestQueue
@@ -124,7 +124,7 @@ class NodeRuntime:
                 shard_end=shard.layers.end,
             ),
             num_layers=shard.num_layers,
-            quantization=shard.precision,
+            **self.settings.precision_fields(shard.precision),
             device=str(shard.device),
             memory_declared_bytes=self.memory_declared_bytes,
             memory_free_bytes=int(psutil.virtual_memory().available),
@@ -189,16 +189,21 @@ def load_stage(settings: NodeSettings) -> Stage:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     index = CheckpointIndex.load(settings.model_path)
+    precision, dtype = resolve_precision_for(settings, index)  # auto: the shipped format
     preflight(
         index,
         settings.layers,
-        settings.quantization,
+        precision,
         device=settings.device,
         kv_budget_tokens=settings.kv_budget_tokens,
         declared_gb=settings.memory_gb,
+        dtype=dtype,
+        group_size=settings.quant_group_size,
     )
     shard = load_shard(
-        settings.model_path, settings.layers, settings.quantization, settings.device,
+        settings.model_path, settings.layers, precision, settings.device,
+        dtype=getattr(torch, dtype),
+        group_size=settings.quant_group_size,
         widen_bf16=settings.widen_bf16,
         bf16_kernel=settings.bf16_kernel,
     )  # fmt: skip
@@ -250,10 +255,12 @@ def build_runtime(
         if settings.memory_gb is not None:
             memory_declared_bytes = int(settings.memory_gb * 1024**3)
         else:
-            costs = ModelCosts.from_index(CheckpointIndex.load(settings.model_path))
-            memory_declared_bytes = costs.shard_bytes(
-                settings.layers, settings.quantization, settings.kv_budget_tokens
-            )
+            index = CheckpointIndex.load(settings.model_path)
+            precision, dtype = resolve_precision_for(settings, index)
+            memory_declared_bytes = ModelCosts.from_index(index).shard_bytes(
+                settings.layers, precision, settings.kv_budget_tokens,
+                dtype=dtype, group_size=settings.quant_group_size,
+            )  # fmt: skip
     return NodeRuntime(
         settings, node_id, service, openai, memory_declared_bytes, tracker, route_provider,
         membership=membership, view=view,
@@ -277,7 +284,7 @@ def build_openai(
     if settings.draft_model and mode != "off":
         draft = DraftModel(
             draft_snapshot(settings), target_tokenizer=tokenizer,
-            dtype=service.stage.shard.precision.compute_dtype,
+            dtype=service.stage.shard.activation_dtype,
         )  # fmt: skip
     generator = HeadGenerator(
         service, tokenizer, generation_config,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
+from meshnet_common.precision import DEFAULT_GROUP_SIZE
 from meshnet_common.protocol import (
     AssignRequest,
     Directive,
@@ -146,6 +147,8 @@ class Balancer:
             precision=request.quantization,
             kv_tokens=request.kv_tokens,
             held_models=frozenset(request.held_models),
+            dtype=request.dtype,
+            group_size=request.quant_group_size,
         )
         with self._lock:
             placement = place(self.views(), node_request)
@@ -199,6 +202,8 @@ class Balancer:
                             r.announcement.memory_declared_bytes,
                             r.announcement.quantization,
                             r.announcement.kv_budget_tokens,
+                            dtype=r.announcement.compute_dtype,
+                            group_size=r.announcement.quant_group_size or DEFAULT_GROUP_SIZE,
                         ),
                         r.active_sessions,
                     )

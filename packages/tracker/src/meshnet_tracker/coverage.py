@@ -18,7 +18,9 @@ class ServingNode:
     layers: LayerRange
     load: int = 0  # active sessions
     state: str = "serving"
-    quantization: str = "bfloat16"
+    quantization: str = "bfloat16"  # its precision (resolved), compute dtype, int4 group
+    dtype: str = "bfloat16"
+    quant_group_size: int | None = None
     layer_ms: float | None = None  # decode compute per layer, as the node measured it
     links: tuple[tuple[str, float], ...] = ()  # (next hop URL, round trip ms) it measured
 

@@ -6,28 +6,84 @@
 2. Redundancy: otherwise the node joins the model whose weakest layer (lowest per-layer
    serving capacity) is weakest, over a window holding as many of those layers as it can.
 3. A node that cannot hold even one layer of any model is refused.
+
+A node asks for a quantization (``auto`` included), a compute dtype and an int4 group size;
+each model resolves them with its own shipped format (``resolve_precision``) and prices its
+layers at the result. A model the node cannot serve at all (fp8 asked of a plain checkpoint,
+nf4 of an MoE) is left out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshnet_common.config import defaults
-from meshnet_common.errors import InsufficientMemory
+from meshnet_common.errors import InsufficientMemory, InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
-from meshnet_common.precision import Precision
+from meshnet_common.precision import (
+    DEFAULT_GROUP_SIZE,
+    Precision,
+    compute_dtype_name,
+    describe_precision,
+    resolve_precision,
+)
 
 
 @dataclass(frozen=True)
 class NodeRequest:
-    """What a joining node offers."""
+    """What a joining node offers. ``precision`` is what it asks for: a ``Precision``, or
+    ``"auto"`` (each model's shipped format, else the compute dtype); ``dtype`` its compute
+    dtype, ``group_size`` its int4 group size."""
 
     memory_bytes: int
-    precision: Precision = Precision.BFLOAT16
+    precision: Precision | str = Precision.BFLOAT16
     kv_tokens: int = defaults.KV_BUDGET_TOKENS
     held_models: frozenset[str] = frozenset()
+    dtype: str = "bfloat16"
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def resolved(self, costs: ModelCosts) -> Precision | None:
+        """The precision this node would serve the model at; None: it cannot serve it."""
+        try:
+            precision = resolve_precision(str(self.precision), self.dtype, costs.native)
+        except InvalidRequest:
+            return None
+        return None if costs.refusal(precision) is not None else precision
+
+    def refusal(self, costs: ModelCosts) -> str | None:
+        """Why this node cannot serve the model at all (None: it can)."""
+        try:
+            precision = resolve_precision(str(self.precision), self.dtype, costs.native)
+        except InvalidRequest as exc:  # fp8 / mxfp4 asked of a model that does not ship it
+            asked = str(self.precision)
+            native = asked in (Precision.FP8, Precision.MXFP4)
+            return (native and costs.refusal(Precision(asked))) or exc.message
+        return costs.refusal(precision)
+
+    def shard_bytes(self, costs: ModelCosts, layers: LayerRange) -> int | None:
+        """What ``layers`` need on this node (None: it cannot serve the model)."""
+        precision = self.resolved(costs)
+        if precision is None:
+            return None
+        return costs.shard_bytes(
+            layers, precision, self.kv_tokens,
+            dtype=compute_dtype_name(precision, self.dtype), group_size=self.group_size,
+        )  # fmt: skip
+
+    def max_layers_from(self, costs: ModelCosts, start: int, limit: int) -> int:
+        """Most layers from ``start`` (at most ``limit``) this node holds of the model."""
+        precision = self.resolved(costs)
+        if precision is None:
+            return 0
+        return costs.max_layers_from(
+            start, limit, self.memory_bytes, precision, self.kv_tokens,
+            dtype=compute_dtype_name(precision, self.dtype), group_size=self.group_size,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        return describe_precision(str(self.precision), self.dtype, self.group_size)
 
 
 @dataclass(frozen=True)
@@ -59,12 +115,12 @@ class Placement:
     model_id: str
     layers: LayerRange
     reason: str  # "gap" | "redundancy"
+    # The precision the node serves it at (its request resolved for this model).
+    precision: Precision | None = field(default=None, compare=False)
 
 
 def _fit(view: ModelView, request: NodeRequest, start: int, limit: int) -> int:
-    return view.costs.max_layers_from(
-        start, limit, request.memory_bytes, request.precision, request.kv_tokens
-    )
+    return request.max_layers_from(view.costs, start, limit)
 
 
 def fill_gap(view: ModelView, request: NodeRequest) -> LayerRange | None:
@@ -121,7 +177,7 @@ def add_redundancy(view: ModelView, request: NodeRequest) -> LayerRange | None:
 
 def place(views: Sequence[ModelView], request: NodeRequest) -> Placement:
     """Deterministic placement of one node; InsufficientMemory if it fits nowhere."""
-    refused = [v.model_id for v in views if v.costs.refusal(request.precision)]
+    refused = {v.model_id: why for v in views if (why := request.refusal(v.costs))}
     views = [v for v in views if v.model_id not in refused]
     with_gaps = [v for v in views if 0 in v.capacity]
     with_gaps.sort(
@@ -135,7 +191,7 @@ def place(views: Sequence[ModelView], request: NodeRequest) -> Placement:
     for view in with_gaps:
         layers = fill_gap(view, request)
         if layers is not None:
-            return Placement(view.model_id, layers, "gap")
+            return Placement(view.model_id, layers, "gap", request.resolved(view.costs))
     others = sorted(
         (v for v in views if 0 not in v.capacity),
         key=lambda v: (
@@ -148,17 +204,32 @@ def place(views: Sequence[ModelView], request: NodeRequest) -> Placement:
     for view in others:
         layers = add_redundancy(view, request)
         if layers is not None:
-            return Placement(view.model_id, layers, "redundancy")
-    why = (
-        f" ({', '.join(refused)}: Mixture-of-Experts, served in bfloat16 or float32 only)"
-        if refused
-        else ""
-    )
+            return Placement(view.model_id, layers, "redundancy", request.resolved(view.costs))
+    why = f" ({_refusals(refused)})" if refused else ""
+    if refused and not views:
+        raise InsufficientMemory(
+            f"no model this tracker serves can be served at {request.describe()}{why}",
+            code="node_too_small",
+        )
     raise InsufficientMemory(
-        f"{request.memory_bytes / 2**30:.2f} GiB at {request.precision.value} cannot hold even "
+        f"{request.memory_bytes / 2**30:.2f} GiB at {request.describe()} cannot hold even "
         f"one layer of any model this tracker serves{why}",
         code="node_too_small",
     )
+
+
+def _refusals(refused: dict[str, str], shown: int = 3) -> str:
+    """Models refused, grouped by reason: ``a, b and 4 more: reason; c: other reason``."""
+    by_reason: dict[str, list[str]] = {}
+    for model_id, reason in refused.items():
+        by_reason.setdefault(reason, []).append(model_id)
+    parts = []
+    for reason, models in by_reason.items():
+        names = ", ".join(models[:shown])
+        if len(models) > shown:
+            names += f" and {len(models) - shown} more"
+        parts.append(f"{names}: {reason}")
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -188,10 +259,7 @@ def choose_move(
     for cand in candidates:
         if any(serving_capacity[layer] < 2 for layer in cand.layers):
             continue  # its layers are not all covered by others: moving it opens a gap
-        k = view.costs.max_layers_from(
-            gap.start, len(gap), cand.request.memory_bytes, cand.request.precision,
-            cand.request.kv_tokens,
-        )  # fmt: skip
+        k = cand.request.max_layers_from(view.costs, gap.start, len(gap))
         if not k:
             continue
         key = (-k, cand.load, cand.node_id)

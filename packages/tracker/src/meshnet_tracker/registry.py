@@ -54,6 +54,8 @@ class NodeRecord:
             load=self.active_sessions,
             state=self.shown_state,
             quantization=self.announcement.quantization.value,
+            dtype=self.announcement.compute_dtype,
+            quant_group_size=self.announcement.quant_group_size,
             layer_ms=self.layer_ms,
             links=self.links,
         )

@@ -65,7 +65,8 @@ class TrackerNode:
         model = self._state.registry.coverage().get(model_id)
         if model is None:
             return []
-        return [Replica(n.node_id, n.url, n.layers.start, n.layers.end, n.quantization)
+        return [Replica(n.node_id, n.url, n.layers.start, n.layers.end, n.quantization,
+                        n.dtype, n.quant_group_size)
                 for n in model.serving]  # fmt: skip
 
     async def report(self, node_id: str, verdict: Verdict) -> None:

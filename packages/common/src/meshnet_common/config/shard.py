@@ -16,7 +16,15 @@ from meshnet_common.config import defaults
 from meshnet_common.config.settings import ServiceSettings, knob
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import FORMATS, LEVELS
-from meshnet_common.precision import Precision
+from meshnet_common.precision import (
+    DEFAULT_GROUP_SIZE,
+    DTYPE_CHOICES,
+    GROUP_SIZES,
+    QUANTIZATION_CHOICES,
+    Precision,
+    compute_dtype_name,
+    resolve_precision,
+)
 
 MODEL = "model and layer range"
 DATA = "data path"
@@ -41,9 +49,24 @@ class ShardSettings(ServiceSettings):
     model_id: str | None = knob(None, "model id ORG/NAME", group=MODEL)
     shard_start: int | None = knob(None, "first layer served (inclusive)", group=MODEL)
     shard_end: int | None = knob(None, "end of the layer range (exclusive)", group=MODEL)
-    quantization: Precision = knob(
-        Precision.BFLOAT16, "weight precision (float32 for exactness checks on CPU)",
-        group=MODEL, choices=[p.value for p in Precision],
+    quantization: str = knob(
+        "auto", "how weights are held: auto (a checkpoint's shipped fp8/mxfp4 stays packed, "
+        "else plain weights at --dtype), bfloat16 (plain weights at --dtype; fp8/mxfp4 "
+        "checkpoints dequantized), float32 (weights and compute in float32: exactness checks "
+        "on CPU), int8 (per-output-channel int8, ~1/2 of bfloat16), int4 (group-wise int4, "
+        "~1/4; --quant-group-size), nf4 (bitsandbytes 4-bit; not for MoE), fp8 / mxfp4 (keep "
+        "a checkpoint's shipped format packed; only for a checkpoint that ships it)",
+        group=MODEL, choices=QUANTIZATION_CHOICES,
+    )  # fmt: skip
+    dtype: str = knob(
+        "bfloat16", "compute precision: activations, norms, embeddings and the KV cache "
+        "(float32: twice the memory for those, exact against a float32 reference)",
+        group=MODEL, choices=DTYPE_CHOICES,
+    )  # fmt: skip
+    quant_group_size: int = knob(
+        DEFAULT_GROUP_SIZE, "int4: weights of a row sharing one scale and zero (smaller: "
+        "closer to the bfloat16 output, more memory for scales)", group=MODEL,
+        choices=GROUP_SIZES,
     )  # fmt: skip
     memory_gb: float | None = knob(
         None, "memory this node offers, GiB (default: what is available on the host, less "
@@ -276,6 +299,29 @@ class ShardSettings(ServiceSettings):
             raise ValueError("expected one of auto, greedy, all, off")
         return value
 
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _quantization(cls, value):
+        value = value.value if isinstance(value, Precision) else str(value).strip().lower()
+        if value not in QUANTIZATION_CHOICES:
+            raise ValueError(f"expected one of {', '.join(QUANTIZATION_CHOICES)}")
+        return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value):
+        value = str(value).strip().lower()
+        if value not in DTYPE_CHOICES:
+            raise ValueError(f"expected one of {', '.join(DTYPE_CHOICES)}")
+        return value
+
+    @field_validator("quant_group_size")
+    @classmethod
+    def _group(cls, value: int) -> int:
+        if value not in GROUP_SIZES:
+            raise ValueError(f"expected one of {', '.join(map(str, GROUP_SIZES))}")
+        return value
+
     @field_validator("guess_steps")
     @classmethod
     def _guess_steps(cls, value: int) -> int:
@@ -309,6 +355,25 @@ class ShardSettings(ServiceSettings):
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_frame_mb * 2**20)
+
+    def precision_for(self, native: str | None) -> Precision:
+        """The precision this process serves a checkpoint in: --quantization and --dtype
+        resolved with the checkpoint's shipped format ``native`` (fp8, mxfp4 or None);
+        InvalidRequest for fp8/mxfp4 asked of a checkpoint that does not ship it."""
+        return resolve_precision(self.quantization, self.dtype, native)
+
+    def compute_dtype_for(self, precision: Precision) -> str:
+        """The compute dtype a shard of ``precision`` runs in (float32 for float32)."""
+        return compute_dtype_name(precision, self.dtype)
+
+    def precision_fields(self, precision: Precision) -> dict:
+        """How a node of ``precision`` declares it (``NodeAnnouncement`` fields): the
+        precision, its compute dtype, and the group size when it is int4."""
+        return {
+            "quantization": precision,
+            "dtype": self.compute_dtype_for(precision),
+            "quant_group_size": self.quant_group_size if precision is Precision.INT4 else None,
+        }
 
     def shard_values(self) -> dict:
         """This object's ``ShardSettings`` fields: what a derived node's settings inherit."""

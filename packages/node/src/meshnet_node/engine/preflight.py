@@ -13,7 +13,13 @@ from meshnet_common.errors import InsufficientMemory, ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.precision import Precision
+from meshnet_common.precision import (
+    DEFAULT_GROUP_SIZE,
+    Precision,
+    compute_dtype_name,
+    describe_precision,
+    native_format_name,
+)
 from meshnet_node.engine.quantization import check_nf4_widths
 
 logger = logging.getLogger(__name__)
@@ -50,9 +56,27 @@ class MemoryEstimate:
         )
 
 
-def weight_bytes(index: CheckpointIndex, layers: LayerRange, precision: Precision) -> int:
-    """Resident bytes of the shard's tensors at ``precision`` (tied lm_head counted once)."""
-    return ModelCosts.from_index(index).weight_bytes(layers, precision)
+def weight_bytes(
+    index: CheckpointIndex,
+    layers: LayerRange,
+    precision: Precision,
+    *,
+    dtype: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> int:
+    """Resident bytes of the shard's tensors at ``precision`` computing in ``dtype``
+    (tied lm_head counted once)."""
+    return ModelCosts.from_index(index).weight_bytes(
+        layers, precision, dtype=dtype, group_size=group_size
+    )
+
+
+def resolve_precision_for(settings, index: CheckpointIndex) -> tuple[Precision, str]:
+    """(precision, compute dtype name) a node with ``settings`` (--quantization, --dtype)
+    serves this checkpoint at: auto takes its shipped fp8/mxfp4; InvalidRequest for fp8 or
+    mxfp4 asked of a checkpoint that does not ship it."""
+    precision = settings.precision_for(native_format_name(index.config))
+    return precision, compute_dtype_name(precision, settings.dtype)
 
 
 def available_bytes(device: str) -> int:
@@ -71,14 +95,21 @@ def estimate(
     device: str = "cpu",
     kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS,
     declared_gb: float | None = None,
+    dtype: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> MemoryEstimate:
+    """What the shard needs at ``precision`` computing in ``dtype`` (default: the
+    precision's own), int4 in groups of ``group_size``, and what is available."""
     costs = ModelCosts.from_index(index)
-    weights = costs.weight_bytes(layers, precision)
-    kv = costs.kv_bytes(len(layers), kv_budget_tokens, precision)
+    weights = costs.weight_bytes(layers, precision, dtype=dtype, group_size=group_size)
+    kv = costs.kv_bytes(len(layers), kv_budget_tokens, precision, dtype=dtype)
+    total = costs.shard_bytes(
+        layers, precision, kv_budget_tokens, dtype=dtype, group_size=group_size
+    )
     return MemoryEstimate(
         weight_bytes=weights,
         kv_bytes=kv,
-        overhead_bytes=costs.shard_bytes(layers, precision, kv_budget_tokens) - weights - kv,
+        overhead_bytes=total - weights - kv,
         declared_bytes=None if declared_gb is None else int(declared_gb * GIB),
         available_bytes=available_bytes(device),
     )
@@ -104,8 +135,11 @@ def preflight(
     device: str = "cpu",
     kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS,
     declared_gb: float | None = None,
+    dtype: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> MemoryEstimate:
-    """Raise InsufficientMemory (or ModelError for nf4 widths) unless the shard fits."""
+    """Raise InsufficientMemory (or ModelError for nf4 widths, or a precision the model
+    cannot be served at) unless the shard fits. ``precision`` is resolved (never auto)."""
     layers.check_within(index.num_layers)
     refusal = ModelCosts.from_index(index).refusal(precision)
     if refusal is not None:
@@ -119,11 +153,13 @@ def preflight(
         device=device,
         kv_budget_tokens=kv_budget_tokens,
         declared_gb=declared_gb,
+        dtype=dtype,
+        group_size=group_size,
     )
     if est.needed_bytes > est.limit_bytes:
+        shown = describe_precision(precision, dtype, group_size)
         raise InsufficientMemory(
-            f"layers {layers} of {index.root.name} at {precision.value} do not fit: "
-            + est.describe()
+            f"layers {layers} of {index.root.name} at {shown} do not fit: " + est.describe()
         )
     logger.info("memory preflight ok: %s", est.describe())
     return est

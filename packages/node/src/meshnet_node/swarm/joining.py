@@ -17,6 +17,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot, scan_models_dir
+from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
     AssignRequest,
     AssignResponse,
@@ -155,6 +156,8 @@ def ask_assignment(settings: NodeSettings, node_id: str, offer: Offer) -> Assign
         memory_bytes=offer.bytes,
         device=resolve_device(settings.device),
         quantization=settings.quantization,
+        dtype=settings.dtype,
+        quant_group_size=settings.quant_group_size,
         kv_tokens=settings.kv_budget_tokens,
         held_models=held,
     )
@@ -180,10 +183,14 @@ def ask_assignment(settings: NodeSettings, node_id: str, offer: Offer) -> Assign
 
 def announce_joining(
     settings: NodeSettings, *, node_id: str, url: str, model_id: str, num_layers: int,
-    layers: LayerRange, declared: int, movable: bool,
+    layers: LayerRange, declared: int, movable: bool, precision: Precision | None = None,
 ) -> Membership:  # fmt: skip
     """Tell the tracker this node is loading ``layers`` (state joining) and keep heartbeating
-    while it loads: placement counts the range as on its way, routing ignores it."""
+    while it loads: placement counts the range as on its way, routing ignores it.
+    ``precision``: what it will serve at (default: --quantization resolved for a plain
+    checkpoint)."""
+    if precision is None:
+        precision = settings.precision_for(None)
     announcement = NodeAnnouncement(
         node_id=node_id,
         url=url,
@@ -191,7 +198,7 @@ def announce_joining(
         movable=movable,
         shard=ShardSpec(model_id=model_id, shard_start=layers.start, shard_end=layers.end),
         num_layers=num_layers,
-        quantization=settings.quantization,
+        **settings.precision_fields(precision),
         device=resolve_device(settings.device),
         memory_declared_bytes=declared,
         memory_free_bytes=int(psutil.virtual_memory().available),

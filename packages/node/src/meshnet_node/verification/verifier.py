@@ -52,6 +52,14 @@ class Replica:
     start: int
     end: int
     quantization: str = "bfloat16"
+    dtype: str = "bfloat16"  # compute dtype; with the int4 group, part of the precision
+    group_size: int | None = None
+
+    def same_precision(self, other: Replica) -> bool:
+        """Whether ``other`` computes with the same weights and dtype (it can recompute)."""
+        return (self.quantization, self.dtype, self.group_size) == (
+            other.quantization, other.dtype, other.group_size
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,8 @@ def replicas_in_coverage(coverage: dict, model_id: str) -> list[Replica]:
         if model.get("id") == model_id:
             return [
                 Replica(n["node_id"], n["url"], int(n["shard_start"]), int(n["shard_end"]),
-                        str(n.get("quantization", "bfloat16")))
+                        str(n.get("quantization", "bfloat16")),
+                        str(n.get("dtype", "bfloat16")), n.get("quant_group_size"))
                 for n in model.get("nodes", ()) if n.get("state") == "serving"
             ]  # fmt: skip
     return []
@@ -109,7 +118,7 @@ def audit_targets(
         alternates = tuple(
             r for r in replicas
             if r.node_id != primary.node_id and r.end == primary.end
-            and r.start <= start and r.quantization == primary.quantization
+            and r.start <= start and r.same_precision(primary)
         )  # fmt: skip
         if alternates:
             targets.append(Target(primary, start, alternates))

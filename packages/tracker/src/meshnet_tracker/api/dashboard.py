@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from meshnet_common.errors import NotFound
 from meshnet_common.metrics import Metrics
+from meshnet_common.precision import describe_precision
 from meshnet_tracker.registry import NodeRecord
 from meshnet_tracker.state import TrackerState
 
@@ -38,6 +39,12 @@ def _node(record: NodeRecord, now: float) -> dict:
         "state": record.shown_state,
         "quarantined": record.quarantined,  # why, or None (docs/adr/0026)
         "quantization": announcement.quantization.value,
+        "dtype": announcement.compute_dtype,
+        "quant_group_size": announcement.quant_group_size,
+        # as the page shows it: "int4 g64", "fp8", "bfloat16", "int8 · float32"
+        "precision": describe_precision(
+            announcement.quantization, announcement.compute_dtype, announcement.quant_group_size
+        ),
         "device": announcement.device,
         "memory_declared_bytes": announcement.memory_declared_bytes,
         "memory_free_bytes": record.memory_free_bytes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from meshnet_common.errors import InvalidRequest, NotFound
+from meshnet_common.memory import ModelCosts
 from meshnet_common.protocol import (
     AssignRequest,
     AssignResponse,
@@ -21,6 +22,7 @@ from meshnet_common.protocol import (
 )
 from meshnet_common.web.http import parse_model
 from meshnet_tracker.api.admission import confirm_reachable, reachable_url
+from meshnet_tracker.placement import NodeRequest, Placement
 from meshnet_tracker.state import TrackerState
 
 
@@ -111,7 +113,8 @@ def nodes_router() -> APIRouter:
             num_layers=costs.num_layers,
             reason=placement.reason,
             sources=_sources(state, placement.model_id, placement.layers, _own_url(request)),
-            memory_bytes=costs.shard_bytes(placement.layers, ask.quantization, ask.kv_tokens),
+            memory_bytes=_need(costs, placement, ask),
+            quantization=placement.precision,
         )
 
     @router.delete("/v1/nodes/{node_id}")
@@ -145,6 +148,16 @@ def nodes_router() -> APIRouter:
         )
 
     return router
+
+
+def _need(costs: ModelCosts, placement: Placement, ask: AssignRequest) -> int:
+    """What the assigned range needs on the node (weights at its resolved precision, KV
+    budget, margin)."""
+    need = NodeRequest(
+        ask.memory_bytes, ask.quantization, ask.kv_tokens,
+        dtype=ask.dtype, group_size=ask.quant_group_size,
+    ).shard_bytes(costs, placement.layers)  # fmt: skip
+    return need or 0
 
 
 def _own_url(request: Request) -> str:

@@ -49,6 +49,8 @@ def public_router() -> APIRouter:
                             "shard_end": n.layers.end,
                             "state": n.state,
                             "quantization": n.quantization,
+                            "dtype": n.dtype,
+                            "quant_group_size": n.quant_group_size,
                         }
                         for n in model.nodes
                     ],

@@ -94,7 +94,7 @@ function renderNode(node, interval) {
     el("td", { class: "model", title: node.model_id }, node.model_id),
     el("td", {}, range(node.shard_start, node.shard_end)),
     el("td", { class: `state-${node.state}`, title: node.quarantined || "" }, node.state),
-    el("td", {}, node.quantization),
+    el("td", {}, node.precision || node.quantization),
     el("td", {}, node.device),
     el(
       "td",
