@@ -136,15 +136,16 @@ class ShardPacker:
 
     # -- packing --------------------------------------------------------------------------
 
-    def quantize(self, weight: torch.Tensor) -> PackedWeight:
-        """An ``[out, in]`` matrix at this precision (dense where the format cannot hold it)."""
+    def quantize(self, weight: torch.Tensor | list[torch.Tensor]) -> PackedWeight:
+        """An ``[out, in]`` matrix (or its row blocks, stacked) at this precision; dense where
+        the format cannot hold it."""
+        parts = weight if isinstance(weight, list) else [weight]
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         if self.precision is Precision.INT8:
             return Int8Weight.quantize(weight, self.dtype)
-        if self.precision is Precision.INT4 and Int4Weight.fits(
-            tuple(weight.shape), self.group_size
-        ):
+        if self.precision is Precision.INT4 and Int4Weight.fits(shape, self.group_size):
             return Int4Weight.quantize(weight, self.group_size, self.dtype)
-        return DenseWeight(weight.to(self.dtype, copy=True))
+        return DenseWeight(torch.cat([p.to(self.dtype) for p in parts]))
 
     def _matrix(self, name: str, stored: torch.Tensor | None = None) -> PackedWeight:
         """A Linear weight by checkpoint name: FP8 bytes kept or dequantized, then packed."""
@@ -216,8 +217,8 @@ class ShardPacker:
         if self.precision is Precision.FP8 and gate.dtype == torch.float8_e4m3fn:
             # kept as shipped: each part has its own tile grid (a ragged edge may sit between)
             return [self._matrix(names["gate"], gate), self._matrix(names["up"], up)]
-        gate, up = self._plain(names["gate"], gate), self._plain(names["up"], up)
-        return [self.quantize(torch.cat([gate, up]))]  # (2I, H): one product per expert
+        # (2I, H): one product per expert, quantized from the two parts (no stacked copy)
+        return [self.quantize([self._plain(names["gate"], gate), self._plain(names["up"], up)])]
 
     def _plain(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype == torch.float8_e4m3fn:

@@ -63,12 +63,27 @@ def scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) ->
     return buf[:numel].view(shape)
 
 
-def _rows_chunked(weight: torch.Tensor, rows: int = 256) -> Iterator[tuple[int, torch.Tensor]]:
-    """Row blocks of ``weight`` in float32: quantizing a whole matrix at once would hold
-    float32 temporaries of it (several times its bf16 bytes) at load; 256 rows keep them to
-    a few MB for the widest weights."""
-    for start in range(0, weight.shape[0], rows):
-        yield start, weight[start : start + rows].to(torch.float32, copy=True)
+Rows = torch.Tensor | list[torch.Tensor]  # a matrix, or row blocks stacked (gate over up)
+
+
+def _parts(weight: Rows) -> list[torch.Tensor]:
+    return weight if isinstance(weight, list) else [weight]
+
+
+def _shape(weight: Rows) -> tuple[int, int]:
+    parts = _parts(weight)
+    return sum(p.shape[0] for p in parts), parts[0].shape[1]
+
+
+def _rows_chunked(weight: Rows, rows: int = 256) -> Iterator[tuple[int, torch.Tensor]]:
+    """Row blocks of ``weight`` in float32, across its parts: quantizing a whole matrix at
+    once would hold float32 temporaries of it (several times its bf16 bytes) at load, and
+    stacking parts first a 16-bit copy; 256 rows keep both to a few MB."""
+    offset = 0
+    for part in _parts(weight):
+        for start in range(0, part.shape[0], rows):
+            yield offset + start, part[start : start + rows].to(torch.float32, copy=True)
+        offset += part.shape[0]
 
 
 class PackedWeight:
@@ -109,9 +124,9 @@ class Int8Weight(PackedWeight):
         self.out_features, self.in_features = q.shape
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
-        q = torch.empty(weight.shape, dtype=torch.int8)
-        scale = torch.empty(weight.shape[0], dtype=dtype)
+    def quantize(cls, weight: Rows, dtype: torch.dtype) -> Int8Weight:
+        q = torch.empty(_shape(weight), dtype=torch.int8)
+        scale = torch.empty(q.shape[0], dtype=dtype)
         for start, block in _rows_chunked(weight):
             s = (block.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(dtype)  # (rows,)
             scale[start : start + len(block)] = s
@@ -148,13 +163,17 @@ class Int4Weight(PackedWeight):
         return shape[0] % INT4_TILE == 0 and shape[1] % group == 0
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group: int, dtype: torch.dtype) -> Int4Weight:
-        n, k = weight.shape
+    def quantize(cls, weight: Rows, group: int, dtype: torch.dtype) -> Int4Weight:
+        n, k = _shape(weight)
         scale_zero = torch.empty(k // group, n, 2, dtype=dtype)
-        # torch packs rows in blocks it chooses; whole 256-row chunks pack independently
-        # (checked: a chunk's bytes are the matching slice), else the matrix packs at once.
-        chunked = n % 256 == 0
-        parts, codes_all = [], None if chunked else torch.empty(n, k, dtype=torch.int32)
+        # torch packs rows in blocks of its choosing; where whole chunks pack to the matching
+        # slice of the whole (checked once: ``int4_unpacker.chunks_pack_alone``), each chunk
+        # packs as it is quantized, else the codes of the matrix pack at once.
+        chunked = all(p.shape[0] % 256 == 0 for p in _parts(weight)) and (
+            int4_unpacker.chunks_pack_alone()
+        )
+        packed = torch.empty(n, k // 2, dtype=torch.uint8) if chunked else None
+        codes_all = None if chunked else torch.empty(n, k, dtype=torch.int32)
         for start, block in _rows_chunked(weight):
             rows = len(block)
             grouped = block.view(rows, k // group, group)
@@ -167,15 +186,10 @@ class Int4Weight(PackedWeight):
             scale_zero[:, start : start + rows, 0] = scale.t()
             scale_zero[:, start : start + rows, 1] = zero.t()
             if chunked:
-                parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+                packed[start : start + rows] = _pack(codes)
             else:
                 codes_all[start : start + rows] = codes
-        packed = (
-            torch.cat(parts)
-            if chunked
-            else torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes_all, 1)
-        )
-        return cls(packed, scale_zero, group, (n, k))
+        return cls(packed if chunked else _pack(codes_all), scale_zero, group, (n, k))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed, "scale_zero": self.scale_zero}
@@ -212,6 +226,18 @@ class _Int4Unpacker:
 
     def __init__(self) -> None:
         self._block: dict[int, int | None] = {}  # N -> B (None: unknown layout)
+        self._chunks_alone: bool | None = None
+
+    def chunks_pack_alone(self) -> bool:
+        """Whether 256-row chunks pack to the matching rows of the whole matrix's packing."""
+        if self._chunks_alone is None:
+            gen = torch.Generator().manual_seed(0)
+            probe = torch.randint(0, 16, (512, 64), dtype=torch.int32, generator=gen)
+            whole = _pack(probe)
+            self._chunks_alone = torch.equal(
+                torch.cat([_pack(probe[:256]), _pack(probe[256:])]), whole
+            )
+        return self._chunks_alone
 
     def ready(self, weight: Int4Weight) -> bool:
         n = weight.out_features
@@ -238,6 +264,10 @@ class _Int4Unpacker:
         grouped.sub_(8).mul_(scale_zero[:, :, 0].t()[..., None])
         grouped.add_(scale_zero[:, :, 1].t()[..., None])
         return out
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
 
 
 def _unpack(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
