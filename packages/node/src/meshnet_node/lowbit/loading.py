@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 from meshnet_common.errors import ModelError
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.native_formats import fp8_dequantize, mxfp4_dequantize
-from meshnet_common.precision import Precision
+from meshnet_common.precision import Precision, quantized_tensor
 from meshnet_node.lowbit.modules import PackedExperts, PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight, Int8Weight, PackedWeight
 from meshnet_node.lowbit.shipped import DenseWeight, Fp8Weight, Mxfp4Weight
@@ -97,17 +97,11 @@ class ShardPacker:
             return False  # renamed by the family's conversion: loads as a plain tensor
         if not isinstance(module, nn.Linear | Conv1D):
             return False
-        shipped_fp8 = name + SCALE_INV in present
-        if self.precision is Precision.FP8:
-            return shipped_fp8
-        if self.precision is Precision.MXFP4:
-            return False  # gpt-oss ships only its experts in MXFP4
-        if self.precision is Precision.INT4:
-            out_in = tuple(self.index.tensors[name].shape)
-            if isinstance(module, Conv1D):
-                out_in = out_in[::-1]
-            return Int4Weight.fits(out_in, self.group_size)
-        return True
+        shape = tuple(self.index.tensors[name].shape)
+        return quantized_tensor(
+            name, shape, self.precision, gpt2=isinstance(module, Conv1D),
+            group_size=self.group_size, names=present,
+        )  # fmt: skip
 
     # -- reading --------------------------------------------------------------------------
 
