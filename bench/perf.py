@@ -13,7 +13,11 @@ Sections (``--sections``, default all, in this order):
   (the sampler alone, and decode on the SmolLM2 swarm; ``sampling_bench.py``);
 - network: decode over emulated links (one-way delays 0 / 5 / 25 ms, a 100 Mbit/s link)
   against the one-traversal-per-token bound, with and without speculative decoding, and
-  TTFT of a 2048-token prompt at 100 Mbit/s (``network_bench.py``).
+  TTFT of a 2048-token prompt at 100 Mbit/s (``network_bench.py``);
+- lowbit: low-bit weights (issue 34): shard RSS, prefill and decode tok/s (1 and 16
+  sessions) in process and over 3 processes, and SmolLM2 perplexity, for bf16, int8, int4
+  g32/g64/g128, and FP8 / MXFP4 tiny MoE checkpoints against their bf16 twins
+  (``lowbit_bench.py``).
 
 Every process (this one, which runs HF, and every node) uses ``--threads`` torch threads
 (default 1). Each figure is the median of several runs with min and max; a ratio to the
@@ -63,7 +67,17 @@ from wire_bench import measure_wire, print_wire
 from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
 from meshnet_common.models.tiny import CORPUS
 
-SECTIONS = ("memory", "wire", "decode", "ttft", "concurrency", "overhead", "sampling", "network")
+SECTIONS = (
+    "memory",
+    "wire",
+    "decode",
+    "ttft",
+    "concurrency",
+    "overhead",
+    "sampling",
+    "network",
+    "lowbit",
+)
 SMOL_LAYOUTS = {  # processes -> layer ranges, tracker node first
     3: [(0, 10), (10, 20), (20, 30)],
     2: [(0, 15), (15, 30)],
@@ -318,6 +332,23 @@ def run_llama_1b(plan: Plan, run: Run) -> None:
             }  # fmt: skip
 
 
+def run_lowbit(plan: Plan, run: Run) -> None:
+    """Low-bit weights at run time (issue 34): ``lowbit_bench.py``, on this run's plan."""
+    from dataclasses import replace
+
+    from lowbit_bench import FULL as LOWBIT_FULL
+    from lowbit_bench import QUICK as LOWBIT_QUICK
+    from lowbit_bench import Settings, lowbit_section, print_lowbit
+
+    repeat = plan.repeat
+    sizes = replace(LOWBIT_QUICK if plan.quick else LOWBIT_FULL, runs=repeat.runs)
+    settings = Settings(plan.smol_dir, plan.bench_dir, plan.threads, sizes, repeat.retries,
+                        repeat.wait_idle, repeat.slack)  # fmt: skip
+    with run.section("lowbit"):
+        run.results["lowbit"] = lowbit_section(settings)
+        print_lowbit(run.results["lowbit"])
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -340,6 +371,10 @@ def print_all(results: dict) -> None:
         from sampling_bench import print_sampling
 
         print_sampling(results["sampling"])
+    if "lowbit" in results:
+        from lowbit_bench import print_lowbit
+
+        print_lowbit(results["lowbit"])
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Plan, str]:
@@ -422,6 +457,8 @@ def main() -> None:
             run.results["network"] = network_run(
                 plan.smol_dir, [0.0, 5.0, 25.0], tokens, plan.threads, runs
             )
+    if "lowbit" in wanted:
+        run_lowbit(plan, run)
     path = run.save()
     print_all(run.results)
     print_summary(run.results, run.errors)

@@ -88,6 +88,33 @@ def _memory(results: dict):
     return (res["max_net_rss_ratio"], 0.0) if res else (None, 0.0)
 
 
+def _lowbit_processes(variant: str):
+    """Issue 34: ``variant``'s 1-session decode over 3 processes / bf16's, pair by pair."""
+
+    def find(results: dict):
+        proc = (results.get("lowbit") or {}).get("processes") or {}
+        if "error" in proc:
+            return "error", 0.0
+        row = proc.get("rows", {}).get(variant)
+        return (row["decode_1_ratio"], proc["other_cores"]) if row else (None, 0.0)
+
+    return find
+
+
+def _lowbit_row(variant: str, key: str):
+    """Issue 34, in-process rows: |perplexity change| in % (``ppl``) or shard RSS / bf16."""
+
+    def find(results: dict):
+        row = ((results.get("lowbit") or {}).get("rows") or {}).get(variant)
+        if not row:
+            return None, 0.0
+        if key == "ppl":
+            return abs(row["perplexity"]["change_pct"]), 0.0  # deterministic
+        return row["rss_ratio"], 0.0  # RSS does not depend on CPU load
+
+    return find
+
+
 TARGETS = [
     Target("decode tok/s meshnet (3 procs) / HF, Llama ~1B", ">=", 0.90, _decode(LLAMA_1B)),
     Target("decode tok/s meshnet (3 procs) / HF, SmolLM2-135M", ">=", 0.85, _decode(SMOL)),
@@ -126,6 +153,21 @@ TARGETS = [
     Target("shard memory: quarter / full RSS, net (earlier issue)", "<=", 0.35, _memory),
     Target("decode over 5 ms links / one-traversal bound", ">=", 1.0, _network(5.0)),
     Target("decode over 25 ms links / one-traversal bound", ">=", 1.3, _network(25.0)),
+    Target(
+        "int4 decode tok/s / bf16, SmolLM2 3 procs --threads 1",
+        ">=",
+        1.3,
+        _lowbit_processes("int4 g64"),
+    ),
+    Target("int8 perplexity change vs bf16, |%|, SmolLM2", "<=", 1.0, _lowbit_row("int8", "ppl")),
+    Target(
+        "int4 g32 perplexity change vs bf16, |%|, SmolLM2 (Q4_1 weights)",
+        "<=",
+        8.0,
+        _lowbit_row("int4 g32", "ppl"),
+    ),
+    Target("int8 shard RSS / bf16, SmolLM2 [10,20)", "<=", 0.6, _lowbit_row("int8", "rss")),
+    Target("int4 shard RSS / bf16, SmolLM2 [10,20)", "<=", 0.4, _lowbit_row("int4 g64", "rss")),
 ]
 
 
@@ -177,5 +219,44 @@ def print_summary(results: dict, errors: dict[str, str]) -> None:
     print_table("Summary against the issue's targets (median [min-max])",
                 ["target", "measured", "goal", "verdict"], rows)  # fmt: skip
     print("(BUSY): other processes used > 0.25 cores during that figure's runs; re-run it.")
+    for line in lowbit_lines(results):
+        print(line)
     for label, error in errors.items():
         print(f"FAILED section {label}: {error[:400]}")
+
+
+def lowbit_lines(results: dict) -> list[str]:
+    """Issue 34's figures without a goal of their own: every precision against its baseline."""
+    res = results.get("lowbit")
+    if not res:
+        return []
+
+    def ratios(key: str, names) -> str:
+        rows = res["rows"]
+        return ", ".join(f"{n} {fmt_summary(rows[n][key], 2)}" for n in names if n in rows)
+
+    lowbit = [n for n, r in res["rows"].items() if n != r["baseline"]]
+    lines = [
+        "lowbit (issue 34), each against bf16 or its bf16 twin, median [min-max] of pairs:",
+        "  shard RSS: "
+        + ", ".join(f"{n} {res['rows'][n]['rss_ratio']['median']:.3f}" for n in lowbit),
+        "  perplexity change: " + ", ".join(
+            f"{n} {res['rows'][n]['perplexity']['change_pct']:+.2f}%" for n in lowbit
+        ),
+        f"  in process, decode 1 session: {ratios('decode_1_ratio', lowbit)}",
+        f"  in process, decode 16 sessions: {ratios('decode_16_ratio', lowbit)}",
+        f"  in process, prefill 512 tokens: {ratios('prefill_ratio', lowbit)}",
+    ]  # fmt: skip
+    proc = res.get("processes") or {}
+    if "rows" in proc:
+        rows = {n: r for n, r in proc["rows"].items() if n != "bf16"}
+        flag = busy_flag(proc["other_cores"])
+        lines.append(
+            f"  3 procs --threads {proc['threads']}{flag}, decode 1 session: "
+            + ", ".join(f"{n} {fmt_summary(r['decode_1_ratio'], 2)}" for n, r in rows.items())
+            + "; 16 sessions: "
+            + ", ".join(f"{n} {fmt_summary(r['decode_16_ratio'], 2)}" for n, r in rows.items())
+        )
+    elif "error" in proc:
+        lines.append(f"  3 procs: FAILED: {proc['error'][:300]}")
+    return lines

@@ -1,4 +1,5 @@
-"""Failover replays the computation it replaces (docs/adr/0023), in bfloat16.
+"""Failover replays the computation it replaces (docs/adr/0023), in bfloat16, with weights
+in bfloat16 and packed at int4 (ADR-0031: decode rows never depend on their batch).
 
 In-process: a head [0, 2), two replicas of [2, 4) and a tail [4, 6) of the tiny llama, all in
 bfloat16, reaching each other through ASGI transports. The first replica "dies" (its
@@ -51,17 +52,18 @@ class Hops(httpx.AsyncBaseTransport):
         return await self.transports[host].handle_async_request(request)
 
 
-def settings_for(snapshot: Path, start: int, end: int) -> NodeSettings:
+def settings_for(snapshot: Path, start: int, end: int, quantization: str) -> NodeSettings:
     return NodeSettings(model_id=MODEL_ID, model_path=snapshot, layers=LayerRange(start, end),
-                        quantization=Precision.BFLOAT16)  # fmt: skip
+                        quantization=quantization)  # fmt: skip
 
 
 @contextmanager
-def node(snapshot: Path, start: int, end: int, route_provider=None, hops=None):
+def node(snapshot: Path, start: int, end: int, route_provider=None, hops=None,
+         quantization: str = Precision.BFLOAT16.value):  # fmt: skip
     async def no_route(_model_id, _exclude=frozenset()):
         return ()
 
-    runtime = build_runtime(settings_for(snapshot, start, end),
+    runtime = build_runtime(settings_for(snapshot, start, end, quantization),
                             route_provider=route_provider or no_route)  # fmt: skip
     if hops is not None:
         runtime.service.hops = HttpxHops(httpx.AsyncClient(transport=hops))
@@ -71,13 +73,17 @@ def node(snapshot: Path, start: int, end: int, route_provider=None, hops=None):
 
 
 class Swarm:
-    def __init__(self, snapshot: Path, stack: ExitStack) -> None:
+    def __init__(self, snapshot: Path, stack: ExitStack, quantization: str) -> None:
         self.hops = Hops({})
-        self.tail_runtime, tail_app, _ = stack.enter_context(node(snapshot, 4, 6, hops=self.hops))
+        self.tail_runtime, tail_app, _ = stack.enter_context(
+            node(snapshot, 4, 6, hops=self.hops, quantization=quantization)
+        )
         self.hops.transports["tail.test"] = httpx.ASGITransport(app=tail_app)
         mids, self.mid_services = {}, []
         for url in (A, B):
-            runtime, app, _ = stack.enter_context(node(snapshot, 2, 4, hops=self.hops))
+            runtime, app, _ = stack.enter_context(
+                node(snapshot, 2, 4, hops=self.hops, quantization=quantization)
+            )
             mids[urlsplit(url).hostname] = app
             self.mid_services.append(runtime.service)
         self.hops.transports.update({h: httpx.ASGITransport(app=a) for h, a in mids.items()})
@@ -87,7 +93,9 @@ class Swarm:
                 (A, TAIL) if A not in exclude and "mid-a.test" not in self.hops.dead else (B, TAIL)
             )
 
-        self.head, _, self.http = stack.enter_context(node(snapshot, 0, 2, route, self.hops))
+        self.head, _, self.http = stack.enter_context(
+            node(snapshot, 0, 2, route, self.hops, quantization)
+        )
         # session -> (pos, rows, drafts, a guess step's rewind position or -1)
         self.passes: dict[str, list[tuple[int, int, int, int]]] = {}
         service = self.tail_runtime.service
@@ -125,10 +133,10 @@ class Swarm:
         return counted
 
 
-@pytest.fixture(scope="module")
-def swarm(tiny_snapshot) -> Iterator[Swarm]:
+@pytest.fixture(scope="module", params=["bfloat16", "int4"])
+def swarm(tiny_snapshot, request) -> Iterator[Swarm]:
     with ExitStack() as stack:
-        yield Swarm(tiny_snapshot("llama"), stack)
+        yield Swarm(tiny_snapshot("llama"), stack, request.param)
 
 
 class AlwaysDraft(DraftPolicy):
