@@ -682,7 +682,7 @@ def print_lowbit(res: dict) -> None:
     print("SmolLM2's weights come from a Q4_1 GGUF (4-bit, a scale and a minimum per 32 "
           "weights of a row): int4 g32 (a scale and a zero per 32) nearly reproduces them, so "
           "its perplexity is no test of int4; g64 and g128 quantize that grid again.")  # fmt: skip
-    why = {"int4": "in-features not a multiple of the group, or out-features not of 16",
+    why = {"int4": "in-features a multiple of no group up to the asked one, or out-features not of 16",
            "mxfp4": "gpt-oss ships only its experts in MXFP4"}  # fmt: skip
     for name, r in res["rows"].items():
         if r["precision"] not in ("bfloat16", "float32") and r.get("plain_linears"):

@@ -20,6 +20,7 @@ from meshnet_common.precision import (
     Precision,
     compute_dtype_name,
     dtype_bytes,
+    int4_group,
     linear_widths,
     native_format_name,
     quantized_tensor,
@@ -96,6 +97,9 @@ class ModelCosts:
     layer_int8: tuple[int, ...] | None = None  # values int8 quantizes
     layer_int8_rows: tuple[int, ...] | None = None  # their output rows (one scale each)
     layer_int4: tuple[tuple[int, ...], ...] | None = None  # per GROUP_SIZES: values int4 takes
+    # per GROUP_SIZES asked: the groups those values form (a narrower group where the asked
+    # one does not divide a weight's width: ``int4_group``), one scale and zero each
+    layer_int4_groups: tuple[tuple[int, ...], ...] | None = None
     layer_packed: tuple[int, ...] | None = None  # values stored packed (fp8 / mxfp4)
     layer_packed_bytes: tuple[int, ...] | None = None  # their bytes, scales included
 
@@ -120,6 +124,7 @@ class ModelCosts:
         quantizable, other = [0] * n, [0] * n
         int8, int8_rows, packed, packed_bytes = [0] * n, [0] * n, [0] * n, [0] * n
         int4 = [[0] * n for _ in GROUP_SIZES]
+        int4_groups = [[0] * n for _ in GROUP_SIZES]
         for name, info in index.tensors.items():
             layer = index.layer_of(name)
             if layer is None or layer >= n or name.endswith(_SCALES):
@@ -137,6 +142,8 @@ class ModelCosts:
             for i, group in enumerate(GROUP_SIZES):
                 if quantized_tensor(logical, shape, Precision.INT4, gpt2=gpt2, group_size=group):
                     int4[i][layer] += numel
+                    _out, width = linear_widths(logical, shape, gpt2=gpt2)
+                    int4_groups[i][layer] += numel // int4_group(width, group)
             if quantized_tensor(name, info.shape, Precision.FP8, gpt2=gpt2, names=names):
                 scale = index.tensors[f"{name}_scale_inv"]
                 packed[layer] += numel
@@ -170,6 +177,7 @@ class ModelCosts:
             layer_int8=tuple(int8),
             layer_int8_rows=tuple(int8_rows),
             layer_int4=tuple(tuple(g) for g in int4),
+            layer_int4_groups=tuple(tuple(g) for g in int4_groups),
             layer_packed=tuple(packed),
             layer_packed_bytes=tuple(packed_bytes),
         )
@@ -189,8 +197,12 @@ class ModelCosts:
             "packed_bytes": self.layer_packed_bytes or zeros,
         }
         for i, group in enumerate(GROUP_SIZES):
-            buckets[f"int4_{group}"] = (
-                self.layer_int4[i] if self.layer_int4 is not None else self.layer_quantizable
+            values = self.layer_int4[i] if self.layer_int4 is not None else self.layer_quantizable
+            buckets[f"int4_{group}"] = values
+            buckets[f"int4_groups_{group}"] = (
+                self.layer_int4_groups[i]
+                if self.layer_int4_groups is not None
+                else tuple(v / group for v in values)
             )
         prefix = {}
         for key, values in buckets.items():
@@ -230,7 +242,7 @@ class ModelCosts:
         elif precision is Precision.INT4:  # 4 bit + a scale and a zero per group
             group = _checked_group(group_size)
             quantized = span(f"int4_{group}")
-            packed = quantized / 2 + 2 * act * quantized / group
+            packed = quantized / 2 + 2 * act * span(f"int4_groups_{group}")
         elif precision is Precision.NF4:
             quantized = span("nf4")
             packed = quantized * NF4_BYTES_PER_PARAM

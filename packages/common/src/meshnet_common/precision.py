@@ -174,6 +174,16 @@ _FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 INT4_OUT_MULTIPLE = 16  # int4 packs rows in tiles of 16 output channels
 
 
+def int4_group(in_width: int, group_size: int) -> int | None:
+    """The group int4 uses for a weight ``in_width`` wide: ``group_size``, or the largest
+    smaller one of ``GROUP_SIZES`` that divides the width (SmolLM2's 576 in groups of 64
+    when 128 is asked); None when none does (the weight stays at the compute dtype)."""
+    for group in sorted(GROUP_SIZES, reverse=True):
+        if group <= group_size and in_width % group == 0:
+            return group
+    return None
+
+
 def linear_widths(name: str, shape: tuple[int, ...], *, gpt2: bool) -> tuple[int, int] | None:
     """(out, in) of a weight int8/int4 may quantize, or None: a 2-D ``.weight`` inside a
     decoder layer (Linear [out, in], GPT-2 Conv1D [in, out]) or a fused 3-D expert tensor
@@ -212,7 +222,7 @@ def quantized_tensor(
             return False
         out, width = widths
         return precision is Precision.INT8 or (
-            out % INT4_OUT_MULTIPLE == 0 and width % group_size == 0
+            out % INT4_OUT_MULTIPLE == 0 and int4_group(width, group_size) is not None
         )
     if precision is Precision.NF4:
         return bool(_IN_LAYER.search(name)) and name.endswith(".weight") and len(shape) == 2

@@ -137,8 +137,14 @@ class ShardPacker:
         shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         if self.precision is Precision.INT8:
             return Int8Weight.quantize(weight, self.dtype)
-        if self.precision is Precision.INT4 and Int4Weight.fits(shape, self.group_size):
-            return Int4Weight.quantize(weight, self.group_size, self.dtype)
+        group = Int4Weight.group_for(shape, self.group_size)
+        # each part packs alone as the memory accounting prices it (gate and up separately)
+        if (
+            self.precision is Precision.INT4
+            and group is not None
+            and all(Int4Weight.group_for(tuple(p.shape), self.group_size) == group for p in parts)
+        ):
+            return Int4Weight.quantize(weight, group, self.dtype)
         return DenseWeight(torch.cat([p.to(self.dtype) for p in parts]))
 
     def _matrix(self, name: str, stored: torch.Tensor | None = None) -> PackedWeight:

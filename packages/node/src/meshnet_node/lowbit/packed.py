@@ -25,6 +25,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from meshnet_common.precision import int4_group
+
 # Above this many rows a prompt chunk dequantizes and uses the GEMM (measured crossover on
 # a Zen 4 EPYC, 2 threads: the int8/int4 kernels equal bf16's GEMM at ~8-16 rows).
 WIDE_ROWS = 16
@@ -159,8 +161,10 @@ class Int4Weight(PackedWeight):
         self.out_features, self.in_features = shape
 
     @staticmethod
-    def fits(shape: tuple[int, int], group: int) -> bool:
-        return shape[0] % INT4_TILE == 0 and shape[1] % group == 0
+    def group_for(shape: tuple[int, int], group: int) -> int | None:
+        """The group a ``[out, in]`` weight packs in when ``group`` is asked (a narrower one
+        where it does not divide ``in``: ``int4_group``); None: int4 cannot hold it."""
+        return int4_group(shape[1], group) if shape[0] % INT4_TILE == 0 else None
 
     @classmethod
     def quantize(cls, weight: Rows, group: int, dtype: torch.dtype) -> Int4Weight:
