@@ -170,7 +170,28 @@ def _chain(stages, sid, position, ids, drafts=()):
     return rows
 
 
-WIDENED = [(f, False) for f in tiny.FAMILIES] + [
+def _amd_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            text = info.read(4096)
+    except OSError:
+        return False
+    return "AuthenticAMD" in text and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+# Known gap (found 2026-12-03, identical on the commit before issue 34's work): on an AMD
+# Zen 4 EPYC (AVX-512 with bf16), glm4_moe's row 3 of a verification pass differs from its
+# one-token step by one bf16 ulp in stage 0, deterministically, and the difference moves
+# when allocations change (forward hooks that copy tensors make it vanish): a kernel there
+# depends on where its operands lie. The speculative text test (tokens) passes.
+_GLM_ON_ZEN4 = pytest.mark.xfail(
+    _amd_avx512(), reason="glm4_moe verification rows on AMD AVX-512: see the comment above",
+    strict=False,
+)  # fmt: skip
+WIDENED = [
+    pytest.param(f, False, marks=_GLM_ON_ZEN4) if f == "glm4_moe" else (f, False)
+    for f in tiny.FAMILIES
+] + [
     (f, True)
     for f in ("llama", "gpt2", "phi3", "deepseek_v3")  # Linear, Conv1D, fused, MLA
 ]
