@@ -5,7 +5,12 @@ Prints, per weight shape and row count, the milliseconds of ``fp8_linear`` and
 kernel, dequantize + GEMM: where they cross sets ``packed.FUSED_MAX_ROWS``), and of bf16
 ``F.linear``. Best of repeated calls, taken in turn.
 
-    .venv/bin/python bench/packed_kernels.py [--threads 2] [--seconds 3]
+Then int8 / int4 (``--part lowbit``): per shape and row count, torch's kernels
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) against meshnet's
+(``int8_linear``, ``int4_linear``) and bf16 ``F.linear``, and the unpacking of an int4
+weight for the many-row path (``int4_dequantize`` against the pure-torch unpacking).
+
+    .venv/bin/python bench/packed_kernels.py [--threads 1,2] [--seconds 3] [--part all]
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from functools import partial
 import torch
 from torch.nn import functional as F
 
-from meshnet_node.kernels import packed
+from meshnet_node.kernels import intpack, packed
 
 SHAPES = [(8192, 2048), (2048, 8192), (1536, 576)]  # (N out, K in)
 ROWS = [1, 4, 16, 32, 64, 128]
@@ -54,20 +59,31 @@ def forced(fn, rows_limit: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", default="2", help="thread counts, comma-separated")
     parser.add_argument("--seconds", type=float, default=3.0, help="per shape and row count")
+    parser.add_argument("--part", choices=["all", "fp8", "lowbit"], default="all")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="x's dtype in the int8/int4 part")  # fmt: skip
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     packed.start()
     if packed.wait(900) is None:
         print(f"kernel unavailable: {packed.unavailable_reason()} (timing the fallback)")
-    print(f"threads {args.threads}; fused kernel up to rows {packed.FUSED_MAX_ROWS}")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        if args.part in ("all", "fp8"):
+            fp8_part(threads, args.seconds)
+        if args.part in ("all", "lowbit"):
+            lowbit_part(threads, args.seconds, getattr(torch, args.dtype))
+
+
+def fp8_part(threads: int, seconds: float) -> None:
+    print(f"threads {threads}; fused kernel up to rows {packed.FUSED_MAX_ROWS}")
     print("ms per call (best of repeated calls), bf16 x; 'x bf16': fp8 or mxfp4 / bf16")
     head = f"{'N x K':>11} {'rows':>4} | {'bf16':>7} | {'fp8':>7} {'fused':>7} {'deq+mm':>7} {'x bf16':>6} | {'mxfp4':>7} {'fused':>7} {'deq+mm':>7} {'x bf16':>6}"  # fmt: skip
     print(head)
     print("-" * len(head))
     for n, k in SHAPES:
-        shape(n, k, args.seconds)
+        shape(n, k, seconds)
 
 
 def shape(n: int, k: int, seconds: float) -> None:
@@ -86,6 +102,48 @@ def shape(n: int, k: int, seconds: float) -> None:
         for auto, fused, deq in (t[:3], t[3:]):
             cells += [f"{auto:7.3f}", f"{fused:7.3f}", f"{deq:7.3f}", f"{auto / base:6.2f}", "|"]
         print(" ".join(cells[:-1]), flush=True)
+
+
+LOWBIT_ROWS = [1, 4, 16, 64, 128]
+
+
+def lowbit_part(threads: int, seconds: float, dtype: torch.dtype, group: int = 64) -> None:
+    """torch's int8/int4 kernels against meshnet's and the dtype's F.linear, same x."""
+    if not intpack.ready():
+        print(f"int8/int4 kernel unavailable: {intpack.unavailable_reason()}")
+        return
+    name = "bf16" if dtype is torch.bfloat16 else "f32"
+    print(f"\nthreads {threads}; int8 / int4 (group {group}); x {dtype}; ms per call (best of")
+    print(f"repeated calls, taken in turn); 'x {name}': meshnet's / {name} F.linear")
+    head = f"{'N x K':>11} {'rows':>4} | {name:>7} | {'int8 th':>7} {'ours':>7} {'x ' + name:>6} | {'int4 th':>7} {'ours':>7} {'x ' + name:>6}"  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for n, k in SHAPES:
+        gen = torch.Generator().manual_seed(0)
+        q, scale = intpack.int8_probe(n, k, dtype, seed=1)
+        _, pk, sz = intpack.int4_probe(n, k, group, dtype, seed=2)
+        block = intpack.int4_block_n(n)
+        dense = torch.randn(n, k, generator=gen).to(dtype)
+        for rows in LOWBIT_ROWS:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            calls = [
+                partial(F.linear, x, dense),
+                partial(intpack.TorchLowbit.int8_linear, x, q, scale),
+                partial(intpack.int8_linear, x, q, scale),
+                partial(intpack.TorchLowbit.int4_linear, x, pk, sz, group, block),
+                partial(intpack.int4_linear, x, pk, sz, group, block),
+            ]
+            base, t8, o8, t4, o4 = best_ms(calls, seconds)
+            print(f"{n}x{k}".rjust(11), f"{rows:>4} | {base:7.3f} | {t8:7.3f} {o8:7.3f} {o8 / base:6.2f} | {t4:7.3f} {o4:7.3f} {o4 / base:6.2f}", flush=True)  # fmt: skip
+        out = torch.empty(n, k, dtype=dtype)
+        torch_ms, ours_ms = best_ms(
+            [
+                partial(intpack.TorchLowbit.int4_dequantize, pk, sz, group, block, out),
+                partial(intpack.int4_dequantize, pk, sz, group, block, out),
+            ],
+            seconds,
+        )
+        print(f"{n}x{k}".rjust(11), f"int4 unpack into {name}: pure torch {torch_ms:.3f} ms, meshnet {ours_ms:.3f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

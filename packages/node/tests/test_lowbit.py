@@ -17,10 +17,18 @@ from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
+from meshnet_node.kernels import packed as packed_kernels
 from meshnet_node.lowbit.modules import PackedExperts, PackedLinear
 from meshnet_node.lowbit.packed import WIDE_ROWS, Int4Weight, Int8Weight, prompt_calls
 
 LOWBIT = (Precision.INT8, Precision.INT4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels():
+    """meshnet's int8/int4 kernels where they build (as a node loads them), else torch's."""
+    packed_kernels.start("cpu")
+    packed_kernels.wait()
 
 
 def _prompt(n: int = 140) -> list[int]:  # crosses a 128-token chunk: wide and narrow calls
@@ -120,9 +128,11 @@ def test_rows_are_independent_and_a_long_prompt_chunk_agrees(fmt):
         if fmt == "int8"
         else Int4Weight.quantize(weight, 64, torch.float32)
     )
-    x = torch.randn(WIDE_ROWS * 3, 128, generator=torch.Generator().manual_seed(3))
+    wide_rows = WIDE_ROWS[fmt]
+    x = torch.randn(wide_rows + 32, 128, generator=torch.Generator().manual_seed(3))
     rows = torch.cat([packed.matmul(x[i : i + 1]) for i in range(len(x))])
-    assert torch.equal(packed.matmul(x[:WIDE_ROWS]), rows[:WIDE_ROWS])
+    with prompt_calls():  # up to WIDE_ROWS rows even a prompt chunk takes the kernel
+        assert torch.equal(packed.matmul(x[:wide_rows]), rows[:wide_rows])
     assert torch.equal(packed.matmul(x), rows)  # outside a prompt chunk: the kernel
     with prompt_calls():
         wide = packed.matmul(x)

@@ -262,7 +262,7 @@ def load_shard(
 
     names = index.tensors_for(layers)
     packer = plan = None
-    if precision in (Precision.FP8, Precision.MXFP4):
+    if precision in PACKED:
         packed_kernels.start(device)  # imported (or built in the background) meanwhile
     if precision in PACKED:  # packed Linears first, each read alone (never the range at 16 bit)
         packer = ShardPacker(index, precision, dtype, group_size, native)
@@ -326,6 +326,11 @@ def load_shard(
         # Refuse to serve a half-materialized model (e.g. a checkpoint missing tensors).
         raise ModelError(f"{index.root}: still on the meta device after loading: {meta_left[:5]}")
     modules.eval().requires_grad_(False)
+    if precision in (Precision.INT8, Precision.INT4):
+        # One int8/int4 kernel for the node's life (meshnet's, or torch's where it is not
+        # built): a session's products never change implementation between its steps or
+        # its replay. Built by ``make install``; else this waits for the build (~1 min).
+        packed_kernels.wait()
     release_freed_memory()
     logger.info(
         "loaded %s layers %s (%s, %.1f MiB of weights)", index.root.name, layers,

@@ -10,6 +10,9 @@
 // float32, products and sums in float32 (the sum order is ours, not torch's). packed.py
 // checks every function against its pure-torch reference before use.
 //
+// Also int8 and int4 (torch's CPU int4 packing): row-tiled few-row products and the
+// int4 unpacking for the many-row path (see the int8/int4 section).
+//
 // Built with -march=native on the machine that runs it: AVX-512 where the CPU has it, else
 // AVX2 + FMA + F16C (every x86 server of the last decade).
 #include <torch/extension.h>
@@ -22,6 +25,11 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#ifndef MESHNET_INT8_ROWS
+#define MESHNET_INT8_ROWS 4  // int8 bf16 tiles: 4 rows x 4 weight rows (6x4, 8x2 measured no faster)
+#define MESHNET_INT8_NB 4
+#endif
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "packed.cpp needs AVX2, FMA and F16C"
@@ -468,13 +476,579 @@ void mxfp4_dequantize(const torch::Tensor& blocks, const torch::Tensor& scales,
   });
 }
 
+// ---- int8 and int4 (torch's CPU int4 packing) -----------------------------------------
+//
+// Few-row products that replace torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu
+// (one GEMV per row): tiles of R rows of x share each decoded weight vector, so a batch of
+// 16 rows decodes each byte 4 times, not 16. Sums in float32, each output's in a fixed
+// order (k ascending within a vector lane / a group, groups ascending) that neither the
+// number of rows nor of threads changes: a row computes the same bits alone or batched.
+// Threads split output columns only.
+
+// bf16 or float32 scales, read as float32
+inline float as_float(float v) { return v; }
+inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// int8: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]; R rows x NB weight rows a tile.
+template <int R, int NB>
+struct Int8Tile {
+  static void run(const float* x, float* y, int64_t ystride, int64_t k, const int8_t* q) {
+    vf acc[R][NB];
+    float tail[R][NB] = {};
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+    int64_t i = 0;
+    for (; i + W <= k; i += W) {
+      vf wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = int8s(q + j * k + i);
+      for (int r = 0; r < R; ++r) {
+        const vf xv = vload(x + r * k + i);
+        for (int j = 0; j < NB; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
+      }
+    }
+    for (; i < k; ++i) {
+      for (int j = 0; j < NB; ++j) {
+        const float wv = static_cast<float>(q[j * k + i]);
+        for (int r = 0; r < R; ++r) tail[r][j] += wv * x[r * k + i];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]) + tail[r][j];
+  }
+#if defined(__AVX512F__)
+  static vf int8s(const int8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+#else
+  static vf int8s(const int8_t* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+#endif
+};
+
+#if defined(__AVX512BF16__)
+#define MESHNET_INT8_BF16 1
+// bf16 rows of x: 32 int8 weights become 32 bf16 (exact: |q| <= 127 has 7 significant
+// bits) and vdpbf16ps multiplies them with 32 inputs in pairs, summing in float32 lanes.
+constexpr int kInt8Bf16Rows = MESHNET_INT8_ROWS, kInt8Bf16NB = MESHNET_INT8_NB;
+template <int R, int NB>
+struct Int8Bf16Tile {
+  static void run(const uint16_t* x, float* y, int64_t ystride, int64_t k, const int8_t* q) {
+    vf acc[R][NB];
+    float tail[R][NB] = {};
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+    int64_t i = 0;
+    for (; i + 2 * W <= k; i += 2 * W) {
+      __m512bh wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        const int8_t* p = q + j * k + i;
+        const vf lo = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        const vf hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
+        wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+      }
+    }
+    for (; i < k; ++i) {
+      for (int j = 0; j < NB; ++j) {
+        const float wv = static_cast<float>(q[j * k + i]);
+        for (int r = 0; r < R; ++r) {
+          const uint32_t u = static_cast<uint32_t>(x[r * k + i]) << 16;
+          float xf;
+          std::memcpy(&xf, &u, sizeof xf);
+          tail[r][j] += wv * xf;
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]) + tail[r][j];
+  }
+};
+#endif
+
+template <typename S>
+torch::Tensor int8_linear_t(const torch::Tensor& x, const torch::Tensor& q,
+                            const torch::Tensor& scale) {
+  const int64_t rows = x.size(0), k = x.size(1), n = q.size(0);
+  auto y = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const S* sp = scale.data_ptr<S>();
+  float* yp = y.data_ptr<float>();
+#if defined(MESHNET_INT8_BF16)
+  if (x.scalar_type() == torch::kBFloat16) {
+    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    constexpr int NB = kInt8Bf16NB;
+    at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+      auto direct = [&](int64_t j, auto nb) {
+        constexpr int C = decltype(nb)::value;
+        for (int64_t r0 = 0; r0 < rows; r0 += kInt8Bf16Rows) {
+          by_rows<kInt8Bf16Rows, Int8Bf16Tile, C>(std::min<int64_t>(kInt8Bf16Rows, rows - r0),
+                                                  xb + r0 * k, yp + r0 * n + j, n, k,
+                                                  qp + j * k);
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int jj = 0; jj < C; ++jj) yp[r * n + j + jj] *= as_float(sp[j + jj]);
+      };
+      int64_t j = n0;
+      for (; j + NB <= n1; j += NB) direct(j, std::integral_constant<int, NB>{});
+      for (; j < n1; ++j) direct(j, std::integral_constant<int, 1>{});
+    });
+    return y;
+  }
+#endif
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "x must be float32 or bf16");
+  const auto xf = x.to(torch::kFloat32);  // bf16 without AVX-512 BF16: float32 products
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+    auto direct = [&](int64_t j, auto nb) {
+      constexpr int NB = decltype(nb)::value;
+      for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
+        by_rows<kDirectRows, Int8Tile, NB>(std::min<int64_t>(kDirectRows, rows - r0),
+                                           xp + r0 * k, yp + r0 * n + j, n, k, qp + j * k);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int jj = 0; jj < NB; ++jj) yp[r * n + j + jj] *= as_float(sp[j + jj]);
+    };
+    product_range(n0, n1, direct);
+  });
+  return y;
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(),
+              "q must be int8 [N, K], contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == q.size(1),
+              "x must be [M, K], contiguous");
+  TORCH_CHECK(scale.dim() == 1 && scale.numel() == q.size(0) && scale.is_contiguous(),
+              "scale must be [N], contiguous");
+  if (scale.scalar_type() == torch::kBFloat16) return int8_linear_t<c10::BFloat16>(x, q, scale);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32, "scale must be bf16 or float32");
+  return int8_linear_t<float>(x, q, scale);
+}
+
+// int4 in torch's CPU packing: bytes [N/B, K, B/2] (B = block_n); byte j of (block, k)
+// holds row j of the block in its low nibble, row B/2 + j in its high one. W[n, k] =
+// (code - 8) * scale[g, n] + zero[g, n], scale_zero [K/group, N, 2].
+//
+// Products: per group, in = sum_k x * (code - 8) (exact code values), then
+// acc += scale * in + zero * sum_k x. Columns are the vector lanes: one byte vector per k
+// serves B columns and R rows.
+
+#if defined(__AVX512F__)
+constexpr float kCodes[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+// W bytes -> (low nibble - 8), (high nibble - 8) as float32: vpermps reads 4 index bits.
+inline void int4s(const uint8_t* p, vf table, vf& lo, vf& hi) {
+  const vi b = widen_bytes(p);
+  lo = _mm512_permutexvar_ps(b, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
+inline vf codes_table() { return _mm512_loadu_ps(kCodes); }
+// W (scale, zero) pairs -> W scales, W zeros
+inline void scale_zero(const float* p, vf& s, vf& z) {
+  const vf a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + W);
+  const vi even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const vi odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  s = _mm512_permutex2var_ps(a, even, b);
+  z = _mm512_permutex2var_ps(a, odd, b);
+}
+inline void scale_zero(const c10::BFloat16* p, vf& s, vf& z) {
+  const vi v = _mm512_loadu_si512(p);  // lane i: scale_i | zero_i << 16
+  s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#else
+inline void int4s(const uint8_t* p, vf, vf& lo, vf& hi) {
+  const vi b = widen_bytes(p);
+  const vi m = _mm256_set1_epi32(15);
+  const vf eight = _mm256_set1_ps(8.0f);
+  lo = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, m)), eight);
+  hi = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), eight);
+}
+inline vf codes_table() { return vzero(); }
+template <typename S>
+inline void scale_zero(const S* p, vf& s, vf& z) {
+  alignas(32) float a[W], b[W];
+  for (int i = 0; i < W; ++i) a[i] = as_float(p[2 * i]), b[i] = as_float(p[2 * i + 1]);
+  s = vload(a), z = vload(b);
+}
+#endif
+
+// One block of B = 2 * NV * W columns against R rows of x.
+template <int R, int NV>
+struct Int4Tile {
+  template <typename S>
+  static void run(const float* x, const float* xsum, float* y, int64_t ystride, int64_t k,
+                  int64_t group, const uint8_t* blk, const S* sz, int64_t n) {
+    constexpr int V = 2 * NV;
+    constexpr int64_t half = NV * W;
+    const int64_t groups = k / group;
+    const vf table = codes_table();
+    alignas(64) float acc[R][V * W] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      vf in[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) in[r][v] = vzero();
+      const uint8_t* p = blk + g * group * half;
+      const float* xg = x + g * group;
+      for (int64_t kk = 0; kk < group; ++kk, p += half) {
+        vf w[V];
+        for (int v = 0; v < NV; ++v) int4s(p + v * W, table, w[v], w[NV + v]);
+        for (int r = 0; r < R; ++r) {
+          const vf xb = vset(xg[r * k + kk]);
+          for (int v = 0; v < V; ++v) in[r][v] = vfma(w[v], xb, in[r][v]);
+        }
+      }
+      for (int v = 0; v < V; ++v) {
+        vf s, z;
+        scale_zero(sz + (g * n + v * W) * 2, s, z);
+        for (int r = 0; r < R; ++r) {
+          float* a = acc[r] + v * W;
+          vstore(a, vfma(z, vset(xsum[r * groups + g]), vfma(s, in[r][v], vload(a))));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) std::memcpy(y + r * ystride, acc[r], sizeof acc[r]);
+  }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define MESHNET_INT4_BF16 1
+// bf16 rows of x against 64-row blocks (AVX-512 BF16 + VBMI): vdpbf16ps multiplies pairs
+// (k, k+1) of bf16 values exactly and adds them to float32 lanes (32 products an
+// instruction, twice vfmadd's). Codes become bf16 (code - 8) by a byte table: each
+// column's dword gets the bytes of k and k+1 twice (vpermb), a nibble of each indexes the
+// table's low bytes (positions 0-15) or high bytes (16-31).
+struct Bf16Codes {
+  vi table, dup[2], off, low4;
+  Bf16Codes() {
+    alignas(64) uint8_t t[64] = {};
+    for (int c = 0; c < 16; ++c) {
+      const uint16_t b = bf16_scalar(static_cast<float>(c - 8));
+      t[c] = static_cast<uint8_t>(b & 0xFF), t[16 + c] = static_cast<uint8_t>(b >> 8);
+    }
+    table = _mm512_load_si512(t);
+    for (int q = 0; q < 2; ++q) {
+      alignas(64) uint8_t d[64];
+      for (int i = 0; i < 16; ++i) {
+        const int j = 16 * q + i;
+        d[4 * i] = d[4 * i + 1] = static_cast<uint8_t>(j);
+        d[4 * i + 2] = d[4 * i + 3] = static_cast<uint8_t>(32 + j);
+      }
+      dup[q] = _mm512_load_si512(d);
+    }
+    off = _mm512_set1_epi32(0x10001000);
+    low4 = _mm512_set1_epi8(0x0F);
+  }
+  // 64 bytes: k's 32 then k+1's -> columns 0-15, 16-31 (low nibbles), 32-47, 48-63 (high)
+  void decode(const uint8_t* p, __m512bh* w) const {
+    const vi src = _mm512_loadu_si512(p);
+    for (int q = 0; q < 2; ++q) {
+      const vi d = _mm512_permutexvar_epi8(dup[q], src);
+      const vi lo = _mm512_or_si512(_mm512_and_si512(d, low4), off);
+      const vi hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(d, 4), low4), off);
+      w[q] = (__m512bh)_mm512_permutexvar_epi8(lo, table);
+      w[2 + q] = (__m512bh)_mm512_permutexvar_epi8(hi, table);
+    }
+  }
+};
+
+template <int R>
+struct Int4Bf16Tile {
+  template <typename S>
+  static void run(const uint16_t* x, const float* xsum, float* y, int64_t ystride, int64_t k,
+                  int64_t group, const uint8_t* blk, const S* sz, int64_t n,
+                  const Bf16Codes& codes) {
+    constexpr int V = 4;
+    const int64_t groups = k / group;
+    alignas(64) float acc[R][V * W] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      vf in[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) in[r][v] = vzero();
+      const uint8_t* p = blk + g * group * 32;
+      const uint16_t* xg = x + g * group;
+      for (int64_t kk = 0; kk < group; kk += 2, p += 64) {
+        __m512bh w[V];
+        codes.decode(p, w);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xg + r * k + kk, sizeof pair);
+          const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+          for (int v = 0; v < V; ++v) in[r][v] = _mm512_dpbf16_ps(in[r][v], w[v], xb);
+        }
+      }
+      for (int v = 0; v < V; ++v) {
+        vf s, z;
+        scale_zero(sz + (g * n + v * W) * 2, s, z);
+        for (int r = 0; r < R; ++r) {
+          float* a = acc[r] + v * W;
+          vstore(a, vfma(z, vset(xsum[r * groups + g]), vfma(s, in[r][v], vload(a))));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) std::memcpy(y + r * ystride, acc[r], sizeof acc[r]);
+  }
+};
+
+constexpr int kBf16Rows = 4;
+
+template <typename S>
+void int4_bf16_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t rows,
+                      int64_t k, int64_t n, int64_t group, const uint8_t* pp, const S* sp) {
+  constexpr int64_t B = 64;
+  const int64_t groups = k / group;
+  const Bf16Codes codes;
+  at::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kBf16Rows) {
+        const int64_t tile = std::min<int64_t>(kBf16Rows, rows - r0);
+        auto call = [&](auto rr) {
+          constexpr int R = decltype(rr)::value;
+          Int4Bf16Tile<R>::run(xp + r0 * k, xsum + r0 * groups, yp + r0 * n + b * B, n, k,
+                               group, pp + b * B * (k / 2), sp + b * B * 2, n, codes);
+        };
+        switch (tile) {
+          case 1: call(std::integral_constant<int, 1>{}); break;
+          case 2: call(std::integral_constant<int, 2>{}); break;
+          case 3: call(std::integral_constant<int, 3>{}); break;
+          case 4: call(std::integral_constant<int, 4>{}); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+template <int NV, typename S>
+void int4_linear_blocks(const float* xp, const float* xsum, float* yp, int64_t rows, int64_t k,
+                        int64_t n, int64_t group, const uint8_t* pp, const S* sp) {
+  constexpr int64_t B = 2 * NV * W;
+  const int64_t groups = k / group;
+  at::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
+        const int64_t tile = std::min<int64_t>(kDirectRows, rows - r0);
+        auto call = [&](auto rr) {
+          constexpr int R = decltype(rr)::value;
+          Int4Tile<R, NV>::run(xp + r0 * k, xsum + r0 * groups, yp + r0 * n + b * B, n, k,
+                               group, pp + b * B * (k / 2), sp + b * B * 2, n);
+        };
+        switch (tile) {
+          case 1: call(std::integral_constant<int, 1>{}); break;
+          case 2: call(std::integral_constant<int, 2>{}); break;
+#if defined(__AVX512F__)
+          case 3: call(std::integral_constant<int, 3>{}); break;
+          case 4: call(std::integral_constant<int, 4>{}); break;
+#endif
+        }
+      }
+    }
+  });
+}
+
+void check_int4(const torch::Tensor& packed, const torch::Tensor& sz, int64_t group,
+                int64_t block_n, int64_t& n, int64_t& k) {
+  TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous() &&
+                  (sz.scalar_type() == torch::kBFloat16 || sz.scalar_type() == torch::kFloat32),
+              "scale_zero must be [K/group, N, 2], bf16 or float32, contiguous");
+  n = sz.size(1), k = sz.size(0) * group;
+  TORCH_CHECK(group > 0 && block_n > 0 && block_n % 2 == 0 && n % block_n == 0,
+              "block_n must divide N");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.numel() == n * k / 2,
+              "packed must be uint8 holding N * K / 2 bytes, contiguous");
+}
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& sz, int64_t group, int64_t block_n) {
+  int64_t n, k;
+  check_int4(packed, sz, group, block_n, n, k);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == torch::kFloat32) &&
+                  x.is_contiguous() && x.size(1) == k,
+              "x must be float32 or bf16 [M, K], contiguous");
+  const int64_t rows = x.size(0), groups = k / group;
+  // sum of each row's inputs per group, k ascending: the zero's weight
+  const auto xf = bf16 ? x.to(torch::kFloat32) : x;
+  auto xsum = torch::empty({rows, groups}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* xs = xsum.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < group; ++i) s += xp[r * k + g * group + i];
+      xs[r * groups + g] = s;
+    }
+  }
+  auto y = torch::empty({rows, n}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  auto dispatch = [&](auto* sp) {
+#if defined(MESHNET_INT4_BF16)
+    if (bf16 && block_n == 64 && group % 2 == 0) {
+      const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+      int4_bf16_blocks(xb, xs, yp, rows, k, n, group, pp, sp);
+      return;
+    }
+#endif
+    if (block_n == 4 * W) {
+      int4_linear_blocks<2>(xp, xs, yp, rows, k, n, group, pp, sp);
+    } else if (block_n == 2 * W) {
+      int4_linear_blocks<1>(xp, xs, yp, rows, k, n, group, pp, sp);
+#if !defined(__AVX512F__)
+    } else if (block_n == 8 * W) {
+      int4_linear_blocks<4>(xp, xs, yp, rows, k, n, group, pp, sp);
+#endif
+    } else {
+      TORCH_CHECK(false, "block_n ", block_n, " is not supported");
+    }
+  };
+  if (sz.scalar_type() == torch::kBFloat16) {
+    dispatch(sz.data_ptr<c10::BFloat16>());
+  } else {
+    dispatch(sz.data_ptr<float>());
+  }
+  return y;
+}
+
+// Dequantization, bit for bit what torch computes for out.copy_(codes); out.sub_(8);
+// out.mul_(scale); out.add_(zero) in out's dtype: the product (code - 8) * scale is exact in
+// float32 and rounded once to out's dtype, the sum rounded to float32 and then to out's
+// dtype (no fused multiply-add: the build has -ffp-contract=off).
+template <typename Out>
+inline Out store_value(float v);
+template <>
+inline float store_value<float>(float v) { return v; }
+template <>
+inline uint16_t store_value<uint16_t>(float v) { return bf16_scalar(v); }
+inline float round_to(float v, float) { return v; }
+inline float round_to(float v, uint16_t) {
+  const uint32_t u = static_cast<uint32_t>(bf16_scalar(v)) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+inline vf round_bf16(vf v) {  // to bf16 and back, round to nearest even
+  const vi u = _mm512_castps_si512(v);
+  const vi odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const vi r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+
+template <typename Out, typename S>
+void int4_dequantize_block(const uint8_t* blk, const S* sz, int64_t n, int64_t k, int64_t group,
+                           int64_t block_n, Out* out) {
+  // rows of this block: out[j] for j < block_n; blk: k * block_n / 2 bytes
+  const int64_t half = block_n / 2;
+  int64_t j0 = 0;
+#if defined(__AVX512F__)
+  if (half % 4 == 0 && k % W == 0 && group % W == 0) {
+    // one gather: 4 adjacent bytes (4 rows' low nibbles, 4 rows' high nibbles) of W k's
+    const vi index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                           12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int>(half)));
+    const vf table = codes_table();
+    for (; j0 < half; j0 += 4) {
+      for (int64_t k0 = 0; k0 < k; k0 += W) {
+        const vi bytes = _mm512_i32gather_epi32(index, blk + k0 * half + j0, 1);
+        const int64_t g = k0 / group;
+        for (int b = 0; b < 8; ++b) {  // nibble b: row j0 + b/2 (+ half for high nibbles)
+          const int64_t row = (b & 1) ? half + j0 + b / 2 : j0 + b / 2;
+          const vf c = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4 * b), table);
+          const float s = round_to(as_float(sz[(g * n + row) * 2]), Out{});
+          const float z = round_to(as_float(sz[(g * n + row) * 2 + 1]), Out{});
+          Out* o = out + row * k + k0;
+          if constexpr (std::is_same_v<Out, float>) {
+            vstore(o, vadd(vmul(c, vset(s)), vset(z)));
+          } else {
+            store_bf16(o, vadd(round_bf16(vmul(c, vset(s))), vset(z)));
+          }
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t j = j0; j < half; ++j) {  // any other layout: one element at a time
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const uint8_t byte = blk[kk * half + j];
+      const int64_t g = kk / group;
+      for (int hi = 0; hi < 2; ++hi) {
+        const int64_t row = j + hi * half;
+        const float c = static_cast<float>(hi ? (byte >> 4) : (byte & 15)) - 8.0f;
+        // scale and zero in out's dtype, as torch's scale_zero.to(out.dtype)
+        const float s = round_to(as_float(sz[(g * n + row) * 2]), Out{});
+        const float z = round_to(as_float(sz[(g * n + row) * 2 + 1]), Out{});
+        out[row * k + kk] = store_value<Out>(round_to(c * s, Out{}) + z);
+      }
+    }
+  }
+}
+
+void int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64_t group,
+                     int64_t block_n, torch::Tensor& out) {
+  int64_t n, k;
+  check_int4(packed, sz, group, block_n, n, k);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == k,
+              "out must be [N, K], contiguous");
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || out.scalar_type() == torch::kFloat32, "out must be bf16 or float32");
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  void* op = out.data_ptr();
+  auto run = [&](auto* sp) {
+    at::parallel_for(0, n / block_n, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* blk = pp + b * block_n * (k / 2);
+        const auto* s = sp + b * block_n * 2;
+        if (bf16) {
+          int4_dequantize_block(blk, s, n, k, group, block_n,
+                                static_cast<uint16_t*>(op) + b * block_n * k);
+        } else {
+          int4_dequantize_block(blk, s, n, k, group, block_n,
+                                static_cast<float*>(op) + b * block_n * k);
+        }
+      }
+    });
+  };
+  if (sz.scalar_type() == torch::kBFloat16) {
+    run(sz.data_ptr<c10::BFloat16>());
+  } else {
+    run(sz.data_ptr<float>());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("lanes") = W;
   m.attr("tile_rows") = kDirectRows;
+#if defined(__AVX512F__)
+  m.attr("int4_blocks") = py::make_tuple(32, 64);  // int4_linear's block_n (any for unpacking)
+#else
+  m.attr("int4_blocks") = py::make_tuple(16, 32, 64);
+#endif
+#if defined(MESHNET_INT4_BF16)
+  m.attr("int4_bf16") = true;
+#else
+  m.attr("int4_bf16") = false;
+#endif
   m.def("fp8_linear", &fp8_linear, "y = x @ dequant(w).T + bias, float32 (few rows)");
   m.def("fp8_dequantize", &fp8_dequantize, "dequantized FP8 weight into out (bf16 or f32)");
   m.def("mxfp4_linear", &mxfp4_linear, "y = x @ dequant(w).T + bias, float32 (few rows)");
   m.def("mxfp4_dequantize", &mxfp4_dequantize, "dequantized MXFP4 weight into out");
+  m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T, float32 (few rows)");
+  m.def("int4_linear", &int4_linear, "y = x @ dequant(torch int4 packing).T, float32");
+  m.def("int4_dequantize", &int4_dequantize, "torch's CPU int4 packing into out (bf16/f32)");
 }

@@ -19,6 +19,9 @@ except that the many-row path on bf16 inputs multiplies the weight rounded to bf
 (torch's bf16 GEMM), as a bf16 copy of the checkpoint would. The sum order is the kernel's,
 not torch's: these products equal the definition to float32 rounding, not bit for bit.
 
+The built module holds the int8 / int4 functions too; ``intpack`` checks and serves them
+apart from these.
+
 Built once per machine like ``bf16_dot`` (docs/adr/0030): torch's extension builder into a
 folder of torch's extension cache named by source, flags, CPU, torch and Python (it is
 compiled for the CPU that builds it); imported at once when built, else built in a
@@ -44,13 +47,18 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from meshnet_node.kernels import intpack
+from meshnet_node.kernels.tolerance import close
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed.cpp")
 NAME = "meshnet_packed"
 # -march=native: the build runs on the machine that uses it (AVX-512 where present, else
 # AVX2); the CPU's flags are part of the cache key, so a copied cache cannot mismatch.
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# -ffp-contract=off: no multiply-add fused unless written (int4_dequantize equals torch's
+# separate multiply and add bit for bit).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]  # torch's libgomp, already loaded (same soname), serves it
 
 # Up to this many rows (per format and GEMM dtype) the fused kernel beats dequantizing and
@@ -131,7 +139,9 @@ def _load(path: Path) -> None:
     except Exception as exc:  # no compiler, no ninja, a failed build: the fallback stays
         last = (str(exc).strip().splitlines() or [""])[-1]  # a compiler's last line
         reason = f"not built ({type(exc).__name__}: {last})"
+        intpack.not_built(reason)
     else:
+        intpack.install(module)
         differs = agrees_with_reference(module)
         if differs is None:
             _state["module"] = module
@@ -333,17 +343,6 @@ def mxfp4_probe(n: int, k: int, seed: int) -> tuple[Tensor, Tensor]:
     return blocks, torch.randint(110, 135, (n, k // 32), generator=gen, dtype=torch.uint8)
 
 
-def close(ours: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Within float32 rounding of the exact product (bf16: plus the weight's and the
-    output's rounding to bf16): errors are bounded by the sum of the terms' magnitudes, not
-    by the result's."""
-    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    scale = F.linear(x.double().abs(), weight.double().abs()) + exact.abs()
-    unit = 2.0**-8 if x.dtype is torch.bfloat16 else 0.0
-    bound = (1e-5 + unit) * scale + 1e-30
-    return ours.dtype is x.dtype and bool(((ours.double() - exact).abs() <= bound).all())
-
-
 def agrees_with_reference(module: Any) -> str | None:
     """None if every function of ``module`` equals the reference's on the probes (the
     dequantizations bit for bit), else what differed."""
@@ -392,3 +391,6 @@ if __name__ == "__main__":  # ``make install``: build and check it once, ahead o
         print(f"{NAME}: {unavailable_reason()}; FP8/MXFP4 products stay pure torch (slow)")
     else:
         print(f"{NAME}: built and equal to the reference")
+    if wait() is not None:
+        state = "checked" if intpack.ready() else intpack.unavailable_reason()
+        print(f"{NAME} int8/int4: {state}")

@@ -4,10 +4,11 @@ Every packed weight is one matrix ``[out, in]`` (a Linear's layout) with a ``mat
 that returns ``x @ W.T`` in ``x``'s dtype. Two ways to compute it (docs/adr/0031):
 
 - **few rows** (a decode step, a batch of sessions, a verification pass): a weight-only
-  kernel that reads the packed bytes — torch's ``_weight_int8pack_mm`` /
-  ``_weight_int4pack_mm_for_cpu`` (the ones gpt-fast and torchao build on), meshnet's FP8 /
-  MXFP4 kernels (``meshnet_node.kernels.packed``). Each output row depends on its input row
-  alone, so a session gives the same numbers alone, batched or replayed.
+  kernel that reads the packed bytes — meshnet's int8 / int4 tiles
+  (``meshnet_node.kernels.intpack``; torch's ``_weight_int8pack_mm`` /
+  ``_weight_int4pack_mm_for_cpu`` where they are not built) and FP8 / MXFP4 kernels
+  (``meshnet_node.kernels.packed``). Each output row depends on its input row alone, so a
+  session gives the same numbers alone, batched or replayed.
 - **a prompt chunk of many rows**: dequantize into a reused scratch matrix and run the
   compute dtype's GEMM. The low-bit kernels cost ~one GEMV per row, 2-4x bf16's GEMM at 64+
   rows. Only ``Stage._forward`` (one session's chunk) allows this path (``prompt_calls``):
@@ -26,10 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from meshnet_common.precision import int4_group
+from meshnet_node.kernels import intpack
 
-# Above this many rows a prompt chunk dequantizes and uses the GEMM (measured crossover on
-# a Zen 4 EPYC, 2 threads: the int8/int4 kernels equal bf16's GEMM at ~8-16 rows).
-WIDE_ROWS = 16
+# Above this many rows a prompt chunk dequantizes and uses the GEMM, per format. Measured on
+# a Zen 4 EPYC (AVX-512 BF16, 2 threads, bf16, 8192x2048 and 1536x576): meshnet's int4 tile
+# kernel beats unpacking + bf16 GEMM up to ~128 rows (3.5 vs 8.0 ms at 32 rows, equal at 128),
+# its int8 kernel up to ~48 (5.6 vs 6.4 ms at 32, 9.9 vs 8.5 at 64); FP8/MXFP4 as
+# ``kernels.packed.FUSED_MAX_ROWS``.
+WIDE_ROWS = {"int8": 48, "int4": 96, "packed": 16}
 INT4_TILE = 16  # torch's int4 packing needs output widths divisible by this
 
 _wide_ok: contextvars.ContextVar[bool] = contextvars.ContextVar("lowbit_wide_ok", default=False)
@@ -46,9 +51,9 @@ def prompt_calls() -> Iterator[None]:
         _wide_ok.reset(token)
 
 
-def wide_call(x: torch.Tensor) -> bool:
+def wide_call(x: torch.Tensor, fmt: str = "packed") -> bool:
     """True for a call that may unpack for a GEMM: a long chunk inside ``prompt_calls``."""
-    return x.shape[0] > WIDE_ROWS and _wide_ok.get()
+    return x.shape[0] > WIDE_ROWS[fmt] and _wide_ok.get()
 
 
 def scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -139,8 +144,8 @@ class Int8Weight(PackedWeight):
         return {"q": self.q, "scale": self.scale}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and not wide_call(x):
-            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
+        if x.device.type == "cpu" and not wide_call(x, self.fmt):
+            return intpack.int8_linear(x, self.q, self.scale)
         w = scratch(tuple(self.q.shape), x.dtype, x.device)
         w.copy_(self.q)  # exact: int8 values are integers every float dtype holds
         return F.linear(x, w) * self.scale.to(x.dtype)
@@ -171,10 +176,10 @@ class Int4Weight(PackedWeight):
         n, k = _shape(weight)
         scale_zero = torch.empty(k // group, n, 2, dtype=dtype)
         # torch packs rows in blocks of its choosing; where whole chunks pack to the matching
-        # slice of the whole (checked once: ``int4_unpacker.chunks_pack_alone``), each chunk
+        # slice of the whole (checked once: ``int4_packing.chunks_pack_alone``), each chunk
         # packs as it is quantized, else the codes of the matrix pack at once.
         chunked = all(p.shape[0] % 256 == 0 for p in _parts(weight)) and (
-            int4_unpacker.chunks_pack_alone()
+            int4_packing.chunks_pack_alone()
         )
         packed = torch.empty(n, k // 2, dtype=torch.uint8) if chunked else None
         codes_all = None if chunked else torch.empty(n, k, dtype=torch.int32)
@@ -199,18 +204,17 @@ class Int4Weight(PackedWeight):
         return {"packed": self.packed, "scale_zero": self.scale_zero}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and not (wide_call(x) and int4_unpacker.ready(self)):
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, self.packed, self.group, self.scale_zero.to(x.dtype)
-            )
+        block = intpack.int4_block_n(self.out_features)
+        if x.device.type == "cpu" and not (wide_call(x, self.fmt) and block is not None):
+            return intpack.int4_linear(x, self.packed, self.scale_zero, self.group, block)
         w = scratch((self.out_features, self.in_features), x.dtype, x.device)
-        int4_unpacker.dequantize_into(self, w)
-        return F.linear(x, w)
+        return F.linear(x, self._unpack_into(w, block))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if int4_unpacker.ready(self):
-            w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-            return int4_unpacker.dequantize_into(self, w).to(dtype)
+        block = intpack.int4_block_n(self.out_features)
+        if block is not None:
+            w = torch.empty(self.out_features, self.in_features, device=self.packed.device)
+            return self._unpack_into(w, block).to(dtype)
         # Any layout: the kernel applied to the identity is the matrix (slow; tests only).
         eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -218,18 +222,17 @@ class Int4Weight(PackedWeight):
         )
         return out.t().contiguous().to(dtype)
 
+    def _unpack_into(self, out: torch.Tensor, block: int | None) -> torch.Tensor:
+        if block is None:  # a layout no one reads: torch's kernel on the identity (CPU)
+            return out.copy_(self.dequantize(out.dtype))
+        return intpack.int4_dequantize(self.packed, self.scale_zero, self.group, block, out)
 
-class _Int4Unpacker:
-    """Unpacks torch's CPU int4 layout for the many-row path.
 
-    torch packs ``[N, K]`` codes as ``[N / B, K, B / 2]`` bytes, row ``j`` of a block of ``B``
-    in the low nibble and row ``B/2 + j`` in the high one, with ``B`` chosen by the CPU's
-    vector width (64 on AVX-512). The layout is torch's private choice, so it is found by
-    packing a probe and checked before any weight uses it; where no known layout matches,
-    every call stays on torch's kernel (correct, slower for prompts)."""
+class _Int4Packing:
+    """What meshnet relies on in torch's CPU int4 packing at load (its layout is torch's
+    private choice; ``intpack.int4_block_n`` finds the block for the unpacking)."""
 
     def __init__(self) -> None:
-        self._block: dict[int, int | None] = {}  # N -> B (None: unknown layout)
         self._chunks_alone: bool | None = None
 
     def chunks_pack_alone(self) -> bool:
@@ -243,41 +246,9 @@ class _Int4Unpacker:
             )
         return self._chunks_alone
 
-    def ready(self, weight: Int4Weight) -> bool:
-        n = weight.out_features
-        if n not in self._block:
-            self._block[n] = self._find_block(n)
-        return self._block[n] is not None
-
-    @staticmethod
-    def _find_block(n: int) -> int | None:
-        k = 64
-        probe = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator())
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
-        for block in (64, 32, 16):
-            if n % block == 0 and torch.equal(_unpack(packed, n, k, block), probe.to(torch.uint8)):
-                return block
-        return None
-
-    def dequantize_into(self, weight: Int4Weight, out: torch.Tensor) -> torch.Tensor:
-        n, k, g = weight.out_features, weight.in_features, weight.group
-        codes = _unpack(weight.packed, n, k, self._block[n])  # (N, K) uint8
-        out.copy_(codes)
-        grouped = out.view(n, k // g, g)
-        scale_zero = weight.scale_zero.to(out.dtype)  # (G, N, 2)
-        grouped.sub_(8).mul_(scale_zero[:, :, 0].t()[..., None])
-        grouped.add_(scale_zero[:, :, 1].t()[..., None])
-        return out
-
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
 
 
-def _unpack(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
-    v = packed.reshape(n // block, k, block // 2)
-    codes = torch.cat([v & 15, v >> 4], dim=2)  # (N/B, K, B)
-    return codes.transpose(1, 2).reshape(n, k)
-
-
-int4_unpacker = _Int4Unpacker()
+int4_packing = _Int4Packing()

@@ -1,0 +1,216 @@
+"""int8 / int4 products and int4 unpacking in meshnet_node.kernels.packed: equal to torch's
+kernels within float32 rounding (the unpacking bit for bit), rows independent of each
+other and of the thread count, torch's kernels serving where ours is not checked."""
+
+from __future__ import annotations
+
+import shutil
+import types
+
+import pytest
+import torch
+
+from meshnet_node.kernels import intpack, packed
+
+INT4_CASES = [  # (N, K, group)
+    (576, 576, 32), (576, 576, 64), (1536, 576, 64), (1536, 2048, 128), (2048, 576, 32),
+    (2048, 2048, 64), (2048, 2048, 128), (128, 256, 64),
+]  # fmt: skip
+INT8_CASES = [(576, 576), (1536, 2048), (2048, 576), (96, 64), (40, 192), (36, 200), (17, 33)]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 33]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> types.ModuleType:
+    if not packed.applies("cpu"):
+        pytest.skip("the kernel is written for x86-64")
+    if shutil.which("g++") is None or shutil.which("ninja") is None:
+        pytest.skip("no g++ or ninja to build the kernel with: torch's kernels serve")
+    packed.start("cpu")
+    module = packed.wait(timeout=600)
+    assert module is not None, packed.unavailable_reason()
+    assert intpack.ready(), intpack.unavailable_reason()
+    return module
+
+
+def block_of(n: int) -> int:
+    block = intpack.int4_block_n(n)
+    if block is None:
+        pytest.skip(f"torch's int4 packing of {n} rows is not a known layout here")
+    return block
+
+
+@pytest.mark.parametrize(("n", "k", "group"), INT4_CASES)
+def test_int4_dequantize_is_torchs_unpacking_bit_for_bit(kernel, n, k, group):
+    block = block_of(n)
+    for sz_dtype in DTYPES:
+        codes, pk, sz = intpack.int4_probe(n, k, group, sz_dtype, seed=n + k)
+        for out_dtype in DTYPES:
+            want = torch.empty(n, k, dtype=out_dtype)
+            intpack.TorchLowbit.int4_dequantize(pk, sz, group, block, want)
+            got = torch.empty(n, k, dtype=out_dtype)
+            assert torch.equal(intpack.int4_dequantize(pk, sz, group, block, got, _module=kernel), want)  # fmt: skip
+        # and the reference is the definition, (code - 8) * scale + zero (float32: 2 roundings)
+        exact = intpack.int4_weight(codes, sz, group)
+        want = torch.empty(n, k)
+        intpack.TorchLowbit.int4_dequantize(pk, sz, group, block, want)
+        assert torch.allclose(want.double(), exact, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), INT4_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_linear_equals_the_product_and_torchs(kernel, n, k, group, dtype):
+    block = block_of(n)
+    codes, pk, sz = intpack.int4_probe(n, k, group, dtype, seed=group)
+    weight = intpack.int4_weight(codes, sz, group)
+    gen = torch.Generator().manual_seed(n)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        ours = intpack.int4_linear(x, pk, sz, group, block, _module=kernel)
+        theirs = intpack.TorchLowbit.int4_linear(x, pk, sz, group, block)
+        assert ours.dtype is dtype and ours.shape == (rows, n)
+        assert intpack.close(ours, x, weight, None), rows
+        assert intpack.near(ours, theirs, x, weight), rows
+
+
+@pytest.mark.parametrize(("n", "k"), INT8_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_linear_equals_the_product_and_torchs(kernel, n, k, dtype):
+    q, scale = intpack.int8_probe(n, k, dtype, seed=k)
+    weight = q.double() * scale.double()[:, None]
+    gen = torch.Generator().manual_seed(n)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        ours = intpack.int8_linear(x, q, scale, _module=kernel)
+        assert ours.dtype is dtype and ours.shape == (rows, n)
+        assert intpack.close(ours, x, weight, None), rows
+        if k % 32 == 0:  # torch 2.13's bf16 int8 kernel crashes on other widths
+            assert intpack.near(ours, intpack.TorchLowbit.int8_linear(x, q, scale), x, weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_alone_equal_rows_together_whatever_the_threads(kernel, dtype):
+    """A decode row gives the same bits alone, in a batch of any size, on any thread count."""
+    n, k, group = 1536, 576, 64
+    block = block_of(n)
+    _, pk, sz = intpack.int4_probe(n, k, group, dtype, seed=3)
+    q, scale = intpack.int8_probe(n, k + 8, dtype, seed=3)  # a width with a scalar tail
+    x4 = torch.randn(33, k).to(dtype)
+    x8 = torch.randn(33, k + 8).to(dtype)
+    for call, x in (
+        (lambda rows: intpack.int4_linear(rows, pk, sz, group, block, _module=kernel), x4),
+        (lambda rows: intpack.int8_linear(rows, q, scale, _module=kernel), x8),
+    ):
+        together = call(x)
+        assert torch.equal(together, torch.cat([call(x[i : i + 1]) for i in range(len(x))]))
+        assert torch.equal(together[5:21], call(x[5:21]))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(together, call(x))
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_leading_dimensions(kernel):
+    _, pk, sz = intpack.int4_probe(128, 128, 32, torch.bfloat16, seed=1)
+    q, scale = intpack.int8_probe(128, 128, torch.bfloat16, seed=1)
+    x = torch.randn(2, 3, 128).bfloat16()
+    y4 = intpack.int4_linear(x, pk, sz, 32, block_of(128), _module=kernel)
+    assert y4.shape == (2, 3, 128)
+    assert torch.equal(y4[1], intpack.int4_linear(x[1], pk, sz, 32, block_of(128), _module=kernel))
+    y8 = intpack.int8_linear(x, q, scale, _module=kernel)
+    assert torch.equal(y8.view(6, 128), intpack.int8_linear(x.view(6, 128), q, scale, _module=kernel))  # fmt: skip
+
+
+def test_the_check_accepts_the_kernel(kernel):
+    assert intpack.agrees_with_reference(kernel) is None
+
+
+def _copy(kernel) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{n: getattr(kernel, n) for n in dir(kernel) if not n.startswith("_")})  # fmt: skip
+
+
+def test_the_check_refuses_a_kernel_that_is_off(kernel):
+    wrong = _copy(kernel)
+    wrong.int4_linear = lambda x, p, sz, g, b: kernel.int4_linear(x, p, sz, g, b) * (1 + 1e-3)
+    assert "int4 product differs" in intpack.agrees_with_reference(wrong)
+
+    wrong = _copy(kernel)
+
+    def off_unpack(p, sz, g, b, out):  # the block's halves swapped
+        kernel.int4_dequantize(p, sz, g, b, out)
+        n = out.shape[0]
+        out.copy_(out.view(n // b, 2, b // 2, -1).flip(1).reshape(out.shape))
+
+    wrong.int4_dequantize = off_unpack
+    assert "int4 unpacking differs" in intpack.agrees_with_reference(wrong)
+
+    wrong = _copy(kernel)
+
+    def batch_dependent(x, q, s):  # a row's result depends on the rows beside it
+        y = kernel.int8_linear(x, q, s)
+        return y + 1e-7 * y.abs() * (len(x) > 1)
+
+    wrong.int8_linear = batch_dependent
+    assert "rows alone differ" in intpack.agrees_with_reference(wrong)
+
+
+def test_a_refused_kernel_leaves_torchs_kernels_serving(kernel, monkeypatch, caplog):
+    monkeypatch.setattr(intpack, "_state", {"module": None, "reason": None})
+    monkeypatch.setattr(intpack, "agrees_with_reference", lambda m: "int4 product differs")
+    with caplog.at_level("INFO", logger=intpack.__name__):
+        intpack.install(kernel)
+    assert not intpack.ready()
+    assert "int4 product differs" in intpack.unavailable_reason()
+    records = [r for r in caplog.records if r.name == intpack.__name__]
+    assert len(records) == 1 and records[0].levelname == "WARNING"
+    # the public functions now give torch's kernels' results exactly
+    _, pk, sz = intpack.int4_probe(128, 128, 32, torch.bfloat16, seed=2)
+    q, scale = intpack.int8_probe(128, 128, torch.bfloat16, seed=2)
+    x = torch.randn(3, 128).bfloat16()
+    block = block_of(128)
+    assert torch.equal(
+        intpack.int4_linear(x, pk, sz, 32, block), intpack.TorchLowbit.int4_linear(x, pk, sz, 32, block)
+    )  # fmt: skip
+    assert torch.equal(
+        intpack.int8_linear(x, q, scale), intpack.TorchLowbit.int8_linear(x, q, scale)
+    )
+    out, want = torch.empty(128, 128), torch.empty(128, 128)
+    intpack.TorchLowbit.int4_dequantize(pk, sz, 32, block, want)
+    assert torch.equal(intpack.int4_dequantize(pk, sz, 32, block, out), want)
+
+
+def test_an_accepted_kernel_serves_with_one_log_line(kernel, monkeypatch, caplog):
+    monkeypatch.setattr(intpack, "_state", {"module": None, "reason": None})
+    with caplog.at_level("INFO", logger=intpack.__name__):
+        intpack.install(kernel)
+    assert intpack.ready()
+    assert len([r for r in caplog.records if r.name == intpack.__name__]) == 1
+
+
+def test_without_a_block_torchs_int4_kernel_serves(kernel):
+    _, pk, sz = intpack.int4_probe(64, 128, 32, torch.float32, seed=4)
+    x = torch.randn(2, 128)
+    want = intpack.TorchLowbit.int4_linear(x, pk, sz, 32, None)
+    assert torch.equal(intpack.int4_linear(x, pk, sz, 32, None, _module=kernel), want)
+
+
+@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_blocks_of_other_widths(kernel, block, dtype):
+    """torch packs 32- or 16-row blocks on other CPUs or widths: the unpacking reads any
+    block, the product the ones it lists (``int4_blocks``), torch's kernel the rest."""
+    n, k, group = 192, 128, 32
+    codes, _, sz = intpack.int4_probe(n, k, group, dtype, seed=block)
+    c = codes.to(torch.uint8).view(n // block, block, k).transpose(1, 2)  # [N/B, K, B]
+    layout = (c[..., : block // 2] | (c[..., block // 2 :] << 4)).contiguous().view(-1)
+    for out_dtype in DTYPES:
+        want, got = torch.empty(n, k, dtype=out_dtype), torch.empty(n, k, dtype=out_dtype)
+        intpack.TorchLowbit.int4_dequantize(layout, sz, group, block, want)
+        assert torch.equal(intpack.int4_dequantize(layout, sz, group, block, got, _module=kernel), want)  # fmt: skip
+    if block in kernel.int4_blocks:
+        x = torch.randn(6, k).to(dtype)
+        y = intpack.int4_linear(x, layout, sz, group, block, _module=kernel)
+        assert intpack.close(y, x, intpack.int4_weight(codes, sz, group), None)
