@@ -1,4 +1,5 @@
-"""Repo-wide pytest fixtures: model snapshots built once and cached on disk across runs.
+"""Repo-wide pytest fixtures: model snapshots built once and cached on disk across runs, and
+the built packed-weight kernel.
 
 The cache lives in ``$MESHNET_TEST_CACHE`` (default ``.cache/test-models``, gitignored).
 Delete it after changing how tiny models or imports are built. A file lock keeps
@@ -75,3 +76,21 @@ def tiny_snapshot(models_dir: Path) -> Callable[..., Path]:
 def tiny_model_id_fixture() -> Callable[..., str]:
     """The model id ``tiny_snapshot(family, layout)`` writes: ``meshnet-tiny/<family>[-hub]``."""
     return tiny_model_id
+
+
+@pytest.fixture(scope="session")
+def packed_kernel():
+    """meshnet's packed-weight kernel module (``meshnet_node.kernels.packed``: FP8/MXFP4,
+    int8/int4), built and checked; skipped where it cannot be built (its fallbacks serve)."""
+    import shutil
+
+    from meshnet_node.kernels import packed
+
+    if not packed.applies("cpu"):
+        pytest.skip("the kernel is written for x86-64")
+    if shutil.which("g++") is None or shutil.which("ninja") is None:
+        pytest.skip("no g++ or ninja to build the kernel with: the fallbacks serve")
+    packed.start("cpu")
+    module = packed.wait(timeout=600)
+    assert module is not None, packed.unavailable_reason()
+    return module

@@ -4,13 +4,12 @@ other and of the thread count, torch's kernels serving where ours is not checked
 
 from __future__ import annotations
 
-import shutil
 import types
 
 import pytest
 import torch
 
-from meshnet_node.kernels import intpack, packed
+from meshnet_node.kernels import intpack
 
 INT4_CASES = [  # (N, K, group)
     (576, 576, 32), (576, 576, 64), (1536, 576, 64), (1536, 2048, 128), (2048, 576, 32),
@@ -22,16 +21,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def kernel() -> types.ModuleType:
-    if not packed.applies("cpu"):
-        pytest.skip("the kernel is written for x86-64")
-    if shutil.which("g++") is None or shutil.which("ninja") is None:
-        pytest.skip("no g++ or ninja to build the kernel with: torch's kernels serve")
-    packed.start("cpu")
-    module = packed.wait(timeout=600)
-    assert module is not None, packed.unavailable_reason()
+def kernel(packed_kernel) -> types.ModuleType:
     assert intpack.ready(), intpack.unavailable_reason()
-    return module
+    return packed_kernel
 
 
 def block_of(n: int) -> int:

@@ -3,7 +3,6 @@ pure-torch fallback both equal the checkpoints' definition, within float32 round
 
 from __future__ import annotations
 
-import shutil
 import types
 
 import pytest
@@ -21,16 +20,9 @@ IMPL_ROWS = [("kernel", rows) for rows in ROWS] + [("fallback", rows) for rows i
 
 
 @pytest.fixture(scope="module")
-def kernel() -> types.ModuleType:
-    if not packed.applies("cpu"):
-        pytest.skip("the kernel is written for x86-64")
-    if shutil.which("g++") is None or shutil.which("ninja") is None:
-        pytest.skip("no g++ or ninja to build the kernel with: the fallback is used")
-    packed.start("cpu")
-    module = packed.wait(timeout=600)
-    assert module is not None, packed.unavailable_reason()
+def kernel(packed_kernel) -> types.ModuleType:
     assert packed.ready()
-    return module
+    return packed_kernel
 
 
 def fp8_reference(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
