@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,8 @@ def scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) ->
 
 
 Rows = torch.Tensor | list[torch.Tensor]  # a matrix, or row blocks stacked (gate over up)
+# A chunk of int4 rows: (first row, codes [rows, in] int32 0..15, scale and zero [rows, groups])
+Codes = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _parts(weight: Rows) -> list[torch.Tensor]:
@@ -173,25 +175,29 @@ class Int4Weight(PackedWeight):
 
     @classmethod
     def quantize(cls, weight: Rows, group: int, dtype: torch.dtype) -> Int4Weight:
-        n, k = _shape(weight)
+        """Round ``weight`` to 16 levels per group between its minimum and maximum."""
+        aligned = all(p.shape[0] % 256 == 0 for p in _parts(weight))
+        chunks = _quantized_chunks(weight, group, dtype)
+        return cls.from_codes(chunks, _shape(weight), group, dtype, aligned=aligned)
+
+    @classmethod
+    def from_codes(
+        cls, chunks: Iterable[Codes], shape: tuple[int, int], group: int, dtype: torch.dtype,
+        *, aligned: bool,
+    ) -> Int4Weight:  # fmt: skip
+        """Pack row chunks of codes (0..15) with their scales and zeros ``[rows, in / group]``
+        (quantized here, or taken from a checkpoint's blocks). ``aligned``: every chunk is
+        256 rows, so each may pack alone."""
+        n, k = shape
         scale_zero = torch.empty(k // group, n, 2, dtype=dtype)
         # torch packs rows in blocks of its choosing; where whole chunks pack to the matching
         # slice of the whole (checked once: ``int4_packing.chunks_pack_alone``), each chunk
-        # packs as it is quantized, else the codes of the matrix pack at once.
-        chunked = all(p.shape[0] % 256 == 0 for p in _parts(weight)) and (
-            int4_packing.chunks_pack_alone()
-        )
+        # packs as it arrives, else the codes of the matrix pack at once.
+        chunked = aligned and int4_packing.chunks_pack_alone()
         packed = torch.empty(n, k // 2, dtype=torch.uint8) if chunked else None
         codes_all = None if chunked else torch.empty(n, k, dtype=torch.int32)
-        for start, block in _rows_chunked(weight):
-            rows = len(block)
-            grouped = block.view(rows, k // group, group)
-            low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # (rows, G)
-            scale = ((high - low) / 15.0).clamp(min=1e-8).to(dtype)
-            zero = (low + 8.0 * scale.float()).to(dtype)  # the value code 8 stands for
-            base = zero.float() - 8.0 * scale.float()  # code 0
-            grouped.sub_(base[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
-            codes = block.to(torch.int32)  # (rows, K)
+        for start, codes, scale, zero in chunks:
+            rows = len(codes)
             scale_zero[:, start : start + rows, 0] = scale.t()
             scale_zero[:, start : start + rows, 1] = zero.t()
             if chunked:
@@ -226,6 +232,20 @@ class Int4Weight(PackedWeight):
         if block is None:  # a layout no one reads: torch's kernel on the identity (CPU)
             return out.copy_(self.dequantize(out.dtype))
         return intpack.int4_dequantize(self.packed, self.scale_zero, self.group, block, out)
+
+
+def _quantized_chunks(weight: Rows, group: int, dtype: torch.dtype) -> Iterator[Codes]:
+    """Asymmetric group-wise rounding, 256 rows at a time: (start, codes, scale, zero)."""
+    k = _shape(weight)[1]
+    for start, block in _rows_chunked(weight):
+        rows = len(block)
+        grouped = block.view(rows, k // group, group)
+        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)  # (rows, G)
+        scale = ((high - low) / 15.0).clamp(min=1e-8).to(dtype)
+        zero = (low + 8.0 * scale.float()).to(dtype)  # the value code 8 stands for
+        base = zero.float() - 8.0 * scale.float()  # code 0
+        grouped.sub_(base[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
+        yield start, block.to(torch.int32), scale, zero
 
 
 class _Int4Packing:

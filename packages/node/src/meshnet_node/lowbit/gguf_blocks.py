@@ -1,0 +1,96 @@
+"""GGUF's 4-bit block formats as group-wise int4, without a detour through 16 bits.
+
+llama.cpp's Q4_0, Q4_1 and Q4_K hold every 32 weights of a row as 4-bit codes with a scale
+and an offset of their own, which is exactly ``Int4Weight``'s form at group 32,
+``W = (q - 8) * scale + zero``:
+
+- Q4_0 (18 bytes per 32: f16 ``d``, 16 bytes of codes): ``W = d * (q - 8)``, so scale ``d``,
+  zero 0. Exact.
+- Q4_1 (20 bytes: f16 ``d``, f16 ``m``, codes): ``W = d * q + m``, so scale ``d``, zero
+  ``m + 8 d``. Exact up to the rounding of the zero (one float32 rounding; in bf16 compute
+  the scale and zero round to bf16's 8 bits, as every bf16 int4 weight's do).
+- Q4_K (144 bytes per 256: f16 ``d`` and ``dmin``, twelve bytes of 6-bit sub-scales ``sc``
+  and sub-minimums ``m`` for eight groups of 32, 128 bytes of codes): ``W = d sc q - dmin m``,
+  so scale ``d sc`` (exact in float32) and zero ``8 d sc - dmin m``. Exact up to the zero's
+  rounding, as Q4_1.
+
+Codes sit two a byte: in Q4_0/Q4_1 the low nibbles are a block's first 16 values and the high
+nibbles its last 16; in Q4_K each 32 bytes hold two groups, the low nibbles the first.
+Rows are decoded 256 at a time, so the temporaries stay a few MB whatever the matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from meshnet_node.lowbit.packed import Codes, Int4Weight
+
+GROUP = 32  # every 4-bit GGUF format scales groups of 32 weights
+# format name -> (weights per block, bytes per block), as ggml lays them out
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+CHUNK_ROWS = 256
+
+
+def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
+    """The f16 at byte ``at`` of every block, as float32 ``[rows, blocks]``."""
+    return raw[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 16] -> codes [..., 32]: low nibbles first, then high."""
+    return torch.cat([codes & 15, codes >> 4], dim=-1)
+
+
+def _q4_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _f16(raw, 0)
+    return _nibbles(raw[..., 2:18]), d, torch.zeros_like(d)
+
+
+def _q4_1(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, m = _f16(raw, 0), _f16(raw, 2)
+    return _nibbles(raw[..., 4:20]), d, m + 8.0 * d
+
+
+def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, dmin = _f16(raw, 0)[..., None], _f16(raw, 2)[..., None]  # [rows, blocks, 1]
+    packed = raw[..., 4:16].to(torch.int32)  # ggml's 6-bit sub-scales and minimums
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    qs = raw[..., 16:144].reshape(*raw.shape[:-1], 4, 32)  # two groups per 32 bytes
+    codes = torch.stack([qs & 15, qs >> 4], dim=-2)  # [rows, blocks, 4, 2, 32]
+    scale = d * sc.float()  # [rows, blocks, 8]
+    zero = 8.0 * scale - dmin * mins.float()
+    rows = raw.shape[0]
+    return codes.reshape(rows, -1, 32), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+
+
+def int4_chunks(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Iterator[Codes]:
+    """``raw`` uint8 ``[rows, bytes per row]`` of one tensor in ``fmt`` -> row chunks of
+    (first row, codes int32 [rows, in], scale and zero [rows, in / 32] in ``dtype``)."""
+    weights, size = BLOCKS[fmt]
+    decode = DECODERS[fmt]
+    rows, width = raw.shape
+    if width % size:
+        raise ValueError(f"{fmt}: a row of {width} bytes is not whole blocks of {size}")
+    for start in range(0, rows, CHUNK_ROWS):
+        block = raw[start : start + CHUNK_ROWS].reshape(-1, width // size, size)
+        codes, scale, zero = decode(block)
+        n = block.shape[0]
+        yield (
+            start, codes.reshape(n, -1).to(torch.int32),
+            scale.reshape(n, -1).to(dtype), zero.reshape(n, -1).to(dtype),
+        )  # fmt: skip
+
+
+def int4_weight(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Int4Weight:
+    """One GGUF tensor of ``fmt`` (``[out, bytes per row]``) as an ``Int4Weight`` at group 32."""
+    weights, size = BLOCKS[fmt]
+    shape = (raw.shape[0], raw.shape[1] // size * weights)
+    chunks = int4_chunks(raw, fmt, dtype)
+    return Int4Weight.from_codes(chunks, shape, GROUP, dtype, aligned=shape[0] % CHUNK_ROWS == 0)

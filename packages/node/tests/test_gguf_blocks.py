@@ -1,0 +1,73 @@
+"""GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) become group-32 int4 weights equal to what the
+``gguf`` package dequantizes them to (Q4_0 bit for bit; Q4_1/Q4_K up to the zero's float32
+rounding), and multiply as such."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from meshnet_node.lowbit.gguf_blocks import BLOCKS, int4_weight
+
+
+def raw_blocks(fmt: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random blocks of ``fmt`` with finite, plausible f16 scales: every code and 6-bit
+    sub-scale pattern occurs."""
+    weights, size = BLOCKS[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, k // weights, size), dtype=np.uint8)
+    scales = (rng.random((rows, k // weights, 2)) * 0.02 + 1e-3).astype(np.float16)
+    if fmt == "Q4_1":  # the minimum is negative, as in real blocks
+        scales[..., 1] = -(scales[..., 1] * 8)
+    head = 2 if fmt == "Q4_0" else 4
+    raw[..., :head] = scales[..., : head // 2].view(np.uint8).reshape(rows, -1, head)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, fmt: str) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).copy())
+
+
+@pytest.mark.parametrize("fmt", list(BLOCKS))
+@pytest.mark.parametrize(("rows", "k"), [(64, 256), (512, 512), (304, 768)])
+def test_blocks_dequantize_as_gguf_does(fmt, rows, k):
+    raw = raw_blocks(fmt, rows, k, seed=rows + k)
+    want = reference(raw, fmt)
+    weight = int4_weight(torch.from_numpy(raw), fmt, torch.float32)
+    assert (weight.out_features, weight.in_features, weight.group) == (rows, k, 32)
+    got = weight.dequantize()
+    if fmt == "Q4_0":
+        assert torch.equal(got, want)
+    else:  # the zero, m + 8d or 8 d sc - dmin m, is one float32 rounding away
+        torch.testing.assert_close(got, want, rtol=0, atol=float(want.abs().max()) * 2**-21)
+
+
+def test_q4_0_from_the_gguf_package_quantizer_round_trips():
+    x = np.random.default_rng(0).standard_normal((96, 256)).astype(np.float32)
+    for fmt in ("Q4_0", "Q4_1"):
+        raw = quants.quantize(x, gguf.GGMLQuantizationType[fmt])
+        want = reference(raw, fmt)
+        got = int4_weight(torch.from_numpy(raw), fmt, torch.float32).dequantize()
+        torch.testing.assert_close(got, want, rtol=0, atol=float(want.abs().max()) * 2**-21)
+
+
+@pytest.mark.parametrize("fmt", list(BLOCKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_are_those_of_the_dequantized_matrix(fmt, dtype):
+    raw = raw_blocks(fmt, 256, 512, seed=7)
+    want = reference(raw, fmt).double()
+    weight = int4_weight(torch.from_numpy(raw), fmt, dtype)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(dtype)
+    exact = x.double() @ want.t()
+    scale = x.double().abs() @ want.abs().t()
+    # bf16: the scale and zero round to bf16, and so does the output
+    unit = 2.0**-7 if dtype is torch.bfloat16 else 2.0**-19
+    assert ((weight.matmul(x).double() - exact).abs() <= unit * scale + 1e-6).all()
+
+
+def test_a_row_of_broken_blocks_is_refused():
+    with pytest.raises(ValueError, match="not whole blocks"):
+        int4_weight(torch.zeros(32, 30, dtype=torch.uint8), "Q4_0", torch.float32)
