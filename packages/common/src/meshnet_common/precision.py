@@ -20,6 +20,7 @@ DTYPE_CHOICES = ("bfloat16", "float32")  # --dtype: activations, norms, embeddin
 GROUP_SIZES = (32, 64, 128)  # --quant-group-size: int4 weights sharing one scale and zero
 DEFAULT_GROUP_SIZE = 64
 NATIVE_FORMATS = ("fp8", "mxfp4")  # formats checkpoints ship and nodes keep packed
+BLOCK_FORMATS = ("int4", "int8")  # what a GGUF's blocks run as by default (``gguf_index``)
 
 
 class Precision(StrEnum):
@@ -103,8 +104,8 @@ def dtype_bytes(dtype: str) -> int:
 
 def resolve_precision(quantization: str, dtype: str, native: str | None) -> Precision:
     """The precision a node serves a checkpoint in, from ``--quantization`` and ``--dtype``
-    and the checkpoint's shipped format ``native`` (``fp8``, ``mxfp4`` or None; see
-    ``native_format_name``).
+    and the checkpoint's shipped format ``native`` (``fp8``, ``mxfp4``, a GGUF's ``int4`` /
+    ``int8``, or None; see ``native_format_name``).
 
     auto: the shipped format if any (kept packed), else the compute dtype. bfloat16: plain
     weights at the compute dtype (a shipped FP8/MXFP4 checkpoint is dequantized). float32:
@@ -112,7 +113,7 @@ def resolve_precision(quantization: str, dtype: str, native: str | None) -> Prec
     (InvalidRequest otherwise). int8/int4/nf4: as given."""
     if dtype not in DTYPE_CHOICES:
         raise InvalidRequest(f"--dtype {dtype}: expected one of {', '.join(DTYPE_CHOICES)}")
-    if native is not None and native not in NATIVE_FORMATS:
+    if native is not None and native not in (*NATIVE_FORMATS, *BLOCK_FORMATS):
         raise InvalidRequest(f"unknown checkpoint format {native!r}")
     plain = Precision.FLOAT32 if dtype == "float32" else Precision.BFLOAT16
     if quantization == "auto":
@@ -143,9 +144,13 @@ def compute_dtype_name(precision: Precision, dtype: str | None = None) -> str:
 
 def native_format_name(config: dict) -> str | None:
     """``fp8``, ``mxfp4`` or None: the packed format a checkpoint's ``config.json`` declares
-    (InvalidRequest for a quantization nodes cannot read)."""
+    (InvalidRequest for a quantization nodes cannot read); for a GGUF ``int4`` / ``int8``, what
+    its blocks run as."""
     from meshnet_common.models.native_formats import native_format
 
+    spec = config.get("quantization_config") or {}
+    if spec.get("quant_method") == "gguf":  # int4 / int8 blocks, or None (``gguf_index``)
+        return spec.get("runtime")
     found = native_format(config)
     return None if found is None else found[0]
 

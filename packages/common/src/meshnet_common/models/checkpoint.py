@@ -13,6 +13,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from meshnet_common.errors import ModelError, UnsupportedArchitecture
 from meshnet_common.layers import LayerRange
@@ -158,6 +159,7 @@ class CheckpointIndex:
     architecture: str
     num_layers: int
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    gguf: Any = None  # a GGUF file's ``GgufSource`` (``gguf_index``); None: safetensors
 
     @property
     def naming(self) -> CheckpointNaming:
@@ -173,8 +175,13 @@ class CheckpointIndex:
 
     @classmethod
     def load(cls, snapshot: Path | str) -> CheckpointIndex:
-        """Index a snapshot folder. Raises ModelError naming the path on any defect."""
+        """Index a snapshot folder, or a GGUF file. Raises ModelError naming the path on
+        any defect."""
         root = Path(snapshot)
+        if root.suffix == ".gguf" and root.is_file():
+            from meshnet_common.models.gguf_index import load_gguf_index
+
+            return load_gguf_index(root)
         if not root.is_dir():
             raise ModelError(f"{root}: not a directory")
         config = read_config(root)

@@ -130,6 +130,8 @@ def native_format(config: dict) -> tuple[str, tuple[int, int]] | None:
     if not spec:
         return None
     method = spec.get("quant_method")
+    if method == "gguf":  # block tensors read by the node's GGUF reader, not converted here
+        return None
     if method == "fp8":
         if spec.get("fmt", "e4m3") != "e4m3":
             raise InvalidRequest(f"FP8 format {spec.get('fmt')!r}: only e4m3 is supported")

@@ -34,6 +34,8 @@ from meshnet_node.engine.quantization import quantize_linears
 from meshnet_node.engine.row_attention import enable_together, widen_attention
 from meshnet_node.kernels import bf16_dot
 from meshnet_node.kernels import packed as packed_kernels
+from meshnet_node.lowbit.gguf_blocks import GROUP as GGUF_GROUP
+from meshnet_node.lowbit.gguf_blocks import GgufTensors
 from meshnet_node.lowbit.loading import PACKED, ShardPacker
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,9 @@ def _read_tensors(
 ) -> dict[str, torch.Tensor]:
     """The named tensors, cast to ``dtype`` (None: as stored, for packed or scaled weights
     that transformers' dequantization reads in their own types)."""
+    if index.gguf is not None:  # one tensor at a time from the file's mapping
+        reader = GgufTensors(index)
+        return {name: reader.dense(name, dtype or torch.float32) for name in names}
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in names:
         by_file[index.tensors[name].file].append(name)
@@ -230,9 +235,15 @@ def load_shard(
     at a time (``meshnet_node.kernels.bf16_dot``: the same numbers, ADR-0030)."""
     index = CheckpointIndex.load(snapshot)
     layers.check_within(index.num_layers)
-    config = AutoConfig.from_pretrained(index.root)
+    if index.gguf is not None:  # the config is the GGUF's metadata (``gguf_index``)
+        fields = {k: v for k, v in index.config.items() if k != "quantization_config"}
+        config = AutoConfig.for_model(**fields)
+    else:
+        config = AutoConfig.from_pretrained(index.root)
     adapter = adapter_for(config)
     dtype = dtype or precision.compute_dtype
+    if index.gguf is not None and precision is Precision.INT4:
+        group_size = GGUF_GROUP  # its 4-bit blocks are int4 in groups of 32 as they are
     try:
         native = native_format(index.config)
     except InvalidRequest as exc:

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import gguf
+import numpy as np
 import torch
+from gguf import quants
 
 from meshnet_node.lowbit.packed import Codes, Int4Weight
 
@@ -31,6 +34,7 @@ GROUP = 32  # every 4-bit GGUF format scales groups of 32 weights
 # format name -> (weights per block, bytes per block), as ggml lays them out
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 CHUNK_ROWS = 256
+_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
@@ -94,3 +98,47 @@ def int4_weight(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Int4Weight:
     shape = (raw.shape[0], raw.shape[1] // size * weights)
     chunks = int4_chunks(raw, fmt, dtype)
     return Int4Weight.from_codes(chunks, shape, GROUP, dtype, aligned=shape[0] % CHUNK_ROWS == 0)
+
+
+class GgufTensors:
+    """Tensors of a GGUF index read one at a time from the file's mapping: a block format's
+    raw bytes (``raw``, for ``int4_weight``) or any tensor's values (``dense``), rows of
+    Llama's query and key projections put back in HF's order either way."""
+
+    def __init__(self, index) -> None:
+        self.index, self.source = index, index.gguf
+        self._map = np.memmap(index.root / self.source.file, dtype=np.uint8, mode="r")
+
+    def fmt(self, name: str) -> str:
+        return self.index.tensors[name].dtype
+
+    def _bytes(self, name: str) -> np.ndarray:
+        info = self.index.tensors[name]
+        return self._map[info.offset : info.offset + info.nbytes]
+
+    def raw(self, name: str) -> torch.Tensor:
+        """A block-format tensor's bytes ``[out, bytes per row]`` (a copy: one tensor)."""
+        rows = self.index.tensors[name].shape[0]
+        return self._unpermute(name, torch.from_numpy(self._bytes(name).reshape(rows, -1).copy()))
+
+    def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor's values in ``dtype`` at its HF shape (block formats dequantized by the
+        ``gguf`` package, in float32)."""
+        info = self.index.tensors[name]
+        data = self._bytes(name)
+        if info.dtype in _PLAIN:
+            values = torch.from_numpy(data.copy()).view(_PLAIN[info.dtype])
+        else:
+            kind = gguf.GGMLQuantizationType[info.dtype]
+            rows = info.shape[0] if len(info.shape) > 1 else 1
+            values = torch.from_numpy(quants.dequantize(data.reshape(rows, -1), kind).copy())
+        return self._unpermute(name, values.reshape(info.shape)).to(dtype)
+
+    def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """llama.cpp interleaves each head's rotary halves (``permute`` in its converter);
+        this is its inverse, on rows whatever they hold."""
+        heads = self.source.row_permutation.get(name)
+        if heads is None:
+            return rows
+        n = rows.shape[0]
+        return rows.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(n, -1)

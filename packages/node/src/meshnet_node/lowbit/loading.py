@@ -24,6 +24,7 @@ from meshnet_common.errors import ModelError
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.native_formats import fp8_dequantize, mxfp4_dequantize
 from meshnet_common.precision import Precision, quantized_tensor
+from meshnet_node.lowbit.gguf_blocks import BLOCKS, GROUP, GgufTensors, int4_weight
 from meshnet_node.lowbit.modules import PackedExperts, PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight, Int8Weight, PackedWeight
 from meshnet_node.lowbit.shipped import DenseWeight, Fp8Weight, Mxfp4Weight
@@ -66,6 +67,7 @@ class ShardPacker:
         self.fp8_block = native[1] if native is not None and native[0] == "fp8" else (128, 128)
         self._files = ExitStack()
         self._handles: dict[str, object] = {}
+        self._gguf = GgufTensors(index) if index.gguf is not None else None
 
     # -- what to take ---------------------------------------------------------------------
 
@@ -114,7 +116,9 @@ class ShardPacker:
 
     def _read(self, name: str) -> torch.Tensor:
         """The tensor, backed by the file's mapping: what is packed from it is a new tensor,
-        what is kept as read must be copied (``_kept``)."""
+        what is kept as read must be copied (``_kept``). A GGUF's: its values in float32."""
+        if self._gguf is not None:
+            return self._gguf.dense(name, torch.float32)
         return self._handle(name).get_tensor(name)
 
     def _read_expert(self, name: str, expert: int) -> torch.Tensor:
@@ -148,7 +152,10 @@ class ShardPacker:
         return DenseWeight(torch.cat([p.to(self.dtype) for p in parts]))
 
     def _matrix(self, name: str, stored: torch.Tensor | None = None) -> PackedWeight:
-        """A Linear weight by checkpoint name: FP8 bytes kept or dequantized, then packed."""
+        """A Linear weight by checkpoint name: FP8 bytes kept or dequantized, then packed;
+        a GGUF's 4-bit blocks go to int4 as they are (group 32, ``gguf_blocks``)."""
+        if stored is None and self._gguf_blocks(name):
+            return int4_weight(self._gguf.raw(name), self._gguf.fmt(name), self.dtype)
         weight = self._read(name) if stored is None else stored
         if weight.dtype == torch.float8_e4m3fn:
             scale = self._read(name + SCALE_INV)
@@ -156,6 +163,13 @@ class ShardPacker:
                 return Fp8Weight(weight.clone(), scale.clone(), self.fp8_block)
             weight = fp8_dequantize(weight, scale, self.fp8_block)
         return self.quantize(weight)
+
+    def _gguf_blocks(self, name: str) -> bool:
+        """Whether ``name`` is a GGUF 4-bit block tensor that int4 holds as it is."""
+        if self._gguf is None or self.precision is not Precision.INT4:
+            return False
+        shape = tuple(self.index.tensors[name].shape)
+        return self._gguf.fmt(name) in BLOCKS and Int4Weight.group_for(shape, GROUP) == GROUP
 
     def pack_linears(self, model: nn.Module, plan: _Plan, after_layer=lambda: None) -> int:
         """Put a PackedLinear in place of each planned Linear; ``after_layer`` runs when a
@@ -167,9 +181,9 @@ class ShardPacker:
             last_layer = self.index.layer_of(name)
             parent_path, _, attr = path.rpartition(".")
             module = model.get_submodule(path)
-            weight = self._read(name)
+            weight = None  # read by _matrix, which may take a GGUF's blocks as they are
             if isinstance(module, Conv1D):
-                weight = weight.t()  # GPT-2 stores [in, out]
+                weight = self._read(name).t()  # GPT-2 stores [in, out]
             bias_name = path + ".bias"
             bias = self._kept(bias_name, self.dtype) if bias_name in self.index.tensors else None
             setattr(model.get_submodule(parent_path), attr,

@@ -1,0 +1,169 @@
+"""A GGUF file as a checkpoint: its tensors under the names of the HF family, by layer.
+
+llama.cpp's GGUF holds config, tokenizer and every tensor in one file (or llama.cpp's split
+files), tensors named ``blk.N.attn_q.weight`` and stored in ggml's block formats. The index
+maps each to the HF name of the same weight (``model.layers.N.self_attn.q_proj.weight``) with
+its HF shape ``[out, in]``, its ggml type as the dtype (``Q4_1``, ``F32``, ...), and where its
+bytes lie in the file, so everything that selects tensors by layer range (the loader, memory
+pricing, subset serving) works on a GGUF as on a safetensors snapshot.
+
+The config comes from the file's metadata through transformers' own key table
+(``transformers.integrations.ggml``); the families are those whose GGUF tensors map one to
+one onto HF tensors: Llama (and Mistral, which llama.cpp writes as ``llama``), Qwen2, Qwen3.
+llama.cpp permutes the rows of Llama's query and key projections for its rotary layout;
+``row_permutation`` names the heads to undo it with (transformers undoes it the same way).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshnet_common.errors import ModelError
+
+GGUF_SUFFIX = ".gguf"
+
+# general.architecture -> the HF class of the same model
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+# Architectures whose q/k rows llama.cpp's converter permuted.
+_PERMUTED = {"llama"}
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IN_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<part>\w+)\.(?P<kind>weight|bias)$")
+# Tensors llama.cpp adds that the HF model computes itself (Llama 3's rope frequencies).
+_DERIVED = ("rope_freqs.weight",)
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """Where an index's tensors come from in a GGUF: the file, each HF name's GGUF name, and
+    the heads whose rows to un-permute (HF name -> heads)."""
+
+    file: str
+    names: dict[str, str] = field(default_factory=dict)
+    row_permutation: dict[str, int] = field(default_factory=dict)
+
+
+def is_gguf(path: Path | str) -> bool:
+    return Path(path).suffix == GGUF_SUFFIX and Path(path).is_file()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name of a GGUF tensor of the supported families (None: not known)."""
+    if gguf_name in _GLOBAL:
+        return _GLOBAL[gguf_name]
+    m = _LAYER_TENSOR.match(gguf_name)
+    if m is None or m["part"] not in _IN_LAYER:
+        return None
+    return f"model.layers.{m['layer']}.{_IN_LAYER[m['part']]}.{m['kind']}"
+
+
+def _value(reader, key: str):
+    found = reader.fields.get(key)
+    return None if found is None else found.contents()
+
+
+def gguf_config(reader, path: Path, tensor_names: set[str]) -> dict:
+    """The HF config of a GGUF from its metadata (transformers' key table)."""
+    try:
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    except ImportError as exc:  # the tracker's base install: no transformers
+        raise ModelError(f"{path}: reading a GGUF's config needs transformers ({exc})") from exc
+    arch = _value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelError(
+            f"{path}: GGUF architecture {arch!r} is not served from GGUF yet; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
+    config: dict = {"model_type": arch, "architectures": [ARCHITECTURES[arch]]}
+    for suffix, key in GGUF_CONFIG_MAPPING[arch].items():
+        value = _value(reader, f"{arch}.{suffix}")
+        if value is not None and key:
+            config[key] = value
+    if "vocab_size" not in config:
+        tokens = _value(reader, "tokenizer.ggml.tokens")
+        if tokens is not None:
+            config["vocab_size"] = len(tokens)
+    for token in ("bos", "eos", "padding"):
+        value = _value(reader, f"tokenizer.ggml.{token}_token_id")
+        if value is not None:
+            config["pad_token_id" if token == "padding" else f"{token}_token_id"] = value
+    config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    if "num_hidden_layers" not in config:
+        raise ModelError(f"{path}: GGUF metadata lacks {arch}.block_count")
+    return config
+
+
+# ggml types of a layer's weights -> the runtime precision ``auto`` serves them in: 4-bit and
+# lower blocks as int4 (Q4_* exactly, group 32), 5- to 8-bit blocks as int8 (rounded to a
+# scale per row), float tensors at the compute dtype.
+_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def runtime_of(tensors: dict) -> str | None:
+    """``int4``, ``int8`` or None (float): what ``--quantization auto`` serves a GGUF in,
+    by the type holding most bytes of its layers' matrices."""
+    by_type: dict[str, int] = {}
+    for t in tensors.values():
+        if t.name.startswith("model.layers.") and len(t.shape) == 2:
+            by_type[t.dtype] = by_type.get(t.dtype, 0) + t.nbytes
+    if not by_type:
+        return None
+    top = max(by_type, key=by_type.__getitem__)
+    return None if top in _FLOAT_TYPES else "int4" if top in _INT4_TYPES else "int8"
+
+
+def load_gguf_index(path: Path | str):
+    """The ``CheckpointIndex`` of one GGUF file (ModelError naming the path on any defect)."""
+    from gguf import GGUFReader
+
+    from meshnet_common.models.checkpoint import CheckpointIndex, TensorInfo
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the reader fails with whatever it hit on a malformed file
+        raise ModelError(f"{path}: not a readable GGUF ({type(exc).__name__}: {exc})") from exc
+    names = {t.name for t in reader.tensors}
+    config = gguf_config(reader, path, names)
+    arch = config["model_type"]
+    source = GgufSource(file=path.name)
+    tensors: dict[str, TensorInfo] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            if t.name in _DERIVED:
+                continue
+            raise ModelError(f"{path}: GGUF tensor {t.name!r} has no place in {arch}")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists inner first
+        tensors[name] = TensorInfo(
+            name, path.name, t.tensor_type.name, shape, int(t.n_bytes), int(t.data_offset)
+        )
+        source.names[name] = t.name
+        if arch in _PERMUTED and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = "head_count" if "attn_q" in t.name else "head_count_kv"
+            source.row_permutation[name] = int(_value(reader, f"{arch}.attention.{heads}"))
+    config["quantization_config"] = {"quant_method": "gguf", "runtime": runtime_of(tensors)}
+    return CheckpointIndex(
+        root=path.parent, config=config, architecture=ARCHITECTURES[arch],
+        num_layers=int(config["num_hidden_layers"]), tensors=tensors, gguf=source,
+    )  # fmt: skip
