@@ -71,3 +71,18 @@ def test_products_are_those_of_the_dequantized_matrix(fmt, dtype):
 def test_a_row_of_broken_blocks_is_refused():
     with pytest.raises(ValueError, match="not whole blocks"):
         int4_weight(torch.zeros(32, 30, dtype=torch.uint8), "Q4_0", torch.float32)
+
+
+def test_our_q4_k_packer_writes_what_the_gguf_package_reads_back():
+    """``tiny_gguf.pack_q4_k`` (the gguf package cannot write Q4_K): its blocks dequantize
+    (by the gguf package) to within half a step of each group's grid of the input."""
+    from meshnet_common.models.tiny_gguf import pack_q4_k
+
+    x = np.random.default_rng(3).standard_normal((48, 512)).astype(np.float32)
+    back = reference(pack_q4_k(x), "Q4_K").numpy()
+    groups = x.reshape(48, -1, 32)
+    step = (groups.max(-1) - np.minimum(groups.min(-1), 0)) / 15  # the group's own step
+    # rounding the code (half a step) plus the 6-bit scale and minimum's rounding
+    err = np.abs(back.reshape(48, -1, 32) - groups).max(-1)
+    assert (err <= 0.6 * step + 0.05 * np.abs(groups).max(-1)).all()
+    assert np.abs(back - x).mean() < 0.1

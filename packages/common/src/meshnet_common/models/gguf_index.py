@@ -76,6 +76,16 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m['layer']}.{_IN_LAYER[m['part']]}.{m['kind']}"
 
 
+def gguf_names(num_layers: int = 1024) -> dict[str, str]:
+    """HF name -> GGUF name for every tensor the table knows (writers of test files)."""
+    names = {hf: g for g, hf in _GLOBAL.items()}
+    for layer in range(num_layers):
+        for part, hf_part in _IN_LAYER.items():
+            for kind in ("weight", "bias"):
+                names[f"model.layers.{layer}.{hf_part}.{kind}"] = f"blk.{layer}.{part}.{kind}"
+    return names
+
+
 def _value(reader, key: str):
     found = reader.fields.get(key)
     return None if found is None else found.contents()
@@ -98,6 +108,9 @@ def gguf_config(reader, path: Path, tensor_names: set[str]) -> dict:
         value = _value(reader, f"{arch}.{suffix}")
         if value is not None and key:
             config[key] = value
+    key_length = _value(reader, f"{arch}.attention.key_length")
+    if key_length is not None:  # Qwen3's heads may be wider than hidden / heads
+        config["head_dim"] = key_length
     if "vocab_size" not in config:
         tokens = _value(reader, "tokenizer.ggml.tokens")
         if tokens is not None:
