@@ -7,9 +7,9 @@ its HF shape ``[out, in]``, its ggml type as the dtype (``Q4_1``, ``F32``, ...),
 bytes lie in the file, so everything that selects tensors by layer range (the loader, memory
 pricing, subset serving) works on a GGUF as on a safetensors snapshot.
 
-The config comes from the file's metadata through transformers' own key table
-(``transformers.integrations.ggml``); the families are those whose GGUF tensors map one to
-one onto HF tensors: Llama (and Mistral, which llama.cpp writes as ``llama``), Qwen2, Qwen3.
+The config comes from the file's metadata (the keys transformers' own table reads, without
+importing transformers: the tracker has none); the families are those whose GGUF tensors
+map one to one onto HF tensors: Llama (and Mistral, which llama.cpp writes as ``llama``), Qwen2, Qwen3.
 llama.cpp permutes the rows of Llama's query and key projections for its rotary layout;
 ``row_permutation`` names the heads to undo it with (transformers undoes it the same way).
 """
@@ -48,6 +48,22 @@ _IN_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<part>\w+)\.(?P<kind>weight|bias)$")
+# GGUF metadata key (after "<arch>.") -> HF config field, for the families above: the keys
+# transformers' own table (``transformers.integrations.ggml``) reads, plus ``key_length``
+# (Qwen3's heads may be wider than hidden / heads). Kept here so the tracker, which has no
+# transformers, reads a GGUF's shape too.
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
 # Tensors llama.cpp adds that the HF model computes itself (Llama 3's rope frequencies).
 _DERIVED = ("rope_freqs.weight",)
 
@@ -92,11 +108,7 @@ def _value(reader, key: str):
 
 
 def gguf_config(reader, path: Path, tensor_names: set[str]) -> dict:
-    """The HF config of a GGUF from its metadata (transformers' key table)."""
-    try:
-        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-    except ImportError as exc:  # the tracker's base install: no transformers
-        raise ModelError(f"{path}: reading a GGUF's config needs transformers ({exc})") from exc
+    """The HF config of a GGUF from its metadata (``_CONFIG_KEYS``, as transformers' table)."""
     arch = _value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelError(
@@ -104,13 +116,10 @@ def gguf_config(reader, path: Path, tensor_names: set[str]) -> dict:
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
     config: dict = {"model_type": arch, "architectures": [ARCHITECTURES[arch]]}
-    for suffix, key in GGUF_CONFIG_MAPPING[arch].items():
+    for suffix, key in _CONFIG_KEYS.items():
         value = _value(reader, f"{arch}.{suffix}")
-        if value is not None and key:
+        if value is not None:
             config[key] = value
-    key_length = _value(reader, f"{arch}.attention.key_length")
-    if key_length is not None:  # Qwen3's heads may be wider than hidden / heads
-        config["head_dim"] = key_length
     if "vocab_size" not in config:
         tokens = _value(reader, "tokenizer.ggml.tokens")
         if tokens is not None:
@@ -120,6 +129,8 @@ def gguf_config(reader, path: Path, tensor_names: set[str]) -> dict:
         if value is not None:
             config["pad_token_id" if token == "padding" else f"{token}_token_id"] = value
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    if "head_dim" not in config and _value(reader, f"{arch}.rope.dimension_count"):
+        config["head_dim"] = _value(reader, f"{arch}.rope.dimension_count")
     if "num_hidden_layers" not in config:
         raise ModelError(f"{path}: GGUF metadata lacks {arch}.block_count")
     return config
