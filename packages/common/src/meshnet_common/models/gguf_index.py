@@ -1,7 +1,7 @@
 """A GGUF file as a checkpoint: its tensors under the names of the HF family, by layer.
 
-llama.cpp's GGUF holds config, tokenizer and every tensor in one file (or llama.cpp's split
-files), tensors named ``blk.N.attn_q.weight`` and stored in ggml's block formats. The index
+llama.cpp's GGUF holds config, tokenizer and every tensor in one file (llama.cpp's split
+files are not read yet), tensors named ``blk.N.attn_q.weight`` and stored in ggml's block formats. The index
 maps each to the HF name of the same weight (``model.layers.N.self_attn.q_proj.weight``) with
 its HF shape ``[out, in]``, its ggml type as the dtype (``Q4_1``, ``F32``, ...), and where its
 bytes lie in the file, so everything that selects tensors by layer range (the loader, memory
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshnet_common.errors import ModelError
+from meshnet_common.models.gguf_header import ArrayInfo, read_header
 
 GGUF_SUFFIX = ".gguf"
 
@@ -82,6 +83,16 @@ def is_gguf(path: Path | str) -> bool:
     return Path(path).suffix == GGUF_SUFFIX and Path(path).is_file()
 
 
+def pretrained_args(model_path: Path | str) -> tuple[Path, dict]:
+    """What transformers' ``from_pretrained`` takes for a model path: a snapshot folder as it
+    is, a GGUF file as its folder and ``gguf_file`` (tokenizer and chat template come from
+    the file's metadata)."""
+    path = Path(model_path)
+    if is_gguf(path):
+        return path.parent, {"gguf_file": path.name}
+    return path, {}
+
+
 def hf_name(gguf_name: str) -> str | None:
     """The HF tensor name of a GGUF tensor of the supported families (None: not known)."""
     if gguf_name in _GLOBAL:
@@ -102,14 +113,9 @@ def gguf_names(num_layers: int = 1024) -> dict[str, str]:
     return names
 
 
-def _value(reader, key: str):
-    found = reader.fields.get(key)
-    return None if found is None else found.contents()
-
-
-def gguf_config(reader, path: Path, tensor_names: set[str]) -> dict:
+def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
     """The HF config of a GGUF from its metadata (``_CONFIG_KEYS``, as transformers' table)."""
-    arch = _value(reader, "general.architecture")
+    arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelError(
             f"{path}: GGUF architecture {arch!r} is not served from GGUF yet; supported: "
@@ -117,20 +123,18 @@ def gguf_config(reader, path: Path, tensor_names: set[str]) -> dict:
         )
     config: dict = {"model_type": arch, "architectures": [ARCHITECTURES[arch]]}
     for suffix, key in _CONFIG_KEYS.items():
-        value = _value(reader, f"{arch}.{suffix}")
+        value = meta.get(f"{arch}.{suffix}")
         if value is not None:
             config[key] = value
-    if "vocab_size" not in config:
-        tokens = _value(reader, "tokenizer.ggml.tokens")
-        if tokens is not None:
-            config["vocab_size"] = len(tokens)
+    if "vocab_size" not in config and isinstance(meta.get("tokenizer.ggml.tokens"), ArrayInfo):
+        config["vocab_size"] = meta["tokenizer.ggml.tokens"].count
     for token in ("bos", "eos", "padding"):
-        value = _value(reader, f"tokenizer.ggml.{token}_token_id")
+        value = meta.get(f"tokenizer.ggml.{token}_token_id")
         if value is not None:
             config["pad_token_id" if token == "padding" else f"{token}_token_id"] = value
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
-    if "head_dim" not in config and _value(reader, f"{arch}.rope.dimension_count"):
-        config["head_dim"] = _value(reader, f"{arch}.rope.dimension_count")
+    if "head_dim" not in config and meta.get(f"{arch}.rope.dimension_count"):
+        config["head_dim"] = meta[f"{arch}.rope.dimension_count"]
     if "num_hidden_layers" not in config:
         raise ModelError(f"{path}: GGUF metadata lacks {arch}.block_count")
     return config
@@ -158,34 +162,27 @@ def runtime_of(tensors: dict) -> str | None:
 
 def load_gguf_index(path: Path | str):
     """The ``CheckpointIndex`` of one GGUF file (ModelError naming the path on any defect)."""
-    from gguf import GGUFReader
-
     from meshnet_common.models.checkpoint import CheckpointIndex, TensorInfo
 
     path = Path(path)
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # the reader fails with whatever it hit on a malformed file
-        raise ModelError(f"{path}: not a readable GGUF ({type(exc).__name__}: {exc})") from exc
-    names = {t.name for t in reader.tensors}
-    config = gguf_config(reader, path, names)
+    header = read_header(path)
+    meta = header.metadata
+    config = gguf_config(meta, path, {t.name for t in header.tensors})
     arch = config["model_type"]
     source = GgufSource(file=path.name)
     tensors: dict[str, TensorInfo] = {}
-    for t in reader.tensors:
+    for t in header.tensors:
         name = hf_name(t.name)
         if name is None:
             if t.name in _DERIVED:
                 continue
             raise ModelError(f"{path}: GGUF tensor {t.name!r} has no place in {arch}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists inner first
-        tensors[name] = TensorInfo(
-            name, path.name, t.tensor_type.name, shape, int(t.n_bytes), int(t.data_offset)
-        )
+        shape = tuple(reversed(t.dims))  # ggml lists the innermost dimension first
+        tensors[name] = TensorInfo(name, path.name, t.type_name, shape, t.nbytes, t.offset)
         source.names[name] = t.name
         if arch in _PERMUTED and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = "head_count" if "attn_q" in t.name else "head_count_kv"
-            source.row_permutation[name] = int(_value(reader, f"{arch}.attention.{heads}"))
+            source.row_permutation[name] = int(meta[f"{arch}.attention.{heads}"])
     config["quantization_config"] = {"quant_method": "gguf", "runtime": runtime_of(tensors)}
     return CheckpointIndex(
         root=path.parent, config=config, architecture=ARCHITECTURES[arch],
