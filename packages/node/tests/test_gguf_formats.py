@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from meshnet_common.layers import LayerRange
@@ -22,7 +23,7 @@ from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 from meshnet_node.lowbit.gguf_blocks import GgufTensors
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 PROMPT = list(range(3, 40))
 NEW_TOKENS = 6
 # int4 from 4-bit blocks: the zero is one float32 rounding from the file's (Q4_0: exact)
@@ -52,15 +53,18 @@ def _greedy(path: Path, precision: Precision, cuts) -> tuple[list[int], torch.Te
 
 
 def _reference(path: Path) -> AutoModelForCausalLM:
-    """The family's HF model holding the file's weights dequantized, in float32."""
+    """The family's HF model holding the file's weights dequantized, in float32: written as
+    a safetensors snapshot and loaded by transformers (which fuses per-expert tensors)."""
     index = CheckpointIndex.load(path)
     fields = {k: v for k, v in index.config.items() if k != "quantization_config"}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
-    reader = GgufTensors(index)
-    state = {name: reader.dense(name, torch.float32) for name in index.tensors}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied
-    return model.eval()
+    folder = path.with_suffix(".reference")
+    if not folder.exists():
+        folder.mkdir()
+        AutoConfig.for_model(**fields).save_pretrained(folder)
+        reader = GgufTensors(index)
+        state = {name: reader.dense(name, torch.float32).contiguous() for name in index.tensors}
+        save_file(state, folder / "model.safetensors")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)

@@ -25,8 +25,14 @@ from meshnet_common.models.gguf_header import ArrayInfo, read_header
 
 GGUF_SUFFIX = ".gguf"
 
-# general.architecture -> the HF class of the same model
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+# general.architecture -> the HF class of the same model, and its HF model_type
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+}  # fmt: skip
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# llama.cpp's qwen3moe always renormalizes the chosen experts' weights; qwen2moe never does
+_NORM_TOP_K = {"qwen2moe": False, "qwen3moe": True}
 # Architectures whose q/k rows llama.cpp's converter permuted.
 _PERMUTED = {"llama"}
 
@@ -47,7 +53,16 @@ _IN_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE: the router, a shared expert and its gate (Qwen2-MoE)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# A layer's routed experts, stacked [experts, out, in] in one GGUF tensor: listed in the
+# index expert by expert (``mlp.experts.E.gate_proj.weight``), each a slice of its bytes.
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<part>\w+)\.(?P<kind>weight|bias)$")
 # GGUF metadata key (after "<arch>.") -> HF config field, for the families above: the keys
 # transformers' own table (``transformers.integrations.ggml``) reads, plus ``key_length``
@@ -64,6 +79,10 @@ _CONFIG_KEYS = {
     "attention.key_length": "head_dim",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 # Tensors llama.cpp adds that the HF model computes itself (Llama 3's rope frequencies).
 _DERIVED = ("rope_freqs.weight",)
@@ -121,7 +140,7 @@ def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
             f"{path}: GGUF architecture {arch!r} is not served from GGUF yet; supported: "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
-    config: dict = {"model_type": arch, "architectures": [ARCHITECTURES[arch]]}
+    config: dict = {"model_type": MODEL_TYPES.get(arch, arch), "architectures": [ARCHITECTURES[arch]]}  # fmt: skip
     for suffix, key in _CONFIG_KEYS.items():
         value = meta.get(f"{arch}.{suffix}")
         if value is not None:
@@ -137,6 +156,12 @@ def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
         config["head_dim"] = meta[f"{arch}.rope.dimension_count"]
     if "num_hidden_layers" not in config:
         raise ModelError(f"{path}: GGUF metadata lacks {arch}.block_count")
+    if arch in _NORM_TOP_K:  # a layer without routed experts is dense (by its tensors)
+        sparse = {int(m["layer"]) for n in tensor_names
+                  if (m := _LAYER_TENSOR.match(n)) and m["part"] in _EXPERTS}  # fmt: skip
+        config["norm_topk_prob"] = _NORM_TOP_K[arch]
+        config["decoder_sparse_step"] = 1
+        config["mlp_only_layers"] = sorted(set(range(config["num_hidden_layers"])) - sparse)
     return config
 
 
@@ -168,16 +193,22 @@ def load_gguf_index(path: Path | str):
     header = read_header(path)
     meta = header.metadata
     config = gguf_config(meta, path, {t.name for t in header.tensors})
-    arch = config["model_type"]
+    arch = meta["general.architecture"]
     source = GgufSource(file=path.name)
     tensors: dict[str, TensorInfo] = {}
     for t in header.tensors:
+        m = _LAYER_TENSOR.match(t.name)
+        if m is not None and m["part"] in _EXPERTS:
+            _list_experts(tensors, source, t, path.name, f"model.layers.{m['layer']}.mlp.experts")
+            continue
         name = hf_name(t.name)
         if name is None:
             if t.name in _DERIVED:
                 continue
             raise ModelError(f"{path}: GGUF tensor {t.name!r} has no place in {arch}")
         shape = tuple(reversed(t.dims))  # ggml lists the innermost dimension first
+        if name.endswith("shared_expert_gate.weight"):
+            shape = (1, *shape)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as a vector
         tensors[name] = TensorInfo(name, path.name, t.type_name, shape, t.nbytes, t.offset)
         source.names[name] = t.name
         if arch in _PERMUTED and t.name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -188,3 +219,15 @@ def load_gguf_index(path: Path | str):
         root=path.parent, config=config, architecture=ARCHITECTURES[arch],
         num_layers=int(config["num_hidden_layers"]), tensors=tensors, gguf=source,
     )  # fmt: skip
+
+
+def _list_experts(tensors: dict, source: GgufSource, t, file: str, prefix: str) -> None:
+    """Index a stacked experts tensor expert by expert: each a contiguous slice."""
+    from meshnet_common.models.checkpoint import TensorInfo
+
+    inner, out, experts = t.dims  # ggml order: [in, out, experts]
+    size = t.nbytes // experts
+    for e in range(experts):
+        name = f"{prefix}.{e}.{_EXPERTS[t.name.split('.')[2]]}.weight"
+        tensors[name] = TensorInfo(name, file, t.type_name, (out, inner), size, t.offset + e * size)
+        source.names[name] = t.name

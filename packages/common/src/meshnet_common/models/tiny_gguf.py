@@ -9,6 +9,8 @@ converter does (``permute``), so a reader must undo it.
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,8 @@ from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_index import ARCHITECTURES, gguf_names
 
 BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+_EXPERT = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")  # fmt: skip
+_ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")
 
 
 def pack_q4_k(weight: np.ndarray) -> np.ndarray:
@@ -57,7 +61,8 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(snapshot: Path | str, out: Path | str, fmt: str) -> Path:
-    """``snapshot`` (a Llama, Qwen2 or Qwen3 safetensors snapshot) as the GGUF ``out``."""
+    """``snapshot`` (a Llama, Qwen2, Qwen3, Qwen2-MoE or Qwen3-MoE safetensors snapshot) as
+    the GGUF ``out``."""
     import gguf
     import torch
     from safetensors import safe_open
@@ -87,18 +92,40 @@ def write_gguf(snapshot: Path | str, out: Path | str, fmt: str) -> Path:
     for key in ("bos", "eos"):
         if isinstance(c.get(f"{key}_token_id"), int):
             getattr(writer, f"add_{key}_token_id")(c[f"{key}_token_id"])
+    experts_count = c.get("num_experts") or c.get("num_local_experts")
+    if experts_count:
+        writer.add_expert_count(experts_count)
+        writer.add_expert_used_count(c["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        if c.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    kind = gguf.GGMLQuantizationType[fmt]
+
+    def blocks(values: np.ndarray) -> np.ndarray:  # along the last axis, any leading ones
+        flat = values.reshape(-1, values.shape[-1])
+        data = pack_q4_k(flat) if fmt == "Q4_K" else gguf.quants.quantize(flat, kind)
+        return data.reshape(*values.shape[:-1], -1)
+
     to_gguf = gguf_names(index.num_layers)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = defaultdict(dict)
     for name, info in index.tensors.items():
         with safe_open(str(index.root / info.file), framework="pt") as fh:
             values = fh.get_tensor(name).to(torch.float32).numpy()
+        if m := _EXPERT.match(name):  # stacked per layer, as llama.cpp writes experts
+            experts[m["layer"], m["proj"]][int(m["expert"])] = values
+            continue
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             values = _permute(values, heads if "q_proj" in name else kv_heads)
-        if index.layer_of(name) is not None and values.ndim == 2:
-            kind = gguf.GGMLQuantizationType[fmt]
-            data = pack_q4_k(values) if fmt == "Q4_K" else gguf.quants.quantize(values, kind)
-            writer.add_tensor(to_gguf[name], data, raw_dtype=kind)
+        if name.endswith(_ROUTERS):  # llama.cpp keeps routers in float (the gate a vector)
+            writer.add_tensor(to_gguf[name], values.reshape(-1) if values.shape[0] == 1 else values)
+        elif index.layer_of(name) is not None and values.ndim == 2:
+            writer.add_tensor(to_gguf[name], blocks(values), raw_dtype=kind)
         else:
             writer.add_tensor(to_gguf[name], values)
+    for (layer, proj), by_expert in experts.items():
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])  # [experts, out, in]
+        part = proj.removesuffix("_proj")
+        writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", blocks(stacked), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -227,6 +227,9 @@ class ShardPacker:
         return packed
 
     def _gate_up(self, names: dict[str, str]) -> list[PackedWeight]:
+        if self._gguf_blocks(names["gate"]) and self._gguf_blocks(names["up"]):
+            # a GGUF's blocks as they are, each part its own int4 weight
+            return [self._matrix(names["gate"]), self._matrix(names["up"])]
         gate, up = self._read(names["gate"]), self._read(names["up"])
         if self.precision is Precision.FP8 and gate.dtype == torch.float8_e4m3fn:
             # kept as shipped: each part has its own tile grid (a ragged edge may sit between)
