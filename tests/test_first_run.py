@@ -111,7 +111,7 @@ def test_the_tracker_node_busy_with_slow_steps_keeps_its_nodes(swarm):
 
 def test_a_node_bound_to_every_interface_advertises_a_reachable_address(swarm):
     tracker = swarm.tracker().wait_healthy()
-    node = swarm.node(tracker, LLAMA, 0, 6, *F32, "--host", "0.0.0.0").wait_healthy()
+    node = swarm.node(tracker, LLAMA, 0, 6, *F32, "--host", "0.0.0.0", "--insecure").wait_healthy()
     node_id = node_id_of(node)
     wait_for(lambda: covered(tracker, LLAMA), timeout=30)
     assert nodes_of(tracker)[node_id]["url"] == f"http://127.0.0.1:{node.port}"

@@ -104,10 +104,12 @@ def test_by_hand_commands_across_two_machines(machines, models_dir, tiny_snapsho
         # Machine A: the tracker, listening on its LAN address (here the veth's).
         tracker = start("tracker", a, a.address, [
             "meshnet_tracker.cli", "--models-dir", str(models_dir), "--heartbeat-interval",
-            "0.5", "--threads", "1"])  # fmt: skip
+            "0.5", "--threads", "1", "--insecure"])  # fmt: skip
         tracker.wait_healthy()
+        # A LAN of its own: no --swarm-token, so --insecure (docs/adr/0032).
         node = ["meshnet_node.cli", "--tracker", tracker.url, "--models-dir", str(models_dir),
-                "--model-id", LLAMA, "--threads", "1", "--heartbeat-interval", "0.5", *F32]  # fmt: skip
+                "--model-id", LLAMA, "--threads", "1", "--heartbeat-interval", "0.5", *F32,
+                "--insecure"]  # fmt: skip
         # Machine B: the head on 0.0.0.0, no --advertise-url: the tracker sees it at b.address.
         head = start("head", b, "0.0.0.0", [*node, "--shard-start", "0", "--shard-end", "3"])
         # Machine A: the tail on A's address.

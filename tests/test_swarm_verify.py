@@ -76,7 +76,8 @@ def test_a_node_computing_wrong_is_caught_failed_over_and_quarantined(
     swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
     try:
         tracker = swarm.tracker("--model-id", model_id, "--shard-start", "0", "--shard-end",
-                                "2", "--verify-fraction", "1", *FP32).wait_healthy()  # fmt: skip
+                                "2", "--verify-fraction", "1", "--operator-token", "op-1",
+                                *FP32).wait_healthy()  # fmt: skip
         swarm.node(tracker, model_id, 4, 6, "--node-id", "tail", *FP32).wait_healthy()
         bad = swarm.node(tracker, model_id, 2, 4, "--node-id", "mid-bad",
                          "--test-only-perturb", "0.5", *FP32).wait_healthy()  # fmt: skip
@@ -119,7 +120,10 @@ def test_a_node_computing_wrong_is_caught_failed_over_and_quarantined(
             assert reply["choices"][0]["text"] == expected.rstrip("\ufffd")
         info = httpx.get(f"{bad.url}/v1/node", timeout=5).json()
         assert info["active_sessions"] == 0
-        lifted = httpx.delete(f"{tracker.url}/v1/nodes/mid-bad/quarantine", timeout=5)
+        lift = f"{tracker.url}/v1/nodes/mid-bad/quarantine"
+        assert httpx.delete(lift, timeout=5).status_code == 401  # the operator's call only
+        operator = {"x-meshnet-operator-token": "op-1"}
+        lifted = httpx.delete(lift, headers=operator, timeout=5)
         assert lifted.status_code == 200
         assert dashboard_nodes(tracker)["mid-bad"]["state"] == "serving"
     finally:

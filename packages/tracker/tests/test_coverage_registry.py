@@ -166,8 +166,8 @@ def test_register_shows_in_coverage(registry):
 
 
 def test_register_again_replaces_the_record(registry):
-    registry.register(announcement("a", 0, 3))
-    registry.register(announcement("a", 2, 6))
+    first = registry.register(announcement("a", 0, 3))
+    registry.register(announcement("a", 2, 6), proof=first.secret)  # its own secret
     model = registry.coverage()[MODEL]
     assert [(n.node_id, n.layers) for n in model.nodes] == [("a", LayerRange(2, 6))]
 

@@ -33,7 +33,8 @@ def announcement(node_id: str, start: int, end: int, num_layers: int = 8) -> dic
 
 @pytest.fixture
 def tracker() -> Iterator[TestClient]:
-    app = create_app(TrackerSettings(models_dir=None, verify_nodes=False), node=None)
+    settings = TrackerSettings(models_dir=None, verify_nodes=False, operator_token="op")
+    app = create_app(settings, node=None)
     with TestClient(app) as client:
         yield client
 
@@ -71,9 +72,12 @@ def test_page_is_self_contained_html(tracker):
 def test_dashboard_json_counts_layers_and_shows_gaps(tracker):
     empty = tracker.get("/v1/dashboard").json()
     assert empty["models"] == [] and empty["nodes"] == []
+    secrets = {}
     for node_id, start, end in (("head", 0, 3), ("middle", 2, 6)):
         resp = tracker.post("/v1/nodes/register", json=announcement(node_id, start, end))
         assert resp.status_code == 200, resp.text
+        secrets[node_id] = resp.json()["node_secret"]
+    proof = {"x-meshnet-node-secret": secrets["head"]}
     data = tracker.get("/v1/dashboard").json()
     assert data["tracker"]["heartbeat_interval_s"] == 2.0
     [model] = data["models"]
@@ -96,12 +100,13 @@ def test_dashboard_json_counts_layers_and_shows_gaps(tracker):
 
     beat = {"node_id": "head", "state": "serving", "active_sessions": 3, "kv_tokens": 120,
             "memory_free_bytes": 1 << 30, "tokens_served": 10}  # fmt: skip
-    assert tracker.post("/v1/nodes/heartbeat", json=beat).json()["known"] is True
+    assert tracker.post("/v1/nodes/heartbeat", json=beat, headers=proof).json()["known"] is True
     head = tracker.get("/v1/dashboard").json()["nodes"][0]
     assert (head["active_sessions"], head["kv_tokens"], head["memory_free_bytes"]) == (
         3, 120, 1 << 30,
     )  # fmt: skip
-    assert tracker.delete("/v1/nodes/middle").status_code == 200
+    operator = {"x-meshnet-operator-token": "op"}  # removing another node: the operator's call
+    assert tracker.delete("/v1/nodes/middle", headers=operator).status_code == 200
     model = tracker.get("/v1/dashboard").json()["models"][0]
     assert model["gaps"] == [[3, 8]] and model["layer_counts"][3:] == [0] * 5
 

@@ -83,15 +83,32 @@ def llama_snapshot(tiny_snapshot) -> Path:
 
 @pytest.fixture
 def tracker(models_dir, llama_snapshot) -> Iterator[TestClient]:
-    app = create_app(TrackerSettings(models_dir=models_dir, verify_nodes=False), node=None)
-    with TestClient(app) as client:
+    settings = TrackerSettings(models_dir=models_dir, verify_nodes=False, operator_token="op")
+    with TestClient(create_app(settings, node=None)) as client:
         yield client
 
 
+OPERATOR = {"x-meshnet-operator-token": "op"}
+_SECRETS: dict[tuple[int, str], str] = {}  # (tracker, node id) -> its node secret
+
+
+def proof(tracker: TestClient, node_id: str) -> dict[str, str]:
+    """The header proving ``node_id`` (docs/adr/0032), once it registered."""
+    secret = _SECRETS.get((id(tracker), node_id))
+    return {"x-meshnet-node-secret": secret} if secret else {}
+
+
 def register(tracker: TestClient, **kwargs) -> httpx.Response:
-    resp = tracker.post("/v1/nodes/register", json=announcement(**kwargs))
+    body = announcement(**kwargs)
+    resp = tracker.post("/v1/nodes/register", json=body, headers=proof(tracker, body["node_id"]))
     assert resp.status_code == 200, resp.text
+    _SECRETS[(id(tracker), body["node_id"])] = resp.json()["node_secret"]
     return resp
+
+
+def heartbeat(tracker: TestClient, beat: dict) -> httpx.Response:
+    headers = proof(tracker, beat["node_id"])
+    return tracker.post("/v1/nodes/heartbeat", json=beat, headers=headers)
 
 
 def llama_coverage(tracker: TestClient) -> dict:
@@ -116,11 +133,14 @@ def test_models_dir_models_are_known_but_uncovered(tracker):
 
 def test_register_shows_node_and_gaps(tracker):
     resp = register(tracker, node_id="head", start=0, end=3)
+    secret = resp.json().pop("node_secret")
     assert resp.json() == {
         "node_id": "head",
         "heartbeat_interval_s": 2.0,
         "url": "http://head.test:8000",
+        "node_secret": secret,
     }
+    assert len(secret) >= 32
     model = llama_coverage(tracker)
     assert model["covered"] is False
     assert model["gaps"] == [[3, 6]]
@@ -229,18 +249,18 @@ def test_heartbeat(tracker):
         "kv_tokens": 0,
         "memory_free_bytes": 1,
     }
-    resp = tracker.post("/v1/nodes/heartbeat", json=beat)
+    resp = heartbeat(tracker, beat)
     assert resp.status_code == 200
     assert resp.json() == {"known": False, "directives": [], "probe": [], "quarantined": None}
     register(tracker, node_id="ghost")
-    assert tracker.post("/v1/nodes/heartbeat", json=beat).json()["known"] is True
-    assert_error(tracker.post("/v1/nodes/heartbeat", json={**beat, "active_sessions": -1}), 400)
-    assert_error(tracker.post("/v1/nodes/heartbeat", json={**beat, "bogus": 1}), 400)
+    assert heartbeat(tracker, beat).json()["known"] is True
+    assert_error(heartbeat(tracker, {**beat, "active_sessions": -1}), 400)
+    assert_error(heartbeat(tracker, {**beat, "bogus": 1}), 400)
 
 
 def test_delete_node(tracker):
     register(tracker, node_id="gone")
-    resp = tracker.delete("/v1/nodes/gone")
+    resp = tracker.delete("/v1/nodes/gone", headers=proof(tracker, "gone"))  # it leaves
     assert resp.status_code == 200 and resp.json() == {"removed": "gone"}
     assert llama_coverage(tracker)["nodes"] == []
     assert_error(tracker.delete("/v1/nodes/gone"), 404, "not_found_error")
@@ -288,9 +308,9 @@ def test_heartbeats_name_the_links_to_time_and_their_times_steer_routes(tracker)
     register(tracker, node_id="b", start=3, end=6)
     register(tracker, node_id="c", start=2, end=6)
     beat = {"state": "serving", "active_sessions": 0, "kv_tokens": 0, "memory_free_bytes": 1}
-    reply = tracker.post("/v1/nodes/heartbeat", json={**beat, "node_id": "a"}).json()
+    reply = heartbeat(tracker, {**beat, "node_id": "a"}).json()
     assert reply["probe"] == ["http://b.test:8000", "http://c.test:8000"]
-    assert tracker.post("/v1/nodes/heartbeat", json={**beat, "node_id": "b"}).json()["probe"] == []
+    assert heartbeat(tracker, {**beat, "node_id": "b"}).json()["probe"] == []
 
     def route() -> list[str]:
         hops = tracker.get("/v1/route", params={"model": LLAMA, "head": "a"}).json()["hops"]
@@ -299,12 +319,12 @@ def test_heartbeats_name_the_links_to_time_and_their_times_steer_routes(tracker)
     assert route() == ["a", "b"]  # nothing measured: ids break the tie
     links = {"http://b.test:8000": 40.0, "http://c.test:8000": 3.0}
     timed = {**beat, "node_id": "a", "layer_ms": 1.5, "links": links}
-    assert tracker.post("/v1/nodes/heartbeat", json=timed).status_code == 200
+    assert heartbeat(tracker, timed).status_code == 200
     assert route() == ["a", "c"]
     bad = {**timed, "links": {"http://b.test:8000": -1.0}}
-    assert_error(tracker.post("/v1/nodes/heartbeat", json=bad), 400)
+    assert_error(heartbeat(tracker, bad), 400)
     too_many = {**timed, "links": {f"http://n{i}.test:1": 1.0 for i in range(17)}}
-    assert_error(tracker.post("/v1/nodes/heartbeat", json=too_many), 400)
+    assert_error(heartbeat(tracker, too_many), 400)
 
 
 def test_models_lists_only_covered_models(tracker):
@@ -448,7 +468,9 @@ def test_a_node_the_head_failed_on_that_is_still_on_the_map_is_coverage_pending(
     params = {"model": LLAMA, "head": "a", "exclude": "http://b.test:8000"}
     error = assert_error(tracker.get("/v1/route", params=params), 503)
     assert error["code"] == "coverage_pending"  # it may be restarting: worth a wait
-    tracker.delete("/v1/nodes/b")  # gone for good (deregistered or expired): no prospect
+    tracker.delete(
+        "/v1/nodes/b", headers=proof(tracker, "b")
+    )  # gone for good (deregistered or expired): no prospect
     error = assert_error(tracker.get("/v1/route", params=params), 503)
     assert error["code"] == "model_not_covered"
 
@@ -467,8 +489,9 @@ def test_the_openai_entry_waits_for_coverage_then_fails_naming_the_gap(models_di
 
 
 def test_repeated_verdicts_quarantine_a_node_until_lifted(tracker):
-    """docs/adr/0026: verdicts from heads' audits; the map, the heartbeat and the dashboard."""
-    for node_id in ("honest", "faulty"):
+    """docs/adr/0026: verdicts from heads' audits; the map, the heartbeat and the dashboard.
+    docs/adr/0032: each from an authenticated reporter, counted once per reporter."""
+    for node_id in ("honest", "faulty", "head", "head2"):
         register(tracker, node_id=node_id)
     verdict = {"model_id": LLAMA, "reporter": "head", "shard_start": 0, "shard_end": 6,
                "error": 0.7, "tolerance": 3.5e-4, "witnesses": ["honest"]}  # fmt: skip
@@ -479,22 +502,35 @@ def test_repeated_verdicts_quarantine_a_node_until_lifted(tracker):
         models = tracker.get("/v1/coverage").json()["models"]
         return {n["node_id"] for m in models for n in m["nodes"] if n["state"] == "serving"}
 
-    first = tracker.post("/v1/nodes/faulty/verdicts", json=verdict)
+    def report(reporter: str, **changes) -> httpx.Response:
+        body = {**verdict, "reporter": reporter, **changes}
+        return tracker.post(
+            "/v1/nodes/faulty/verdicts", json=body, headers=proof(tracker, reporter)
+        )
+
+    first = report("head")
     assert first.json() == {"strikes": 1, "quarantined": False}
     assert {"honest", "faulty"} <= serving()  # one verdict may be a fluke
-    second = tracker.post("/v1/nodes/faulty/verdicts", json=verdict)
+    assert report("head").json() == {"strikes": 1, "quarantined": False}  # same reporter: once
+    second = report("head2")
     assert second.json() == {"strikes": 2, "quarantined": True}
     assert "faulty" not in serving() and "honest" in serving()
-    reason = tracker.post("/v1/nodes/heartbeat", json=beat).json()["quarantined"]
+    reason = heartbeat(tracker, beat).json()["quarantined"]
     assert "2 verdicts" in reason and "honest" in reason
     shown = {n["node_id"]: n for n in tracker.get("/v1/dashboard").json()["nodes"]}
     assert shown["faulty"]["state"] == "quarantined" and shown["faulty"]["quarantined"] == reason
     register(tracker, node_id="faulty")  # re-registering does not end it
     assert "faulty" not in serving()
 
-    assert_error(tracker.post("/v1/nodes/ghost/verdicts", json=verdict), 404)
-    assert_error(tracker.post("/v1/nodes/faulty/verdicts", json={**verdict, "error": -1}), 400)
-    assert tracker.delete("/v1/nodes/faulty/quarantine").status_code == 200
+    assert_error(
+        tracker.post("/v1/nodes/ghost/verdicts", json=verdict, headers=proof(tracker, "head")), 404
+    )
+    assert_error(report("head", error=-1), 400)
+    # Only the operator lifts it: not the node itself, not a swarm member.
+    assert_error(
+        tracker.delete("/v1/nodes/faulty/quarantine", headers=proof(tracker, "faulty")), 401
+    )
+    assert tracker.delete("/v1/nodes/faulty/quarantine", headers=OPERATOR).status_code == 200
     assert "faulty" in serving()
-    assert tracker.post("/v1/nodes/heartbeat", json=beat).json()["quarantined"] is None
-    assert_error(tracker.delete("/v1/nodes/faulty/quarantine"), 404)
+    assert heartbeat(tracker, beat).json()["quarantined"] is None
+    assert_error(tracker.delete("/v1/nodes/faulty/quarantine", headers=OPERATOR), 404)

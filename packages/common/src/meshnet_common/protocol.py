@@ -80,6 +80,12 @@ H_ANSWER_TO = "x-meshnet-answer-to"
 # answers (docs/adr/0023): pass n carries n, and a hop runs it once it ran pass n - 1.
 H_REPLAY_PASS = "x-meshnet-replay-pass"
 H_SWARM_TOKEN = "x-meshnet-swarm-token"
+# A node's proof of its id on its calls to the tracker after registering (docs/adr/0032):
+# the secret the tracker issued in its RegisterResponse.
+H_NODE_SECRET = "x-meshnet-node-secret"
+# The operator's credential (--operator-token) for removing another node or lifting a
+# quarantine (docs/adr/0032); distinct from the swarm token every node holds.
+H_OPERATOR_TOKEN = "x-meshnet-operator-token"
 # On a step's answer: model compute of each hop from this one to the tail, in ms, comma-
 # separated. Each hop prepends its own to what the next one answered and relays the tail's
 # body untouched, so that no hop parses and re-serializes the answer (docs/adr/0011).
@@ -195,6 +201,10 @@ class RegisterResponse(Strict):
     node_id: NodeId
     heartbeat_interval_s: float
     url: Url | None = None  # where the tracker (and the swarm) will reach this node
+    # The node's proof of its id (docs/adr/0032): sent in ``x-meshnet-node-secret`` on every
+    # later call (re-register, heartbeat, leave, verdicts). Issued at the first registration
+    # of the id, the same one while the record lives.
+    node_secret: str | None = Field(default=None, max_length=128)
 
 
 class Heartbeat(Strict):

@@ -9,7 +9,7 @@ import time
 import uuid
 
 from meshnet_common.config.cli import fail, setup_logging
-from meshnet_common.config.shard import check_advertise_url, check_range
+from meshnet_common.config.shard import check_advertise_url, check_exposure, check_range
 from meshnet_common.errors import MeshnetError
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
@@ -63,6 +63,7 @@ def launch(settings: NodeSettings) -> None:
         fail(PROG, f"--models-dir {settings.models_dir}: no such directory", code=1)
     try:
         check_advertise_url(settings.advertise_url)
+        check_exposure(settings.host, settings.swarm_token, settings.insecure)
         if settings.shard_start is not None:
             check_range(settings.shard_start, settings.shard_end, None)
         tls.check(settings.tls_cert, settings.tls_key, settings.tls_ca)

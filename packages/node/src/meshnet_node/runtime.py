@@ -364,6 +364,8 @@ async def start_background(runtime: NodeRuntime) -> None:
     if membership.url is not None:  # answered to the joining announcement already
         runtime.adopt_url(membership.url)
     membership.on_refused = lambda message: loop.call_soon_threadsafe(runtime.refused, message)
+    if runtime.tracker is not None:  # verdicts carry the node's proof of id (docs/adr/0032)
+        runtime.tracker.node_secret = lambda: membership.secret
     membership.start()
     if runtime.listening_at_start:
         runtime.serving()

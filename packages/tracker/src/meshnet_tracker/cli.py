@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 
 from meshnet_common.config.cli import FlagParser, add_version_flag, fail, setup_logging
-from meshnet_common.config.shard import check_advertise_url, check_range
+from meshnet_common.config.shard import check_advertise_url, check_exposure, check_range
 from meshnet_common.errors import MeshnetError
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot
@@ -61,6 +61,7 @@ def _main(argv: Sequence[str] | None) -> None:
     snapshot = None
     try:  # every argument is checked before the weights load
         check_advertise_url(settings.advertise_url)
+        check_exposure(settings.host, settings.swarm_token, settings.insecure)
         if settings.model_id:
             if models_dir is None:
                 raise ValueError("--model-id needs --models-dir to find the snapshot")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from meshnet_common.errors import Conflict
+from meshnet_common.layers import LayerRange
 from meshnet_common.protocol import Heartbeat, NodeAnnouncement, NodeState, Verdict
+from meshnet_common.web.auth import same_secret as _same
 from meshnet_tracker.coverage import ModelCoverage, ServingNode, build_coverage
 
 logger = logging.getLogger(__name__)
@@ -34,6 +38,9 @@ class NodeRecord:
     local: bool = False  # the tracker node itself: never expires
     quarantined: str | None = None  # why: replicas disagreed with it (docs/adr/0026)
     since: float = 0.0  # when it registered (a joining node's loading started then)
+    # Its proof of id (docs/adr/0032): issued at its first registration, asked on every
+    # later call; it dies with the record (a node that lost it waits for the record to expire).
+    secret: str = ""
 
     @property
     def node_id(self) -> str:
@@ -73,25 +80,55 @@ class Registry:
         self._model_layers: dict[str, int] = {}
         # Nodes dropped for missed heartbeats, and when: one may be restarting (ADR-0023).
         self._lost: dict[str, tuple[NodeRecord, float]] = {}
-        # Verdicts against each node (docs/adr/0026), and why the quarantined ones are: kept
-        # by node id across re-registration, until lifted.
-        self._strikes: dict[str, list[Verdict]] = {}
+        # Verdicts against each node by reporter (docs/adr/0026: one reporter counts once),
+        # and why the quarantined ones are: kept by node id and by URL across re-registration
+        # (under a new id too), until an operator lifts them (docs/adr/0032).
+        self._strikes: dict[str, dict[str, Verdict]] = {}
         self._quarantined: dict[str, str] = {}
+        self._quarantined_urls: dict[str, str] = {}  # URL -> the node id quarantined there
         self.verdicts = 0  # verdicts received
         self._lock = threading.Lock()
 
-    def register(self, announcement: NodeAnnouncement, *, local: bool = False) -> NodeRecord:
+    def authentic(self, node_id: str, proof: str | None) -> bool:
+        """Whether ``proof`` is the secret of the live record ``node_id`` (constant time)."""
+        record = self._nodes.get(node_id)
+        return record is not None and _same(record.secret, proof)
+
+    def claim(self, node_id: str, proof: str | None) -> None:
+        """Conflict unless ``node_id`` is free or ``proof`` is its live record's secret."""
+        previous = self._nodes.get(node_id)
+        if previous is not None and not _same(previous.secret, proof):
+            raise Conflict(
+                f"node id {node_id!r} is registered and alive; register it again with its "
+                "node secret, or wait until its record expires after "
+                f"{MISSED_HEARTBEATS} missed heartbeats",
+                param="node_id", code="node_id_taken",
+            )  # fmt: skip
+
+    def register(
+        self, announcement: NodeAnnouncement, *, local: bool = False, proof: str | None = None
+    ) -> NodeRecord:
+        """Record a registration. A live id registers again only with its secret
+        (``proof``): anyone else gets Conflict until the record expires or leaves."""
         with self._lock:
+            previous = self._nodes.get(announcement.node_id)
+            if not local:
+                self.claim(announcement.node_id, proof)
+            quarantined = self._quarantined.get(announcement.node_id)
+            if quarantined is None and announcement.url in self._quarantined_urls:
+                was = self._quarantined_urls[announcement.url]
+                quarantined = f"its address served {was!r}: {self._quarantined.get(was)}"
+                self._quarantined[announcement.node_id] = quarantined
             record = NodeRecord(
                 announcement=announcement,
                 state=announcement.state,
                 last_heartbeat=self.clock(),
                 memory_free_bytes=announcement.memory_free_bytes,
                 local=local,
-                quarantined=self._quarantined.get(announcement.node_id),
+                quarantined=quarantined,
+                secret=previous.secret if previous is not None else secrets.token_urlsafe(32),
             )
             record.since = record.last_heartbeat
-            previous = self._nodes.get(announcement.node_id)
             if (
                 previous is not None
                 and previous.state == announcement.state
@@ -122,7 +159,10 @@ class Registry:
                 record.tokens_per_s = served / elapsed
             record.tokens_served = beat.tokens_served
             record.last_heartbeat = now
-            record.state = beat.state
+            # Serving is reached by registering (the tracker calls the node back), never
+            # by a heartbeat of a node still joining (docs/adr/0032).
+            if not (record.state == NodeState.JOINING and beat.state == NodeState.SERVING):
+                record.state = beat.state
             record.active_sessions = beat.active_sessions
             record.kv_tokens = beat.kv_tokens
             record.memory_free_bytes = beat.memory_free_bytes
@@ -131,42 +171,68 @@ class Registry:
             record.links = tuple(sorted(beat.links.items()))
             return True
 
-    def strike(self, node_id: str, verdict: Verdict, *, quarantine_after: int) -> tuple[int, bool]:
-        """Count a verdict against ``node_id``; at ``quarantine_after`` of them (from distinct
-        reporters or not) it is quarantined: off the map's serving nodes, told so in its
-        heartbeats. Returns (strikes, quarantined)."""
+    def strike(
+        self, node_id: str, verdict: Verdict, *, quarantine_after: int, key: str | None = None
+    ) -> tuple[int, bool]:
+        """Count a verdict against ``node_id``, once per reporter; at ``quarantine_after``
+        reporters it is quarantined (off the map's serving nodes, told so in its heartbeats),
+        unless other serving nodes would not cover its layers without it: a verdict never
+        takes a model down (docs/adr/0032). ``key`` (default: the reporter) is what counts
+        once: the tracker's own audits count each. Returns (strikes, quarantined)."""
         with self._lock:
-            strikes = self._strikes.setdefault(node_id, [])
-            strikes.append(verdict)
+            strikes = self._strikes.setdefault(node_id, {})
+            strikes[key or verdict.reporter] = verdict
             self.verdicts += 1
             quarantined = node_id in self._quarantined
             if not quarantined and len(strikes) >= quarantine_after:
+                record = self._nodes.get(node_id)
+                if record is not None and not self._covered_without(record):
+                    logger.error(
+                        "node %s: %d verdicts, but it is the only serving replica of its "
+                        "layers: not quarantined (add a replica)", node_id, len(strikes),
+                    )  # fmt: skip
+                    return len(strikes), False
                 reason = (
                     f"{len(strikes)} verdicts: its output for layers [{verdict.shard_start}, "
                     f"{verdict.shard_end}) lay {verdict.error:.3g} from "
                     f"{', '.join(verdict.witnesses)}'s (tolerance {verdict.tolerance:.3g})"
                 )
                 self._quarantined[node_id] = reason
-                record = self._nodes.get(node_id)
                 if record is not None:
                     record.quarantined = reason
+                    self._quarantined_urls[record.announcement.url] = node_id
                 quarantined = True
                 logger.error("node %s quarantined: %s", node_id, reason)
             return len(strikes), quarantined
+
+    def _covered_without(self, suspect: NodeRecord) -> bool:
+        """Whether the other serving, unquarantined nodes of its model cover its layers."""
+        shard = suspect.announcement.shard
+        others = [
+            r.announcement.shard.layers
+            for r in self._nodes.values()
+            if r is not suspect and r.state == NodeState.SERVING and not r.quarantined
+            and r.announcement.shard.model_id == shard.model_id
+        ]  # fmt: skip
+        return _covers(others, shard.layers)
 
     def lift(self, node_id: str) -> bool:
         """End a quarantine (an operator fixed the node); False if it was not quarantined."""
         with self._lock:
             self._strikes.pop(node_id, None)
             lifted = self._quarantined.pop(node_id, None) is not None
+            for url in [u for u, n in self._quarantined_urls.items() if n == node_id]:
+                del self._quarantined_urls[url]
             record = self._nodes.get(node_id)
             if record is not None:
                 record.quarantined = None
+                self._quarantined_urls.pop(record.announcement.url, None)
         if lifted:
             logger.warning("node %s: quarantine lifted", node_id)
         return lifted
 
     def strikes(self, node_id: str) -> int:
+        """Distinct reporters of verdicts against ``node_id``."""
         return len(self._strikes.get(node_id, ()))
 
     def remove(self, node_id: str) -> bool:
@@ -235,3 +301,15 @@ class Registry:
         with self._lock:
             layers = dict(self._model_layers)
         return build_coverage((r.serving_node() for r in records), layers)
+
+
+def _covers(ranges: list[LayerRange], want: LayerRange) -> bool:
+    """Whether the union of ``ranges`` holds every layer of ``want``."""
+    at = want.start
+    for layers in sorted(ranges, key=lambda r: r.start):
+        if layers.start > at:
+            break
+        at = max(at, layers.end)
+        if at >= want.end:
+            return True
+    return at >= want.end

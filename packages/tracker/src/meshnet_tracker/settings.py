@@ -79,6 +79,11 @@ class TrackerSettings(ShardSettings):
     manifest_key: str | None = knob(
         None, "sign weight manifests with this shared key (HMAC)", group=TRACKER, secret=True
     )
+    operator_token: str | None = knob(
+        None, "the operator's credential (header x-meshnet-operator-token) for removing "
+        "another node or lifting a quarantine; without it nobody can (docs/adr/0032)",
+        group=SECURITY, secret=True,
+    )  # fmt: skip
     fault_inject: str | None = knob(None, "", group=TRACKER, choices=FAULTS, hidden=True)
 
     @property

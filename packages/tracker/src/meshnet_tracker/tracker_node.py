@@ -37,6 +37,7 @@ class TrackerNode:
     def __init__(self) -> None:
         self.runtime: NodeRuntime | None = None
         self._state = None  # the tracker's state, for routes (set by ``attach``)
+        self._audits = 0  # verdicts its audits reported (each counts: ``report``)
 
     @classmethod
     def build(cls, tracker: TrackerSettings, snapshot: Path, url: str) -> TrackerNode:
@@ -70,11 +71,16 @@ class TrackerNode:
                 for n in model.serving]  # fmt: skip
 
     async def report(self, node_id: str, verdict: Verdict) -> None:
-        """A verdict of this head's audits, counted in the tracker's own registry."""
-        if self._state.registry.get(node_id) is not None:
-            self._state.registry.strike(
-                node_id, verdict, quarantine_after=self._state.settings.quarantine_after
-            )
+        """A verdict of this head's audits, counted in the tracker's own registry. The
+        tracker trusts its own audits: each counts (docs/adr/0032), where a remote reporter
+        counts once."""
+        registry = self._state.registry
+        if registry.get(node_id) is not None:
+            self._audits += 1
+            registry.strike(
+                node_id, verdict, quarantine_after=self._state.settings.quarantine_after,
+                key=f"{verdict.reporter}#audit-{self._audits}",
+            )  # fmt: skip
 
     @property
     def node_id(self) -> str:

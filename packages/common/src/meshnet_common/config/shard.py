@@ -4,6 +4,7 @@ tracker can offer these knobs without the node package."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, ClassVar
@@ -225,6 +226,11 @@ class ShardSettings(ServiceSettings):
     api_key: str | None = knob(
         None, "clients must send it as 'Authorization: Bearer KEY'", group=SECURITY, secret=True
     )
+    insecure: bool = knob(
+        False, "listen on an address other machines reach without --swarm-token: anyone who "
+        "reaches it may join the swarm, register nodes and report verdicts (docs/adr/0032)",
+        group=SECURITY, action="bool",
+    )  # fmt: skip
     max_request_mb: float = knob(8.0, "largest OpenAI JSON body (413 above)", group=SECURITY)
     tls_cert: Path | None = knob(
         None, "serve https/wss with this certificate (PEM; with --tls-key)", group=SECURITY
@@ -389,6 +395,26 @@ def check_range(start: int | None, end: int | None, num_layers: int | None) -> L
     except (TypeError, ValueError) as exc:
         raise ValueError(f"--shard-start/--shard-end: {exc}") from exc
     return layers
+
+
+def check_exposure(host: str, swarm_token: str | None, insecure: bool) -> None:
+    """Safe defaults (docs/adr/0032): listening beyond this machine needs a swarm token,
+    or the operator's explicit --insecure."""
+    if swarm_token or insecure or _loopback(host):
+        return
+    raise ValueError(
+        f"--host {host} is reachable from other machines: give --swarm-token (or "
+        "MESHNET_SWARM_TOKEN) so only your nodes join, or --insecure for an open swarm"
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
 
 
 def check_advertise_url(url: str | None) -> None:

@@ -31,6 +31,11 @@ def _same(secret: str | None, offered: str | None) -> bool:
     )
 
 
+def same_secret(secret: str | None, offered: str | None) -> bool:
+    """Whether ``offered`` is ``secret`` (constant time); never when no secret is set."""
+    return bool(secret) and _same(secret, offered)
+
+
 def swarm_headers(token: str | None) -> dict[str, str]:
     """Headers an internal client sends."""
     return {H_SWARM_TOKEN: token} if token else {}

@@ -16,6 +16,7 @@ import httpx
 
 from meshnet_common.errors import MeshnetError, ModelNotCovered
 from meshnet_common.protocol import (
+    H_NODE_SECRET,
     Heartbeat,
     HeartbeatResponse,
     NodeAnnouncement,
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 REGISTRATION_RETRY = RetryPolicy(max_attempts=None, backoff_base_s=0.5, backoff_cap_s=5.0)
 # A registration answered with one of these is final: retrying cannot change the answer.
 REFUSED = frozenset({400, 401, 403, 409, 422})
+
+
+class IdTaken(ValueError):
+    """The node's id is held by a live record whose secret this node lacks (it restarted):
+    retried until that record expires after its missed heartbeats (docs/adr/0032)."""
 
 
 class RegistrationRefused(Exception):
@@ -68,6 +74,8 @@ class TrackerClient:
         self.client = httpx.AsyncClient(
             timeout=timeout, headers=swarm_headers(swarm_token), verify=tls.client_context()
         )
+        # This node's proof of id (its Membership's secret), for verdicts (docs/adr/0032).
+        self.node_secret: Callable[[], str | None] = lambda: None
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -106,7 +114,7 @@ class TrackerClient:
         """Tell the tracker that ``node_id`` computed wrong (it counts the strikes)."""
         resp = await self.client.post(
             f"{self.base}/v1/nodes/{node_id}/verdicts", content=verdict.model_dump_json(),
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **_proof(self.node_secret())},
         )  # fmt: skip
         resp.raise_for_status()
 
@@ -150,6 +158,7 @@ class Membership:
         self.registered = threading.Event()
         self.refused: str | None = None
         self.url: str | None = None  # where the tracker reaches this node (its answer)
+        self.secret: str | None = None  # its proof of id, issued at registration (ADR-0032)
         self.heartbeats = 0
         self._client = httpx.Client(
             timeout=timeout_s, headers=swarm_headers(swarm_token), verify=tls.client_context()
@@ -194,12 +203,16 @@ class Membership:
         announcement = self.announcement()
         with self._lock:
             resp = self._client.post(
-                f"{self.base}/v1/nodes/register", content=announcement.model_dump_json()
-            )
+                f"{self.base}/v1/nodes/register", content=announcement.model_dump_json(),
+                headers=_proof(self.secret),
+            )  # fmt: skip
+        if resp.status_code == 409 and error_code(resp) == "node_id_taken":
+            raise IdTaken(error_message(resp))
         if resp.status_code in REFUSED:
             raise RegistrationRefused(error_message(resp))
         resp.raise_for_status()
         reply = RegisterResponse.model_validate_json(resp.content)
+        self.secret = reply.node_secret or self.secret
         self.interval_s = reply.heartbeat_interval_s
         self.registered.set()
         if reply.url and reply.url != self.url:
@@ -244,8 +257,11 @@ class Membership:
         """One heartbeat; None when it failed (the next one may get through)."""
         try:
             resp = self._client.post(
-                f"{self.base}/v1/nodes/heartbeat", content=self.heartbeat().model_dump_json()
-            )
+                f"{self.base}/v1/nodes/heartbeat", content=self.heartbeat().model_dump_json(),
+                headers=_proof(self.secret),
+            )  # fmt: skip
+            if resp.status_code == 401 and error_code(resp) == "node_unauthenticated":
+                return HeartbeatResponse(known=False)  # its record expired: register again
             resp.raise_for_status()
             reply = HeartbeatResponse.model_validate_json(resp.content)
         except (httpx.HTTPError, ValueError) as exc:
@@ -256,7 +272,9 @@ class Membership:
 
     def leave(self, node_id: str) -> None:
         try:
-            resp = self._client.delete(f"{self.base}/v1/nodes/{node_id}")
+            resp = self._client.delete(
+                f"{self.base}/v1/nodes/{node_id}", headers=_proof(self.secret)
+            )
             if resp.status_code not in (200, 404):
                 resp.raise_for_status()
             logger.info("deregistered from tracker")
@@ -294,3 +312,8 @@ class Membership:
                     logger.info("directive %s %s", directive.kind.value, directive.shard)
                 if self.on_directives is not None:
                     self.on_directives(reply.directives)
+
+
+def _proof(secret: str | None) -> dict[str, str]:
+    """The header proving this node's id, once the tracker issued its secret."""
+    return {H_NODE_SECRET: secret} if secret else {}

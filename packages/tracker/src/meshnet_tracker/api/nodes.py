@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from meshnet_common.errors import InvalidRequest, NotFound
+from meshnet_common.errors import InvalidRequest, NotFound, Unauthorized
 from meshnet_common.memory import ModelCosts
 from meshnet_common.protocol import (
+    H_NODE_SECRET,
+    H_OPERATOR_TOKEN,
     AssignRequest,
     AssignResponse,
     Heartbeat,
@@ -20,6 +22,7 @@ from meshnet_common.protocol import (
     Verdict,
     VerdictResponse,
 )
+from meshnet_common.web.auth import same_secret
 from meshnet_common.web.http import parse_model
 from meshnet_tracker.api.admission import confirm_reachable, reachable_url
 from meshnet_tracker.placement import NodeRequest, Placement
@@ -28,6 +31,32 @@ from meshnet_tracker.state import TrackerState
 
 def _state(request: Request) -> TrackerState:
     return request.app.state.tracker
+
+
+def _proof(request: Request) -> str | None:
+    return request.headers.get(H_NODE_SECRET)
+
+
+def _operator(request: Request) -> bool:
+    """Whether the caller holds the operator credential (docs/adr/0032)."""
+    token = _state(request).settings.operator_token
+    return same_secret(token, request.headers.get(H_OPERATOR_TOKEN))
+
+
+def _need_operator(request: Request, action: str) -> None:
+    if not _operator(request):
+        hint = "" if _state(request).settings.operator_token else " (start it with one)"
+        raise Unauthorized(
+            f"{action} needs the tracker's --operator-token{hint}", code="operator_only"
+        )
+
+
+def _need_node(request: Request, node_id: str, what: str) -> None:
+    if not _state(request).registry.authentic(node_id, _proof(request)):
+        raise Unauthorized(
+            f"{what} needs the node secret of {node_id!r} (x-meshnet-node-secret)",
+            code="node_unauthenticated",
+        )
 
 
 def nodes_router() -> APIRouter:
@@ -47,6 +76,7 @@ def nodes_router() -> APIRouter:
                 f"{announcement.shard.model_id} has {known} layers, not {announcement.num_layers}",
                 param="num_layers",
             )
+        state.registry.claim(announcement.node_id, _proof(request))  # before any call-back
         source = request.client.host if request.client else None
         url = reachable_url(announcement.url, announcement.url_explicit, source)
         serving = announcement.state == NodeState.SERVING
@@ -56,19 +86,22 @@ def nodes_router() -> APIRouter:
             )
         if url != announcement.url:
             announcement = announcement.model_copy(update={"url": url})
-        state.registry.register(announcement)
+        record = state.registry.register(announcement, proof=_proof(request))
         if serving:
             state.balancer.registered(announcement.node_id)
         return RegisterResponse(
             node_id=announcement.node_id,
             heartbeat_interval_s=state.registry.heartbeat_interval_s,
             url=url,
+            node_secret=record.secret,
         )
 
     @router.post("/v1/nodes/heartbeat")
     async def heartbeat(request: Request) -> HeartbeatResponse:
         beat = await parse_model(request, Heartbeat, limit=16 * 1024)
         state = _state(request)
+        if state.registry.get(beat.node_id) is not None:
+            _need_node(request, beat.node_id, "a heartbeat")
         known = state.registry.heartbeat(beat)
         directives = state.balancer.directives_for(beat.node_id) if known else ()
         probe = state.probe_targets(beat.node_id) if known else ()
@@ -80,9 +113,13 @@ def nodes_router() -> APIRouter:
 
     @router.post("/v1/nodes/{node_id}/verdicts")
     async def verdict(node_id: str, request: Request) -> VerdictResponse:
-        """A head's audit found ``node_id`` computing wrong (docs/adr/0026)."""
+        """A head's audit found ``node_id`` computing wrong (docs/adr/0026); the reporter
+        proves its id, and counts once (docs/adr/0032)."""
         state = _state(request)
         found = await parse_model(request, Verdict, limit=16 * 1024)
+        _need_node(request, found.reporter, "a verdict")
+        if found.reporter == node_id:
+            raise InvalidRequest("a node reports no verdict against itself", param="reporter")
         if state.registry.get(node_id) is None:
             raise NotFound(f"unknown node {node_id!r}")
         strikes, quarantined = state.registry.strike(
@@ -92,7 +129,8 @@ def nodes_router() -> APIRouter:
 
     @router.delete("/v1/nodes/{node_id}/quarantine")
     async def lift(node_id: str, request: Request):
-        """Let a quarantined node serve again (it was repaired)."""
+        """Let a quarantined node serve again (it was repaired): the operator's call."""
+        _need_operator(request, "lifting a quarantine")
         if not _state(request).registry.lift(node_id):
             raise NotFound(f"node {node_id!r} is not quarantined")
         return {"lifted": node_id}
@@ -119,7 +157,15 @@ def nodes_router() -> APIRouter:
 
     @router.delete("/v1/nodes/{node_id}")
     async def leave(node_id: str, request: Request):
+        """A node leaves (its own secret), or the operator removes one."""
         state = _state(request)
+        record = state.registry.get(node_id)
+        if record is None:
+            raise NotFound(f"unknown node {node_id!r}")
+        if record.local:
+            _need_operator(request, "removing the tracker node")
+        elif not state.registry.authentic(node_id, _proof(request)):
+            _need_operator(request, f"removing node {node_id!r} (not its own leave)")
         if not state.registry.remove(node_id):
             raise NotFound(f"unknown node {node_id!r}")
         state.balancer.plan_moves()
