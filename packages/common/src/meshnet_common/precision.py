@@ -145,12 +145,15 @@ def compute_dtype_name(precision: Precision, dtype: str | None = None) -> str:
 def native_format_name(config: dict) -> str | None:
     """``fp8``, ``mxfp4`` or None: the packed format a checkpoint's ``config.json`` declares
     (InvalidRequest for a quantization nodes cannot read); for a GGUF ``int4`` / ``int8``, what
-    its blocks run as."""
+    its blocks run as; ``int4`` for a GPTQ, AWQ or compressed-tensors w4a16 checkpoint."""
+    from meshnet_common.models.int4_formats import int4_format
     from meshnet_common.models.native_formats import native_format
 
     spec = config.get("quantization_config") or {}
     if spec.get("quant_method") == "gguf":  # int4 / int8 blocks, or None (``gguf_index``)
         return spec.get("runtime")
+    if int4_format(config) is not None:  # GPTQ / AWQ / compressed-tensors w4a16
+        return "int4"
     found = native_format(config)
     return None if found is None else found[0]
 

@@ -19,7 +19,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from meshnet_common.errors import MeshnetError, ModelError, NotFound
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
-from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.checkpoint import CheckpointIndex, gguf_in
+from meshnet_common.models.gguf_index import pretrained_args
 from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.protocol import (
     DirectiveKind,
@@ -157,10 +158,15 @@ def bind_url(host: str, port: int, tls_cert=None) -> str:
 
 
 def snapshot_created(snapshot: Path | None) -> int:
-    """When the model's snapshot was written (its config.json), as /v1/models reports it."""
+    """When the model's snapshot was written (its config.json, or its GGUF file), as
+    /v1/models reports it."""
     try:
-        return int((Path(snapshot) / "config.json").stat().st_mtime)
-    except (OSError, TypeError):
+        path = Path(snapshot)
+        config = path / "config.json"
+        if path.is_dir() and not config.exists():
+            config = gguf_in(path) or config
+        return int((path if path.is_file() else config).stat().st_mtime)
+    except (OSError, TypeError, ModelError):
         return 0
 
 
@@ -267,15 +273,29 @@ def build_runtime(
     )  # fmt: skip
 
 
+def tokenizer_source(model_path: Path | str) -> tuple[Path, dict]:
+    """What ``from_pretrained`` takes for a node's model: a snapshot folder as it is; a GGUF
+    (a file, or the one in a folder without config.json) as its folder and ``gguf_file``:
+    transformers reads tokenizer and chat template from its metadata."""
+    path = Path(model_path)
+    if path.is_dir() and not (path / "config.json").exists():
+        path = gguf_in(path) or path
+    return pretrained_args(path)
+
+
 def build_openai(
     settings: NodeSettings, service: NodeService, route_provider: RouteProvider, verifier=None
 ) -> OpenAIServing | None:
     """OpenAI serving for a head stage (tokenizer + generator); None elsewhere."""
     if not service.stage.shard.is_head:
         return None
-    tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+    folder, gguf = tokenizer_source(settings.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
     try:
-        generation_config = GenerationConfig.from_pretrained(settings.model_path)
+        if gguf:  # a GGUF's token ids are in its metadata: the config read from it
+            generation_config = GenerationConfig.from_model_config(service.stage.shard.config)
+        else:
+            generation_config = GenerationConfig.from_pretrained(folder)
     except OSError:
         generation_config = None
     # auto: an older default, kept as a name; verification is exact in every precision now

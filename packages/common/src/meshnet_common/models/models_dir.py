@@ -5,7 +5,7 @@ Two layouts are understood, and a model id is always ``ORG/NAME``:
 * ``hub``: the Hugging Face cache layout ``models--ORG--NAME/snapshots/REV/`` with
   ``refs/main`` naming ``REV`` (what ``huggingface_hub.snapshot_download(cache_dir=DIR)``
   leaves behind);
-* ``plain``: a folder ``ORG/NAME/`` holding ``config.json`` and the weights.
+* ``plain``: a folder ``ORG/NAME/`` holding ``config.json`` and the weights, or one GGUF file.
 
 Writers build a snapshot in a hidden staging folder inside the models directory and move
 it into place with one rename (``staged_snapshot``), so a failed write leaves nothing
@@ -190,6 +190,17 @@ def _discover_hub(repo_dir: Path) -> _Found:
     return _Found(model_id, "hub", path, revision, None)
 
 
+def _is_plain_model(folder: Path) -> bool:
+    """A plain-layout model folder: a snapshot (config.json), or GGUF files (``FILE.gguf``,
+    whose metadata is the config; ``CheckpointIndex.load`` says if they cannot be read)."""
+    if (folder / "config.json").is_file():
+        return True
+    try:
+        return folder.is_dir() and any(p.suffix == ".gguf" for p in folder.iterdir())
+    except OSError:
+        return False
+
+
 def _discover_plain(org_dir: Path) -> list[_Found]:
     try:
         children = _list_dir(org_dir)
@@ -200,7 +211,7 @@ def _discover_plain(org_dir: Path) -> list[_Found]:
         if child.name.startswith(".") or not child.is_dir():
             continue
         model_id = f"{org_dir.name}/{child.name}"
-        if (child / "config.json").is_file():
+        if _is_plain_model(child):
             problem = None if _is_valid_id(model_id) else f"{child}: invalid model id {model_id!r}"
             found.append(_Found(model_id, "plain", child, None, problem))
         elif _looks_like_model(child):
@@ -320,7 +331,7 @@ def find_snapshot(models_dir: Path | str, model_id: str, layout: Layout) -> Path
     root = Path(models_dir)
     if layout == "plain":
         path = snapshot_path_for(root, model_id, "plain")
-        return path if (path / "config.json").is_file() else None
+        return path if _is_plain_model(path) else None
     repo_dir = root / hub_folder_name(model_id)
     if not repo_dir.is_dir():
         return None

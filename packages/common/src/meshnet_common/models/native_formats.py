@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.models.checkpoint import INDEX_FILE
+from meshnet_common.models.int4_formats import METHODS as INT4_METHODS
+from meshnet_common.models.int4_formats import int4_format
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +134,9 @@ def native_format(config: dict) -> tuple[str, tuple[int, int]] | None:
     method = spec.get("quant_method")
     if method == "gguf":  # block tensors read by the node's GGUF reader, not converted here
         return None
+    if method in INT4_METHODS:  # int4 checkpoints: checked here, read by the node's unpackers
+        int4_format(config)
+        return None
     if method == "fp8":
         if spec.get("fmt", "e4m3") != "e4m3":
             raise InvalidRequest(f"FP8 format {spec.get('fmt')!r}: only e4m3 is supported")
@@ -141,7 +146,8 @@ def native_format(config: dict) -> tuple[str, tuple[int, int]] | None:
         return "mxfp4", (1, MXFP4_BLOCK)
     raise InvalidRequest(
         f"checkpoint quantized as {method!r}; nodes read fp8 (block-scaled e4m3: DeepSeek-V3, "
-        "Kimi K2) and mxfp4 (gpt-oss) checkpoints, else convert it to bfloat16 first"
+        "Kimi K2), mxfp4 (gpt-oss), gptq, awq and compressed-tensors w4a16 checkpoints, "
+        "else convert it to bfloat16 first"
     )
 
 

@@ -12,26 +12,15 @@ import hmac
 import json
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 from meshnet_common.layers import LayerRange
+from meshnet_common.models.byte_parts import READ_CHUNK, Part, iter_parts, read_part
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
+from meshnet_common.models.gguf_subset import SUBSET_GGUF, GgufSubset
 
 SUBSET_FILE = "model.safetensors"
 H_MANIFEST_SIGNATURE = "x-meshnet-manifest-signature"
 MANIFEST_FILE = "meshnet-manifest.json"
-READ_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class Part:
-    """A run of bytes of the subset file and where they come from."""
-
-    source: Path | None  # None: the bytes are ``data``
-    offset: int
-    length: int
-    data: bytes = b""
 
 
 class SubsetFile:
@@ -59,27 +48,7 @@ class SubsetFile:
 
     def iter_bytes(self, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of the file, read from the sources in bounded chunks."""
-        end = self.size if end is None else min(end, self.size)
-        position = 0
-        for part in self.parts:
-            part_end = position + part.length
-            lo, hi = max(start, position), min(end, part_end)
-            if lo < hi:
-                if part.source is None:
-                    yield part.data[lo - position : hi - position]
-                else:
-                    with open(part.source, "rb") as fh:
-                        fh.seek(part.offset + lo - position)
-                        remaining = hi - lo
-                        while remaining:
-                            chunk = fh.read(min(READ_CHUNK, remaining))
-                            if not chunk:
-                                raise OSError(f"{part.source}: truncated")
-                            remaining -= len(chunk)
-                            yield chunk
-            position = part_end
-            if position >= end:
-                return
+        return iter_parts(self.parts, start, end)
 
 
 def canonical_json(manifest: dict) -> bytes:
@@ -113,28 +82,35 @@ def _sha256_iter(chunks) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _file_chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as fh:
-        while chunk := fh.read(READ_CHUNK):
-            yield chunk
-
-
 class ShardSource:
-    """Everything needed to serve one layer range of one snapshot: files and manifest."""
+    """Everything needed to serve one layer range of one snapshot: files and manifest.
+    A safetensors snapshot's range is one safetensors file, its index and the snapshot's
+    config and tokenizer files; a GGUF's is one GGUF (``gguf_subset``: config and tokenizer
+    ride in its metadata)."""
 
     def __init__(self, index: CheckpointIndex, model_id: str, layers: LayerRange, revision: str):
         self.index = index
         self.model_id = model_id
         self.layers = layers
         self.revision = revision
-        self.subset = SubsetFile(index, index.tensors_for(layers))
-        self.index_json = subset_index_json(self.subset)
+        self.gguf = None
+        if index.gguf is not None:
+            self.gguf = GgufSubset(index.root / index.gguf.file, layers, index.num_layers)
+            self.subset_name = SUBSET_GGUF
+        else:
+            self.subset = SubsetFile(index, index.tensors_for(layers))
+            self.index_json = subset_index_json(self.subset)
+            self.subset_name = SUBSET_FILE
         self._manifest: dict | None = None
 
     def files(self) -> list[str]:
+        if self.gguf is not None:
+            return [SUBSET_GGUF]
         return [SUBSET_FILE, INDEX_FILE, *self.index.auxiliary_files()]
 
     def size_of(self, name: str) -> int:
+        if name == SUBSET_GGUF and self.gguf is not None:
+            return self.gguf.size
         if name == SUBSET_FILE:
             return self.subset.size
         if name == INDEX_FILE:
@@ -142,7 +118,9 @@ class ShardSource:
         return (self.index.root / name).stat().st_size
 
     def iter_file(self, name: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
-        if name == SUBSET_FILE:
+        if name == SUBSET_GGUF and self.gguf is not None:
+            yield from iter_parts(self.gguf.parts, start, end)
+        elif name == SUBSET_FILE:
             yield from self.subset.iter_bytes(start, end)
         elif name == INDEX_FILE:
             yield self.index_json[start:end]
@@ -162,12 +140,11 @@ class ShardSource:
                 sha, size = _sha256_iter(self.iter_file(name))
                 files.append({"name": name, "size": size, "sha256": sha})
             tensors = []
-            for name, part in zip(self.subset.names, self.subset.parts[1:], strict=True):
-                info = self.index.tensors[name]
-                sha, _ = _sha256_iter(_read_part(part))
+            for name, dtype, shape, part in self._tensor_parts():
+                sha, _ = _sha256_iter(read_part(part))
                 tensors.append(
-                    {"name": name, "dtype": info.dtype, "shape": list(info.shape),
-                     "size": info.nbytes, "sha256": sha}
+                    {"name": name, "dtype": dtype, "shape": shape, "size": part.length,
+                     "sha256": sha}
                 )  # fmt: skip
             self._manifest = {
                 "model_id": self.model_id,
@@ -180,14 +157,17 @@ class ShardSource:
             }
         return self._manifest
 
-
-def _read_part(part: Part) -> Iterator[bytes]:
-    with open(part.source, "rb") as fh:
-        fh.seek(part.offset)
-        remaining = part.length
-        while remaining:
-            chunk = fh.read(min(READ_CHUNK, remaining))
-            if not chunk:
-                raise OSError(f"{part.source}: truncated")
-            remaining -= len(chunk)
-            yield chunk
+    def _tensor_parts(self) -> Iterator[tuple[str, str, list[int], Part]]:
+        """(name, dtype, shape, bytes) of each tensor of the range, as the subset names it."""
+        if self.gguf is not None:
+            for t in self.gguf.tensors:
+                yield (
+                    t.name,
+                    t.type_name,
+                    list(reversed(t.dims)),
+                    Part(self.gguf.path, t.offset, t.nbytes),
+                )
+            return
+        for name, part in zip(self.subset.names, self.subset.parts[1:], strict=True):
+            info = self.index.tensors[name]
+            yield name, info.dtype, list(info.shape), part

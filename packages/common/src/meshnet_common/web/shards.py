@@ -9,6 +9,7 @@ most ``max_concurrent`` run at once per source — the rest wait their turn.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import re
@@ -24,7 +25,9 @@ from meshnet_common.errors import InvalidRequest, ModelError, NotFound, RangeNot
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import event
 from meshnet_common.metrics import Metrics
+from meshnet_common.models.byte_parts import Part, read_part
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.gguf_header import read_header
 from meshnet_common.models.models_dir import snapshot_fingerprint, validate_model_id
 from meshnet_common.models.shardfiles import (
     H_MANIFEST_SIGNATURE,
@@ -41,14 +44,28 @@ FAULTS = ("corrupt", "truncate")
 
 
 def snapshot_revision(index: CheckpointIndex) -> str:
-    """A cheap revision id: the hub revision folder name, else a digest of index + config."""
+    """A cheap revision id: the hub revision folder name, else a digest of index + config
+    (of a GGUF: of its metadata, which a subset of it keeps byte for byte)."""
     if index.root.parent.name == "snapshots":
         return index.root.name
+    if index.gguf is not None:
+        path = index.root / index.gguf.file
+        stat = path.stat()
+        return _gguf_revision(path, stat.st_size, stat.st_mtime_ns)
     digest = hashlib.sha256()
     for name in ("model.safetensors.index.json", "config.json"):
         path = index.root / name
         if path.exists():
             digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=64)
+def _gguf_revision(path: Path, _size: int, _mtime_ns: int) -> str:
+    start, end = read_header(path).metadata_span
+    digest = hashlib.sha256()
+    for chunk in read_part(Part(path, start, end - start)):
+        digest.update(chunk)
     return digest.hexdigest()[:16]
 
 

@@ -21,6 +21,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from meshnet_common.errors import InvalidRequest, ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.int4_formats import int4_format
 from meshnet_common.models.native_formats import dequantize_tensors, native_format
 from meshnet_common.precision import Precision
 from meshnet_node.engine.bf16_upcast import widen_if_emulated
@@ -36,6 +37,7 @@ from meshnet_node.kernels import bf16_dot
 from meshnet_node.kernels import packed as packed_kernels
 from meshnet_node.lowbit.gguf_blocks import GROUP as GGUF_GROUP
 from meshnet_node.lowbit.gguf_blocks import GgufTensors
+from meshnet_node.lowbit.int4_checkpoints import Int4Linears
 from meshnet_node.lowbit.loading import PACKED, ShardPacker
 
 logger = logging.getLogger(__name__)
@@ -246,8 +248,11 @@ def load_shard(
         group_size = GGUF_GROUP  # its 4-bit blocks are int4 in groups of 32 as they are
     try:
         native = native_format(index.config)
+        int4 = int4_format(index.config)  # GPTQ / AWQ / compressed-tensors w4a16
     except InvalidRequest as exc:
         raise ModelError(f"{index.root}: {exc}") from exc
+    if int4 is not None and precision is Precision.INT4:
+        group_size = int4.group  # its codes are int4 in its own groups as they are
     with torch.device("meta"):  # in the compute dtype, as from_pretrained(dtype=...) builds it
         full = adapter.model_class._from_config(config, dtype=dtype)
     config = full.config  # carries the resolved attention implementation
@@ -276,13 +281,16 @@ def load_shard(
     if precision in PACKED:
         packed_kernels.start(device)  # imported (or built in the background) meanwhile
     if precision in PACKED:  # packed Linears first, each read alone (never the range at 16 bit)
-        packer = ShardPacker(index, precision, dtype, group_size, native)
+        packer = ShardPacker(index, precision, dtype, group_size, native, int4)
         plan = packer.plan(names, full)
         packer.pack_linears(full, plan, after_layer=release_freed_memory)
         names = [n for n in names if n not in plan.taken]
-    tensors = _read_tensors(index, names, None if native is not None else dtype)
+    as_stored = native is not None or int4 is not None
+    tensors = _read_tensors(index, names, None if as_stored else dtype)
     if native is not None:  # FP8 / MXFP4 checkpoints: dequantized here, the range only
         tensors = dequantize_tensors(tensors, native, dtype)
+    if int4 is not None:  # int4 codes a packed precision left (it was not asked): dequantized
+        tensors = Int4Linears(int4, tensors.__getitem__).dequantized(tensors, dtype)
     if adapter.split_attention:
         _load_converted(full, tensors, dtype, index.root)
         _finish_converted(modules, base, adapter, is_tail)

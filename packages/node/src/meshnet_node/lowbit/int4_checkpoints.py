@@ -22,10 +22,11 @@ rounding of scale and zero, as every int4 weight's). Rows are unpacked 256 at a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
+from meshnet_common.models.int4_formats import Int4Format
 from meshnet_node.lowbit.packed import Codes, Int4Weight
 
 CHUNK_ROWS = 256
@@ -126,3 +127,54 @@ def compressed_int4(
             yield start, codes, scale.to(dtype), zero.to(dtype)
 
     return _build(chunks(), n, k, group, dtype)
+
+
+class Int4Linears:
+    """The packed Linears of an int4 checkpoint (``fmt``): which tensors make each, and its
+    ``Int4Weight`` read through ``read`` (a tensor by checkpoint name, as stored)."""
+
+    def __init__(self, fmt: Int4Format, read: Callable[[str], torch.Tensor]) -> None:
+        self.fmt, self._read = fmt, read
+
+    def path_of(self, name: str) -> str | None:
+        """The Linear's path when ``name`` is a packed Linear's codes, else None."""
+        suffix = "." + self.fmt.packed_suffix
+        return name[: -len(suffix)] if name.endswith(suffix) else None
+
+    def parts_of(self, path: str, present: set[str]) -> list[str]:
+        """Every stored tensor of the packed Linear at ``path`` (its bias aside)."""
+        return [n for n in (f"{path}.{part}" for part in self.fmt.parts) if n in present]
+
+    def weight(self, path: str, dtype: torch.dtype, present: set[str]) -> Int4Weight:
+        """The Linear at ``path`` as int4 in the checkpoint's group."""
+        fmt, read = self.fmt, lambda part: self._read(f"{path}.{part}")
+        has = lambda part: f"{path}.{part}" in present  # noqa: E731 - tiny local helper
+        if fmt.method == "compressed-tensors":
+            zero = read("weight_zero_point") if has("weight_zero_point") else None
+            return compressed_int4(read("weight_packed"), read("weight_scale"), dtype, zero)
+        if fmt.method == "awq":
+            return awq_int4(read("qweight"), read("qzeros"), read("scales"), fmt.group, dtype)
+        if not has("qzeros"):
+            raise Int4CheckpointError(f"{path}: a GPTQ Linear without its qzeros")
+        zeros = read("qzeros")
+        g_idx = read("g_idx") if has("g_idx") else None
+        return gptq_int4(read("qweight"), zeros, read("scales"), g_idx, fmt.group, dtype, v1=fmt.v1)
+
+    def dequantized(
+        self, tensors: dict[str, torch.Tensor], dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """A range's tensors with every packed Linear's parts replaced by its ``weight`` in
+        ``dtype`` (for a node serving the checkpoint at another precision); floating
+        tensors cast to ``dtype``."""
+        present = set(tensors)
+        reader = Int4Linears(self.fmt, tensors.__getitem__)
+        paths = [p for p in map(self.path_of, tensors) if p is not None]
+        parts = {n for p in paths for n in self.parts_of(p, present)}
+        out = {
+            name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+            for name, tensor in tensors.items()
+            if name not in parts
+        }
+        for path in paths:
+            out[f"{path}.weight"] = reader.weight(path, torch.float32, present).dequantize(dtype)
+        return out

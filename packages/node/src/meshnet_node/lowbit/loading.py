@@ -22,9 +22,11 @@ from transformers.pytorch_utils import Conv1D
 
 from meshnet_common.errors import ModelError
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.int4_formats import Int4Format
 from meshnet_common.models.native_formats import fp8_dequantize, mxfp4_dequantize
 from meshnet_common.precision import Precision, quantized_tensor
 from meshnet_node.lowbit.gguf_blocks import BLOCKS, GROUP, GgufTensors, int4_weight
+from meshnet_node.lowbit.int4_checkpoints import Int4Linears
 from meshnet_node.lowbit.modules import PackedExperts, PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight, Int8Weight, PackedWeight
 from meshnet_node.lowbit.shipped import DenseWeight, Fp8Weight, Mxfp4Weight
@@ -36,7 +38,9 @@ SCALE_INV = "_scale_inv"
 # Routers choose experts: a rounding there changes which experts run, for a few bytes saved.
 _ROUTERS = (".gate.weight", ".router.weight", "shared_expert_gate.weight")
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)\.(?P<kind>weight|weight_scale_inv)$"
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+?)\."
+    r"(?P<kind>weight|weight_scale_inv|qweight|weight_packed|qzeros|scales|g_idx|weight_scale"
+    r"|weight_zero_point|weight_shape)$"
 )
 _FUSED_EXPERTS = re.compile(
     r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<kind>|_blocks|_scales|_bias)$"
@@ -59,7 +63,8 @@ class ShardPacker:
     quantized from the checkpoint's values; fp8, mxfp4: the checkpoint's own bytes)."""
 
     def __init__(self, index: CheckpointIndex, precision: Precision, dtype: torch.dtype,
-                 group_size: int, native: tuple[str, tuple[int, int]] | None) -> None:  # fmt: skip
+                 group_size: int, native: tuple[str, tuple[int, int]] | None,
+                 int4: Int4Format | None = None) -> None:  # fmt: skip
         if precision not in PACKED:
             raise ValueError(f"{precision.value} is not a packed precision")
         self.index, self.precision, self.dtype = index, precision, dtype
@@ -68,6 +73,9 @@ class ShardPacker:
         self._files = ExitStack()
         self._handles: dict[str, object] = {}
         self._gguf = GgufTensors(index) if index.gguf is not None else None
+        # an int4 checkpoint's packed Linears (GPTQ / AWQ / compressed-tensors)
+        self._int4 = Int4Linears(int4, self._read) if int4 is not None else None
+        self._present = set(index.tensors)
 
     # -- what to take ---------------------------------------------------------------------
 
@@ -82,6 +90,10 @@ class ShardPacker:
             if _PER_EXPERT.match(name) or _FUSED_EXPERTS.match(name):
                 plan.experts[layer].append(name)
                 plan.taken.add(name)
+            elif (path := self._shipped_int4(name, model)) is not None:
+                plan.linears[path] = name
+                plan.taken.update(self._int4.parts_of(path, present))
+                plan.taken.update(n for n in (path + ".bias",) if n in present)
             elif self._packs_linear(name, present, model):
                 path = name[: -len(".weight")]
                 plan.linears[path] = name
@@ -89,6 +101,17 @@ class ShardPacker:
                     n for n in (name, name + SCALE_INV, path + ".bias") if n in present
                 )
         return plan
+
+    def _shipped_int4(self, name: str, model: nn.Module) -> str | None:
+        """The path of the Linear whose int4 codes ``name`` holds, if the model has it."""
+        path = self._int4.path_of(name) if self._int4 is not None else None
+        if path is None:
+            return None
+        try:
+            module = model.get_submodule(path)
+        except AttributeError as exc:
+            raise ModelError(f"{name}: packed int4 codes for no Linear of the model") from exc
+        return path if isinstance(module, nn.Linear) else None
 
     def _packs_linear(self, name: str, present: set[str], model: nn.Module) -> bool:
         if not name.endswith(".weight") or name.endswith(_ROUTERS):
@@ -156,6 +179,11 @@ class ShardPacker:
         a GGUF's 4-bit blocks go to int4 as they are (group 32, ``gguf_blocks``)."""
         if stored is None and self._gguf_blocks(name):
             return int4_weight(self._gguf.raw(name), self._gguf.fmt(name), self.dtype)
+        if stored is None and self._int4 is not None and (path := self._int4.path_of(name)):
+            weight = self._int4.weight(path, self.dtype, self._present)  # as shipped
+            if self.precision is Precision.INT4:
+                return weight
+            return self.quantize(weight.dequantize(torch.float32))
         weight = self._read(name) if stored is None else stored
         if weight.dtype == torch.float8_e4m3fn:
             scale = self._read(name + SCALE_INV)
@@ -200,7 +228,7 @@ class ShardPacker:
         fused: dict[str, str] = {}
         for name in names:
             if m := _PER_EXPERT.match(name):
-                if m["kind"] == "weight":
+                if m["kind"] in ("weight", "qweight", "weight_packed"):
                     role = _ROLES.get(m["proj"])
                     if role is None:
                         raise ModelError(f"{name}: an expert projection meshnet does not know")
@@ -227,6 +255,8 @@ class ShardPacker:
         return packed
 
     def _gate_up(self, names: dict[str, str]) -> list[PackedWeight]:
+        if self._int4 is not None and self._int4.path_of(names["gate"]):
+            return [self._matrix(names["gate"]), self._matrix(names["up"])]  # each as shipped
         if self._gguf_blocks(names["gate"]) and self._gguf_blocks(names["up"]):
             # a GGUF's blocks as they are, each part its own int4 weight
             return [self._matrix(names["gate"]), self._matrix(names["up"])]

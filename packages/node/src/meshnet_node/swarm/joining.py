@@ -16,6 +16,7 @@ from meshnet_common.errors import NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.gguf_index import is_gguf
 from meshnet_common.models.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
@@ -42,8 +43,10 @@ def local_snapshot(settings: NodeSettings, model_id: str) -> Path | None:
     """The snapshot on this machine (--model-path, else --models-dir), or None."""
     if settings.model_path:
         path = Path(settings.model_path)
-        if not (path / "config.json").exists():
-            raise ValueError(f"--model-path {path}: no config.json there")
+        if is_gguf(path):
+            return path  # a GGUF file: its metadata is the config
+        if not (path / "config.json").exists() and not _holds_gguf(path):
+            raise ValueError(f"--model-path {path}: no config.json (nor a .gguf file) there")
         return path
     if settings.models_dir:
         try:
@@ -51,6 +54,10 @@ def local_snapshot(settings: NodeSettings, model_id: str) -> Path | None:
         except NotFound:
             return None
     return None
+
+
+def _holds_gguf(folder: Path) -> bool:
+    return folder.is_dir() and any(p.suffix == ".gguf" for p in folder.iterdir())
 
 
 def resolve_model_path(
