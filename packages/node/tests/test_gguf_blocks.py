@@ -10,7 +10,9 @@ import pytest
 import torch
 from gguf import quants
 
-from meshnet_node.lowbit.gguf_blocks import BLOCKS, int4_weight
+from meshnet_common.models.tiny_gguf import pack_q4_k, pack_q5_k, pack_q6_k
+from meshnet_node.lowbit.gguf_blocks import BLOCKS, int4_weight, int8_weight
+from meshnet_node.lowbit.packed import Int4Weight, Int8Weight
 
 
 def raw_blocks(fmt: str, rows: int, k: int, seed: int) -> np.ndarray:
@@ -73,16 +75,51 @@ def test_a_row_of_broken_blocks_is_refused():
         int4_weight(torch.zeros(32, 30, dtype=torch.uint8), "Q4_0", torch.float32)
 
 
-def test_our_q4_k_packer_writes_what_the_gguf_package_reads_back():
-    """``tiny_gguf.pack_q4_k`` (the gguf package cannot write Q4_K): its blocks dequantize
-    (by the gguf package) to within half a step of each group's grid of the input."""
-    from meshnet_common.models.tiny_gguf import pack_q4_k
-
+@pytest.mark.parametrize(
+    ("fmt", "pack", "group", "levels"),
+    [("Q4_K", pack_q4_k, 32, 15), ("Q5_K", pack_q5_k, 32, 31), ("Q6_K", pack_q6_k, 16, 31)],
+)
+def test_our_k_quant_packers_write_what_the_gguf_package_reads_back(fmt, pack, group, levels):
+    """``tiny_gguf``'s packers (the gguf package cannot write K-quants): their blocks, read
+    back by the gguf package, are within about half a step of each group's grid of the input
+    (a block laid out wrong would be off by the values themselves)."""
     x = np.random.default_rng(3).standard_normal((48, 512)).astype(np.float32)
-    back = reference(pack_q4_k(x), "Q4_K").numpy()
-    groups = x.reshape(48, -1, 32)
-    step = (groups.max(-1) - np.minimum(groups.min(-1), 0)) / 15  # the group's own step
-    # rounding the code (half a step) plus the 6-bit scale and minimum's rounding
-    err = np.abs(back.reshape(48, -1, 32) - groups).max(-1)
-    assert (err <= 0.6 * step + 0.05 * np.abs(groups).max(-1)).all()
-    assert np.abs(back - x).mean() < 0.1
+    raw = pack(x)
+    assert raw.shape == (48, 2 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]][1])
+    back = reference(raw, fmt).numpy().reshape(48, -1, group)
+    groups = x.reshape(48, -1, group)
+    if fmt == "Q6_K":  # symmetric: d * sc * (q - 32)
+        step = np.abs(groups).max(-1) / 31
+    else:  # d sc q - dmin m, the minimum at most 0
+        step = (groups.max(-1) - np.minimum(groups.min(-1), 0)) / levels
+    err = np.abs(back - groups).max(-1)
+    # rounding the code (half a step) plus the 6/8-bit scale and minimum's rounding
+    assert (err <= 0.8 * step).all()
+    assert np.abs(back - groups).mean() < 0.3 * step.mean()
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q5_K", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("rows", [64, 304])
+def test_other_blocks_are_rounded_as_their_dequantized_values_would_be(fmt, rows):
+    """Block types int4 / int8 do not hold as they are go from their values, 256 rows at a
+    time: the same weight as quantizing the whole dequantized matrix at once."""
+    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+    packer = {"Q5_K": pack_q5_k, "Q6_K": pack_q6_k, "Q4_K": pack_q4_k}.get(fmt)
+    raw = packer(x) if packer else quants.quantize(x, gguf.GGMLQuantizationType[fmt])
+    values = reference(raw, fmt)
+    got8 = int8_weight(torch.from_numpy(raw), fmt, torch.float32)
+    want8 = Int8Weight.quantize(values, torch.float32)
+    assert torch.equal(got8.q, want8.q) and torch.equal(got8.scale, want8.scale)
+    # int8's rounding: at most half a step of the row's scale
+    err = (got8.dequantize() - values).abs().amax(dim=1)
+    assert (err <= values.abs().amax(dim=1) / 254 * 1.001).all()
+    if fmt == "Q4_K":
+        return  # int4 holds it as it is (test_blocks_dequantize_as_gguf_does)
+    got4 = int4_weight(torch.from_numpy(raw), fmt, torch.float32)
+    want4 = Int4Weight.quantize(values, 32, torch.float32)
+    assert torch.equal(got4.dequantize(), want4.dequantize())
+
+
+def test_a_row_of_broken_blocks_is_refused_for_any_type():
+    with pytest.raises(ValueError, match="not whole blocks"):
+        int8_weight(torch.zeros(32, 200, dtype=torch.uint8), "Q6_K", torch.float32)

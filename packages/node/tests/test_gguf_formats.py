@@ -1,8 +1,10 @@
 """GGUF files in each block format, written by our own packing code from tiny random models
 (``tiny_gguf``): split over stages = one stage at the same precision (bit for bit, float32),
-and equal to the HF model built from the file's dequantized weights in float32 — Q4_0, Q4_1
-and Q4_K are int4 as they are (logits within float32 rounding), Q8_0 is int8 rounded to a
-scale per row (close, not exact)."""
+equal to the HF model holding what the runtime holds (the blocks as they are, or rounded as
+``gguf_blocks`` says) within float32 rounding, and close to the HF model built from the
+file's dequantized weights — Q4_0, Q4_1 and Q4_K are int4 as they are (within float32
+rounding), Q5_K, Q6_K and Q8_0 int8 rounded to a scale per row (close, not exact), a
+Q4_K_M mix int4 with its Q6_K tensors rounded to group 32, a Q5_K_M mix int8."""
 
 from __future__ import annotations
 
@@ -10,24 +12,41 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.tiny import make_tiny
-from meshnet_common.models.tiny_gguf import BLOCK_FORMATS, write_gguf
+from meshnet_common.models.tiny_gguf import write_gguf
 from meshnet_common.precision import Precision, native_format_name, resolve_precision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
-from meshnet_node.lowbit.gguf_blocks import GgufTensors
+from meshnet_node.lowbit.gguf_blocks import BLOCKS, GgufTensors, int4_weight, int8_weight
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# (family, format, the runtime ``auto`` serves it in): every family in the 4-bit formats and
+# Q8_0; the 5/6-bit K-quants and llama.cpp's Q4_K_M on a dense and an MoE family (Q5_K_M on
+# the dense one: its types are those of the Q5_K and Q6_K cases); Gemma 2/3
+# and Mistral (written by llama.cpp as ``llama``) in Q4_0, Q4_K and Q8_0.
+CASES = [
+    *((f, fmt, "int4") for f in FAMILIES for fmt in ("Q4_0", "Q4_1", "Q4_K")),
+    *((f, "Q8_0", "int8") for f in FAMILIES),
+    *((f, fmt, "int8") for f in ("llama", "qwen3_moe") for fmt in ("Q5_K", "Q6_K")),
+    ("llama", "Q5_K_M", "int8"),
+    *((f, "Q4_K_M", "int4") for f in ("llama", "qwen3_moe")),
+    *((f, fmt, "int8" if fmt == "Q8_0" else "int4")
+      for f in ("gemma2", "gemma3", "mistral") for fmt in ("Q4_0", "Q4_K", "Q8_0")),
+]  # fmt: skip
 PROMPT = list(range(3, 40))
 NEW_TOKENS = 6
-# int4 from 4-bit blocks: the zero is one float32 rounding from the file's (Q4_0: exact)
-ATOL = {"int4": 1e-5, "int8": 0.1}
+# The HF model of what the runtime holds: float32 rounding (int4 zeros, int8 products).
+HELD_ATOL = 1e-5
+# The HF model of the file's dequantized values: int4 from 4-bit blocks is exact up to the
+# zero's float32 rounding; int8 rounds each weight to its row's scale; a Q4_K_M mix's Q6_K
+# tensors are rounded to int4.
+ATOL = {"int4": 1e-5, "int8": 0.1, "mix": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +54,15 @@ def gguf_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     made: dict[tuple[str, str], Path] = {}
 
+    def snapshot(family: str) -> Path:  # made once, then found
+        return make_tiny(root, family, f"tiny/{family}", layers=4, hidden=256, intermediate=512)
+
     def make(family: str, fmt: str) -> Path:
         if (family, fmt) not in made:
-            snapshot = make_tiny(root, family, f"tiny/{family}", layers=4, hidden=256, intermediate=512)  # fmt: skip
-            made[family, fmt] = write_gguf(snapshot, root / f"{family}-{fmt}.gguf", fmt)
+            made[family, fmt] = write_gguf(snapshot(family), root / f"{family}-{fmt}.gguf", fmt)
         return made[family, fmt]
 
+    make.snapshot = snapshot
     return make
 
 
@@ -52,40 +74,64 @@ def _greedy(path: Path, precision: Precision, cuts) -> tuple[list[int], torch.Te
     return tokens, torch.stack([row.reshape(-1) for row in logits])
 
 
-def _reference(path: Path) -> AutoModelForCausalLM:
-    """The family's HF model holding the file's weights dequantized, in float32: written as
-    a safetensors snapshot and loaded by transformers (which fuses per-expert tensors)."""
+def _reference(path: Path, held: bool = False) -> AutoModelForCausalLM:
+    """The family's HF model holding the file's weights in float32 (``held``: as the runtime
+    holds them at the file's ``auto`` precision; else as the ``gguf`` package dequantizes
+    them): written as a safetensors snapshot and loaded by transformers (which fuses
+    per-expert tensors)."""
     index = CheckpointIndex.load(path)
     fields = {k: v for k, v in index.config.items() if k != "quantization_config"}
-    folder = path.with_suffix(".reference")
+    folder = path.with_suffix(".held" if held else ".reference")
     if not folder.exists():
         folder.mkdir()
         AutoConfig.for_model(**fields).save_pretrained(folder)
         reader = GgufTensors(index)
         state = {name: reader.dense(name, torch.float32).contiguous() for name in index.tensors}
+        if held:
+            state.update(_held(index, reader))
         save_file(state, folder / "model.safetensors")
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_split_equals_one_stage_and_the_dequantized_model(gguf_file, family, fmt):
+def _held(index: CheckpointIndex, reader: GgufTensors) -> dict[str, torch.Tensor]:
+    """The layers' block matrices as the runtime holds them (routers stay as read)."""
+    runtime = index.config["quantization_config"]["runtime"]
+    out = {}
+    for name, info in index.tensors.items():
+        if index.layer_of(name) is None or len(info.shape) != 2 or info.dtype == "F32":
+            continue
+        raw = reader.raw(name)
+        if runtime == "int8":
+            out[name] = int8_weight(raw, info.dtype, torch.float32).dequantize()
+        elif info.dtype not in BLOCKS:  # (4-bit blocks: as the gguf package dequantizes)
+            out[name] = int4_weight(raw, info.dtype, torch.float32).dequantize()
+    return out
+
+
+@pytest.mark.parametrize(("family", "fmt", "runtime"), CASES)
+def test_split_equals_one_stage_and_the_dequantized_model(gguf_file, family, fmt, runtime):
     path = gguf_file(family, fmt)
-    runtime = native_format_name(CheckpointIndex.load(path).config)
-    assert runtime == ("int8" if fmt == "Q8_0" else "int4")
+    assert native_format_name(CheckpointIndex.load(path).config) == runtime
     precision = resolve_precision("auto", "float32", runtime)
     tokens, logits = _greedy(path, precision, [(0, 1), (1, 3), (3, 4)])
     one_tokens, one_logits = _greedy(path, precision, [(0, 4)])
     assert tokens == one_tokens and torch.equal(logits, one_logits)
 
-    model = _reference(path)
-    with torch.no_grad():
-        want = model.generate(
-            torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-        )[0, len(PROMPT) :].tolist()
-        ref = model(torch.tensor([PROMPT + tokens[:-1]])).logits[0, len(PROMPT) - 1 :]
-    assert tokens == want
-    torch.testing.assert_close(logits, ref, rtol=0, atol=ATOL[runtime])
+    ids = torch.tensor([PROMPT + tokens[:-1]])
+    for held in (True, False):
+        model = _reference(path, held)
+        with torch.no_grad():
+            want = model.generate(
+                torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )[0, len(PROMPT) :].tolist()
+            ref = model(ids).logits[0, len(PROMPT) - 1 :]
+        if held:
+            assert tokens == want
+            torch.testing.assert_close(logits, ref, rtol=0, atol=HELD_ATOL)
+        else:
+            tol = ATOL["mix" if fmt == "Q4_K_M" else runtime]
+            assert fmt == "Q4_K_M" or tokens == want
+            torch.testing.assert_close(logits, ref, rtol=0, atol=tol)
 
 
 def test_llama_matches_transformers_own_gguf_loader(gguf_file):
@@ -98,3 +144,64 @@ def test_llama_matches_transformers_own_gguf_loader(gguf_file):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=0, atol=1e-5)
     assert logits.shape[-1] == theirs.config.vocab_size
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_reads_back_as_the_hf_model_it_was_written_from(gguf_file, family):
+    """llama.cpp's Gemma quirks undone: norms stored as 1 + w read as w, the four norms of
+    a layer in their places, and what llama.cpp hard-codes (layer pattern, query scale,
+    soft-caps, Gemma 3's local rope base) back in the config as the snapshot had it."""
+    path = gguf_file(family, "Q8_0")
+    index = CheckpointIndex.load(path)
+    snapshot = CheckpointIndex.load(gguf_file.snapshot(family))
+    theirs = AutoConfig.from_pretrained(snapshot.root)
+    fields = {k: v for k, v in index.config.items() if k != "quantization_config"}
+    ours = AutoConfig.for_model(**fields)
+    assert index.architecture == snapshot.architecture and index.tied_embeddings
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim",
+                "attn_logit_softcapping", "final_logit_softcapping", "rope_parameters"):  # fmt: skip
+        assert getattr(ours, key) == getattr(theirs, key), key
+    reader = GgufTensors(index)
+    weights = {}
+    for file in {t.file for t in snapshot.tensors.values()}:
+        weights.update(load_file(snapshot.root / file))
+    norms = [n for n in index.tensors if n.endswith("norm.weight")]
+    assert len(norms) == 1 + index.num_layers * (6 if family == "gemma3" else 4)
+    for name in norms:  # (1 + w) - 1 in float32: w up to float32's rounding of 1 + w
+        torch.testing.assert_close(reader.dense(name, torch.float32), weights[name].float(), rtol=0, atol=2e-7)  # fmt: skip
+
+
+def test_mistral_as_llama_cpp_writes_it_is_the_mistral_model(gguf_file):
+    """llama.cpp writes Mistral as ``llama``: read back as Llama it gives the logits of
+    MistralForCausalLM holding the same weights (within its sliding window, which llama.cpp
+    does not keep)."""
+    path = gguf_file("mistral", "Q4_K")
+    index = CheckpointIndex.load(path)
+    assert index.architecture == "LlamaForCausalLM"
+    _, logits = _greedy(path, Precision.INT4, [(0, 2), (2, 4)])
+    llama = _reference(path)
+    folder = path.with_suffix(".mistral")
+    folder.mkdir()
+    AutoConfig.from_pretrained(gguf_file.snapshot("mistral")).save_pretrained(folder)
+    state = {k: v.contiguous() for k, v in llama.state_dict().items()}
+    save_file(state, folder / "model.safetensors")
+    mistral = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(mistral).__name__ == "MistralForCausalLM"
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        torch.testing.assert_close(mistral(ids).logits, llama(ids).logits, rtol=0, atol=1e-6)
+        ref = mistral(ids).logits[0, -1]
+    torch.testing.assert_close(logits[0], ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "runtime"), [("Q4_K_M", "int4"), ("Q5_K_M", "int8"), ("Q6_K", "int8")]
+)
+def test_auto_serves_a_mix_in_the_runtime_of_most_of_its_bytes(gguf_file, fmt, runtime):
+    index = CheckpointIndex.load(gguf_file("llama", fmt))
+    types = {info.dtype for info in index.tensors.values()}
+    assert native_format_name(index.config) == runtime
+    if fmt in ("Q4_K_M", "Q5_K_M"):
+        assert {fmt[:4], "Q6_K"} <= types
+        assert index.tensors["model.layers.0.mlp.down_proj.weight"].dtype == "Q6_K"
+        assert index.tensors["model.embed_tokens.weight"].dtype == fmt[:4]  # (tied)

@@ -9,9 +9,15 @@ pricing, subset serving) works on a GGUF as on a safetensors snapshot.
 
 The config comes from the file's metadata (the keys transformers' own table reads, without
 importing transformers: the tracker has none); the families are those whose GGUF tensors
-map one to one onto HF tensors: Llama (and Mistral, which llama.cpp writes as ``llama``), Qwen2, Qwen3.
+map one to one onto HF tensors: Llama (and Mistral, which llama.cpp writes as ``llama``), Qwen2,
+Qwen3, Qwen2-MoE, Qwen3-MoE, Gemma 2 and Gemma 3 (text).
 llama.cpp permutes the rows of Llama's query and key projections for its rotary layout;
 ``row_permutation`` names the heads to undo it with (transformers undoes it the same way).
+Its Gemma converter stores every RMSNorm weight as ``w + 1`` (HF's Gemma norms compute
+``x * (1 + w)``, llama.cpp's ``x * w``); ``value_shift`` names them, and the reader subtracts 1
+as transformers' own GGUF reader does. What llama.cpp hard-codes for Gemma rather than
+writing it (the sliding/global layer pattern, Gemma 3's local rope base, the query scale)
+is put back in the config as llama.cpp computes it (``_gemma_config``).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ GGUF_SUFFIX = ".gguf"
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
 }  # fmt: skip
-MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 # llama.cpp's qwen3moe always renormalizes the chosen experts' weights; qwen2moe never does
 _NORM_TOP_K = {"qwen2moe": False, "qwen3moe": True}
 # Architectures whose q/k rows llama.cpp's converter permuted.
@@ -60,6 +67,19 @@ _IN_LAYER = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma 2/3's four norms per layer: llama.cpp's ffn_norm is the pre-MLP norm there, and the
+# norms after attention and after the MLP are their own tensors.
+_GEMMA = {"gemma2", "gemma3"}
+_GEMMA_LAYER = {
+    "attn_post_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's sliding-window period when the file does not say (``set_swa_pattern``: layer
+# i is local unless i % n == n - 1), and the layer counts of the 27B models, whose query
+# scale is hidden / heads rather than the head width.
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # A layer's routed experts, stacked [experts, out, in] in one GGUF tensor: listed in the
 # index expert by expert (``mlp.experts.E.gate_proj.weight``), each a slice of its bytes.
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -78,6 +98,9 @@ _CONFIG_KEYS = {
     "attention.head_count_kv": "num_key_value_heads",
     "attention.key_length": "head_dim",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
     "vocab_size": "vocab_size",
     "expert_count": "num_experts",
     "expert_used_count": "num_experts_per_tok",
@@ -91,11 +114,13 @@ _DERIVED = ("rope_freqs.weight",)
 @dataclass(frozen=True)
 class GgufSource:
     """Where an index's tensors come from in a GGUF: the file, each HF name's GGUF name, and
-    the heads whose rows to un-permute (HF name -> heads)."""
+    the heads whose rows to un-permute (HF name -> heads), and what to subtract from the
+    values of those a converter shifted (Gemma's norms: 1)."""
 
     file: str
     names: dict[str, str] = field(default_factory=dict)
     row_permutation: dict[str, int] = field(default_factory=dict)
+    value_shift: dict[str, float] = field(default_factory=dict)
 
 
 def is_gguf(path: Path | str) -> bool:
@@ -112,21 +137,26 @@ def pretrained_args(model_path: Path | str) -> tuple[Path, dict]:
     return path, {}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def _layer_table(arch: str) -> dict[str, str]:
+    return {**_IN_LAYER, **_GEMMA_LAYER} if arch in _GEMMA else _IN_LAYER
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF tensor name of a GGUF tensor of the supported families (None: not known)."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     m = _LAYER_TENSOR.match(gguf_name)
-    if m is None or m["part"] not in _IN_LAYER:
+    table = _layer_table(arch)
+    if m is None or m["part"] not in table:
         return None
-    return f"model.layers.{m['layer']}.{_IN_LAYER[m['part']]}.{m['kind']}"
+    return f"model.layers.{m['layer']}.{table[m['part']]}.{m['kind']}"
 
 
-def gguf_names(num_layers: int = 1024) -> dict[str, str]:
+def gguf_names(num_layers: int = 1024, arch: str = "llama") -> dict[str, str]:
     """HF name -> GGUF name for every tensor the table knows (writers of test files)."""
     names = {hf: g for g, hf in _GLOBAL.items()}
     for layer in range(num_layers):
-        for part, hf_part in _IN_LAYER.items():
+        for part, hf_part in _layer_table(arch).items():
             for kind in ("weight", "bias"):
                 names[f"model.layers.{layer}.{hf_part}.{kind}"] = f"blk.{layer}.{part}.{kind}"
     return names
@@ -156,6 +186,8 @@ def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
         config["head_dim"] = meta[f"{arch}.rope.dimension_count"]
     if "num_hidden_layers" not in config:
         raise ModelError(f"{path}: GGUF metadata lacks {arch}.block_count")
+    if arch in _GEMMA:
+        _gemma_config(config, meta, arch)
     if arch in _NORM_TOP_K:  # a layer without routed experts is dense (by its tensors)
         sparse = {int(m["layer"]) for n in tensor_names
                   if (m := _LAYER_TENSOR.match(n)) and m["part"] in _EXPERTS}  # fmt: skip
@@ -165,9 +197,41 @@ def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
     return config
 
 
-# ggml types of a layer's weights -> the runtime precision ``auto`` serves them in: 4-bit and
-# lower blocks as int4 (Q4_* exactly, group 32), 5- to 8-bit blocks as int8 (rounded to a
-# scale per row), float tensors at the compute dtype.
+def _gemma_config(config: dict, meta: dict, arch: str) -> None:
+    """What llama.cpp computes for Gemma 2/3 rather than reading it from the file: which
+    layers are local (every ``n``-th global: the file's ``attention.sliding_window_pattern``
+    or llama.cpp's 2 / 6; no window, all global), the query scale (``head_dim``; 27B:
+    hidden / heads), the soft-caps (Gemma 2: 50 / 30 when absent; Gemma 3: none) and Gemma 3's
+    local rope base (10000) and linear rope scaling of its global layers."""
+    layers, window = config["num_hidden_layers"], config.get("sliding_window")
+    n = int(meta.get(f"{arch}.attention.sliding_window_pattern") or _SWA_PATTERN[arch])
+    config["layer_types"] = [
+        "sliding_attention" if window and i % n < n - 1 else "full_attention"
+        for i in range(layers)
+    ]  # fmt: skip
+    config.setdefault("sliding_window", None)  # none in the file: every layer global
+    big = layers == _GEMMA_27B_LAYERS[arch]
+    heads = config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = config["hidden_size"] // heads if big else config["head_dim"]  # fmt: skip
+    if arch == "gemma2":
+        config.setdefault("attn_logit_softcapping", 50.0)
+        config.setdefault("final_logit_softcapping", 30.0)
+        return
+    config.setdefault("attn_logit_softcapping", None)
+    config.setdefault("final_logit_softcapping", None)
+    config["rope_local_base_freq"] = 10000.0
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {
+            "rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+        }  # fmt: skip
+
+
+# ggml types of a layer's weights -> the runtime precision ``auto`` serves them in, by the type
+# holding most bytes: 4-bit and lower blocks as int4 (Q4_0/Q4_1/Q4_K exactly at group 32;
+# Q2_K/Q3_K/IQ* rounded), 5- to 8-bit blocks (Q5_0/Q5_1/Q5_K/Q6_K/Q8_0) as int8 (rounded to a
+# scale per row; int4 would lose a bit), float tensors at the compute dtype. A mix takes its
+# majority's: Q4_K_M / Q4_K_S int4 (their Q6_K tensors rounded to int4, group 32), Q5_K_M /
+# Q5_K_S and Q6_K int8 (their Q8_0 / Q6_K tensors rounded to int8 too).
 _INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -201,7 +265,7 @@ def load_gguf_index(path: Path | str):
         if m is not None and m["part"] in _EXPERTS:
             _list_experts(tensors, source, t, path.name, f"model.layers.{m['layer']}.mlp.experts")
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             if t.name in _DERIVED:
                 continue
@@ -211,6 +275,8 @@ def load_gguf_index(path: Path | str):
             shape = (1, *shape)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as a vector
         tensors[name] = TensorInfo(name, path.name, t.type_name, shape, t.nbytes, t.offset)
         source.names[name] = t.name
+        if arch in _GEMMA and t.name.endswith("norm.weight"):
+            source.value_shift[name] = 1.0  # llama.cpp stored 1 + w
         if arch in _PERMUTED and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = "head_count" if "attn_q" in t.name else "head_count_kv"
             source.row_permutation[name] = int(meta[f"{arch}.attention.{heads}"])

@@ -1,4 +1,4 @@
-"""GGUF's 4-bit block formats as group-wise int4, without a detour through 16 bits.
+"""GGUF's block formats as meshnet's int4 / int8 weights, without a detour through 16 bits.
 
 llama.cpp's Q4_0, Q4_1 and Q4_K hold every 32 weights of a row as 4-bit codes with a scale
 and an offset of their own, which is exactly ``Int4Weight``'s form at group 32,
@@ -17,6 +17,20 @@ and an offset of their own, which is exactly ``Int4Weight``'s form at group 32,
 Codes sit two a byte: in Q4_0/Q4_1 the low nibbles are a block's first 16 values and the high
 nibbles its last 16; in Q4_K each 32 bytes hold two groups, the low nibbles the first.
 Rows are decoded 256 at a time, so the temporaries stay a few MB whatever the matrix.
+
+Every other block type is dequantized (by the ``gguf`` package, in float32: its values
+exactly as llama.cpp computes them) 256 rows at a time and rounded to the asked format
+(``requantized``), so no whole matrix is ever held in float:
+
+- at int8 (``int8_weight``: Q8_0, Q5_0/Q5_1, Q5_K, Q6_K files, whose runtime is int8):
+  ``Int8Weight`` has one symmetric scale per row, the blocks one per 32 (Q8_0, Q5_*) or per
+  16 (Q6_K) weights, so each weight is rounded to its row's grid (at most half a step of
+  ``max |row| / 127``). Not exact: a grouped int8 runtime format would be. 4-bit blocks at
+  int8 (asked) are rounded the same way.
+- at int4 (``int4_weight`` of a non-4-bit type: the Q6_K / Q8_0 tensors of a Q4_K_M or
+  Q4_K_S file, Q2_K / Q3_K / IQ* blocks): rounded to 16 levels per group of 32, as any
+  weight quantized at load (``Int4Weight.quantize``). Q6_K and Q8_0 lose bits there, as
+  they would at int4 anywhere; an int4 node holds its whole range in one format.
 """
 
 from __future__ import annotations
@@ -28,13 +42,14 @@ import numpy as np
 import torch
 from gguf import quants
 
-from meshnet_node.lowbit.packed import Codes, Int4Weight
+from meshnet_node.lowbit.packed import Codes, Int4Weight, Int8Weight, quantized_chunks
 
 GROUP = 32  # every 4-bit GGUF format scales groups of 32 weights
 # format name -> (weights per block, bytes per block), as ggml lays them out
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 CHUNK_ROWS = 256
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FLOAT_TYPES = tuple(_PLAIN)
 
 
 def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
@@ -93,11 +108,53 @@ def int4_chunks(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Iterator[Cod
 
 
 def int4_weight(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Int4Weight:
-    """One GGUF tensor of ``fmt`` (``[out, bytes per row]``) as an ``Int4Weight`` at group 32."""
+    """One GGUF tensor of ``fmt`` (``[out, bytes per row]``) as an ``Int4Weight`` at group 32:
+    4-bit blocks as they are, any other type rounded to int4 from its values."""
+    if fmt not in BLOCKS:
+        return _requantized_int4(raw, fmt, dtype)
     weights, size = BLOCKS[fmt]
     shape = (raw.shape[0], raw.shape[1] // size * weights)
     chunks = int4_chunks(raw, fmt, dtype)
     return Int4Weight.from_codes(chunks, shape, GROUP, dtype, aligned=shape[0] % CHUNK_ROWS == 0)
+
+
+def dequantized_chunks(raw: torch.Tensor, fmt: str) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float32 values ``[rows, in]``) of a block tensor, 256 rows at a time, as
+    the ``gguf`` package dequantizes them."""
+    kind = gguf.GGMLQuantizationType[fmt]
+    data = raw.numpy()
+    for start in range(0, raw.shape[0], CHUNK_ROWS):
+        yield start, torch.from_numpy(quants.dequantize(data[start : start + CHUNK_ROWS], kind))
+
+
+def _width(raw: torch.Tensor, fmt: str) -> int:
+    weights, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]]
+    if raw.shape[1] % size:
+        raise ValueError(f"{fmt}: a row of {raw.shape[1]} bytes is not whole blocks of {size}")
+    return raw.shape[1] // size * weights
+
+
+def _requantized_int4(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Int4Weight:
+    """Any block type rounded to int4 at group 32, from its values 256 rows at a time."""
+    shape = (raw.shape[0], _width(raw, fmt))
+
+    def chunks() -> Iterator[Codes]:
+        for start, values in dequantized_chunks(raw, fmt):
+            for at, codes, scale, zero in quantized_chunks(values, GROUP, dtype):
+                yield start + at, codes, scale, zero
+
+    return Int4Weight.from_codes(chunks(), shape, GROUP, dtype, aligned=shape[0] % CHUNK_ROWS == 0)
+
+
+def int8_weight(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Int8Weight:
+    """One GGUF block tensor as an ``Int8Weight``: its values rounded to a scale per row
+    (as ``Int8Weight.quantize`` rounds any matrix), 256 rows at a time."""
+    q = torch.empty(raw.shape[0], _width(raw, fmt), dtype=torch.int8)
+    scale = torch.empty(raw.shape[0], dtype=dtype)
+    for start, values in dequantized_chunks(raw, fmt):
+        part = Int8Weight.quantize(values, dtype)
+        q[start : start + len(values)], scale[start : start + len(values)] = part.q, part.scale
+    return Int8Weight(q, scale)
 
 
 class GgufTensors:
@@ -132,7 +189,11 @@ class GgufTensors:
             kind = gguf.GGMLQuantizationType[info.dtype]
             rows = info.shape[0] if len(info.shape) > 1 else 1
             values = torch.from_numpy(quants.dequantize(data.reshape(rows, -1), kind).copy())
-        return self._unpermute(name, values.reshape(info.shape)).to(dtype)
+        values = self._unpermute(name, values.reshape(info.shape))
+        shift = self.source.value_shift.get(name)
+        if shift is not None:  # Gemma's norms, stored as 1 + w by llama.cpp's converter
+            values = values.float() - shift
+        return values.to(dtype)
 
     def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """llama.cpp interleaves each head's rotary halves (``permute`` in its converter);

@@ -25,7 +25,13 @@ from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.int4_formats import Int4Format
 from meshnet_common.models.native_formats import fp8_dequantize, mxfp4_dequantize
 from meshnet_common.precision import Precision, quantized_tensor
-from meshnet_node.lowbit.gguf_blocks import BLOCKS, GROUP, GgufTensors, int4_weight
+from meshnet_node.lowbit.gguf_blocks import (
+    FLOAT_TYPES,
+    GROUP,
+    GgufTensors,
+    int4_weight,
+    int8_weight,
+)
 from meshnet_node.lowbit.int4_checkpoints import Int4Linears
 from meshnet_node.lowbit.modules import PackedExperts, PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight, Int8Weight, PackedWeight
@@ -176,9 +182,12 @@ class ShardPacker:
 
     def _matrix(self, name: str, stored: torch.Tensor | None = None) -> PackedWeight:
         """A Linear weight by checkpoint name: FP8 bytes kept or dequantized, then packed;
-        a GGUF's 4-bit blocks go to int4 as they are (group 32, ``gguf_blocks``)."""
+        a GGUF's blocks go straight to int4 / int8 (``_gguf_blocks``)."""
         if stored is None and self._gguf_blocks(name):
-            return int4_weight(self._gguf.raw(name), self._gguf.fmt(name), self.dtype)
+            raw, fmt = self._gguf.raw(name), self._gguf.fmt(name)
+            if self.precision is Precision.INT8:
+                return int8_weight(raw, fmt, self.dtype)
+            return int4_weight(raw, fmt, self.dtype)
         if stored is None and self._int4 is not None and (path := self._int4.path_of(name)):
             weight = self._int4.weight(path, self.dtype, self._present)  # as shipped
             if self.precision is Precision.INT4:
@@ -193,11 +202,16 @@ class ShardPacker:
         return self.quantize(weight)
 
     def _gguf_blocks(self, name: str) -> bool:
-        """Whether ``name`` is a GGUF 4-bit block tensor that int4 holds as it is."""
-        if self._gguf is None or self.precision is not Precision.INT4:
+        """Whether ``name`` is a GGUF block tensor packed from its blocks, 256 rows at a time
+        (``gguf_blocks``): at int4 (group 32) Q4_0/Q4_1/Q4_K as they are and any other type
+        rounded from its values; at int8 any type rounded to a scale per row. Float tensors
+        and shapes int4 cannot hold are read as values and packed as any checkpoint's."""
+        if self._gguf is None or self._gguf.fmt(name) in FLOAT_TYPES:
             return False
+        if self.precision is Precision.INT8:
+            return True
         shape = tuple(self.index.tensors[name].shape)
-        return self._gguf.fmt(name) in BLOCKS and Int4Weight.group_for(shape, GROUP) == GROUP
+        return self.precision is Precision.INT4 and Int4Weight.group_for(shape, GROUP) == GROUP
 
     def pack_linears(self, model: nn.Module, plan: _Plan, after_layer=lambda: None) -> int:
         """Put a PackedLinear in place of each planned Linear; ``after_layer`` runs when a
@@ -258,7 +272,8 @@ class ShardPacker:
         if self._int4 is not None and self._int4.path_of(names["gate"]):
             return [self._matrix(names["gate"]), self._matrix(names["up"])]  # each as shipped
         if self._gguf_blocks(names["gate"]) and self._gguf_blocks(names["up"]):
-            # a GGUF's blocks as they are, each part its own int4 weight
+            # a GGUF's blocks, each part its own weight (int8's scale per row: the same values
+            # as one weight of both)
             return [self._matrix(names["gate"]), self._matrix(names["up"])]
         gate, up = self._read(names["gate"]), self._read(names["up"])
         if self.precision is Precision.FP8 and gate.dtype == torch.float8_e4m3fn:

@@ -177,7 +177,7 @@ class Int4Weight(PackedWeight):
     def quantize(cls, weight: Rows, group: int, dtype: torch.dtype) -> Int4Weight:
         """Round ``weight`` to 16 levels per group between its minimum and maximum."""
         aligned = all(p.shape[0] % 256 == 0 for p in _parts(weight))
-        chunks = _quantized_chunks(weight, group, dtype)
+        chunks = quantized_chunks(weight, group, dtype)
         return cls.from_codes(chunks, _shape(weight), group, dtype, aligned=aligned)
 
     @classmethod
@@ -234,7 +234,7 @@ class Int4Weight(PackedWeight):
         return intpack.int4_dequantize(self.packed, self.scale_zero, self.group, block, out)
 
 
-def _quantized_chunks(weight: Rows, group: int, dtype: torch.dtype) -> Iterator[Codes]:
+def quantized_chunks(weight: Rows, group: int, dtype: torch.dtype) -> Iterator[Codes]:
     """Asymmetric group-wise rounding, 256 rows at a time: (start, codes, scale, zero)."""
     k = _shape(weight)[1]
     for start, block in _rows_chunked(weight):
