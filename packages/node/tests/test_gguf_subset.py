@@ -19,6 +19,8 @@ from meshnet_common.models.gguf_header import read_header
 from meshnet_common.models.gguf_import import smollm2_gguf_path
 from meshnet_common.models.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.models.shardfiles import ShardSource
+from meshnet_common.models.tiny import make_tiny
+from meshnet_common.models.tiny_gguf import write_gguf
 from meshnet_common.precision import Precision
 from meshnet_common.web.shards import snapshot_revision
 from meshnet_node.engine.loader import load_shard
@@ -112,5 +114,39 @@ def test_models_dir_lists_a_gguf_in_the_plain_layout(tmp_path):
     for p in folder.iterdir():
         p.unlink()
     (folder / "m-00001-of-00002.gguf").symlink_to(smollm2_gguf_path())
-    with pytest.raises(ModelError, match="split GGUF files are not read yet"):
+    with pytest.raises(ModelError, match="split GGUF file.s. missing: m-00002-of-00002.gguf"):
         CheckpointIndex.load(folder)
+
+
+def test_llama_cpp_split_files_are_one_model(tmp_path):
+    """A split set (``NAME-0000i-of-0000N.gguf``) indexes as the one file it was cut from;
+    stages read from it, and from the one GGUF a joining node receives of it, equal one
+    stage on the unsplit file bit for bit."""
+    snapshot = make_tiny(tmp_path, "qwen3_moe", "tiny/qwen3_moe", layers=4, hidden=256, intermediate=512)  # fmt: skip
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "split").mkdir()
+    whole = write_gguf(snapshot, tmp_path / "whole" / "m.gguf", "Q4_K")
+    first = write_gguf(snapshot, tmp_path / "split" / "m.gguf", "Q4_K", split_max_tensors=20)
+    assert len(list(first.parent.iterdir())) == 3
+    one, cut = CheckpointIndex.load(whole), CheckpointIndex.load(first.parent)
+    assert {n: (t.dtype, t.shape) for n, t in one.tensors.items()} == {
+        n: (t.dtype, t.shape) for n, t in cut.tensors.items()
+    }
+    assert len({t.file for t in cut.tensors.values()}) == 3
+    served = ShardSource(cut, "tiny/qwen3_moe", LayerRange(2, 4), "r")
+    (tmp_path / "received").mkdir()
+    (tmp_path / "received" / "model.gguf").write_bytes(b"".join(served.iter_file("model.gguf")))
+    prompt = list(range(3, 30))
+    stages = [
+        Stage(load_shard(first.parent, LayerRange(0, 2), Precision.INT4, dtype=torch.float32)),
+        Stage(load_shard(tmp_path / "received", LayerRange(2, 4), Precision.INT4,
+                         dtype=torch.float32)),
+    ]  # fmt: skip
+    ref = [Stage(load_shard(whole, LayerRange(0, 4), Precision.INT4, dtype=torch.float32))]
+    tokens, logits = split_greedy(stages, prompt, 4)
+    ref_tokens, ref_logits = split_greedy(ref, prompt, 4)
+    assert tokens == ref_tokens
+    assert all(torch.equal(x, y) for x, y in zip(logits, ref_logits, strict=True))
+    (first.parent / first.name.replace("00001", "00002")).unlink()
+    with pytest.raises(ModelError, match="missing"):
+        CheckpointIndex.load(first.parent)

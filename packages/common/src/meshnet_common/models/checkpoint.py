@@ -20,7 +20,7 @@ from meshnet_common.layers import LayerRange
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# llama.cpp's split files: NAME-00001-of-00003.gguf
+# llama.cpp's split files: NAME-00001-of-00003.gguf ...
 _GGUF_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 # Files a node needs besides weights (those that exist are used).
@@ -153,23 +153,20 @@ def _read_safetensors_header(path: Path) -> dict:
 
 
 def gguf_in(folder: Path) -> Path | None:
-    """The one GGUF file of a model folder (``ORG/NAME/FILE.gguf``); None when it holds none;
-    ModelError for several, or for llama.cpp's split files (not read yet)."""
+    """The GGUF of a model folder (``ORG/NAME/FILE.gguf``, or the first file of one llama.cpp
+    split set: the index reads them all); None when it holds none; ModelError for files of
+    several models."""
     try:
         found = sorted(p for p in folder.iterdir() if p.suffix == ".gguf" and p.is_file())
     except OSError:
         return None
     if not found:
         return None
-    if any(_GGUF_SPLIT.search(p.name) for p in found):
-        raise ModelError(
-            f"{folder}: llama.cpp split GGUF files are not read yet; merge them into one "
-            "(llama-gguf-split --merge FIRST.gguf OUT.gguf)"
-        )
-    if len(found) > 1:
+    sets = {_GGUF_SPLIT.sub("", p.name) if _GGUF_SPLIT.search(p.name) else p.name for p in found}
+    if len(sets) > 1:
         names = ", ".join(p.name for p in found)
-        raise ModelError(f"{folder}: several GGUF files ({names}); keep one per model folder")
-    return found[0]
+        raise ModelError(f"{folder}: several GGUF files ({names}); keep one model per folder")
+    return found[0]  # the only file, or the split set's first (-00001-of-)
 
 
 @dataclass

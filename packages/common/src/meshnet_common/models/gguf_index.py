@@ -117,7 +117,7 @@ class GgufSource:
     the heads whose rows to un-permute (HF name -> heads), and what to subtract from the
     values of those a converter shifted (Gemma's norms: 1)."""
 
-    file: str
+    file: str  # the file (of split files: the first, which holds the metadata)
     names: dict[str, str] = field(default_factory=dict)
     row_permutation: dict[str, int] = field(default_factory=dict)
     value_shift: dict[str, float] = field(default_factory=dict)
@@ -249,21 +249,48 @@ def runtime_of(tensors: dict) -> str | None:
     return None if top in _FLOAT_TYPES else "int4" if top in _INT4_TYPES else "int8"
 
 
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_files(path: Path) -> list[Path]:
+    """``path`` alone, or every file of the llama.cpp split set it belongs to, in order
+    (``NAME-00001-of-00003.gguf`` ...); ModelError when one is missing."""
+    m = _SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    files = [
+        path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)
+    ]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelError(f"{path.parent}: split GGUF file(s) missing: {', '.join(missing)}")
+    return files
+
+
 def load_gguf_index(path: Path | str):
-    """The ``CheckpointIndex`` of one GGUF file (ModelError naming the path on any defect)."""
+    """The ``CheckpointIndex`` of one GGUF file, or of a llama.cpp split set (any of its
+    files: the first holds the metadata, each its own tensors). ModelError naming the path
+    on any defect."""
     from meshnet_common.models.checkpoint import CheckpointIndex, TensorInfo
 
-    path = Path(path)
-    header = read_header(path)
+    files = split_files(Path(path))
+    path = files[0]
+    headers = [read_header(f) for f in files]
+    header = headers[0]
     meta = header.metadata
-    config = gguf_config(meta, path, {t.name for t in header.tensors})
+    split_count = meta.get("split.count")
+    if split_count is not None and len(files) > 1 and int(split_count) != len(files):
+        raise ModelError(f"{path}: split.count {split_count}, but {len(files)} file(s) found")
+    placed = [(f.name, t) for f, h in zip(files, headers, strict=True) for t in h.tensors]
+    config = gguf_config(meta, path, {t.name for _, t in placed})
     arch = meta["general.architecture"]
     source = GgufSource(file=path.name)
     tensors: dict[str, TensorInfo] = {}
-    for t in header.tensors:
+    for file, t in placed:
         m = _LAYER_TENSOR.match(t.name)
         if m is not None and m["part"] in _EXPERTS:
-            _list_experts(tensors, source, t, path.name, f"model.layers.{m['layer']}.mlp.experts")
+            _list_experts(tensors, source, t, file, f"model.layers.{m['layer']}.mlp.experts")
             continue
         name = hf_name(t.name, arch)
         if name is None:
@@ -273,7 +300,7 @@ def load_gguf_index(path: Path | str):
         shape = tuple(reversed(t.dims))  # ggml lists the innermost dimension first
         if name.endswith("shared_expert_gate.weight"):
             shape = (1, *shape)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as a vector
-        tensors[name] = TensorInfo(name, path.name, t.type_name, shape, t.nbytes, t.offset)
+        tensors[name] = TensorInfo(name, file, t.type_name, shape, t.nbytes, t.offset)
         source.names[name] = t.name
         if arch in _GEMMA and t.name.endswith("norm.weight"):
             source.value_shift[name] = 1.0  # llama.cpp stored 1 + w

@@ -6,7 +6,9 @@ tokenizer, chat template: a head needs them), lists only the range's tensors —
 for N in the range, ``token_embd`` on the head (and on the tail when the output is tied to
 it), ``output_norm`` and ``output`` on the tail, any other global tensor everywhere — with
 offsets into its own data section, and carries their bytes as they are in the source (block
-formats untouched). A node indexes it like any GGUF (``gguf_index``), so it serves the range
+formats untouched). Of llama.cpp's split files, it takes the metadata of the first and each
+tensor from its own file, so a node receives one GGUF whatever the source's split (the split
+keys stay in the copied metadata; readers here ignore them). A node indexes it like any GGUF (``gguf_index``), so it serves the range
 from exactly those bytes. Deterministic: the same source and range always give the same
 bytes, so it is hashed once, served in HTTP ranges and resumed.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.byte_parts import Part
 from meshnet_common.models.gguf_header import MAGIC, GgufTensor, read_header
+from meshnet_common.models.gguf_index import split_files
 
 SUBSET_GGUF = "model.gguf"
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -47,10 +50,14 @@ class GgufSubset:
     literal or from the source), its ``size`` and the GGUF ``names`` of its tensors."""
 
     def __init__(self, path: Path, layers: LayerRange, num_layers: int) -> None:
-        self.path = path
-        header = read_header(path)
-        tied = all(t.name != "output.weight" for t in header.tensors)
-        chosen = [t for t in header.tensors if _wanted(t, layers, num_layers, tied)]
+        files = split_files(path)
+        self.path = path = files[0]
+        headers = [read_header(f) for f in files]
+        header = headers[0]  # the metadata (of a split set: the first file's)
+        placed = [(f, t) for f, h in zip(files, headers, strict=True) for t in h.tensors]
+        tied = all(t.name != "output.weight" for _, t in placed)
+        chosen_from = [(f, t) for f, t in placed if _wanted(t, layers, num_layers, tied)]
+        chosen = [t for _, t in chosen_from]
         align = header.alignment
         infos, offsets, cursor = b"", [], 0
         for t in chosen:
@@ -70,14 +77,15 @@ class GgufSubset:
             Part(None, 0, len(infos), infos),
         ]
         position = 0
-        for t, offset in zip(chosen, offsets, strict=True):
+        for (file, t), offset in zip(chosen_from, offsets, strict=True):
             if offset > position:
                 self.parts.append(Part(None, 0, offset - position, b"\0" * (offset - position)))
-            self.parts.append(Part(path, t.offset, t.nbytes))
+            self.parts.append(Part(file, t.offset, t.nbytes))
             position = offset + t.nbytes
         self.size = sum(p.length for p in self.parts)
         self.names = [t.name for t in chosen]
         self.tensors = chosen
+        self.sources = [file for file, _ in chosen_from]  # where each tensor's bytes lie
 
 
 def _entries(path: Path, metadata_start: int) -> int:

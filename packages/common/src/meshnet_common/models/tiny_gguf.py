@@ -195,10 +195,13 @@ def _add_metadata(writer, arch: str, c: dict) -> None:
                 getattr(writer, f"add_{key}")(float(c[key]))
 
 
-def write_gguf(snapshot: Path | str, out: Path | str, fmt: str) -> Path:
+def write_gguf(
+    snapshot: Path | str, out: Path | str, fmt: str, *, split_max_tensors: int = 0
+) -> Path:
     """``snapshot`` (a Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Gemma 2 or Gemma 3
     safetensors snapshot) as the GGUF ``out``, its layers' matrices in ``fmt`` (one of
-    ``BLOCK_FORMATS``, or a ``MIXES`` mix)."""
+    ``BLOCK_FORMATS``, or a ``MIXES`` mix). ``split_max_tensors``: as llama.cpp's split
+    files of at most that many tensors (``OUT-00001-of-0000N.gguf`` ...; returns the first)."""
     import gguf
     import torch
     from safetensors import safe_open
@@ -212,7 +215,7 @@ def write_gguf(snapshot: Path | str, out: Path | str, fmt: str) -> Path:
     c = index.config
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     out = Path(out)
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     _add_metadata(writer, arch, c)
 
     def add_blocks(name: str, values: np.ndarray) -> None:
@@ -247,4 +250,6 @@ def write_gguf(snapshot: Path | str, out: Path | str, fmt: str) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split_max_tensors:
+        return min(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))
     return out

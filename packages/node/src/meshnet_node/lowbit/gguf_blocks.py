@@ -164,14 +164,17 @@ class GgufTensors:
 
     def __init__(self, index) -> None:
         self.index, self.source = index, index.gguf
-        self._map = np.memmap(index.root / self.source.file, dtype=np.uint8, mode="r")
+        self._maps: dict[str, np.memmap] = {}  # by file (llama.cpp's split sets have several)
 
     def fmt(self, name: str) -> str:
         return self.index.tensors[name].dtype
 
     def _bytes(self, name: str) -> np.ndarray:
         info = self.index.tensors[name]
-        return self._map[info.offset : info.offset + info.nbytes]
+        if info.file not in self._maps:
+            path = self.index.root / info.file
+            self._maps[info.file] = np.memmap(path, dtype=np.uint8, mode="r")
+        return self._maps[info.file][info.offset : info.offset + info.nbytes]
 
     def raw(self, name: str) -> torch.Tensor:
         """A block-format tensor's bytes ``[out, bytes per row]`` (a copy: one tensor)."""
