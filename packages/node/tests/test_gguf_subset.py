@@ -134,6 +134,8 @@ def test_llama_cpp_split_files_are_one_model(tmp_path):
     }
     assert len({t.file for t in cut.tensors.values()}) == 3
     served = ShardSource(cut, "tiny/qwen3_moe", LayerRange(2, 4), "r")
+    unsplit = ShardSource(one, "tiny/qwen3_moe", LayerRange(2, 4), "r")
+    assert served.manifest()["tensors"] == unsplit.manifest()["tensors"]  # the same bytes
     (tmp_path / "received").mkdir()
     (tmp_path / "received" / "model.gguf").write_bytes(b"".join(served.iter_file("model.gguf")))
     prompt = list(range(3, 30))

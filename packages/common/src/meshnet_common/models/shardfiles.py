@@ -160,13 +160,8 @@ class ShardSource:
     def _tensor_parts(self) -> Iterator[tuple[str, str, list[int], Part]]:
         """(name, dtype, shape, bytes) of each tensor of the range, as the subset names it."""
         if self.gguf is not None:
-            for t in self.gguf.tensors:
-                yield (
-                    t.name,
-                    t.type_name,
-                    list(reversed(t.dims)),
-                    Part(self.gguf.path, t.offset, t.nbytes),
-                )
+            for t, file in zip(self.gguf.tensors, self.gguf.sources, strict=True):
+                yield t.name, t.type_name, list(reversed(t.dims)), Part(file, t.offset, t.nbytes)
             return
         for name, part in zip(self.subset.names, self.subset.parts[1:], strict=True):
             info = self.index.tensors[name]
