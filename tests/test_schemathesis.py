@@ -105,7 +105,9 @@ def _refuse(request: httpx.Request) -> httpx.Response:
 def tracker(models_dir: Path, tiny_snapshot) -> Iterator[Service]:
     tiny_snapshot("llama")  # in the models dir before the tracker indexes it
     app = create_tracker_app(TrackerSettings(models_dir=models_dir, verify_nodes=False), node=None)
-    app.state.tracker.client = httpx.AsyncClient(transport=httpx.MockTransport(_refuse))
+    app.state.tracker.client = app.state.tracker.callback = httpx.AsyncClient(
+        transport=httpx.MockTransport(_refuse)
+    )
     with TestClient(app, raise_server_exceptions=False) as client:
         yield Service("tracker", client, list)
 

@@ -374,7 +374,9 @@ def test_unknown_path_is_404_in_error_shape(tracker):
 def test_unreachable_head_is_502(tracker):
     register(tracker, node_id="far", start=0, end=6)
     state = tracker.app.state.tracker
-    state.client = httpx.AsyncClient(transport=AppsTransport({}))  # nothing answers
+    state.client = state.callback = httpx.AsyncClient(
+        transport=AppsTransport({})
+    )  # nothing answers
     resp = tracker.post("/v1/completions", json={"model": LLAMA, "prompt": "hi"})
     assert assert_error(resp, 502)["code"] == "hop_failed"
 
@@ -401,7 +403,9 @@ def test_covered_model_is_proxied_to_the_head(tracker, whole_node):
     register(tracker, node_id="node", start=0, end=6)
     state = tracker.app.state.tracker
     unused = state.client
-    state.client = httpx.AsyncClient(transport=AppsTransport({"node.test": whole_node.app}))
+    state.client = state.callback = httpx.AsyncClient(
+        transport=AppsTransport({"node.test": whole_node.app})
+    )
     asyncio.run(unused.aclose())
     request = {"model": LLAMA, "prompt": "The capital", "max_tokens": 5, "temperature": 0}
     request["ignore_eos"] = True
@@ -426,7 +430,9 @@ def test_registration_is_confirmed_by_calling_the_node_back(models_dir, llama_sn
     app = create_app(TrackerSettings(models_dir=models_dir), node=None)  # verify_nodes: on
     with TestClient(app) as tracker:
         state = tracker.app.state.tracker
-        state.client = httpx.AsyncClient(transport=AppsTransport({"node.test": whole_node.app}))
+        state.client = state.callback = httpx.AsyncClient(
+            transport=AppsTransport({"node.test": whole_node.app})
+        )
         node_id = whole_node.app.state.runtime.node_id
         body = announcement(node_id=node_id, url="http://node.test:8000")
         ok = tracker.post("/v1/nodes/register", json=body)
@@ -435,7 +441,9 @@ def test_registration_is_confirmed_by_calling_the_node_back(models_dir, llama_sn
         # Another process answers at the address: not this node, so it is refused.
         impostor = announcement(node_id="impostor", url="http://node.test:8000")
         error = assert_error(tracker.post("/v1/nodes/register", json=impostor), 400)
-        assert error["code"] == "node_unreachable" and "answered as node" in error["message"]
+        assert (
+            error["code"] == "node_unreachable" and "cannot reach node impostor" in error["message"]
+        )
         # Nothing answers: refused with the flag to fix it, and never put on the map.
         far = announcement(node_id="far", start=0, end=3)
         error = assert_error(tracker.post("/v1/nodes/register", json=far), 400)

@@ -36,7 +36,15 @@ def _model_id(value: str) -> str:
 ModelId = Annotated[str, Field(min_length=3, max_length=200), AfterValidator(_model_id)]
 # A name clients may use for a model (--served-model-name): free-form, as in vLLM.
 ServedName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\w.:/@+-]+$")]
-Url = Annotated[str, Field(min_length=8, max_length=300, pattern=r"^https?://[^\s/]+(:\d+)?/?$")]
+# scheme://host[:port][/] and nothing else: no path, query, fragment or user info (a URL the
+# tracker calls back must name an address, not smuggle a request; docs/adr/0032)
+Url = Annotated[
+    str,
+    Field(
+        min_length=8, max_length=300,
+        pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:\d{1,5})?/?$",
+    ),
+]  # fmt: skip
 # --quantization, --dtype and --quant-group-size as they travel (meshnet_common.precision).
 Quantization = Literal["auto", "bfloat16", "float32", "int8", "int4", "nf4", "fp8", "mxfp4"]
 ComputeDtype = Literal["bfloat16", "float32"]

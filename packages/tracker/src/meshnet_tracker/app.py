@@ -34,7 +34,12 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
         headers=swarm_headers(settings.swarm_token),  # heads accept our route header
         verify=tls.client_context(),
     )
-    state = TrackerState(settings=settings, registry=registry, node=node, client=client)
+    # Registration call-backs dial URLs a registering party named: no swarm token, no
+    # redirects (docs/adr/0032).
+    callback = httpx.AsyncClient(verify=tls.client_context(), follow_redirects=False)
+    state = TrackerState(
+        settings=settings, registry=registry, node=node, client=client, callback=callback
+    )
     state.index_models_dir()
     if node is not None:
         node.attach(state)  # the tracker node routes through this coverage map
@@ -53,6 +58,7 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
             if node is not None:
                 await node.stop()
             await client.aclose()
+            await callback.aclose()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan)
     app.state.tracker = state

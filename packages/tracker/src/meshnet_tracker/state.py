@@ -45,6 +45,7 @@ class TrackerState:
     registry: Registry
     node: LocalNode | None  # the tracker node (meshnet_tracker.tracker_node), if any
     client: httpx.AsyncClient
+    callback: httpx.AsyncClient | None = None  # registration call-backs: no credentials
     costs: dict[str, ModelCosts] = field(default_factory=dict)  # models we can place nodes on
     demand: Counter = field(default_factory=Counter)  # requests per model
     balancer: Balancer = field(init=False)

@@ -12,6 +12,7 @@ address and checks the node id; a node it cannot reach is refused with a message
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from urllib.parse import urlsplit
 
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 CALLBACK_ATTEMPTS = 4  # the node may still be opening its socket when it registers
 CALLBACK_BACKOFF_S = 0.25
+MAX_ANSWER = 4096  # bytes of a /health answer read at most
 
 
 class NodeUnreachable(InvalidRequest):
@@ -85,26 +87,47 @@ def reachable_url(url: str, explicit: bool, source: str | None) -> str:
 async def confirm_reachable(
     client: httpx.AsyncClient, url: str, node_id: str, *, explicit: bool, timeout_s: float = 3.0
 ) -> None:
-    """Call the node back on ``/health``; NodeUnreachable unless it answers as ``node_id``."""
+    """Call the node back on ``/health``; NodeUnreachable unless it answers as ``node_id``.
+
+    ``client`` carries no credential (``/health`` is public; a URL a registering party named
+    must not receive the swarm token) and follows no redirect. The call-back reads at most
+    ``MAX_ANSWER`` bytes and fails with one message whatever went wrong (a closed port, an
+    open one answering something else, a timeout): the registering party learns nothing of
+    the address it named (docs/adr/0032). The detail goes to the tracker's log."""
     problem = "no answer"
     for attempt in range(CALLBACK_ATTEMPTS):
         try:
-            resp = await client.get(f"{url}/health", timeout=timeout_s)
-            if resp.status_code == 200:
-                answered = resp.json().get("node_id")
-                if answered == node_id:
-                    return
-                problem = f"{url} answered as node {answered!r}, not {node_id!r}"
+            answered = await _health_id(client, f"{url}/health", timeout_s)
+            if answered == node_id:
+                return
+            problem = f"answered as node {answered!r}"
+            if answered is not None:
                 break  # another process holds that address: retrying does not help
-            problem = f"{url}/health answered {resp.status_code}"
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            problem = f"{type(exc).__name__} calling {url}/health"
+        except (httpx.HTTPError, ValueError) as exc:
+            problem = type(exc).__name__
         if attempt + 1 < CALLBACK_ATTEMPTS:
             await asyncio.sleep(CALLBACK_BACKOFF_S * (attempt + 1))
+    logger.info("call-back of node %s at %s failed: %s", node_id, url, problem)
     hint = (
         "check that --advertise-url is this node's address as other machines see it"
         if explicit
         else "start the node with --host 0.0.0.0 (or its LAN address) and "
         "--advertise-url http://ADDRESS:PORT that the tracker and the other nodes can reach"
     )
-    raise NodeUnreachable(f"the tracker cannot reach node {node_id} at {url} ({problem}): {hint}")
+    raise NodeUnreachable(f"the tracker cannot reach node {node_id} at {url}: {hint}")
+
+
+async def _health_id(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
+    """The node id a ``/health`` answer names (None: not a meshnet node's answer), reading
+    at most ``MAX_ANSWER`` bytes."""
+    async with client.stream("GET", url, timeout=timeout_s) as resp:
+        if resp.status_code != 200:
+            return None
+        body = b""
+        async for chunk in resp.aiter_bytes():
+            body += chunk
+            if len(body) > MAX_ANSWER:
+                return None
+    answer = json.loads(body)
+    node_id = answer.get("node_id") if isinstance(answer, dict) else None
+    return node_id if isinstance(node_id, str) else None

@@ -82,7 +82,7 @@ def nodes_router() -> APIRouter:
         serving = announcement.state == NodeState.SERVING
         if serving and state.settings.verify_nodes:
             await confirm_reachable(
-                state.client, url, announcement.node_id, explicit=announcement.url_explicit
+                state.callback, url, announcement.node_id, explicit=announcement.url_explicit
             )
         if url != announcement.url:
             announcement = announcement.model_copy(update={"url": url})
