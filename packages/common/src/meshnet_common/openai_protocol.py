@@ -276,6 +276,10 @@ class _SamplingFields(Lenient):
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if len(stops) > 4 or any(not s for s in stops):
                 raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
+            if any(len(s) > MAX_STOP_CHARS for s in stops):
+                raise InvalidRequest(
+                    f"a stop string is at most {MAX_STOP_CHARS} characters", param="stop"
+                )
 
     def check(self, *, context_window: int, prompt_tokens: int) -> int:
         """Validate everything for one prompt; returns the effective max_tokens."""
@@ -309,6 +313,12 @@ class _SamplingFields(Lenient):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+# Bounds on one request (issue #35): generations (prompts x n), and stop strings, checked at
+# every step of every generation.
+MAX_CHOICES = 128
+MAX_STOP_CHARS = 256
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -327,6 +337,26 @@ class CompletionRequest(_SamplingFields):
     def _best_of(self):
         if self.best_of is not None and self.best_of != self.n:
             raise _refuse("best_of", "other than n is not supported (no candidates are ranked)")
+        return self
+
+    @property
+    def prompt_count(self) -> int:
+        """How many prompts ``prompt`` holds (a text or one list of ids is one)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+            return 1
+        return len(prompt)
+
+    @model_validator(mode="after")
+    def _choices(self):
+        """A request's generations (prompts x n) are bounded: one request never fills a
+        head's queue by itself (issue #35)."""
+        if self.prompt_count * self.n > MAX_CHOICES:
+            raise InvalidRequest(
+                f"{self.prompt_count} prompts x n={self.n} exceeds {MAX_CHOICES} generations "
+                "per request; split the request",
+                param="prompt",
+            )
         return self
 
     @field_validator("logprobs")

@@ -289,7 +289,13 @@ class OpenAIServing(ResponseShapes):
     async def run(self, jobs: list[GenerationRequest], route=None) -> list[Choice]:
         if route is None:
             route = await self.route()
-        results = await asyncio.gather(*(self._run_one(job, route) for job in jobs))
+        tasks = [asyncio.ensure_future(self._run_one(job, route)) for job in jobs]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:  # one failure (or the client leaving) ends every generation of the request
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return [
             Choice(i, tuple(job.prompt_ids), toks)
             for i, (job, toks) in enumerate(zip(jobs, results, strict=True))
