@@ -160,3 +160,35 @@ def test_an_honest_bfloat16_swarm_audited_at_every_step_convicts_no_one(
         assert all(n["state"] == "serving" for n in dashboard_nodes(tracker).values())
     finally:
         swarm.close()
+
+
+def test_a_remote_heads_verdict_counts_with_the_rows_the_nodes_signed(
+    tiny_snapshot, tiny_model_id, models_dir, tmp_path
+):
+    """docs/adr/0032: a head other than the tracker node reports its conviction with the
+    rows the replicas signed with their node secrets; the tracker checks the signatures
+    and the distances itself, and quarantines on that evidence alone."""
+    tiny_snapshot("llama")
+    model_id = tiny_model_id("llama")
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker("--model-id", model_id, "--shard-start", "0", "--shard-end",
+                                "2", "--quarantine-after", "1", *FP32).wait_healthy()  # fmt: skip
+        head = swarm.node(tracker, model_id, 0, 2, "--node-id", "head", "--verify-fraction",
+                          "1", *FP32).wait_healthy()  # fmt: skip
+        swarm.node(tracker, model_id, 4, 6, "--node-id", "tail", *FP32).wait_healthy()
+        swarm.node(tracker, model_id, 2, 4, "--node-id", "mid-ok", *FP32).wait_healthy()
+        swarm.node(tracker, model_id, 2, 4, "--node-id", "mid-bad", "--test-only-perturb",
+                   "0.5", *FP32).wait_healthy()  # fmt: skip
+        wait_for(lambda: {"mid-ok", "mid-bad"} <= node_ids(tracker, model_id), timeout=60)
+        for _ in range(8):
+            if dashboard_nodes(tracker)["mid-bad"]["state"] == "quarantined":
+                break
+            httpx.post(f"{head.url}/v1/completions", json=body, timeout=120)
+        assert dashboard_nodes(tracker)["mid-bad"]["state"] == "quarantined", head.log()
+        assert "could not report" not in head.log()
+        assert dashboard_nodes(tracker)["mid-ok"]["state"] == "serving"
+    finally:
+        swarm.close()

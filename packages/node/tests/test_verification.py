@@ -4,12 +4,14 @@ of it, the choice of hops to audit, and the verdict logic, on made-up replicas."
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 
 import pytest
 import torch
 
 from meshnet_common import wire
+from meshnet_common.audit_evidence import check_evidence, row_bytes, sign_row
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.precision import Precision
@@ -149,12 +151,15 @@ class FakeNodes:
 
     async def record(self, url, session_id, key):
         claimed = self.output(url.split("//")[1].split(".")[0]) + self.decode
-        return torch.zeros(1, 3, 8), claimed, 2
+        return b"the inputs frame", claimed, 2
 
     async def recompute(self, url, inputs, start):
+        """The row, signed as a node signs it with the secret the tracker issued it."""
         node = url.split("//")[1].split(".")[0]
         self.calls.append(node)
-        return self.output(node)
+        row = self.output(node)
+        digest = hashlib.sha256(inputs).hexdigest()
+        return row, sign_row(f"secret-{node}", node, start, digest, row_bytes(row.tolist()))
 
     async def aclose(self):
         pass
@@ -200,6 +205,27 @@ def test_with_three_replicas_the_odd_one_out_is_convicted():
     assert finding.outcome == "convicted" and finding.suspect == P  # the two others agree
     finding = audit(FakeNodes({"p": 0.5, "a": -0.5, "b": 1.5}), [P, A, B, TAIL])
     assert finding.outcome == "disputed" and finding.suspect is None
+
+
+def test_a_conviction_carries_evidence_the_tracker_accepts():
+    """The signed rows prove the conviction to whoever holds the secrets (the tracker);
+    a row changed after signing, or evidence without a second witness, proves nothing."""
+    secret_of = lambda node: f"secret-{node}"  # noqa: E731
+    tol = Precision.BFLOAT16.verify_tolerance
+    three = audit(FakeNodes({"p": 0.5}), [P, A, B, TAIL])
+    assert check_evidence(three.evidence, "p", secret_of, tol) is None
+    assert check_evidence(three.evidence, "a", secret_of, tol) is not None  # not a's rows
+    two = audit(FakeNodes({}, noisy={"p"}), [P, A, TAIL])
+    assert len(two.evidence.suspect_rows) == 2
+    assert check_evidence(two.evidence, "p", secret_of, tol) is None
+    forged = three.evidence.model_copy(
+        update={"suspect_rows": (three.evidence.witness_rows[0].model_copy(
+            update={"node_id": "p"}),)}  # a witness's row passed off as the suspect's
+    )  # fmt: skip
+    assert "signature" in check_evidence(forged, "p", secret_of, tol)
+    lone = three.evidence.model_copy(update={"witness_rows": three.evidence.witness_rows[:1]})
+    assert "two witnesses" in check_evidence(lone, "p", secret_of, tol)
+    assert "needs evidence" in check_evidence(None, "p", secret_of, tol)
 
 
 def test_with_two_replicas_the_one_that_cannot_reproduce_itself_is_convicted():

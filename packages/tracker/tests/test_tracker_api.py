@@ -16,6 +16,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from signed_evidence import evidence
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
@@ -510,8 +511,10 @@ def test_repeated_verdicts_quarantine_a_node_until_lifted(tracker):
         models = tracker.get("/v1/coverage").json()["models"]
         return {n["node_id"] for m in models for n in m["nodes"] if n["state"] == "serving"}
 
+    secret = tracker.app.state.tracker.registry.secret_of("faulty")
+
     def report(reporter: str, **changes) -> httpx.Response:
-        body = {**verdict, "reporter": reporter, **changes}
+        body = {**verdict, "reporter": reporter, "evidence": evidence(secret, "faulty"), **changes}
         return tracker.post(
             "/v1/nodes/faulty/verdicts", json=body, headers=proof(tracker, reporter)
         )

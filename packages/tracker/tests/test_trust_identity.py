@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from signed_evidence import evidence
 
 from meshnet_common.protocol import NodeAnnouncement
 from meshnet_tracker.app import create_app
@@ -66,6 +67,10 @@ class Swarm:
         return {SECRET: self.secrets[node_id]} if node_id in self.secrets else {}
 
     def report(self, suspect: str, reporter: str, **changes) -> httpx.Response:
+        """A verdict with evidence the suspect signed (``evidence=None``: without)."""
+        if "evidence" not in changes and suspect in self.secrets:
+            start = changes.get("shard_start", 0)
+            changes["evidence"] = evidence(self.secrets[suspect], suspect, start)
         return self.client.post(
             f"/v1/nodes/{suspect}/verdicts", json=verdict(reporter, **changes),
             headers=self.proof(reporter),
@@ -177,6 +182,20 @@ def test_verdicts_from_nobody_or_an_impostor_count_for_nothing(swarm):
                                    headers=swarm.proof("honest"))  # fmt: skip
         assert error(forged, 401)
     assert error(swarm.report("head", "head"), 400)["param"] == "reporter"  # not itself
+    assert swarm.client.app.state.tracker.registry.strikes("faulty") == 0
+    assert set(swarm.states().values()) == {"serving"}
+
+
+def test_verdicts_without_evidence_quarantine_nobody(swarm):
+    """Authenticated reporters, but no rows the suspect signed (or rows signed by another
+    key, or a lone witness): every verdict refused, nothing counted."""
+    for node_id in ("honest", "faulty", "h1", "h2", "h3"):
+        swarm.register(node_id)
+    forged = evidence("not-its-secret", "faulty")
+    for reporter in ("h1", "h2", "h3"):
+        for bad in (None, forged):
+            refused = swarm.report("faulty", reporter, evidence=bad)
+            assert error(refused, 400)["code"] == "bad_evidence"
     assert swarm.client.app.state.tracker.registry.strikes("faulty") == 0
     assert set(swarm.states().values()) == {"serving"}
 

@@ -255,6 +255,26 @@ class HeartbeatResponse(Strict):
     quarantined: str | None = Field(default=None, max_length=300)
 
 
+class SignedRow(Strict):
+    """One node's output row for an audit's inputs, signed with its node secret
+    (``meshnet_common.audit_evidence``)."""
+
+    node_id: NodeId
+    row: str = Field(max_length=1 << 20)  # base64 of the row's float32 values
+    signature: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Evidence(Strict):
+    """What a verdict shows (docs/adr/0032): rows signed by the suspect (one, or two answers
+    to the same inputs) and by witnesses, all computed from the inputs frame of this digest,
+    entering at ``start_layer``."""
+
+    inputs_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    start_layer: int = Field(ge=0)
+    suspect_rows: tuple[SignedRow, ...] = Field(min_length=1, max_length=2)
+    witness_rows: tuple[SignedRow, ...] = Field(default=(), max_length=8)
+
+
 class Verdict(Strict):
     """A head's finding that a node computed wrong (docs/adr/0026): its output for a
     session's last row lay ``error`` (relative L2) from what ``witnesses`` computed from
@@ -267,6 +287,7 @@ class Verdict(Strict):
     error: float = Field(ge=0)
     tolerance: float = Field(gt=0)
     witnesses: tuple[NodeId, ...] = Field(min_length=1, max_length=8)
+    evidence: Evidence | None = None  # required from a remote reporter (docs/adr/0032)
 
 
 class VerdictResponse(Strict):

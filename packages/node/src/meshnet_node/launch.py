@@ -17,6 +17,7 @@ from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.precision import Precision, describe_precision, native_format_name
 from meshnet_common.protocol import NodeAnnouncement, NodeState
 from meshnet_common.web import tls
+from meshnet_common.web.hosts import require_https
 from meshnet_common.web.shards import ShardServer
 from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm.host_memory import HostClaims
@@ -67,6 +68,7 @@ def launch(settings: NodeSettings) -> None:
         if settings.shard_start is not None:
             check_range(settings.shard_start, settings.shard_end, None)
         tls.check(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        require_https(settings.tracker_url, "--tracker", tls=settings.tls_cert is not None)
     except ValueError as exc:
         fail(PROG, str(exc))
     tls.configure(settings.tls_ca)  # every swarm client verifies peers with it

@@ -76,6 +76,8 @@ class NodeRuntime:
     state: NodeState = NodeState.SERVING  # LEAVING once it drains (docs/adr/0024)
     drain: Drain | None = None  # set where the process can exit (meshnet-node)
     view: SwarmView | None = None  # the map and verdicts, for audits (docs/adr/0026)
+    # This node's secret, issued by the tracker: it signs its audit answers (docs/adr/0032)
+    audit_secret: Callable[[], str | None] = lambda: None
 
     @property
     def url(self) -> str:
@@ -386,6 +388,7 @@ async def start_background(runtime: NodeRuntime) -> None:
     membership.on_refused = lambda message: loop.call_soon_threadsafe(runtime.refused, message)
     if runtime.tracker is not None:  # verdicts carry the node's proof of id (docs/adr/0032)
         runtime.tracker.node_secret = lambda: membership.secret
+    runtime.audit_secret = lambda: membership.secret
     membership.start()
     if runtime.listening_at_start:
         runtime.serving()

@@ -18,6 +18,15 @@ from meshnet_tracker.coverage import ModelCoverage, ServingNode, build_coverage
 logger = logging.getLogger(__name__)
 
 MISSED_HEARTBEATS = 3  # a node silent this many intervals leaves the coverage map
+# Plausible ranges of what nodes report for route choice, in ms (docs/adr/0032): a decode
+# layer of a small model on a fast GPU takes some microseconds, a loopback round trip some
+# tens; nothing takes a minute.
+LAYER_MS = (0.002, 60_000.0)
+LINK_MS = (0.02, 60_000.0)
+
+
+def _clamp(value: float, bounds: tuple[float, float]) -> float:
+    return min(max(value, bounds[0]), bounds[1])
 
 
 @dataclass
@@ -94,6 +103,11 @@ class Registry:
         record = self._nodes.get(node_id)
         return record is not None and _same(record.secret, proof)
 
+    def secret_of(self, node_id: str) -> str | None:
+        """The secret of the live record ``node_id`` (to check what it signed)."""
+        record = self._nodes.get(node_id)
+        return record.secret if record is not None else None
+
     def claim(self, node_id: str, proof: str | None) -> None:
         """Conflict unless ``node_id`` is free or ``proof`` is its live record's secret."""
         previous = self._nodes.get(node_id)
@@ -167,8 +181,10 @@ class Registry:
             record.kv_tokens = beat.kv_tokens
             record.memory_free_bytes = beat.memory_free_bytes
             record.tokens_generated = beat.tokens_generated
-            record.layer_ms = beat.layer_ms
-            record.links = tuple(sorted(beat.links.items()))
+            # Self-reported figures attract routes: kept within what hardware can do
+            # (docs/adr/0032); routing cross-checks them against one another.
+            record.layer_ms = None if beat.layer_ms is None else _clamp(beat.layer_ms, LAYER_MS)
+            record.links = tuple(sorted((u, _clamp(ms, LINK_MS)) for u, ms in beat.links.items()))
             return True
 
     def strike(

@@ -26,6 +26,9 @@ from meshnet_tracker.coverage import ModelCoverage, ServingNode, describe_gaps
 DEFAULT_LINK_MS = 1.0  # a link nobody measured, when no link of the model was measured
 SWITCH_GAIN = 0.10  # hysteresis: a new route must be this much faster (and 0.5 ms) to win
 SWITCH_MIN_MS = 0.5
+# The most a node's reported compute may undercut the model's median (a GPU among CPUs is
+# 10-30x faster); below that its claim counts for no more (docs/adr/0032).
+MAX_SPEEDUP = 32.0
 
 
 @dataclass(frozen=True)
@@ -37,20 +40,35 @@ class Hop:
 
 
 class StepEstimate:
-    """Expected step time of hops over one model's serving nodes (measured or estimated)."""
+    """Expected step time of hops over one model's serving nodes (measured or estimated).
+
+    Every figure is what a node says of itself, so none may make it look faster than the
+    evidence (docs/adr/0032): a node's compute counts as at least the model's median over
+    ``MAX_SPEEDUP``, and a link as at least what the other end measured of the way back."""
 
     def __init__(self, nodes: Collection[ServingNode]) -> None:
         computes = [n.layer_ms for n in nodes if n.layer_ms is not None]
         self.compute_default = statistics.median(computes) if computes else 0.0
+        self.compute_floor = self.compute_default / MAX_SPEEDUP
         links = [ms for n in nodes for _, ms in n.links]
         self.link_default = statistics.median(links) if links else DEFAULT_LINK_MS
+        self._links = {(n.url, url): ms for n in nodes for url, ms in n.links}
+
+    def compute_ms(self, node: ServingNode) -> float:
+        if node.layer_ms is None:
+            return self.compute_default
+        return max(node.layer_ms, self.compute_floor)
+
+    def link_ms(self, previous: ServingNode, node: ServingNode) -> float:
+        claimed = self._links.get((previous.url, node.url))
+        back = self._links.get((node.url, previous.url))  # measured by the other end
+        if claimed is None:
+            return self.link_default if back is None else back
+        return claimed if back is None else max(claimed, back)
 
     def hop_ms(self, previous: ServingNode | None, node: ServingNode, layers: int) -> float:
-        compute = node.layer_ms if node.layer_ms is not None else self.compute_default
-        link = 0.0
-        if previous is not None:
-            link = dict(previous.links).get(node.url, self.link_default)
-        return compute * layers + link
+        link = 0.0 if previous is None else self.link_ms(previous, node)
+        return self.compute_ms(node) * layers + link
 
     def route_ms(self, route: list[Hop], num_layers: int) -> float:
         total, previous = 0.0, None

@@ -106,6 +106,8 @@ class TrackerNode:
 
     def attach(self, state) -> None:
         self._state = state
+        # its audit answers are signed with the secret its own record holds (docs/adr/0032)
+        self.runtime.audit_secret = lambda: state.registry.secret_of(self.runtime.node_id)
 
     def install_data_path(self, app) -> None:
         install_forward_path(app)

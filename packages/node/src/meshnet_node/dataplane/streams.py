@@ -244,8 +244,10 @@ class StreamHops:
         ping_interval: float | None = 20.0,
         max_answer: int = MAX_ANSWER_BYTES,
         ssl: ssl_module.SSLContext | None = None,
+        https_only: bool = False,
     ) -> None:
         self.headers = dict(headers)
+        self.https_only = https_only  # this node serves TLS: no plain ws:// hop (ADR-0032)
         self.connect_timeout = connect_timeout
         self.ping_interval = ping_interval or None
         self.max_answer = max_answer
@@ -258,6 +260,11 @@ class StreamHops:
         self, method: str, url: str, *, headers: dict[str, str], body: bytes | None, timeout: float
     ) -> HopResponse:
         target = _target(method, url)
+        if self.https_only and not target.stream_url.startswith("wss:"):
+            raise HopUnreachable(
+                f"hop {url[:80]} is plain http://, but this node serves TLS (--tls-cert): "
+                "it dials https:// peers only"
+            )
         if target.session is not None:
             headers = {**headers, H_SESSION: target.session}
         body = body or b""

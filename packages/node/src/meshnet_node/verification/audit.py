@@ -14,6 +14,7 @@ node's FastAPI router and plain HTTP, not the hop streams.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import torch
@@ -21,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from meshnet_common import wire
+from meshnet_common.audit_evidence import H_AUDIT_SIGNATURE, row_bytes, sign_row
 from meshnet_common.errors import InvalidRequest, NotFound
 from meshnet_common.protocol import H_POSITION, H_SESSION_KEY, H_START_LAYER
 from meshnet_common.web.http import read_body
@@ -37,9 +39,9 @@ def pack(*frames: bytes) -> bytes:
     return b"".join(_LEN.pack(len(f)) + f for f in frames)
 
 
-def unpack(body: bytes, count: int, *, max_bytes: int) -> list[torch.Tensor]:
-    """The ``count`` tensors of a ``pack``ed body (decoded with the wire's bounds)."""
-    tensors, at = [], 0
+def split(body: bytes, count: int) -> list[bytes]:
+    """The ``count`` frames of a ``pack``ed body, as sent."""
+    frames, at = [], 0
     for _ in range(count):
         if at + _LEN.size > len(body):
             raise ValueError("truncated audit body")
@@ -47,11 +49,16 @@ def unpack(body: bytes, count: int, *, max_bytes: int) -> list[torch.Tensor]:
         at += _LEN.size
         if at + size > len(body):
             raise ValueError("truncated audit body")
-        tensors.append(wire.decode_tensor(body[at : at + size], max_bytes=max_bytes))
+        frames.append(body[at : at + size])
         at += size
     if at != len(body):
         raise ValueError("trailing bytes after the audit frames")
-    return tensors
+    return frames
+
+
+def unpack(body: bytes, count: int, *, max_bytes: int) -> list[torch.Tensor]:
+    """The ``count`` tensors of a ``pack``ed body (decoded with the wire's bounds)."""
+    return [wire.decode_tensor(f, max_bytes=max_bytes) for f in split(body, count)]
 
 
 def _snapshot(stage: Stage, session_id: str, key: str | None):
@@ -90,7 +97,14 @@ def audit_router() -> APIRouter:
         hidden = wire.decode_tensor(body, max_bytes=limit)
         hidden = stage.check_inputs(None, hidden, limit=stage.sessions.kv_budget_tokens)
         last = await service.compute(stage.recompute, hidden, int(raw))
-        return Response(wire.encode_tensor(last, service.wire_options),
+        headers = {}
+        runtime = getattr(request.app.state, "runtime", None)
+        secret = runtime.audit_secret() if runtime is not None else None
+        if secret:  # signed: the row may become a verdict's evidence (docs/adr/0032)
+            digest = hashlib.sha256(body).hexdigest()
+            row = row_bytes(last.float().reshape(-1).tolist())
+            headers[H_AUDIT_SIGNATURE] = sign_row(secret, runtime.node_id, int(raw), digest, row)
+        return Response(wire.encode_tensor(last, service.wire_options), headers=headers,
                         media_type=wire.CONTENT_TYPE)  # fmt: skip
 
     return router

@@ -19,6 +19,7 @@ Audits run beside the generation, one at a time per generation, and never delay 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -30,12 +31,13 @@ import httpx
 import torch
 
 from meshnet_common import wire
+from meshnet_common.audit_evidence import H_AUDIT_SIGNATURE, row_bytes, signed_row
 from meshnet_common.metrics import Metrics
 from meshnet_common.precision import Precision
-from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER, Verdict
+from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER, Evidence, Verdict
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
-from meshnet_node.verification.audit import RECOMPUTE_PATH, RECORD_PATH, unpack
+from meshnet_node.verification.audit import RECOMPUTE_PATH, RECORD_PATH, split
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,7 @@ class Finding:
     error: float | None = None
     detail: str = ""
     start: int = 0  # the first layer compared (where the session entered the hop)
+    evidence: Evidence | None = None  # a conviction's signed rows (docs/adr/0032)
 
 
 class AuditClient:
@@ -150,22 +153,31 @@ class AuditClient:
         self.max_bytes = max_bytes
 
     async def record(self, url: str, session_id: str, key: str):
-        """(inputs, last output row, start layer) of a session on ``url``; None: gone."""
+        """(inputs frame, last output row, start layer) of a session on ``url``; None: gone.
+        The inputs stay the frame the node sent: replicas recompute from those very bytes,
+        which their signatures name (docs/adr/0032)."""
         path = RECORD_PATH.format(session_id=session_id)
         resp = await self.client.post(f"{url.rstrip('/')}{path}", headers={H_SESSION_KEY: key})
         if resp.status_code == 404:
             return None
         resp.raise_for_status()
-        inputs, last = unpack(resp.content, 2, max_bytes=self.max_bytes)
-        return inputs, last, int(resp.headers[H_START_LAYER])
+        inputs, last = split(resp.content, 2)
+        wire.decode_tensor(inputs, max_bytes=self.max_bytes)  # a well-formed frame
+        return (
+            inputs,
+            wire.decode_tensor(last, max_bytes=self.max_bytes),
+            int(resp.headers[H_START_LAYER]),
+        )
 
-    async def recompute(self, url: str, inputs: torch.Tensor, start: int) -> torch.Tensor:
+    async def recompute(self, url: str, inputs: bytes, start: int):
+        """(output row, its signature or None) of a replica's recomputation from ``inputs``."""
         resp = await self.client.post(
-            f"{url.rstrip('/')}{RECOMPUTE_PATH}", content=wire.encode_tensor(inputs),
+            f"{url.rstrip('/')}{RECOMPUTE_PATH}", content=inputs,
             headers={H_START_LAYER: str(start), "content-type": wire.CONTENT_TYPE},
         )  # fmt: skip
         resp.raise_for_status()
-        return wire.decode_tensor(resp.content, max_bytes=self.max_bytes)
+        row = wire.decode_tensor(resp.content, max_bytes=self.max_bytes)
+        return row, resp.headers.get(H_AUDIT_SIGNATURE)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -242,6 +254,7 @@ class Verifier:
                 shard_start=finding.start, shard_end=suspect.end,
                 error=min(finding.error or 0.0, 1e30), tolerance=_tolerance(suspect),
                 witnesses=tuple(w.node_id for w in finding.witnesses),
+                evidence=finding.evidence,
             )  # fmt: skip
             await self.view.report(suspect.node_id, verdict)
         except Exception as exc:  # the head still avoids it; the tracker hears next time
@@ -263,24 +276,30 @@ class Verifier:
         alternates = list(target.alternates)
         self.rng.shuffle(alternates)
         first = alternates[0]
+        rows = SignedRows(inputs, start)
+
+        async def recompute(replica: Replica) -> torch.Tensor:
+            row, signature = await self.client.recompute(replica.url, inputs, start)
+            rows.add(replica.node_id, row, signature)
+            return row
 
         def agree(a, b) -> bool:
             return relative_error(a, b) <= tol
 
-        theirs = await self.client.recompute(first.url, inputs, start)
+        theirs = await recompute(first)
         error = relative_error(claimed, theirs)
-        found = _Found(primary, start, error, tol)
+        found = _Found(primary, start, error, tol, rows)
         if error <= tol:
             return found.agreed()
         # The claim was a decode step's output, the alternate's a prefill: other arithmetic,
         # which can flip a near-tie (an MoE router's expert, say). Faults are told apart on
         # recomputations only, which are the same arithmetic everywhere.
-        mine = await self.client.recompute(primary.url, inputs, start)
+        mine = await recompute(primary)
         if agree(mine, theirs):
             return found.agreed()
         if len(alternates) > 1:  # a third replica decides
             third = alternates[1]
-            referee = await self.client.recompute(third.url, inputs, start)
+            referee = await recompute(third)
             if agree(theirs, referee) and not agree(mine, referee):
                 return found.convict(primary, (first, third), "two replicas agree without it")
             if agree(mine, referee) and not agree(theirs, referee):
@@ -288,9 +307,9 @@ class Verifier:
             return found.dispute(first, "three replicas, no two agreeing")
         # Two replicas only: each recomputes once more; one that does not reproduce its own
         # output from the same input is the faulty one.
-        if not agree(await self.client.recompute(primary.url, inputs, start), mine):
+        if not agree(await recompute(primary), mine):
             return found.convict(primary, (first,), "it does not reproduce its own output")
-        if not agree(await self.client.recompute(first.url, inputs, start), theirs):
+        if not agree(await recompute(first), theirs):
             return found.convict(first, (primary,), "it does not reproduce its own output")
         return found.dispute(first, "both reproduce their own outputs")
 
@@ -300,12 +319,42 @@ class Verifier:
         await self.client.aclose()
 
 
+class SignedRows:
+    """The recomputed rows of one audit, by node, with their signatures: a conviction's
+    evidence (docs/adr/0032)."""
+
+    def __init__(self, inputs: bytes, start: int) -> None:
+        self.digest, self.start = hashlib.sha256(inputs).hexdigest(), start
+        self.rows: dict[str, list[tuple[bytes, str | None]]] = {}
+
+    def add(self, node_id: str, row: torch.Tensor, signature: str | None) -> None:
+        raw = row_bytes(row.float().reshape(-1).tolist())
+        self.rows.setdefault(node_id, []).append((raw, signature))
+
+    def evidence(self, suspect: str, witnesses) -> Evidence | None:
+        """The suspect's rows and one row of each witness; None where one is unsigned (a
+        node without a tracker-issued secret: the verdict will not count)."""
+        own = self.rows.get(suspect, [])[:2]
+        theirs = [self.rows[w.node_id][0] for w in witnesses if w.node_id in self.rows]
+        if not own or any(sig is None for _, sig in (*own, *theirs)):
+            return None
+        return Evidence(
+            inputs_sha256=self.digest, start_layer=self.start,
+            suspect_rows=tuple(signed_row(suspect, raw, sig) for raw, sig in own),
+            witness_rows=tuple(
+                signed_row(w.node_id, self.rows[w.node_id][0][0], self.rows[w.node_id][0][1])
+                for w in witnesses if w.node_id in self.rows
+            ),
+        )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class _Found:
     primary: Replica
     start: int
     error: float
     tolerance: float
+    rows: SignedRows
 
     def agreed(self) -> Finding:
         return Finding("agreed", hop=self.primary.url, error=self.error, start=self.start)
@@ -314,7 +363,7 @@ class _Found:
         detail = (f"layers [{self.start}, {suspect.end}): its output lies {self.error:.3g} "
                   f"from a replica's (tolerance {self.tolerance:.3g}); {why}")  # fmt: skip
         return Finding("convicted", self.primary.url, suspect, tuple(witnesses), self.error,
-                       detail, self.start)  # fmt: skip
+                       detail, self.start, self.rows.evidence(suspect.node_id, witnesses))  # fmt: skip
 
     def dispute(self, other: Replica, why: str) -> Finding:
         return Finding(

@@ -20,7 +20,7 @@ import httpx
 
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.web.hosts import ip_of as _ip
-from meshnet_common.web.hosts import is_loopback
+from meshnet_common.web.hosts import is_loopback, require_https
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,20 @@ def url_with_host(url: str, host: str) -> str:
     return f"{parts.scheme}://{netloc}"
 
 
-def reachable_url(url: str, explicit: bool, source: str | None) -> str:
+def reachable_url(
+    url: str, explicit: bool, source: str | None, *, https_only: bool = False
+) -> str:
     """The URL to reach a node at, from what it announced and where it registered from.
 
-    ``source``: the peer address of the registration (None or a non-IP when unknown).
+    ``source``: the peer address of the registration (None or a non-IP when unknown);
+    ``https_only``: the tracker serves TLS, so a plain ``http://`` node is refused.
     Raises InvalidRequest for an explicit URL no other machine could dial.
     """
+    if https_only:
+        try:
+            require_https(url, "the node's URL")
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="url", code="insecure_url") from exc
     host = urlsplit(url).hostname
     source_ip = _ip(source or "")
     if explicit:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from meshnet_common.audit_evidence import check_evidence
 from meshnet_common.errors import InvalidRequest, NotFound, Unauthorized
 from meshnet_common.memory import ModelCosts
+from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
     H_NODE_SECRET,
     H_OPERATOR_TOKEN,
@@ -23,6 +25,7 @@ from meshnet_common.protocol import (
     VerdictResponse,
 )
 from meshnet_common.web.auth import same_secret
+from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import parse_model
 from meshnet_tracker.api.admission import confirm_reachable, reachable_url
 from meshnet_tracker.placement import NodeRequest, Placement
@@ -78,7 +81,8 @@ def nodes_router() -> APIRouter:
             )
         state.registry.claim(announcement.node_id, _proof(request))  # before any call-back
         source = request.client.host if request.client else None
-        url = reachable_url(announcement.url, announcement.url_explicit, source)
+        tls = state.settings.tls_cert is not None  # then https:// nodes only (docs/adr/0032)
+        url = reachable_url(announcement.url, announcement.url_explicit, source, https_only=tls)
         serving = announcement.state == NodeState.SERVING
         if serving and state.settings.verify_nodes:
             await confirm_reachable(
@@ -116,12 +120,20 @@ def nodes_router() -> APIRouter:
         """A head's audit found ``node_id`` computing wrong (docs/adr/0026); the reporter
         proves its id, and counts once (docs/adr/0032)."""
         state = _state(request)
-        found = await parse_model(request, Verdict, limit=16 * 1024)
+        found = await parse_model(request, Verdict, limit=1 << 20)
         _need_node(request, found.reporter, "a verdict")
         if found.reporter == node_id:
             raise InvalidRequest("a node reports no verdict against itself", param="reporter")
-        if state.registry.get(node_id) is None:
+        suspect = state.registry.get(node_id)
+        if suspect is None:
             raise NotFound(f"unknown node {node_id!r}")
+        tolerance = Precision(suspect.announcement.quantization.value).verify_tolerance
+        why = check_evidence(found.evidence, node_id, state.registry.secret_of, tolerance)
+        if why is not None:  # counts for nothing (docs/adr/0032)
+            raise InvalidRequest(
+                f"verdict against {node_id!r} refused: {why}", param="evidence",
+                code="bad_evidence",
+            )  # fmt: skip
         strikes, quarantined = state.registry.strike(
             node_id, found, quarantine_after=state.settings.quarantine_after
         )
@@ -211,7 +223,7 @@ def _own_url(request: Request) -> str:
     settings = _state(request).settings
     if settings.advertise_url:
         return settings.advertise_url.rstrip("/")
-    return str(request.base_url).rstrip("/")
+    return server_url(request.scope)  # not the Host header (docs/adr/0032)
 
 
 def _sources(state: TrackerState, model_id: str, layers, own_url: str) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.logs import event
+from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import check_content_type, json_limit, loads_object, read_body
 from meshnet_tracker.heads import Head, RemoteHead
 from meshnet_tracker.state import TrackerState
@@ -92,7 +93,8 @@ async def _entry(request: Request, path: str) -> Response:
     hops = await wait_for_coverage(route, wait_s=state.settings.coverage_wait_s,
                                    clock=time.monotonic, sleep=asyncio.sleep)  # fmt: skip
     state.demand[model_id] += 1
-    own = state.settings.advertise_url or str(request.base_url)
+    # Never the client's Host header: it would become a hop of the route (docs/adr/0032).
+    own = state.settings.advertise_url or server_url(request.scope)
     rest = tuple(state.hop_url(h, own.rstrip("/")) for h in hops[1:])
     head = hops[0].node
     event(

@@ -1,0 +1,94 @@
+"""Evidence for a verdict (docs/adr/0032): output rows that nodes signed, and the tracker's
+check of them. Torch-free (the tracker checks verdicts without torch).
+
+A node that answers an audit's recomputation signs what it computed: ``HMAC-SHA256(its node
+secret, "meshnet-audit/1" | node id | start layer | sha256 of the inputs frame | sha256 of the
+output row)``, the row being the float32 values of the last position's output, little-
+endian. The tracker issued every node's secret, so it can check each signature and no node
+can sign for another. A verdict then counts only if its evidence shows, over one inputs
+frame and one start layer, either that two witnesses agree with each other and not with
+the suspect, or that the suspect gave two answers to the same inputs that disagree (it does
+not reproduce its own output) — judged with the tolerance of the suspect's own precision.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import math
+from array import array
+from collections.abc import Callable
+
+from meshnet_common.protocol import Evidence, SignedRow
+
+DOMAIN = b"meshnet-audit/1"
+H_AUDIT_SIGNATURE = "x-meshnet-audit-signature"
+
+
+def row_bytes(values) -> bytes:
+    """A row's float32 little-endian bytes (from a sequence of floats)."""
+    return array("f", values).tobytes()
+
+
+def sign_row(secret: str, node_id: str, start: int, inputs_sha256: str, row: bytes) -> str:
+    message = b"\0".join(
+        (DOMAIN, node_id.encode(), str(start).encode(), inputs_sha256.encode(),
+         hashlib.sha256(row).hexdigest().encode())
+    )  # fmt: skip
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def signed_row(node_id: str, row: bytes, signature: str) -> SignedRow:
+    return SignedRow(node_id=node_id, row=base64.b64encode(row).decode(), signature=signature)
+
+
+def _values(row: SignedRow) -> array:
+    values = array("f")
+    values.frombytes(base64.b64decode(row.row, validate=True))
+    return values
+
+
+def relative_error(output: array, reference: array) -> float:
+    """||output - reference|| / ||reference||, as the verifier measures it."""
+    if len(output) != len(reference):
+        return math.inf
+    diff = math.sqrt(sum((a - b) ** 2 for a, b in zip(output, reference, strict=True)))
+    return diff / max(math.sqrt(sum(b * b for b in reference)), 1e-30)
+
+
+def check_evidence(
+    evidence: Evidence | None, suspect: str, secret_of: Callable[[str], str | None],
+    tolerance: float,
+) -> str | None:  # fmt: skip
+    """Why ``evidence`` does not show that ``suspect`` computed wrong; None when it does."""
+    if evidence is None:
+        return "a verdict needs evidence: rows signed by the suspect and its witnesses"
+    rows = [*evidence.suspect_rows, *evidence.witness_rows]
+    for row in rows:
+        secret = secret_of(row.node_id)
+        if not secret:
+            return f"{row.node_id!r} is no registered node"
+        try:
+            raw = base64.b64decode(row.row, validate=True)
+        except ValueError:
+            return f"a row of {row.node_id!r} is not base64"
+        if len(raw) % 4:
+            return f"a row of {row.node_id!r} is not float32 values"
+        want = sign_row(secret, row.node_id, evidence.start_layer, evidence.inputs_sha256, raw)
+        if not hmac.compare_digest(want, row.signature):
+            return f"the signature of {row.node_id!r}'s row is not its own"
+    if any(r.node_id != suspect for r in evidence.suspect_rows):
+        return "a suspect row is not the suspect's"
+    witnesses = {r.node_id: _values(r) for r in evidence.witness_rows if r.node_id != suspect}
+    own = [_values(r) for r in evidence.suspect_rows]
+    if len(own) >= 2 and relative_error(own[0], own[1]) > tolerance:
+        return None  # it does not reproduce its own output from the same inputs
+    agreeing = list(witnesses.values())
+    if len(agreeing) < 2:
+        return "two witnesses that agree, or two answers of the suspect, are needed"
+    if any(relative_error(a, b) > tolerance for a in agreeing for b in agreeing):
+        return "the witnesses disagree with each other"
+    if any(relative_error(own[0], w) <= tolerance for w in agreeing):
+        return "the suspect's row agrees with a witness"
+    return None
