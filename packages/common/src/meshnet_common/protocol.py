@@ -105,6 +105,9 @@ H_COMPUTE = "x-meshnet-compute-ms"
 H_START_LAYER = "x-meshnet-start-layer"
 MAX_HOPS = 64
 MAX_PROBES = 16  # next hops a node times the links to (docs/adr/0021)
+# The most memory a node may claim (32 TiB): more would only attract placement and prompts
+# to a node that lies about it (docs/adr/0032).
+MAX_MEMORY_BYTES = 1 << 45
 
 
 def format_compute(own_ms: float, downstream: str | None = None) -> str:
@@ -178,8 +181,8 @@ class NodeAnnouncement(Strict):
     dtype: ComputeDtype = "bfloat16"
     quant_group_size: GroupSize | None = None
     device: str = Field(max_length=32)
-    memory_declared_bytes: int = Field(ge=0)
-    memory_free_bytes: int = Field(ge=0)
+    memory_declared_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)
+    memory_free_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)
     kv_budget_tokens: int = Field(gt=0, default=defaults.KV_BUDGET_TOKENS)
     # JOINING: announced when loading starts (placement counts it as pending capacity, routing
     # ignores it); SERVING once the node listens and its layers are loaded.
@@ -222,7 +225,7 @@ class Heartbeat(Strict):
     state: NodeState
     active_sessions: int = Field(ge=0)
     kv_tokens: int = Field(ge=0)
-    memory_free_bytes: int = Field(ge=0)
+    memory_free_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)
     tokens_generated: int = Field(ge=0, default=0)  # sampled here (the tail)
     # Sampled steps this node ran since it started: tokens generated through its stage
     # (the tracker turns the difference between heartbeats into tokens/s).
@@ -416,7 +419,7 @@ class AssignRequest(Strict):
     """A node with no model asks the tracker where it should serve."""
 
     node_id: NodeId
-    memory_bytes: int = Field(gt=0)
+    memory_bytes: int = Field(gt=0, le=MAX_MEMORY_BYTES)
     device: str = Field(max_length=32)
     # What the node asks for: auto (each model's shipped format, else the compute dtype) or
     # a precision; the tracker resolves it per candidate model.

@@ -17,7 +17,8 @@ coding of the exponent bytes: splitting takes a decode token of SmolLM2 from 0.8
 of raw bf16 and a 128-token chunk from 0.78 to 0.70 (bench/README.md, "Wire").
 
 Decoding is bounded: the declared shape fixes the exact byte count, a zstd frame must
-declare that content size, and decompression never produces more than it.
+declare that content size, and decompression never produces more than it; past 1 MiB a
+zstd part may expand at most ``MAX_RATIO`` times its size.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ MAX_NDIM = 4
 # Default cap on one decoded tensor: 256 MiB (a 128-token chunk of an 8192-wide bf16 model is 2 MiB).
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 CONTENT_TYPE = "application/x-meshnet-tensor"
+# A frame costs about its own size to decode (ADR-0008): past RATIO_FLOOR decoded bytes, a
+# zstd part may expand at most MAX_RATIO times (activations' exponent planes compress 2-4x;
+# a 1 KB frame of zeros declaring 64 MiB is refused before anything is allocated).
+MAX_RATIO = 64
+RATIO_FLOOR = 1 << 20
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.bfloat16: 1,
@@ -144,6 +150,12 @@ def encode_tensor(tensor: torch.Tensor, options: WireOptions = WireOptions()) ->
 
 
 def _decompress_exact(body: bytes, expected: int) -> bytes:
+    if expected > max(RATIO_FLOOR, MAX_RATIO * len(body)):
+        raise InvalidRequest(
+            f"zstd frame of {len(body)} bytes would decode to {expected}: more than "
+            f"{MAX_RATIO} times its size",
+            code="bad_frame",
+        )
     try:
         params = zstandard.get_frame_parameters(body)
     except zstandard.ZstdError as exc:

@@ -11,7 +11,6 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
-
 # Bounds on what one client can hold (docs/adr/0032): a request head of at most 16 KiB
 # (h11; httptools' llhttp caps it at 80 KiB itself), an idle keep-alive connection closed
 # after 5 s, and past 1024 open connections or running requests new requests get 503

@@ -41,6 +41,7 @@ from meshnet_common.web.http import error_body
 from meshnet_node.dataplane.frames import STREAM_PATH
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import parse_route, parse_step
+from meshnet_node.engine.sessions import opening_peer
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,12 @@ def check_forward_head(headers: Mapping[str, str], limit: int) -> None:
             raise PayloadTooLarge(f"body of {length} bytes exceeds the limit of {limit}")
 
 
-async def forward_answer(service: NodeService, headers: Mapping[str, str], body: bytes) -> Answer:
-    """Run one forward step (headers and body already checked against the limits)."""
+async def forward_answer(
+    service: NodeService, headers: Mapping[str, str], body: bytes, peer: str | None = None
+) -> Answer:
+    """Run one forward step (headers and body already checked against the limits);
+    ``peer``: the caller's address, whose sessions here are bounded (docs/adr/0032)."""
+    opening_peer.set(peer)  # this task's step only
     # Counted once this task next waits (off the step's critical path).
     asyncio.get_running_loop().call_soon(service.metrics.wire_received.inc, len(body))
     try:
@@ -226,7 +231,14 @@ class ForwardPath:
             body = await _read_body(receive, limit)
         except MeshnetError as exc:
             return error_answer(exc)
-        return await forward_answer(service, headers, body)
+        return await forward_answer(service, headers, body, peer_of(scope))
+
+
+def peer_of(scope) -> str | None:
+    """The calling node as far as this node can tell: its IP address (the port changes
+    with every connection; node-to-node calls carry no identity of their own yet)."""
+    client = scope.get("client")
+    return client[0] if client else None
 
 
 async def _read_body(receive, limit: int) -> bytes:

@@ -74,8 +74,7 @@ class NodeService(HopLinks):
         self.hops: HopTransport = StreamHops(
             headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect,
             ping_interval=settings.stream_ping_s, ssl=tls.stream_context(),
-            https_only=settings.tls_cert is not None,
-        )  # fmt: skip
+            https_only=settings.tls_cert is not None)  # fmt: skip
         self.tokens_generated = 0  # sampled here (tail)
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
         self.metrics = metrics or Metrics()

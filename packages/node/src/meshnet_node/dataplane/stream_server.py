@@ -31,6 +31,7 @@ from meshnet_node.dataplane.forward import (
     deliver_answer,
     error_answer,
     forward_answer,
+    peer_of,
 )
 from meshnet_node.dataplane.frames import (
     H_MAX_MESSAGE,
@@ -48,6 +49,10 @@ from meshnet_node.dataplane.service import NodeService
 logger = logging.getLogger(__name__)
 
 _COMPUTE = H_COMPUTE.encode()
+# Per stream: messages in flight at once (a head's sessions each have a step or two in
+# flight; more waits on the socket), and their bytes, in body limits (docs/adr/0032).
+MAX_IN_FLIGHT = 512
+IN_FLIGHT_BODIES = 4
 _LABELS = {Kind.STEP: ("POST", FORWARD_PATH), Kind.CLOSE: ("DELETE", SESSIONS_ROUTE),
            Kind.DELIVER: ("POST", ANSWERS_ROUTE)}  # fmt: skip
 
@@ -95,21 +100,38 @@ class _ServerStream:
     the next receiver, then answers its message itself. The step runs in the task that was
     woken for it (one wake-up per message, which the idle-cache cost makes worth saving:
     docs/adr/0011), while the next message is read meanwhile, so steps of many sessions
-    are in flight at once, started in the order they came."""
+    are in flight at once, started in the order they came.
+
+    In flight at once: at most ``MAX_IN_FLIGHT`` messages and ``IN_FLIGHT_BODIES`` body
+    limits' worth of bytes; past either, the next message is read once one is answered
+    (the peer waits on the socket, docs/adr/0032)."""
 
     def __init__(self, scope, receive, send, service: NodeService) -> None:
         self.scope = scope
         self.service = service
+        self.peer = peer_of(scope)
         self._receive = receive
         self._send = send
         self.open = True
         self.ended = asyncio.get_running_loop().create_future()
         self.tasks: set[asyncio.Task] = set()
+        self.in_flight = self.bytes_in_flight = 0
+        self.max_bytes = IN_FLIGHT_BODIES * service.settings.max_body_bytes
+        self.reading = False  # a receiver waits for the next message
 
     def next_receiver(self) -> None:
+        self.reading = True
         task = asyncio.ensure_future(self._receive_one())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _read_on(self) -> None:
+        """Start the next receiver unless one waits already, the stream ended, or the
+        messages in flight are at their bound."""
+        if self.reading or self.ended.done():
+            return
+        if self.in_flight < MAX_IN_FLIGHT and self.bytes_in_flight < self.max_bytes:
+            self.next_receiver()
 
     async def _receive_one(self) -> None:
         try:
@@ -117,6 +139,7 @@ class _ServerStream:
         except BaseException:
             self._end()
             raise
+        self.reading = False
         if message["type"] != "websocket.receive":  # websocket.disconnect
             self.open = False
             self._end()
@@ -133,8 +156,16 @@ class _ServerStream:
             await self.close(1007, str(exc)[:120])
             self._end()
             return
-        self.next_receiver()
-        await self._answer(request)
+        size = len(data)
+        self.in_flight += 1
+        self.bytes_in_flight += size
+        self._read_on()
+        try:
+            await self._answer(request)
+        finally:
+            self.in_flight -= 1
+            self.bytes_in_flight -= size
+            self._read_on()
 
     def _end(self) -> None:
         if not self.ended.done():
@@ -156,7 +187,7 @@ class _ServerStream:
             if len(request.body) > limit:
                 answer = error_answer(PayloadTooLarge(f"body exceeds the limit of {limit} bytes"))
             else:
-                answer = await forward_answer(service, headers, request.body)
+                answer = await forward_answer(service, headers, request.body, self.peer)
         else:
             session = headers.get(H_SESSION)
             if session is None:

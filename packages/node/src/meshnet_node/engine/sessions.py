@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,11 @@ from meshnet_common.protocol import SamplingSpec, validate_session_id
 from meshnet_node.engine.sampling import Sampler
 
 logger = logging.getLogger(__name__)
+
+# Who asks for the session being opened: the calling node's address, set by the data path
+# for the step in hand (None: this node's own head). One peer holds at most
+# ``SessionStore.max_per_peer`` sessions, so that it cannot fill the stage (docs/adr/0032).
+opening_peer: ContextVar[str | None] = ContextVar("opening_peer", default=None)
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Session:
     sampler: Sampler | None = None  # tail only
     last_used: float = field(default_factory=time.monotonic)
     owner: str | None = None  # who opened it; steps from anyone else are refused
+    peer: str | None = None  # the address it was opened from (None: this node's head)
     first_layer: int = 0  # local index of the first layer this session runs (overlapping hops)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # After a step that carried drafts (speculative decoding): the first position the next
@@ -103,6 +110,7 @@ class SessionStore:
         kv_budget_tokens: int,
         idle_timeout_s: float = 300.0,
         max_sessions: int = 256,
+        max_per_peer: int | None = None,
         constraints=None,
     ) -> None:
         self._stage_config = stage_config
@@ -110,6 +118,8 @@ class SessionStore:
         self.kv_budget_tokens = kv_budget_tokens
         self.idle_timeout_s = idle_timeout_s
         self.max_sessions = max_sessions
+        # Default: a quarter of the stage stays for other peers (all of it when tiny).
+        self.max_per_peer = max_per_peer or max_sessions - max_sessions // 4
         self._sessions: dict[str, Session] = {}
         self._reserved_tokens = 0  # tokens promised to steps in flight
         self._lock = threading.Lock()
@@ -149,6 +159,14 @@ class SessionStore:
                     "retry later",
                     code="too_many_sessions",
                 )
+            peer = opening_peer.get()
+            held = peer is not None and self._held_by(peer)
+            if held and held >= self.max_per_peer:
+                raise CapacityExceeded(
+                    f"{peer} holds {held} sessions here (limit {self.max_per_peer} per peer); "
+                    "retry later",
+                    code="too_many_sessions",
+                )
             if self._used_tokens() >= self.kv_budget_tokens:
                 raise CapacityExceeded(
                     f"KV budget of {self.kv_budget_tokens} tokens is full; retry later",
@@ -159,6 +177,7 @@ class SessionStore:
                 cache=DynamicCache(config=self._stage_config),
                 sampler=Sampler(sampling, constraint) if sampling is not None else None,
                 owner=owner,
+                peer=peer,
                 first_layer=first_layer,
                 record=InputRecord() if record else None,
             )
@@ -187,6 +206,9 @@ class SessionStore:
     def close(self, session_id: str) -> bool:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
+
+    def _held_by(self, peer: str) -> int:
+        return sum(1 for s in self._sessions.values() if s.peer == peer)
 
     def _used_tokens(self) -> int:
         return sum(s.length for s in self._sessions.values()) + self._reserved_tokens

@@ -52,9 +52,7 @@ def url_with_host(url: str, host: str) -> str:
     return f"{parts.scheme}://{netloc}"
 
 
-def reachable_url(
-    url: str, explicit: bool, source: str | None, *, https_only: bool = False
-) -> str:
+def reachable_url(url: str, explicit: bool, source: str | None, *, https_only: bool = False) -> str:
     """The URL to reach a node at, from what it announced and where it registered from.
 
     ``source``: the peer address of the registration (None or a non-IP when unknown);
