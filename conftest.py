@@ -56,7 +56,7 @@ def smollm2_snapshot(models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_snapshot(models_dir: Path) -> Callable[..., Path]:
     """Factory: ``tiny_snapshot(family, layout="plain")`` -> snapshot of a 6-layer random model."""
-    from meshnet_common.models.tiny import make_tiny
+    from meshnet_common.tiny.snapshots import make_tiny
 
     built: dict[tuple[str, str], Path] = {}
 

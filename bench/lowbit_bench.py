@@ -13,7 +13,7 @@ the twin holds the weights the packed checkpoint was made from). Per precision:
 2. **decode tok/s** in this process through 3 stages (``Stage``), 1 torch thread: 1 session
    (one-token ``Stage.step`` per stage), and 16 sessions (``Stage.step_batch`` passes);
 3. **prefill tok/s**: a 512-token prompt in 128-token chunks through the 3 stages;
-4. **perplexity** of the first 512 tokens of ``meshnet_common.models.tiny.CORPUS`` (English
+4. **perplexity** of the first 512 tokens of ``meshnet_common.tiny.snapshots.CORPUS`` (English
    prose), scored by the tail as ``echo`` + ``logprobs`` does (``SamplingSpec.prompt_logprobs``:
    the tail's log-softmax of every prompt position, the ids given to it as the node's ids
    header gives them), through the same 3 stages; its change against the baseline in %;
@@ -412,7 +412,7 @@ class Prompts:
 def prompts_for(snapshot: Path) -> Prompts:
     from transformers import AutoTokenizer
 
-    from meshnet_common.models.tiny import CORPUS
+    from meshnet_common.tiny.snapshots import CORPUS
 
     tokenizer = AutoTokenizer.from_pretrained(snapshot)
     corpus = tokenizer(CORPUS, verbose=False).input_ids  # longer than a tiny model's context
@@ -433,7 +433,7 @@ def snapshot_for(model: Model, settings: Settings) -> Path:
         if model.weight_format == "gguf":
             return smollm2_gguf_path()
         return import_smollm2(settings.smol_dir)
-    from meshnet_common.models.tiny import make_tiny
+    from meshnet_common.tiny.snapshots import make_tiny
 
     return make_tiny(settings.bench_dir, model.family, model.model_id, **TINY_SHAPE,
                      weight_format=model.weight_format)  # fmt: skip
@@ -681,7 +681,7 @@ def print_lowbit(res: dict) -> None:
         rows,
     )  # fmt: skip
     print("RSS: RssAnon after load_shard minus before (fresh process); peak/RSS: the peak while "
-          "loading over it. ppl: the first 512 tokens of meshnet_common.models.tiny.CORPUS "
+          "loading over it. ppl: the first 512 tokens of meshnet_common.tiny.snapshots.CORPUS "
           "scored by the tail (echo+logprobs path); the tiny MoE models are random, so their ppl "
           "is only a distortion measure. Stages: SmolLM2 [0,10) [10,20) [20,30); tiny MoE "
           "(8 layers, hidden 512) [0,3) [3,6) [6,8).")  # fmt: skip

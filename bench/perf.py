@@ -65,7 +65,7 @@ from swarm import Swarm, running_swarm, stop_on_sigterm
 from wire_bench import measure_wire, print_wire
 
 from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
-from meshnet_common.models.tiny import CORPUS
+from meshnet_common.tiny.snapshots import CORPUS
 
 SECTIONS = (
     "memory",

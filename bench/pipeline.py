@@ -45,7 +45,7 @@ from swarm import REQUEST_TIMEOUT_S, Swarm, complete, running_swarm, stop_on_sig
 from wire_bench import WIRE_BOUNDARIES, measure_wire, print_wire
 
 from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
-from meshnet_common.models.tiny import CORPUS
+from meshnet_common.tiny.snapshots import CORPUS
 
 MODEL_ID = SMOLLM2_MODEL_ID
 NUM_LAYERS = 30

@@ -1,7 +1,7 @@
 """Resident memory of a node scales with its shard, not with the whole model.
 
 Builds (once, cached) a random ~1B-parameter Llama (24 layers, hidden 2048, intermediate
-5632, vocab 32000, tied embeddings) with ``meshnet_common.models.tiny.make_tiny``. Then, for the
+5632, vocab 32000, tied embeddings) with ``meshnet_common.tiny.snapshots.make_tiny``. Then, for the
 full model and each quarter, a FRESH Python process loads the layer range with
 ``meshnet_node.engine.loader.load_shard`` in bfloat16, touches every parameter, and reports its
 RSS (psutil), peak RSS (``ru_maxrss``) and load time. The middle quarter [6, 12) also
@@ -158,7 +158,7 @@ def child(args: argparse.Namespace) -> None:
 
 def make_model(models_dir: str) -> None:
     """Child mode: build (or find) the model and print its snapshot path."""
-    from meshnet_common.models.tiny import make_tiny
+    from meshnet_common.tiny.snapshots import make_tiny
 
     print(make_tiny(models_dir, "llama", MODEL_ID, **SHAPE), flush=True)
 

@@ -33,7 +33,7 @@ def deepseek_models(request, tiny_snapshot, tiny_model_id, tmp_path):
             snapshot.parent.parent, target_is_directory=True
         )
         return models, snapshot, tiny_model_id("deepseek_v3", "hub")
-    from meshnet_common.models.tiny import make_tiny
+    from meshnet_common.tiny.snapshots import make_tiny
 
     model_id = "meshnet-tiny/deepseek_v3-fp8"
     snapshot = make_tiny(models, "deepseek_v3", model_id, layout="hub", weight_format="fp8")

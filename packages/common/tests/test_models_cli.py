@@ -15,7 +15,7 @@ import pytest
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.models.cli import main
 from meshnet_common.models.models_dir import find_snapshot, scan_models_dir
-from meshnet_common.models.tiny import FAMILIES, MOE_FAMILIES
+from meshnet_common.tiny.snapshots import FAMILIES, MOE_FAMILIES
 
 LAYOUTS = ("plain", "hub")
 EXPECTED = {

@@ -169,7 +169,7 @@ def test_nf4_keeps_todays_rule():
 
 @pytest.fixture(scope="module")
 def snapshots(tmp_path_factory) -> dict[str, Path]:
-    from meshnet_common.models.tiny import make_tiny
+    from meshnet_common.tiny.snapshots import make_tiny
 
     root = tmp_path_factory.mktemp("precision-models")
     made = {}

@@ -10,8 +10,8 @@ from stage_drivers import decode_sessions
 
 from meshnet_common.errors import Conflict, NotFound
 from meshnet_common.layers import LayerRange
-from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
+from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.dataplane.batching import micro_batches
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.families import attention_module

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from meshnet_common.layers import LayerRange
-from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
+from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine.bf16_upcast import widened_linear
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy

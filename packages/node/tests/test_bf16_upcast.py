@@ -10,8 +10,8 @@ from torch import nn
 
 from meshnet_common.config.shard import ShardSettings
 from meshnet_common.layers import LayerRange
-from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
+from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine import bf16_upcast
 from meshnet_node.engine.bf16_upcast import upcast_min_rows, widen_linears, widened_linear
 from meshnet_node.engine.loader import load_shard

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from meshnet_common.layers import LayerRange
-from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
+from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy
 from meshnet_node.engine.stage import Stage

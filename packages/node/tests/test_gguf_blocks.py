@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import quants
 
-from meshnet_common.models.tiny_gguf import pack_q4_k, pack_q5_k, pack_q6_k
+from meshnet_common.tiny.gguf_files import pack_q4_k, pack_q5_k, pack_q6_k
 from meshnet_node.lowbit.gguf_blocks import BLOCKS, int4_weight, int8_weight
 from meshnet_node.lowbit.packed import Int4Weight, Int8Weight
 
@@ -80,7 +80,7 @@ def test_a_row_of_broken_blocks_is_refused():
     [("Q4_K", pack_q4_k, 32, 15), ("Q5_K", pack_q5_k, 32, 31), ("Q6_K", pack_q6_k, 16, 31)],
 )
 def test_our_k_quant_packers_write_what_the_gguf_package_reads_back(fmt, pack, group, levels):
-    """``tiny_gguf``'s packers (the gguf package cannot write K-quants): their blocks, read
+    """``meshnet_common.tiny.gguf_files``'s packers (the gguf package cannot write K-quants): their blocks, read
     back by the gguf package, are within about half a step of each group's grid of the input
     (a block laid out wrong would be off by the values themselves)."""
     x = np.random.default_rng(3).standard_normal((48, 512)).astype(np.float32)

@@ -1,5 +1,5 @@
 """GGUF files in each block format, written by our own packing code from tiny random models
-(``tiny_gguf``): split over stages = one stage at the same precision (bit for bit, float32),
+(``meshnet_common.tiny.gguf_files``): split over stages = one stage at the same precision (bit for bit, float32),
 equal to the HF model holding what the runtime holds (the blocks as they are, or rounded as
 ``gguf_blocks`` says) within float32 rounding, and close to the HF model built from the
 file's dequantized weights — Q4_0, Q4_1 and Q4_K are int4 as they are (within float32
@@ -17,9 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.models.tiny import make_tiny
-from meshnet_common.models.tiny_gguf import write_gguf
 from meshnet_common.precision import Precision, native_format_name, resolve_precision
+from meshnet_common.tiny.gguf_files import write_gguf
+from meshnet_common.tiny.snapshots import make_tiny
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage

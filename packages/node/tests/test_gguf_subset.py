@@ -19,9 +19,9 @@ from meshnet_common.models.gguf_header import read_header
 from meshnet_common.models.gguf_import import smollm2_gguf_path
 from meshnet_common.models.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.models.shardfiles import ShardSource
-from meshnet_common.models.tiny import make_tiny
-from meshnet_common.models.tiny_gguf import write_gguf
 from meshnet_common.precision import Precision
+from meshnet_common.tiny.gguf_files import write_gguf
+from meshnet_common.tiny.snapshots import make_tiny
 from meshnet_common.web.shards import snapshot_revision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import split_greedy

@@ -11,9 +11,9 @@ from transformers import AutoConfig
 
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
-from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_GUESS, H_IDS, H_POSITION, H_SAMPLE, H_SESSION
+from meshnet_common.tiny import snapshots as tiny
 from meshnet_common.wire import encode_tensor
 from meshnet_node.dataplane.steps import StepRequest, parse_step, stale_guess
 from meshnet_node.engine.loader import load_shard

@@ -1,6 +1,6 @@
 """int4 safetensors checkpoints — GPTQ (v1 and v2 zeros, symmetric and not), AWQ (GEMM) and
 compressed-tensors pack-quantized w4a16 (symmetric and not) — written by our own rounding
-and packing code (``tiny_int4``) from tiny random models: served at int4 as shipped, split
+and packing code (``meshnet_common.tiny.int4_files``) from tiny random models: served at int4 as shipped, split
 over stages = one stage (bit for bit, float32), and equal to the HF model built from the
 weights the codes stand for; served at float32 / int8 by dequantizing; bad variants
 refused in one line."""
@@ -20,9 +20,9 @@ from meshnet_common.errors import InvalidRequest, ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.memory import ModelCosts
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.models.tiny import make_tiny
-from meshnet_common.models.tiny_int4 import write_int4
 from meshnet_common.precision import Precision, native_format_name, resolve_precision
+from meshnet_common.tiny.int4_files import write_int4
+from meshnet_common.tiny.snapshots import make_tiny
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage

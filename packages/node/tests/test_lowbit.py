@@ -12,8 +12,8 @@ from stage_drivers import decode_sessions, speculative_greedy
 from torch import nn
 
 from meshnet_common.layers import LayerRange
-from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
+from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from meshnet_common.models.tiny import make_tiny
+from meshnet_common.tiny.snapshots import make_tiny
 
 MEASURE = r"""
 import ctypes, gc, json, sys, threading, time

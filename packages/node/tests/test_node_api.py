@@ -696,7 +696,7 @@ def test_direct_answers_are_checked(chain_head):
 def test_a_draft_model_proposes_the_drafts(draft, snapshot, tmp_path, tokenizer, reference):
     """--draft-model: the same model as its own draft has every draft accepted; a smaller
     random one fewer; the text is the unsplit model's greedy text either way."""
-    from meshnet_common.models.tiny import make_tiny
+    from meshnet_common.tiny.snapshots import make_tiny
 
     path = snapshot if draft == "same" else make_tiny(
         tmp_path, "llama", "meshnet-tiny/llama-draft", layers=2, seed=1

@@ -11,9 +11,9 @@ from transformers import AutoConfig
 
 from meshnet_common.errors import Conflict
 from meshnet_common.layers import LayerRange
-from meshnet_common.models import tiny
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import SamplingSpec
+from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine import bf16_upcast
 from meshnet_node.engine.bf16_upcast import widen_linears
 from meshnet_node.engine.families import attention_module

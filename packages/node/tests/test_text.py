@@ -235,7 +235,7 @@ HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
 def structured():
     """Two tokenizers in the style of the MoE families: gpt-oss's harmony (structure in
     special tokens) and Qwen3 / DeepSeek-R1 (``<think>`` as an ordinary added token)."""
-    from meshnet_common.models.tiny import build_tokenizer
+    from meshnet_common.tiny.snapshots import build_tokenizer
 
     harmony = build_tokenizer()
     harmony.add_special_tokens({"additional_special_tokens": list(HARMONY)})

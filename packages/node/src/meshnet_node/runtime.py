@@ -19,8 +19,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from meshnet_common.errors import MeshnetError, ModelError, NotFound
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
-from meshnet_common.models.checkpoint import CheckpointIndex, gguf_in
-from meshnet_common.models.gguf_index import pretrained_args
+from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.protocol import (
     DirectiveKind,
@@ -41,6 +40,7 @@ from meshnet_node.engine.stage import Stage
 from meshnet_node.head.generation import HeadGenerator
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.serving import OpenAIServing, RouteProvider
+from meshnet_node.model_files import draft_snapshot, snapshot_created, tokenizer_source
 from meshnet_node.settings import NodeSettings
 from meshnet_node.speculation.draft_model import DraftModel
 from meshnet_node.speculation.drafting import SpeculationSettings
@@ -159,31 +159,6 @@ def bind_url(host: str, port: int, tls_cert=None) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def snapshot_created(snapshot: Path | None) -> int:
-    """When the model's snapshot was written (its config.json, or its GGUF file), as
-    /v1/models reports it."""
-    try:
-        path = Path(snapshot)
-        config = path / "config.json"
-        if path.is_dir() and not config.exists():
-            config = gguf_in(path) or config
-        return int((path if path.is_file() else config).stat().st_mtime)
-    except (OSError, TypeError, ModelError):
-        return 0
-
-
-def draft_snapshot(settings: NodeSettings) -> Path:
-    """``--draft-model``: a snapshot folder, or a model id in ``--models-dir``."""
-    path = Path(settings.draft_model).expanduser()
-    if path.is_dir():
-        return path
-    if settings.models_dir is not None:
-        return resolve_snapshot(settings.models_dir, settings.draft_model)
-    raise ModelError(
-        f"--draft-model {settings.draft_model}: no such folder (a model id needs --models-dir)"
-    )
-
-
 def announced_url(settings: NodeSettings) -> str:
     """What the node tells the tracker: --advertise-url, else its bind address (which the
     tracker replaces when it is a wildcard, or loopback seen from another host)."""
@@ -273,16 +248,6 @@ def build_runtime(
         settings, node_id, service, openai, memory_declared_bytes, tracker, route_provider,
         membership=membership, view=view,
     )  # fmt: skip
-
-
-def tokenizer_source(model_path: Path | str) -> tuple[Path, dict]:
-    """What ``from_pretrained`` takes for a node's model: a snapshot folder as it is; a GGUF
-    (a file, or the one in a folder without config.json) as its folder and ``gguf_file``:
-    transformers reads tokenizer and chat template from its metadata."""
-    path = Path(model_path)
-    if path.is_dir() and not (path / "config.json").exists():
-        path = gguf_in(path) or path
-    return pretrained_args(path)
 
 
 def build_openai(

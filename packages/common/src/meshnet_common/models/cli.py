@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshnet_common.errors import MeshnetError
 from meshnet_common.models.models_dir import LAYOUTS, ModelEntry, load_entry, scan_models_dir
-from meshnet_common.models.tiny import FAMILIES  # cheap: tiny imports torch only when building
+from meshnet_common.tiny.snapshots import FAMILIES  # cheap: tiny imports torch only when building
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from meshnet_common.models.tiny import make_tiny
+    from meshnet_common.tiny.snapshots import make_tiny
 
     make_tiny(
         args.models_dir,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from meshnet_common.models.tiny import TinySpec
+    from meshnet_common.tiny.snapshots import TinySpec
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2",

@@ -16,22 +16,22 @@ from typing import TYPE_CHECKING
 from meshnet_common.errors import InvalidRequest, ModelError
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.models.models_dir import Layout, find_snapshot, staged_snapshot
-from meshnet_common.models.tiny_configs import (  # the family table, re-exported here
+from meshnet_common.tiny.configs import (  # the family table, re-exported here
     CONFIG_BUILDERS,
     MAX_POSITIONS,
     WIDTH_MULTIPLE,
     _round_up,
 )
-from meshnet_common.models.tiny_configs import (
+from meshnet_common.tiny.configs import (
     EXPERTS as EXPERTS,
 )
-from meshnet_common.models.tiny_configs import (
+from meshnet_common.tiny.configs import (
     FAMILIES as FAMILIES,
 )
-from meshnet_common.models.tiny_configs import (
+from meshnet_common.tiny.configs import (
     MOE_FAMILIES as MOE_FAMILIES,
 )
-from meshnet_common.models.tiny_configs import (
+from meshnet_common.tiny.configs import (
     SLIDING_WINDOW as SLIDING_WINDOW,
 )
 
