@@ -4,35 +4,19 @@ no swarm token; a node serving TLS refuses a plain-HTTP tracker in one line."""
 
 from __future__ import annotations
 
-import contextlib
-import socketserver
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
 import trustme
+from answering_port import AnsweringPort, http_reply
 
 from meshnet_common.web.serve import free_port
 
 pytestmark = [pytest.mark.integration]
 
 TOKEN = {"x-meshnet-swarm-token": "swarm-1"}
-
-
-class _Garbage(socketserver.StreamRequestHandler):
-    def handle(self) -> None:
-        head = b""
-        while not head.endswith(b"\r\n\r\n"):
-            line = self.rfile.readline()
-            if not line:
-                return
-            head += line
-        self.server.heads.append(head.decode("latin-1").lower())
-        body = b"<html>" + b"x" * (1 << 20) + b"</html>"
-        with contextlib.suppress(OSError):
-            self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
 
 
 def announcement(url: str) -> dict:
@@ -46,12 +30,9 @@ def announcement(url: str) -> dict:
 
 def test_a_running_trackers_probe_of_closed_and_open_ports_answers_alike(swarm_factory):
     tracker = swarm_factory().tracker("--swarm-token", "swarm-1").wait_healthy()
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Garbage)
-    server.daemon_threads, server.heads = True, []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        urls = {"closed": f"http://127.0.0.1:{free_port()}",
-                "open": f"http://127.0.0.1:{server.server_address[1]}"}  # fmt: skip
+    garbage = http_reply(b"<html>" + b"x" * (1 << 20) + b"</html>")
+    with AnsweringPort(garbage) as server:
+        urls = {"closed": f"http://127.0.0.1:{free_port()}", "open": server.url}
         answers = {}
         for kind, url in urls.items():
             resp = httpx.post(f"{tracker.url}/v1/nodes/register", json=announcement(url),
@@ -59,10 +40,8 @@ def test_a_running_trackers_probe_of_closed_and_open_ports_answers_alike(swarm_f
             answers[kind] = (resp.status_code, resp.text.replace(url, "URL"))
         assert answers["closed"] == answers["open"], answers
         assert answers["closed"][0] == 400 and "node_unreachable" in answers["closed"][1]
-        assert server.heads and all("x-meshnet-swarm-token" not in h for h in server.heads)
-    finally:
-        server.shutdown()
-        server.server_close()
+        assert server.requests
+        assert all("x-meshnet-swarm-token" not in h for h in server.requests)
 
 
 def test_a_tls_node_refuses_a_plain_http_tracker(tmp_path):

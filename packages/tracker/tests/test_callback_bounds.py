@@ -6,11 +6,10 @@ another node's port all alike. Real sockets on 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
-import socketserver
-import threading
 from collections.abc import Iterator
 
 import pytest
+from answering_port import AnsweringPort, http_reply
 from fastapi.testclient import TestClient
 
 from meshnet_common.web.serve import free_port
@@ -30,51 +29,15 @@ def announcement(node_id: str, url: str) -> dict:
     }  # fmt: skip
 
 
-class Answering(socketserver.ThreadingTCPServer):
-    """A port that answers every request with ``reply`` and keeps what it was sent."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, reply: bytes) -> None:
-        self.reply, self.requests = reply, []
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(socketserver.StreamRequestHandler):
-    def handle(self) -> None:
-        head = b""
-        while not head.endswith(b"\r\n\r\n"):
-            line = self.rfile.readline()
-            if not line:
-                return
-            head += line
-        self.server.requests.append(head.decode("latin-1").lower())
-        with contextlib.suppress(OSError):  # the tracker stopped reading: as it should
-            self.wfile.write(self.server.reply)
-
-
-def _http(body: bytes) -> bytes:
-    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body
-
-
 @pytest.fixture
-def ports() -> Iterator[dict[str, Answering]]:
+def ports() -> Iterator[dict[str, AnsweringPort]]:
     servers = {
-        "garbage": Answering(_http(b"<html>not a node</html>")),
-        "flood": Answering(_http(b'{"node_id": "' + b"x" * (8 << 20) + b'"}')),
-        "other node": Answering(_http(b'{"node_id": "someone-else", "status": "ok"}')),
+        "garbage": AnsweringPort(http_reply(b"<html>not a node</html>")),
+        "flood": AnsweringPort(http_reply(b'{"node_id": "' + b"x" * (8 << 20) + b'"}')),
+        "other node": AnsweringPort(http_reply(b'{"node_id": "someone-else", "status": "ok"}')),
     }
-    for server in servers.values():
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield servers
-    for server in servers.values():
-        server.shutdown()
-        server.server_close()
+    with contextlib.ExitStack() as stack:
+        yield {kind: stack.enter_context(server) for kind, server in servers.items()}
 
 
 @pytest.fixture
