@@ -313,8 +313,11 @@ class _SamplingFields(Lenient):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-# Bounds on one request (issue #35): generations (prompts x n), and stop strings, checked at
-# every step of every generation.
+# Bounds on one request (issue #35): its prompts, its generations (prompts x n: one request
+# never fills a head's queue by itself), and stop strings, checked at every step of every
+# generation. OpenAI takes up to 2048 prompts for embeddings; a completion's prompts each
+# hold a generation, and a batch beyond a head's --max-decode-batch only waits.
+MAX_PROMPTS = 64
 MAX_CHOICES = 128
 MAX_STOP_CHARS = 256
 
@@ -349,13 +352,19 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _choices(self):
-        """A request's generations (prompts x n) are bounded: one request never fills a
-        head's queue by itself (issue #35)."""
+        """A request's prompts and generations (prompts x n) are bounded: one request never
+        fills a head's queue by itself (issue #35)."""
+        if self.prompt_count > MAX_PROMPTS:
+            raise InvalidRequest(
+                f"prompt holds {self.prompt_count} prompts; at most {MAX_PROMPTS} per request, "
+                "split the request", param="prompt", code="too_many_prompts",
+            )  # fmt: skip
         if self.prompt_count * self.n > MAX_CHOICES:
             raise InvalidRequest(
                 f"{self.prompt_count} prompts x n={self.n} exceeds {MAX_CHOICES} generations "
                 "per request; split the request",
                 param="prompt",
+                code="too_many_generations",
             )
         return self
 

@@ -12,28 +12,53 @@ from pathlib import Path
 import torch
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_common.protocol import GrammarSpec
+from meshnet_common.protocol import GRAMMAR_MAX_BYTES, GrammarSpec
 
 NEG_INF = float("-inf")
 
 
-def json_grammar(kind: str, schema: dict | None) -> GrammarSpec:
-    """The grammar of an OpenAI ``response_format``; InvalidRequest for a schema llguidance
-    cannot compile (checked before any session opens)."""
+# What one grammar may cost (issue #35): its JSON schema's text travels in the open header
+# (GRAMMAR_MAX_BYTES), and llguidance's own fuel and size limits bound the work of compiling
+# it (at the head, then per session on the tail) whatever its shape.
+GRAMMAR_MAX_SYMBOLS = 100_000  # llguidance's default: 500_000
+
+
+def parser_limits():
+    """llguidance's limits for every grammar compiled here."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_grammar_size=GRAMMAR_MAX_SYMBOLS)
+
+
+def json_grammar(kind: str, schema: dict | None, *, param: str = "response_format") -> GrammarSpec:
+    """The grammar of an OpenAI ``response_format`` (or a forced tool call: ``param``
+    "tools"); InvalidRequest for a schema beyond GRAMMAR_MAX_BYTES or one llguidance cannot
+    compile within its limits (checked before any session opens)."""
     import json
 
     import llguidance
 
     text = json.dumps({"type": "object"} if kind == "json_object" else schema)
+    if len(text) > GRAMMAR_MAX_BYTES:
+        raise _too_large(f"the JSON schema has {len(text)} characters", param)
     # Compact JSON (", " and ": " separators, no free whitespace): a model cannot pad the
     # answer with endless newlines, which small or unsure models otherwise do.
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
         text, defaults={"whitespace_flexible": False}
     )
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if len(grammar) > GRAMMAR_MAX_BYTES:
+        raise _too_large(f"its grammar has {len(grammar)} characters", param)
+    problem = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if problem:
-        raise InvalidRequest(f"unusable JSON schema: {problem}", param="response_format")
+        raise InvalidRequest(f"unusable JSON schema: {problem}", param=param)
     return GrammarSpec(kind=kind, grammar=grammar)
+
+
+def _too_large(what: str, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what}; a JSON schema is at most {GRAMMAR_MAX_BYTES} characters", param=param,
+        code="schema_too_large",
+    )  # fmt: skip
 
 
 class Constraint:
@@ -96,7 +121,7 @@ class ConstraintFactory:
         import llguidance
 
         tokenizer = self._lltokenizer()
-        matcher = llguidance.LLMatcher(tokenizer, spec.grammar)
+        matcher = llguidance.LLMatcher(tokenizer, spec.grammar, limits=parser_limits())
         if matcher.is_error():
             raise InvalidRequest(f"grammar: {matcher.get_error()}", param="response_format")
         return Constraint(matcher, tokenizer.vocab_size)

@@ -57,6 +57,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens are text (harmony channels)
     client: str = "anonymous"  # who asked: the wait queue takes turns between clients
+    user: str = ""  # the request's ``user`` field: turns within the client's share
 
 
 @dataclass

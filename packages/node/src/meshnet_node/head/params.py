@@ -5,7 +5,7 @@ defaults after that, and the checks that need the model (token ids within the vo
 from __future__ import annotations
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_common.protocol import SamplingSpec
+from meshnet_common.protocol import GrammarSpec, SamplingSpec
 
 # generation_config.json keys that set a default for a request field of the same meaning
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -23,9 +23,10 @@ def sampling_defaults(generation_config) -> dict[str, float]:
 
 def sampling_spec(
     request, *, defaults: dict, vocab_size: int, seed: int | None, logprobs: int,
-    prompt_tokens: int, prompt_logprobs: int | None = None,
+    prompt_tokens: int, prompt_logprobs: int | None = None, grammar: GrammarSpec | None = None,
 ) -> SamplingSpec:  # fmt: skip
-    """The tail's sampling for one choice of ``request``."""
+    """The tail's sampling for one choice of ``request`` (``grammar``: ``grammar_of`` it,
+    compiled once for all its choices)."""
     values = {}
     for name in DEFAULTED:
         given = getattr(request, name)
@@ -41,7 +42,7 @@ def sampling_spec(
             )
     return SamplingSpec(
         **values,
-        grammar=grammar_of(request),
+        grammar=grammar,
         seed=seed,
         logprobs=logprobs,
         presence_penalty=request.presence_penalty,
@@ -52,7 +53,7 @@ def sampling_spec(
     )
 
 
-def grammar_of(request):
+def grammar_of(request) -> GrammarSpec | None:
     """The tail's grammar for ``response_format``, or for a forced tool call (None: free)."""
     from meshnet_node.engine.constraints import json_grammar
 
@@ -60,7 +61,7 @@ def grammar_of(request):
         from meshnet_node.head import tools
 
         schema = tools.call_schema(request)
-        return None if schema is None else json_grammar("json_schema", schema)
+        return None if schema is None else json_grammar("json_schema", schema, param="tools")
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None

@@ -3,9 +3,11 @@ limit), a request that has produced nothing yet waits here for a turn, then runs
 
 Bounded (``--max-queued-requests``; beyond: 503 with ``Retry-After``), with a deadline
 (``--queue-timeout``), and fair: clients take turns (round robin) and each client's requests
-keep their order (FIFO), so one client's burst cannot starve the others. A turn comes when a
-generation on this head ends, or every ``poll_s`` (capacity may free on nodes other heads
-use)."""
+keep their order (FIFO), so one client's burst cannot starve the others. A client is who the
+server knows, not what a request says (``routes.client_of``: the API key it authenticated
+with, else its address); the request's ``user`` field only takes turns within its client's
+share. A turn comes when a generation on this head ends, or every ``poll_s`` (capacity may
+free on nodes other heads use)."""
 
 from __future__ import annotations
 
@@ -43,21 +45,24 @@ class RequestQueue:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.clock = clock
-        self._clients: OrderedDict[str, deque[asyncio.Future]] = OrderedDict()  # turn order
+        # client -> user -> waiting turns; both levels in turn order
+        self._clients: OrderedDict[str, OrderedDict[str, deque[asyncio.Future]]] = OrderedDict()
         self._poller: asyncio.Task | None = None
 
     @property
     def waiting(self) -> int:
-        return sum(len(q) for q in self._clients.values())
+        return sum(len(line) for users in self._clients.values() for line in users.values())
 
     def busy(self) -> bool:
         """Someone is waiting: a new request queues behind them rather than jump ahead."""
         return self.waiting > 0
 
-    async def wait(self, client: str, deadline: float, *, again: bool = False) -> None:
-        """Wait for ``client``'s turn (``again``: it just had one and found no room, so it
-        keeps its place at the front of its own line). QueueFull when the queue is full or
-        ``deadline`` passes."""
+    async def wait(
+        self, client: str, deadline: float, *, again: bool = False, user: str = ""
+    ) -> None:
+        """Wait for ``client``'s turn, and within it ``user``'s (``again``: it just had one
+        and found no room, so it keeps its place at the front of its own line). QueueFull
+        when the queue is full or ``deadline`` passes."""
         if self.waiting >= self.max_waiting:
             raise QueueFull(
                 f"{self.waiting} requests are already waiting for room (limit "
@@ -68,7 +73,7 @@ class RequestQueue:
         if remaining <= 0:
             raise self._timed_out()
         turn: asyncio.Future = asyncio.get_running_loop().create_future()
-        line = self._clients.setdefault(client, deque())
+        line = self._clients.setdefault(client, OrderedDict()).setdefault(user, deque())
         if again:
             line.appendleft(turn)
         else:
@@ -79,24 +84,26 @@ class RequestQueue:
         except TimeoutError:
             raise self._timed_out() from None
         finally:
-            self._forget(client, turn)
+            self._forget(client, user, turn)
 
     def wake(self) -> None:
-        """Give the next client in turn its first waiting request's turn."""
+        """Give the next client in turn (and its next user in turn) its first waiting
+        request's turn."""
         for _ in range(len(self._clients)):
-            client, line = next(iter(self._clients.items()))
+            client, users = next(iter(self._clients.items()))
             self._clients.move_to_end(client)  # the next wake goes to the next client
-            for turn in line:
-                if not turn.done():
-                    turn.set_result(None)
-                    return
+            if _next_turn(users):
+                return
 
-    def _forget(self, client: str, turn: asyncio.Future) -> None:
-        line = self._clients.get(client)
+    def _forget(self, client: str, user: str, turn: asyncio.Future) -> None:
+        users = self._clients.get(client)
+        line = None if users is None else users.get(user)
         if line is not None:
             with contextlib.suppress(ValueError):  # already gone
                 line.remove(turn)
             if not line:
+                del users[user]
+            if not users:
                 del self._clients[client]
 
     def _timed_out(self) -> QueueFull:
@@ -113,3 +120,15 @@ class RequestQueue:
         while self.waiting:
             await asyncio.sleep(self.poll_s)
             self.wake()
+
+
+def _next_turn(users: OrderedDict[str, deque[asyncio.Future]]) -> bool:
+    """Start the first waiting turn of the next user in ``users``' turn order."""
+    for _ in range(len(users)):
+        user, line = next(iter(users.items()))
+        users.move_to_end(user)
+        for turn in line:
+            if not turn.done():
+                turn.set_result(None)
+                return True
+    return False

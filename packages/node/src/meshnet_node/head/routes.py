@@ -27,15 +27,17 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 logger = logging.getLogger(__name__)
 
 
-def client_of(request: Request, body) -> str:
-    """Who a request is for, as the wait queue takes turns: the API key (hashed), else the
-    ``user`` field, else the caller's address."""
+def client_of(request: Request, body, *, keyed: bool) -> tuple[str, str]:
+    """Who a request is for, as the wait queue takes turns: (client, user). The client is
+    what the server checked, never what the request says: the API key it authenticated with
+    (hashed; ``keyed``: the server checks keys), else the caller's address. The ``user``
+    field only takes turns within the client's share."""
     auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer ") and len(auth) > 7:
-        return "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:16]
-    if getattr(body, "user", None):
-        return "user:" + body.user[:64]
-    return "addr:" + (request.client.host if request.client else "unknown")
+    if keyed and auth.lower().startswith("bearer ") and len(auth) > 7:
+        client = "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:16]
+    else:  # no keys (or the swarm token, the tracker's own): any bearer would be a free line
+        client = "addr:" + (request.client.host if request.client else "unknown")
+    return client, (getattr(body, "user", None) or "")[:64]
 
 
 async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: str):
@@ -48,16 +50,13 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
         raw = await read_body(request, json_limit(request))
     if kind == "completions":
         body = parse_json(raw, CompletionRequest)
-        jobs, stream, respond = (
-            serving.completion_jobs(body),
-            serving.completion_stream,
-            serving.completion_response,
-        )
+        stream, respond = serving.completion_stream, serving.completion_response
     else:
         body = parse_json(raw, ChatCompletionRequest)
-        jobs, stream, respond = serving.chat_jobs(body), serving.chat_stream, serving.chat_response
-    who = client_of(request, body)
-    jobs = [replace(job, client=who) for job in jobs]
+        stream, respond = serving.chat_stream, serving.chat_response
+    jobs = await serving.prepare(body)  # off the event loop, bounded in time
+    client, user = client_of(request, body, keyed=serving.keyed_clients)
+    jobs = [replace(job, client=client, user=user) for job in jobs]
     # One line per request; the prompt itself only at debug level (it may be private).
     event(
         logger, logging.INFO, f"{kind} request", model=body.model, choices=len(jobs),

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from meshnet_common.coverage_wait import wait_for_coverage
@@ -17,7 +18,7 @@ from meshnet_common.openai_protocol import (
 )
 from meshnet_node.head import tools
 from meshnet_node.head.generation import GeneratedToken, GenerationRequest, HeadGenerator
-from meshnet_node.head.params import sampling_spec, stop_token_ids
+from meshnet_node.head.params import grammar_of, sampling_spec, stop_token_ids
 from meshnet_node.head.queue import CAPACITY_CODES, RequestQueue
 from meshnet_node.head.responses import ResponseShapes, sse  # noqa: F401 - sse: re-exported
 
@@ -25,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 # (model id, hop URLs to avoid) -> URLs of the hops after this head
 RouteProvider = Callable[[str, frozenset[str]], Awaitable[tuple[str, ...]]]
+
+# Planning a request (tokenizing its prompts, its chat template, compiling its grammar) runs
+# on these threads, never on the event loop, and answers 400 beyond this many seconds.
+PREPARE_TIMEOUT_S = 10.0
+PREPARE_THREADS = 2
 
 
 @dataclass
@@ -62,6 +68,7 @@ class OpenAIServing(ResponseShapes):
         created: int = 0,
         reasoning_parser: str | None = None,
         queue: RequestQueue | None = None,
+        keyed_clients: bool | None = None,
     ):
         self.model_id = model_id
         self.generator = generator
@@ -72,6 +79,13 @@ class OpenAIServing(ResponseShapes):
         self.created = created
         self.reasoning_parser = reasoning_parser
         self.queue = queue or RequestQueue()
+        # whether clients authenticate with an API key (``routes.client_of`` keys the queue
+        # on it; None: as this node's settings say)
+        self.keyed_clients = (
+            bool(generator.service.settings.api_key) if keyed_clients is None else keyed_clients
+        )
+        self.prepare_timeout_s = PREPARE_TIMEOUT_S
+        self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         generator.service.metrics.watch_queue(lambda: self.queue.waiting)
 
     @property
@@ -174,7 +188,7 @@ class OpenAIServing(ResponseShapes):
             ids = ids["input_ids"]
         return list(ids)
 
-    def _generation(self, request, prompt_ids: list[int], index: int, logprobs: int):
+    def _generation(self, request, prompt_ids: list[int], index: int, logprobs: int, grammar):
         # echo with logprobs: the tail scores the prompt's tokens too
         scores_prompt = getattr(request, "echo", False) and request.logprobs is not None
         max_tokens = request.check(
@@ -193,6 +207,7 @@ class OpenAIServing(ResponseShapes):
                 logprobs=logprobs,
                 prompt_tokens=len(prompt_ids),
                 prompt_logprobs=logprobs if scores_prompt else None,
+                grammar=grammar,
             ),  # fmt: skip
             stop=tuple(request.stop_list),
             stop_ids=stop_token_ids(request, vocab),
@@ -208,10 +223,11 @@ class OpenAIServing(ResponseShapes):
         self.check_model(request.model)
         request.check_params()
         logprobs = request.logprobs or 0
+        grammar = grammar_of(request)  # once for all choices
         jobs = []
         for prompt_ids in self._prompts(request):
             for _ in range(request.n):
-                jobs.append(self._generation(request, prompt_ids, len(jobs), logprobs))
+                jobs.append(self._generation(request, prompt_ids, len(jobs), logprobs, grammar))
         return jobs
 
     def chat_jobs(self, request: ChatCompletionRequest) -> list[GenerationRequest]:
@@ -223,7 +239,33 @@ class OpenAIServing(ResponseShapes):
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
         prompt_ids = self._chat_prompt(request)
-        return [self._generation(request, prompt_ids, i, logprobs) for i in range(request.n)]
+        grammar = grammar_of(request)
+        return [
+            self._generation(request, prompt_ids, i, logprobs, grammar) for i in range(request.n)
+        ]
+
+    async def prepare(
+        self, request: CompletionRequest | ChatCompletionRequest
+    ) -> list[GenerationRequest]:
+        """The generations of ``request``, planned on a thread (the event loop keeps serving
+        while prompts are tokenized and a grammar compiles), within ``prepare_timeout_s``."""
+        chat = isinstance(request, ChatCompletionRequest)
+        plan = self.chat_jobs if chat else self.completion_jobs
+        work = asyncio.get_running_loop().run_in_executor(self._preparing, plan, request)
+        try:
+            return await asyncio.wait_for(work, self.prepare_timeout_s)
+        except TimeoutError:
+            if getattr(request, "tools", None):
+                param = "tools"
+            elif request.response_format is not None:
+                param = "response_format"
+            else:
+                param = "messages" if chat else "prompt"
+            raise InvalidRequest(
+                f"preparing the request (tokenizing, chat template, JSON schema) took over "
+                f"{self.prepare_timeout_s:g} s, the limit per request: send fewer or shorter "
+                "prompts or a simpler schema", param=param, code="request_too_complex",
+            ) from None  # fmt: skip
 
     # -- running ---------------------------------------------------------------------------
 
@@ -279,7 +321,7 @@ class OpenAIServing(ResponseShapes):
     async def _wait(self, job: GenerationRequest, deadline: float, *, again: bool) -> None:
         started = time.perf_counter()
         try:
-            await self.queue.wait(job.client, deadline, again=again)
+            await self.queue.wait(job.client, deadline, again=again, user=job.user)
         finally:
             self.generator.service.metrics.queue_seconds.observe(time.perf_counter() - started)
 
