@@ -154,7 +154,8 @@ def test_the_standard_hf_cache_is_used_unless_overridden(monkeypatch, sharded_re
     assert len(hub.calls) == 3  # index, config, the subset
     for _name, kwargs in hub.calls:
         assert "cache_dir" not in kwargs  # HF_HUB_CACHE / HF_HOME decide
-        assert kwargs["revision"] is None
+    # The main branch for the index, then the commit it came from: a branch may move.
+    assert [kwargs["revision"] for _name, kwargs in hub.calls] == [None, COMMIT, COMMIT]
 
     own = tmp_path / "own-hub"
     hub = _install(monkeypatch, sharded_repo, tmp_path / "unused")
@@ -177,7 +178,25 @@ def test_revision_reaches_every_hub_call(monkeypatch, sharded_repo, tmp_path):
 
     hub = _install(monkeypatch, sharded_repo, tmp_path / "hf-cache")
     fetch_shard(MODEL, LayerRange(0, 2), (), tmp_path / "cache")  # callers that pass none
-    assert all(kwargs["revision"] is None for _name, kwargs in hub.calls)
+    assert [kwargs["revision"] for _name, kwargs in hub.calls] == [None, COMMIT, COMMIT]
+
+
+def test_hub_files_are_checked_against_the_trusted_manifest(monkeypatch, sharded_repo, tmp_path):
+    from meshnet_common.models.shardfiles import ShardSource
+    from meshnet_node.swarm.fetch import check_against
+
+    layers = LayerRange(2, 4)
+    trusted = ShardSource(CheckpointIndex.load(sharded_repo), MODEL, layers, COMMIT).manifest()
+    _install(monkeypatch, sharded_repo, tmp_path / "hf-cache")
+    view = fetch_from_hub(MODEL, layers, tmp_path / "cache", revision=COMMIT)
+    check_against(view, MODEL, layers, trusted)  # the same tensors: accepted
+    # The hub's weights are not the tracker's (another revision, a tampered mirror).
+    name = CheckpointIndex.load(sharded_repo).tensors_for(layers)[0]
+    tampered = {**trusted, "tensors": [
+        {**t, "sha256": "0" * 64} if t["name"] == name else t for t in trusted["tensors"]
+    ]}  # fmt: skip
+    with pytest.raises(FetchError, match="differ from the tracker's"):
+        check_against(view, MODEL, layers, tampered)
 
 
 @pytest.mark.parametrize(("start", "end"), [(0, 1), (0, 2), (2, 4), (3, 6), (5, 6), (0, 6)])

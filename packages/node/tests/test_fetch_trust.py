@@ -1,50 +1,181 @@
-"""Manifests come from the trusted tracker, and can be pinned with a signing key."""
+"""Weight integrity (docs/adr/0032): one root of trust for manifests, the tracker's key.
+
+Real shard servers (the tracker's, signing; a peer's, not signing) over in-memory HTTP: the
+node takes manifests from the tracker only, checks its signature, never falls back to a
+peer's manifest, and hashes a cached shard again before using it.
+"""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
-from meshnet_common.models.shardfiles import H_MANIFEST_SIGNATURE, canonical_json, sign_manifest
-from meshnet_node.swarm.fetch import FetchError, Trust, get_manifest
+from meshnet_common.errors import ModelError, NotFound
+from meshnet_common.layers import LayerRange
+from meshnet_common.manifest_keys import ALGORITHM, KEY_PATH, ManifestSigner
+from meshnet_common.models.shardfiles import MANIFEST_FILE, SUBSET_FILE
+from meshnet_common.tiny.snapshots import make_tiny
+from meshnet_common.web.http import install_error_handlers
+from meshnet_common.web.shards import ShardServer, shards_router
+from meshnet_node.swarm import fetch
+from meshnet_node.swarm.fetch import Trust, cached_shard, fetch_shard
 
-TRACKER = "http://tracker.test"
-PEER = "http://peer.test"
-GOOD = {"model_id": "a/b", "revision": "r1", "files": [], "shard_start": 0, "shard_end": 1}
-FORGED = {**GOOD, "revision": "evil"}
+MODEL = "meshnet-tiny/llama"
+TRACKER, PEER = "http://tracker.test", "http://peer.test"
+LAYERS = LayerRange(2, 4)
 
 
-def client(manifests: dict[str, dict], key: str | None = None, signer: str | None = None):
-    def handler(request: httpx.Request) -> httpx.Response:
+def shard_app(snapshot: Path | None, signer: ManifestSigner | None = None, **kw) -> FastAPI:
+    def resolve(model_id: str) -> Path:
+        if snapshot is None or model_id != MODEL:
+            raise NotFound(model_id)
+        return snapshot
+
+    app = FastAPI()
+    install_error_handlers(app)
+    app.state.shards = ShardServer(resolve, signer=signer, **kw)
+    app.include_router(shards_router())
+    if signer is not None:
+
+        @app.get(KEY_PATH)
+        def key():
+            return {"algorithm": ALGORITHM, "public_key": signer.public().text}
+
+    return app
+
+
+class Hosts:
+    """In-memory HTTP to FastAPI apps by origin; counts the downloads each one served."""
+
+    def __init__(self, **apps: FastAPI) -> None:
+        self.apps = {f"http://{name}.test": TestClient(app) for name, app in apps.items()}
+        self.downloads: dict[str, int] = dict.fromkeys(self.apps, 0)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}"
-        if origin not in manifests:
-            return httpx.Response(404, json={"error": {"message": "no"}})
-        body = canonical_json(manifests[origin])
-        headers = {H_MANIFEST_SIGNATURE: sign_manifest(body, signer)} if signer else {}
-        return httpx.Response(200, content=body, headers=headers)
-
-    return httpx.Client(transport=httpx.MockTransport(handler))
-
-
-PARAMS = {"model": "a/b", "start": 0, "end": 1}
-
-
-def test_the_tracker_manifest_wins_over_the_peer():
-    with client({TRACKER: GOOD, PEER: FORGED}) as c:
-        assert get_manifest(c, PEER, PARAMS, Trust(tracker=TRACKER)) == GOOD
-        # Without a tracker to ask, the source's own manifest is all there is.
-        assert get_manifest(c, PEER, PARAMS, Trust()) == FORGED
+        if origin not in self.apps:
+            raise httpx.ConnectError("unreachable", request=request)
+        if request.url.path.endswith("/download"):
+            self.downloads[origin] += 1
+        resp = self.apps[origin].request(
+            request.method, request.url.path, params=request.url.params,
+            headers={k: v for k, v in request.headers.items() if k in ("range",)},
+        )  # fmt: skip
+        return httpx.Response(resp.status_code, headers=resp.headers, content=resp.content)
 
 
-def test_peer_manifest_is_used_only_when_the_tracker_lacks_the_model():
-    with client({PEER: GOOD}) as c:
-        assert get_manifest(c, PEER, PARAMS, Trust(tracker=TRACKER)) == GOOD
+@pytest.fixture
+def use(monkeypatch):
+    def install(**apps: FastAPI) -> Hosts:
+        hosts = Hosts(**apps)
+        monkeypatch.setattr(
+            Trust, "client",
+            lambda self, timeout=60.0: httpx.Client(transport=httpx.MockTransport(hosts.handle)),
+        )  # fmt: skip
+        return hosts
+
+    return install
 
 
-def test_signature_is_required_and_checked():
-    with client({TRACKER: GOOD}, signer="k1") as c:
-        assert get_manifest(c, TRACKER, PARAMS, Trust(tracker=TRACKER, manifest_key="k1")) == GOOD
-        with pytest.raises(FetchError, match="signature"):
-            get_manifest(c, TRACKER, PARAMS, Trust(tracker=TRACKER, manifest_key="other"))
-    with client({TRACKER: GOOD}) as c, pytest.raises(FetchError, match="signature"):
-        get_manifest(c, TRACKER, PARAMS, Trust(tracker=TRACKER, manifest_key="k1"))
+@pytest.fixture
+def snapshot(tiny_snapshot) -> Path:
+    return tiny_snapshot("llama")
+
+
+def test_bytes_from_a_peer_are_checked_against_the_trackers_signed_manifest(
+    use, snapshot, tmp_path
+):
+    signer = ManifestSigner.generate()
+    hosts = use(tracker=shard_app(snapshot, signer), peer=shard_app(snapshot))
+    trust = Trust(tracker=TRACKER)  # the key is asked of the tracker
+    path = fetch_shard(MODEL, LAYERS, (PEER,), tmp_path, trust=trust, hub=False)
+    assert (path / SUBSET_FILE).exists() and hosts.downloads[PEER] > 0
+    assert hosts.downloads[TRACKER] == 0  # only the manifest came from the tracker
+    pinned = Trust(tracker=TRACKER, tracker_key=signer.public().text)
+    assert cached_shard(tmp_path, MODEL, LAYERS) == path
+    assert fetch_shard(MODEL, LAYERS, (PEER,), tmp_path, trust=pinned, hub=False) == path
+
+
+def test_a_peers_own_manifest_is_never_taken_in_the_trackers_place(use, snapshot, tmp_path):
+    # The tracker has no files of the model: a peer could send anything with a manifest of
+    # its own making. Nothing is fetched.
+    hosts = use(tracker=shard_app(None, ManifestSigner.generate()), peer=shard_app(snapshot))
+    with pytest.raises(ModelError, match="has no manifest"):
+        fetch_shard(MODEL, LAYERS, (PEER,), tmp_path, trust=Trust(tracker=TRACKER), hub=False)
+    assert hosts.downloads[PEER] == 0
+    assert not list(tmp_path.rglob(MANIFEST_FILE))
+    # The tracker unreachable: the same.
+    use(peer=shard_app(snapshot))
+    with pytest.raises(ModelError, match="unreachable"):
+        fetch_shard(MODEL, LAYERS, (PEER,), tmp_path, trust=Trust(tracker=TRACKER), hub=False)
+
+
+def test_an_unsigned_or_foreign_signed_manifest_is_refused(use, snapshot, tmp_path):
+    other = ManifestSigner.generate().public().text
+    use(tracker=shard_app(snapshot, ManifestSigner.generate()))
+    pinned = Trust(tracker=TRACKER, tracker_key=other)  # someone answering as the tracker
+    with pytest.raises(ModelError, match="not the tracker's"):
+        fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=pinned, hub=False)
+    # A shard server that signs nothing (a node's) cannot stand in for the tracker.
+    use(tracker=shard_app(snapshot))
+    with pytest.raises(ModelError, match="no key|signature"):
+        fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=Trust(tracker=TRACKER), hub=False)
+    with pytest.raises(ModelError, match="signature"):
+        fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=Trust(tracker=TRACKER,
+                    tracker_key=other), hub=False)  # fmt: skip
+    assert not list(tmp_path.rglob(MANIFEST_FILE))
+
+
+def test_without_a_tracker_the_named_source_is_trusted(use, snapshot, tmp_path):
+    use(peer=shard_app(snapshot))
+    path = fetch_shard(MODEL, LAYERS, (PEER,), tmp_path, trust=Trust(), hub=False)
+    assert (path / MANIFEST_FILE).exists()
+
+
+def test_a_cached_shard_is_hashed_again_before_use(use, snapshot, tmp_path):
+    hosts = use(tracker=shard_app(snapshot, ManifestSigner.generate()))
+    trust = Trust(tracker=TRACKER)
+    path = fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=trust, hub=False)
+    good = (path / SUBSET_FILE).read_bytes()
+    fetched = hosts.downloads[TRACKER]
+    # Same size, one byte flipped (a rotting disk, an edit): not used, fetched again.
+    rotten = bytearray(good)
+    rotten[len(rotten) // 2] ^= 0xFF
+    (path / SUBSET_FILE).write_bytes(bytes(rotten))
+    assert cached_shard(tmp_path, MODEL, LAYERS) is None
+    assert fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=trust, hub=False) == path
+    assert (path / SUBSET_FILE).read_bytes() == good
+    assert hosts.downloads[TRACKER] > fetched
+
+
+def test_a_cached_shard_of_another_revision_is_not_used(use, snapshot, tmp_path):
+    trust = Trust(tracker=TRACKER)
+    use(tracker=shard_app(snapshot, ManifestSigner.generate()))
+    path = fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=trust, hub=False)
+    old = (path / SUBSET_FILE).read_bytes()
+    # The tracker now serves other weights under the same id: the cache is stale.
+    other = make_tiny(tmp_path / "models", "llama", MODEL, seed=7)
+    hosts = use(tracker=shard_app(other, ManifestSigner.generate()))
+    assert cached_shard(tmp_path, MODEL, LAYERS) == path  # intact on its own terms
+    assert fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=trust, hub=False) == path
+    assert hosts.downloads[TRACKER] > 0 and (path / SUBSET_FILE).read_bytes() != old
+
+
+def test_the_signing_key_file_persists_and_a_bad_pin_is_refused(tmp_path):
+    key_file = tmp_path / "tracker.key"
+    first = ManifestSigner.from_file(key_file)
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert ManifestSigner.from_file(key_file).public() == first.public()
+    body = b'{"a":1}'
+    assert first.public().verify(body, first.sign(body))
+    assert not first.public().verify(b'{"a":2}', first.sign(body))
+    assert not first.public().verify(body, "not base64!")
+    with pytest.raises(fetch.FetchError, match="no key"):
+        fetch.tracker_key(httpx.Client(), Trust(tracker=TRACKER, tracker_key="xyz"))
+    shutil.copy(key_file, tmp_path / "copy")
+    assert ManifestSigner.from_file(tmp_path / "copy").public() == first.public()

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from meshnet_common.layers import LayerRange
 from meshnet_common.openai_protocol import MAX_CHOICES, MAX_PROMPTS, MAX_STOP_CHARS
 from meshnet_common.precision import Precision
-from meshnet_common.protocol import GRAMMAR_MAX_BYTES
+from meshnet_common.protocol import GRAMMAR_MAX_BYTES, H_CLIENT_ADDRESS, H_SWARM_TOKEN
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.routes import client_of
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
@@ -144,9 +144,25 @@ def test_one_refused_generation_ends_every_generation_of_its_request(node):
     assert after.status_code == 200, after.text
 
 
-def _request(authorization: str | None, host: str = "10.0.0.1"):
+def _request(authorization: str | None, host: str = "10.0.0.1", **more: str):
     headers = {"authorization": authorization} if authorization else {}
-    return SimpleNamespace(headers=headers, client=SimpleNamespace(host=host))
+    return SimpleNamespace(headers={**headers, **more}, client=SimpleNamespace(host=host))
+
+
+def test_the_client_address_the_tracker_names_is_believed_beside_the_swarm_token_only():
+    body = SimpleNamespace(user=None)
+    proxied = _request(None, "10.0.0.2", **{H_CLIENT_ADDRESS: "192.0.2.7",
+                                             H_SWARM_TOKEN: "swarm-secret"})  # fmt: skip
+    assert client_of(proxied, body, keyed=False, swarm_token="swarm-secret")[0] == (
+        "addr:192.0.2.7"
+    )
+    # A client naming an address itself, without the token (or in a swarm without one),
+    # is its own connection's address.
+    forged = _request(None, "10.0.0.3", **{H_CLIENT_ADDRESS: "192.0.2.7"})
+    assert client_of(forged, body, keyed=False, swarm_token="swarm-secret")[0] == "addr:10.0.0.3"
+    wrong = _request(None, "10.0.0.3", **{H_CLIENT_ADDRESS: "192.0.2.7", H_SWARM_TOKEN: "x"})
+    assert client_of(wrong, body, keyed=False, swarm_token="swarm-secret")[0] == "addr:10.0.0.3"
+    assert client_of(proxied, body, keyed=False, swarm_token=None)[0] == "addr:10.0.0.2"
 
 
 def test_the_queue_keys_on_the_proven_credential_not_on_the_user_field():

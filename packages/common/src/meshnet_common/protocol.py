@@ -94,6 +94,9 @@ H_NODE_SECRET = "x-meshnet-node-secret"
 # The operator's credential (--operator-token) for removing another node or lifting a
 # quarantine (docs/adr/0032); distinct from the swarm token every node holds.
 H_OPERATOR_TOKEN = "x-meshnet-operator-token"
+# The tracker proxying a request to a head names the client's address, so that the head's
+# wait queue takes turns by client (docs/adr/0032); believed only beside the swarm token.
+H_CLIENT_ADDRESS = "x-meshnet-client-address"
 # On a step's answer: model compute of each hop from this one to the tail, in ms, comma-
 # separated. Each hop prepends its own to what the next one answered and relays the tail's
 # body untouched, so that no hop parses and re-serializes the answer (docs/adr/0011).

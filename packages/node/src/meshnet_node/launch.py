@@ -10,7 +10,8 @@ import uuid
 
 from meshnet_common.config.cli import fail, setup_logging
 from meshnet_common.config.shard import check_advertise_url, check_exposure, check_range
-from meshnet_common.errors import MeshnetError
+from meshnet_common.errors import InvalidRequest, MeshnetError
+from meshnet_common.manifest_keys import ManifestKey
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
@@ -69,8 +70,10 @@ def launch(settings: NodeSettings) -> None:
             check_range(settings.shard_start, settings.shard_end, None)
         tls.check(settings.tls_cert, settings.tls_key, settings.tls_ca)
         require_https(settings.tracker_url, "--tracker", tls=settings.tls_cert is not None)
-    except ValueError as exc:
-        fail(PROG, str(exc))
+        if settings.tracker_key is not None:
+            ManifestKey.from_text(settings.tracker_key)
+    except (ValueError, InvalidRequest) as exc:
+        fail(PROG, f"--tracker-key: {exc}" if isinstance(exc, InvalidRequest) else str(exc))
     tls.configure(settings.tls_ca)  # every swarm client verifies peers with it
     from meshnet_common.web.serve import check_port, free_port, run
 
@@ -160,7 +163,6 @@ def launch(settings: NodeSettings) -> None:
         runtime.own_snapshot,
         max_concurrent=settings.max_concurrent_downloads,
         fault=settings.fault_inject,
-        manifest_key=settings.manifest_key,
     )
     runtime.listening_at_start = False  # registers as serving once the socket listens
 

@@ -463,7 +463,7 @@ def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
     if runtime.tracker is None:
         raise ModelError(f"no local snapshot of {spec.model_id} and nowhere to fetch it from")
     trust = Trust(
-        tracker=runtime.tracker.base, manifest_key=settings.manifest_key,
+        tracker=runtime.tracker.base, tracker_key=settings.tracker_key,
         swarm_token=settings.swarm_token,
     )  # fmt: skip
     return fetch_shard_counted(

@@ -89,9 +89,10 @@ class NodeSettings(ShardSettings):
     revision: str | None = knob(
         None, "HF hub revision (branch, tag or commit) when the hub is the source", group=WEIGHTS
     )
-    manifest_key: str | None = knob(
-        None, "shared key: weight manifests must be signed with it (HMAC)", group=WEIGHTS,
-        secret=True,
+    tracker_key: str | None = knob(
+        None, "the tracker's public key (base64 Ed25519, as it logs at start and serves at "
+        "/v1/tracker/key): weight manifests must be signed with it; without it the node asks "
+        "the tracker for its key (docs/adr/0032)", group=WEIGHTS,
     )  # fmt: skip
     max_concurrent_downloads: int = knob(4, "peers fetching from us at once", group=WEIGHTS)
     fault_inject: str | None = knob(None, "", group=WEIGHTS, choices=FAULTS, hidden=True)

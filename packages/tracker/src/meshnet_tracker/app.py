@@ -9,6 +9,7 @@ import logging
 import httpx
 from fastapi import FastAPI
 
+from meshnet_common.manifest_keys import ManifestSigner
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.web import tls
@@ -41,6 +42,11 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
         settings=settings, registry=registry, node=node, client=client, callback=callback
     )
     state.index_models_dir()
+    signer = (
+        ManifestSigner.from_file(settings.signing_key) if settings.signing_key
+        else ManifestSigner.generate()
+    )  # fmt: skip
+    logger.info("weight manifests are signed with key %s (--tracker-key)", signer.public().text)
     if node is not None:
         node.attach(state)  # the tracker node routes through this coverage map
 
@@ -62,6 +68,7 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan)
     app.state.tracker = state
+    app.state.manifest_key = signer.public()
     app.state.max_request_bytes = settings.max_request_bytes
     if settings.models_dir is not None:
         models_dir = settings.models_dir
@@ -69,7 +76,7 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
             lambda model_id: resolve_snapshot(models_dir, model_id),
             max_concurrent=settings.max_concurrent_downloads,
             fault=settings.fault_inject,
-            manifest_key=settings.manifest_key,
+            signer=signer,
         )
     install_error_handlers(app)
     if node is not None:

@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from meshnet_common.errors import HopError
 from meshnet_common.logs import H_REQUEST_ID, request_id_var
 from meshnet_common.metrics import Metrics
-from meshnet_common.protocol import H_ROUTE, Heartbeat, NodeAnnouncement
+from meshnet_common.protocol import H_CLIENT_ADDRESS, H_ROUTE, Heartbeat, NodeAnnouncement
 
 
 class Head(Protocol):
@@ -66,6 +66,8 @@ class RemoteHead:
             headers[H_REQUEST_ID] = request_id
         if auth := request.headers.get("authorization"):  # a head checking API keys sees it
             headers["authorization"] = auth
+        if request.client is not None:  # its queue takes turns by client, not by tracker
+            headers[H_CLIENT_ADDRESS] = request.client.host
         url = self.url + path
         try:
             upstream = await self.client.send(

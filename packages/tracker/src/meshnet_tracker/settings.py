@@ -76,9 +76,11 @@ class TrackerSettings(ShardSettings):
         flag="--proxy-timeout",
     )  # fmt: skip
     max_concurrent_downloads: int = knob(4, "shard downloads served at once", group=TRACKER)
-    manifest_key: str | None = knob(
-        None, "sign weight manifests with this shared key (HMAC)", group=TRACKER, secret=True
-    )
+    signing_key: Path | None = knob(
+        None, "Ed25519 private key (PEM) the tracker signs weight manifests with; created "
+        "if the file is missing; without it, a new key each run (docs/adr/0032)",
+        group=SECURITY,
+    )  # fmt: skip
     operator_token: str | None = knob(
         None, "the operator's credential (header x-meshnet-operator-token) for removing "
         "another node or lifting a quarantine; without it nobody can (docs/adr/0032)",

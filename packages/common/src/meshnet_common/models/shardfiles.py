@@ -8,9 +8,9 @@ deterministic, so it can be hashed once, served in pieces (HTTP ranges) and resu
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import struct
+import threading
 from collections.abc import Iterator
 
 from meshnet_common.layers import LayerRange
@@ -19,7 +19,6 @@ from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
 from meshnet_common.models.gguf_subset import SUBSET_GGUF, GgufSubset
 
 SUBSET_FILE = "model.safetensors"
-H_MANIFEST_SIGNATURE = "x-meshnet-manifest-signature"
 MANIFEST_FILE = "meshnet-manifest.json"
 
 
@@ -54,15 +53,6 @@ class SubsetFile:
 def canonical_json(manifest: dict) -> bytes:
     """The exact bytes a manifest is signed and sent as."""
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-
-
-def sign_manifest(body: bytes, key: str) -> str:
-    """HMAC-SHA256 of a manifest under the swarm's manifest key (the root of trust)."""
-    return hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
-
-
-def check_signature(body: bytes, key: str, signature: str | None) -> bool:
-    return signature is not None and hmac.compare_digest(sign_manifest(body, key), signature)
 
 
 def subset_index_json(subset: SubsetFile) -> bytes:
@@ -102,6 +92,7 @@ class ShardSource:
             self.index_json = subset_index_json(self.subset)
             self.subset_name = SUBSET_FILE
         self._manifest: dict | None = None
+        self._hashing = threading.Lock()  # concurrent requests wait for one hashing pass
 
     def files(self) -> list[str]:
         if self.gguf is not None:
@@ -133,29 +124,33 @@ class ShardSource:
                     yield chunk
 
     def manifest(self) -> dict:
-        """Sizes and sha256 of every file and tensor (computed once: one pass over the shard)."""
-        if self._manifest is None:
-            files = []
-            for name in self.files():
-                sha, size = _sha256_iter(self.iter_file(name))
-                files.append({"name": name, "size": size, "sha256": sha})
-            tensors = []
-            for name, dtype, shape, part in self._tensor_parts():
-                sha, _ = _sha256_iter(read_part(part))
-                tensors.append(
-                    {"name": name, "dtype": dtype, "shape": shape, "size": part.length,
-                     "sha256": sha}
-                )  # fmt: skip
-            self._manifest = {
-                "model_id": self.model_id,
-                "revision": self.revision,
-                "shard_start": self.layers.start,
-                "shard_end": self.layers.end,
-                "files": files,
-                "tensors": tensors,
-                "tensor_bytes": sum(t["size"] for t in tensors),
-            }
+        """Sizes and sha256 of every file and tensor, computed once per range: concurrent
+        callers wait for the first one's pass over the shard."""
+        with self._hashing:
+            if self._manifest is None:
+                self._manifest = self._compute_manifest()
         return self._manifest
+
+    def _compute_manifest(self) -> dict:
+        files = []
+        for name in self.files():
+            sha, size = _sha256_iter(self.iter_file(name))
+            files.append({"name": name, "size": size, "sha256": sha})
+        tensors = []
+        for name, dtype, shape, part in self._tensor_parts():
+            sha, _ = _sha256_iter(read_part(part))
+            tensors.append(
+                {"name": name, "dtype": dtype, "shape": shape, "size": part.length, "sha256": sha}
+            )
+        return {
+            "model_id": self.model_id,
+            "revision": self.revision,
+            "shard_start": self.layers.start,
+            "shard_end": self.layers.end,
+            "files": files,
+            "tensors": tensors,
+            "tensor_bytes": sum(t["size"] for t in tensors),
+        }
 
     def _tensor_parts(self) -> Iterator[tuple[str, str, list[int], Part]]:
         """(name, dtype, shape, bytes) of each tensor of the range, as the subset names it."""

@@ -3,7 +3,9 @@
 A joining node asks for the manifest of ``model`` + ``[start, end)``, then downloads each file
 it lists; the weights arrive as one safetensors file holding only that range's tensors.
 Downloads stream from disk (no whole-file buffering), honour HTTP ranges (resume), and at
-most ``max_concurrent`` run at once per source — the rest wait their turn.
+most ``max_concurrent`` run at once per source: the rest wait their turn (``download_slots``:
+a bounded wait, then 503; a slot is held until a deadline at most). On the tracker, every
+manifest is signed with its key (``manifest_keys``), the root of trust for weights.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import functools
 import hashlib
 import logging
 import re
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +22,13 @@ from pathlib import Path
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from meshnet_common.errors import InvalidRequest, ModelError, NotFound, RangeNotSatisfiable
+from meshnet_common.errors import (
+    CapacityExceeded,
+    InvalidRequest,
+    ModelError,
+    NotFound,
+    RangeNotSatisfiable,
+)
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import event
 from meshnet_common.metrics import Metrics
@@ -29,13 +36,9 @@ from meshnet_common.models.byte_parts import Part, read_part
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_header import read_header
 from meshnet_common.models.models_dir import snapshot_fingerprint, validate_model_id
-from meshnet_common.models.shardfiles import (
-    H_MANIFEST_SIGNATURE,
-    SUBSET_FILE,
-    ShardSource,
-    canonical_json,
-    sign_manifest,
-)
+from meshnet_common.manifest_keys import H_MANIFEST_SIGNATURE, ManifestSigner
+from meshnet_common.models.shardfiles import SUBSET_FILE, ShardSource, canonical_json
+from meshnet_common.web.download_slots import DownloadSlots
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +81,12 @@ class ShardServer:
         *,
         max_concurrent: int = 4,
         fault: str | None = None,
-        manifest_key: str | None = None,
+        signer: ManifestSigner | None = None,
     ):
         self.resolve = resolve
-        # A thread semaphore: streams are produced in the threadpool, where it is released.
-        self.slots = threading.Semaphore(max_concurrent)
+        self.slots = DownloadSlots(max_concurrent)
         self.fault = fault
-        self.manifest_key = manifest_key
+        self.signer = signer  # the tracker's: the root of trust for weights (ADR-0032)
         self._sources: OrderedDict[tuple, ShardSource] = OrderedDict()
         self.bytes_sent = 0
         self.downloads = 0  # file downloads started (resumed ones count again)
@@ -192,8 +194,8 @@ def shards_router() -> APIRouter:
         src = shard_server.source(model, start, end)
         body = canonical_json(await asyncio.to_thread(src.manifest))
         headers = {}
-        if shard_server.manifest_key:
-            headers[H_MANIFEST_SIGNATURE] = sign_manifest(body, shard_server.manifest_key)
+        if shard_server.signer is not None:
+            headers[H_MANIFEST_SIGNATURE] = shard_server.signer.sign(body)
         return Response(body, media_type="application/json", headers=headers)
 
     @router.get("/v1/shards/download")
@@ -207,21 +209,26 @@ def shards_router() -> APIRouter:
         size = src.size_of(file)
         byte_range = _parse_range(request.headers.get("range"), size)
         lo, hi = byte_range or (0, size)
+        lease = await shard_server.slots.acquire(hi - lo)  # queue behind other downloads
+        if lease is None:
+            raise CapacityExceeded("every download slot is busy; retry shortly")
         shard_server.downloads += 1
         event(logger, logging.INFO, "shard download", model=model, layers=f"[{start}, {end})",
               file=file, bytes=hi - lo, resumed_at=lo)  # fmt: skip
 
         def body() -> Iterator[bytes]:
-            shard_server.slots.acquire()  # queue behind other downloads (in a pool thread)
             try:
                 chunks = src.iter_file(file, lo, hi)
                 if shard_server.fault and file == SUBSET_FILE:
                     chunks = shard_server.faulty(chunks, size)
                 for chunk in chunks:
+                    if shard_server.slots.overdue(lease):  # past its deadline: the reader
+                        logger.warning("shard download of %s overran its slot", file)
+                        return  # resumes from here with a range request
                     shard_server.bytes_sent += len(chunk)
                     yield chunk
             finally:
-                shard_server.slots.release()
+                shard_server.slots.release(lease)
 
         headers = {"accept-ranges": "bytes", "content-length": str(hi - lo)}
         if byte_range:

@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet_common.logs import event
 from meshnet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
+from meshnet_common.protocol import H_CLIENT_ADDRESS, H_SWARM_TOKEN
+from meshnet_common.web.auth import same_secret
 from meshnet_common.web.http import (
     cancel_on_disconnect,
     check_content_type,
@@ -27,16 +29,23 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 logger = logging.getLogger(__name__)
 
 
-def client_of(request: Request, body, *, keyed: bool) -> tuple[str, str]:
+def client_of(
+    request: Request, body, *, keyed: bool, swarm_token: str | None = None
+) -> tuple[str, str]:
     """Who a request is for, as the wait queue takes turns: (client, user). The client is
     what the server checked, never what the request says: the API key it authenticated with
-    (hashed; ``keyed``: the server checks keys), else the caller's address. The ``user``
-    field only takes turns within the client's share."""
+    (hashed; ``keyed``: the server checks keys), else the caller's address: the one the
+    tracker names when it proxies (believed only beside the swarm token), else the
+    connection's. The ``user`` field only takes turns within the client's share."""
     auth = request.headers.get("authorization", "")
     if keyed and auth.lower().startswith("bearer ") and len(auth) > 7:
         client = "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:16]
     else:  # no keys (or the swarm token, the tracker's own): any bearer would be a free line
-        client = "addr:" + (request.client.host if request.client else "unknown")
+        address = request.client.host if request.client else "unknown"
+        forwarded = request.headers.get(H_CLIENT_ADDRESS)
+        if forwarded and same_secret(swarm_token, request.headers.get(H_SWARM_TOKEN)):
+            address = forwarded[:64]
+        client = "addr:" + address
     return client, (getattr(body, "user", None) or "")[:64]
 
 
@@ -55,7 +64,9 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
         body = parse_json(raw, ChatCompletionRequest)
         stream, respond = serving.chat_stream, serving.chat_response
     jobs = await serving.prepare(body)  # off the event loop, bounded in time
-    client, user = client_of(request, body, keyed=serving.keyed_clients)
+    client, user = client_of(
+        request, body, keyed=serving.keyed_clients, swarm_token=serving.swarm_token
+    )
     jobs = [replace(job, client=client, user=user) for job in jobs]
     # One line per request; the prompt itself only at debug level (it may be private).
     event(

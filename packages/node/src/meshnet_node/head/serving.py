@@ -84,6 +84,7 @@ class OpenAIServing(ResponseShapes):
         self.keyed_clients = (
             bool(generator.service.settings.api_key) if keyed_clients is None else keyed_clients
         )
+        self.swarm_token = generator.service.settings.swarm_token  # the tracker proxying
         self.prepare_timeout_s = PREPARE_TIMEOUT_S
         self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         generator.service.metrics.watch_queue(lambda: self.queue.waiting)

@@ -1,13 +1,20 @@
 """Getting a shard's files onto a node: from peers or the tracker (layer subsets, verified
 against a manifest), then the HF hub with ``allow_patterns``, then a filtered full snapshot.
 
+The root of trust (docs/adr/0032) is the tracker: with one, the manifest comes from it
+alone, signed with its key (pinned with ``--tracker-key``, else asked of the tracker), and
+every byte from a peer, every cached shard and every hub file is checked against it. A peer's
+own manifest is never taken instead. Without a tracker, the source named on the command line
+is trusted.
+
 Cache layout of shards from peers and the tracker (meshnet's own)::
 
     CACHE/ORG/NAME/layers-START-END/        verified shard (manifest written last)
     CACHE/ORG/NAME/.partial-START-END/      an unfinished download (resumable)
 
 A file whose size or sha256 disagrees with the manifest is deleted and the source is
-abandoned; nothing unverified is ever moved into place.
+abandoned; nothing unverified is ever moved into place. A cached shard is hashed again
+before each use.
 
 The HF hub fallback uses huggingface_hub's standard cache (``HF_HUB_CACHE`` / ``HF_HOME``),
 so a model already fetched by ``hf download`` or vLLM is not downloaded again.
@@ -19,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -27,8 +35,9 @@ from pathlib import Path
 
 import httpx
 
-from meshnet_common.errors import ModelError
+from meshnet_common.errors import InvalidRequest, ModelError
 from meshnet_common.layers import LayerRange
+from meshnet_common.manifest_keys import H_MANIFEST_SIGNATURE, KEY_PATH, ManifestKey
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import (
     INDEX_FILE,
@@ -39,7 +48,7 @@ from meshnet_common.models.checkpoint import (
     read_config,
 )
 from meshnet_common.models.models_dir import validate_model_id
-from meshnet_common.models.shardfiles import H_MANIFEST_SIGNATURE, MANIFEST_FILE, check_signature
+from meshnet_common.models.shardfiles import MANIFEST_FILE, ShardSource
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.retry import RetryPolicy
@@ -62,6 +71,9 @@ HUB_IGNORE_PATTERNS = (
 )  # fmt: skip
 
 
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub revision that cannot move
+
+
 class FetchError(Exception):
     """One source failed; the caller moves on to the next."""
 
@@ -71,18 +83,44 @@ def shard_dir(cache_dir: Path, model_id: str, layers: LayerRange) -> Path:
     return Path(cache_dir) / org / name / f"layers-{layers.start}-{layers.end}"
 
 
-def cached_shard(cache_dir: Path, model_id: str, layers: LayerRange) -> Path | None:
-    """A previously verified shard, if its files still match the manifest's sizes."""
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cached_shard(
+    cache_dir: Path, model_id: str, layers: LayerRange, expected: dict | None = None
+) -> Path | None:
+    """A previously verified shard whose files still hash to its manifest (read again in
+    full: a disk can rot, a file be edited), and, given the trusted ``expected`` manifest,
+    list the very same files; None otherwise."""
     target = shard_dir(cache_dir, model_id, layers)
     manifest_path = target / MANIFEST_FILE
     if not manifest_path.exists():
         return None
-    manifest = json.loads(manifest_path.read_text())
-    for entry in manifest["files"]:
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if expected is not None and _file_digests(files) != _file_digests(expected["files"]):
+        logger.info("cached %s layers %s is not the tracker's revision", model_id, layers)
+        return None
+    for entry in files:
         path = target / entry["name"]
-        if not path.exists() or path.stat().st_size != entry["size"]:
+        if not path.is_file() or path.stat().st_size != entry["size"]:
+            return None
+        if _sha256_file(path) != entry["sha256"]:
+            logger.warning("cached %s: %s no longer matches its sha256", target, entry["name"])
             return None
     return target
+
+
+def _file_digests(files: list[dict]) -> dict[str, tuple[int, str]]:
+    return {f["name"]: (f["size"], f["sha256"]) for f in files}
 
 
 class Progress:
@@ -143,69 +181,98 @@ def _download_file(
         size = dest.stat().st_size if dest.exists() else 0
         dest.unlink(missing_ok=True)
         raise FetchError(f"{entry['name']}: got {size} bytes, manifest says {entry['size']}")
-    digest = hashlib.sha256()
-    with open(dest, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    if digest.hexdigest() != entry["sha256"]:
+    if _sha256_file(dest) != entry["sha256"]:
         dest.unlink()
         raise FetchError(f"{entry['name']}: sha256 mismatch (corrupted in transfer)")
 
 
 @dataclass(frozen=True)
 class Trust:
-    """Where manifests come from and how they are checked.
+    """Where manifests come from and how they are checked (docs/adr/0032).
 
-    ``tracker``: the URL the node was told to trust; manifests are taken from it whenever it
-    has the model, so a peer can only ever deliver bytes that match the tracker's digests.
-    ``manifest_key``: when set, a manifest must carry a valid HMAC signature under it.
+    ``tracker``: the URL the node was told to trust; with one, manifests come from it only,
+    and must carry its signature. ``tracker_key``: its public key (base64) pinned by the
+    operator; without it the key is asked of the tracker itself (as trustworthy as the
+    tracker URL: TLS makes it so).
     """
 
     tracker: str | None = None
-    manifest_key: str | None = None
+    tracker_key: str | None = None
     swarm_token: str | None = None
 
+    def client(self, timeout: float = 60.0) -> httpx.Client:
+        return httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=5.0), headers=swarm_headers(self.swarm_token),
+            verify=tls.client_context(),
+        )  # fmt: skip
 
-def get_manifest(client: httpx.Client, source: str, params: dict, trust: Trust) -> dict:
-    """The shard's manifest, preferring the trusted tracker over the data source."""
-    origins = [trust.tracker, source] if trust.tracker and trust.tracker != source else [source]
-    last = ""
-    for origin in origins:
-        try:
-            resp = client.get(f"{origin.rstrip('/')}/v1/shards/manifest", params=params)
-        except httpx.HTTPError as exc:
-            last = f"{origin} unreachable: {exc}"
-            continue
-        if resp.status_code != 200:
-            last = f"{origin} has no manifest for it (HTTP {resp.status_code})"
-            continue
-        if trust.manifest_key and not check_signature(
-            resp.content, trust.manifest_key, resp.headers.get(H_MANIFEST_SIGNATURE)
-        ):
-            raise FetchError(f"{origin}: manifest signature missing or wrong")
-        if origin != trust.tracker and trust.tracker:
-            logger.warning("the tracker has no manifest for this shard; trusting %s", origin)
-        return resp.json()
-    raise FetchError(last)
+
+def tracker_key(client: httpx.Client, trust: Trust) -> ManifestKey | None:
+    """The key manifests must be signed with: the pinned one, else the tracker's; None
+    without either (no tracker: the command line's source is trusted)."""
+    try:
+        if trust.tracker_key:
+            return ManifestKey.from_text(trust.tracker_key)
+        if not trust.tracker:
+            return None
+        resp = client.get(f"{trust.tracker.rstrip('/')}{KEY_PATH}")
+        resp.raise_for_status()
+        return ManifestKey.from_text(str(resp.json()["public_key"]))
+    except (httpx.HTTPError, InvalidRequest, ValueError, KeyError, TypeError) as exc:
+        raise FetchError(f"no key to check manifests with: {exc}") from exc
+
+
+def get_manifest(
+    client: httpx.Client, source: str, params: dict, trust: Trust, key: ManifestKey | None
+) -> dict:
+    """The shard's manifest: the tracker's when there is one (a peer's is never taken in
+    its place), signed under ``key`` when there is one."""
+    origin = trust.tracker or source
+    try:
+        resp = client.get(f"{origin.rstrip('/')}/v1/shards/manifest", params=params)
+    except httpx.HTTPError as exc:
+        raise FetchError(f"{origin} unreachable for the manifest: {exc}") from exc
+    if resp.status_code != 200:
+        raise FetchError(f"{origin} has no manifest for it (HTTP {resp.status_code})")
+    if key is not None and not key.verify(resp.content, resp.headers.get(H_MANIFEST_SIGNATURE)):
+        raise FetchError(f"{origin}: manifest signature missing or not the tracker's")
+    manifest = resp.json()
+    wanted = (params["model"], params["start"], params["end"])
+    if (manifest.get("model_id"), manifest.get("shard_start"), manifest.get("shard_end")) != wanted:
+        raise FetchError(f"{origin} answered a manifest for another shard")
+    return manifest
+
+
+def trusted_manifest(model_id: str, layers: LayerRange, trust: Trust) -> dict | None:
+    """The tracker's signed manifest of the range (None without a tracker); FetchError when
+    the tracker cannot give one: then no peer can be trusted either."""
+    if not trust.tracker:
+        return None
+    params = {"model": model_id, "start": layers.start, "end": layers.end}
+    with trust.client() as client:
+        return get_manifest(client, trust.tracker, params, trust, tracker_key(client, trust))
 
 
 def fetch_from(
-    source: str, model_id: str, layers: LayerRange, cache_dir: Path, trust: Trust = Trust()
+    source: str,
+    model_id: str,
+    layers: LayerRange,
+    cache_dir: Path,
+    trust: Trust = Trust(),
+    manifest: dict | None = None,
 ) -> Path:
-    """Fetch the shard's subset from one peer or tracker; FetchError on any defect."""
+    """Fetch the shard's subset from one peer or tracker, checked against ``manifest`` (the
+    trusted one; without: the source's own, which only a tracker-less node accepts);
+    FetchError on any defect."""
     target = shard_dir(cache_dir, model_id, layers)
     staging = target.parent / f".partial-{layers.start}-{layers.end}"
     params = {"model": model_id, "start": layers.start, "end": layers.end}
     base = source.rstrip("/")
-    timeout = httpx.Timeout(60.0, connect=5.0)
-    with httpx.Client(
-        timeout=timeout, headers=swarm_headers(trust.swarm_token), verify=tls.client_context()
-    ) as client:
-        manifest = get_manifest(client, source, params, trust)
-        if (manifest.get("model_id"), manifest.get("shard_start"), manifest.get("shard_end")) != (
-            model_id, layers.start, layers.end,
-        ):  # fmt: skip
-            raise FetchError(f"{source} answered a manifest for another shard")
+    with trust.client() as client:
+        if manifest is None:
+            if trust.tracker:
+                raise FetchError("no manifest from the tracker: a peer's own is not trusted")
+            manifest = get_manifest(client, source, params, trust, tracker_key(client, trust))
         staging.mkdir(parents=True, exist_ok=True)
         stamp = staging / "revision"
         if stamp.exists() and stamp.read_text() != manifest["revision"]:
@@ -286,7 +353,8 @@ def fetch_from_hub(
     """HF hub: the index first, then only the files holding the range (``allow_patterns``),
     presented through ``hub_view`` under ``cache_dir``; without a readable index (e.g. a
     single ``model.safetensors``), a snapshot filtered to what a node loads. Downloads go to
-    the standard HF cache unless ``hub_cache`` overrides it."""
+    the standard HF cache unless ``hub_cache`` overrides it. Every file after the index comes
+    from the commit the index came from (a branch may move in between)."""
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
     except ImportError as exc:  # pragma: no cover - a dependency
@@ -296,6 +364,7 @@ def fetch_from_hub(
         where["cache_dir"] = hub_cache
     try:
         index_file = hf_hub_download(model_id, "model.safetensors.index.json", **where)
+        where["revision"] = pinned_revision(Path(index_file), revision)
         config_file = hf_hub_download(model_id, "config.json", **where)
         wanted = _hub_files_for(Path(index_file), Path(config_file), layers)
     except Exception as first:  # noqa: BLE001 - any hub failure means: try the next way
@@ -328,6 +397,31 @@ def fetch_from_hub(
         raise FetchError(f"HF hub snapshot {snapshot}: {exc}") from exc
 
 
+def pinned_revision(downloaded: Path, asked: str | None) -> str | None:
+    """The commit a hub download came from (its snapshot folder's name), else ``asked``."""
+    folder = downloaded.parent.name
+    return folder if COMMIT.fullmatch(folder) else asked
+
+
+def check_against(path: Path, model_id: str, layers: LayerRange, expected: dict) -> None:
+    """FetchError unless the range's tensors (and config) in ``path`` hash as the trusted
+    manifest says: the hub's files are the tracker's (docs/adr/0032)."""
+    from meshnet_common.models.checkpoint import CheckpointIndex as Index
+
+    try:
+        own = ShardSource(Index.load(path), model_id, layers, "hub").manifest()
+    except (OSError, ValueError, KeyError, ModelError) as exc:
+        raise FetchError(f"hub files of {model_id} unreadable: {exc}") from exc
+
+    def digests(manifest: dict) -> dict:
+        tensors = {t["name"]: t["sha256"] for t in manifest["tensors"]}
+        config = [f["sha256"] for f in manifest["files"] if f["name"] == "config.json"]
+        return {"tensors": tensors, "config": config}
+
+    if digests(own) != digests(expected):
+        raise FetchError(f"the hub's {model_id} layers {layers} differ from the tracker's")
+
+
 def fetch_shard(
     model_id: str,
     layers: LayerRange,
@@ -338,22 +432,52 @@ def fetch_shard(
     hub: bool = True,
     revision: str | None = None,
 ) -> Path:
-    """Try each source in order (peers, tracker), then the hub (at ``revision``, default: its
-    main branch); ModelError if all fail."""
-    cached = cached_shard(cache_dir, model_id, layers)
-    if cached is not None:
-        logger.info("using cached %s layers %s", model_id, layers)
-        return cached
+    """Try each source in order (peers, tracker), then the hub (at ``revision``, else the
+    tracker's commit when its snapshot names one, else the hub's main branch, pinned to one
+    commit); ModelError if all fail. With a tracker, everything is checked against its
+    signed manifest, a cached shard included."""
+    return _fetch_shard(
+        model_id, layers, sources, cache_dir, trust=trust, hub=hub, revision=revision
+    )[0]
+
+
+def _fetch_shard(
+    model_id: str,
+    layers: LayerRange,
+    sources: Sequence[str],
+    cache_dir: Path,
+    *,
+    trust: Trust = Trust(),
+    hub: bool = True,
+    revision: str | None = None,
+) -> tuple[Path, bool]:
+    """``fetch_shard``'s path, and whether it was the cache's."""
     failures = []
-    for source in sources:
-        try:
-            return fetch_from(source, model_id, layers, cache_dir, trust)
-        except (FetchError, OSError, ValueError) as exc:
-            logger.warning("source %s failed: %s", source, exc)
-            failures.append(f"{source}: {exc}")
+    try:
+        expected = trusted_manifest(model_id, layers, trust)
+    except FetchError as exc:
+        logger.warning("tracker manifest: %s", exc)
+        failures.append(f"tracker: {exc}")
+        expected = None
+    cached = cached_shard(cache_dir, model_id, layers, expected)
+    if cached is not None:
+        logger.info("using cached %s layers %s (hashes checked)", model_id, layers)
+        return cached, True
+    if expected is not None or not trust.tracker:  # without the tracker's, no peer is trusted
+        for source in sources:
+            try:
+                return fetch_from(source, model_id, layers, cache_dir, trust, expected), False
+            except (FetchError, OSError, ValueError) as exc:
+                logger.warning("source %s failed: %s", source, exc)
+                failures.append(f"{source}: {exc}")
     if hub:
+        commit = (expected or {}).get("revision", "")
+        pin = revision or (commit if COMMIT.fullmatch(commit) else None)
         try:
-            return fetch_from_hub(model_id, layers, cache_dir, revision=revision)
+            path = fetch_from_hub(model_id, layers, cache_dir, revision=pin)
+            if expected is not None:
+                check_against(path, model_id, layers, expected)
+            return path, False
         except FetchError as exc:
             logger.warning("HF hub failed: %s", exc)
             failures.append(f"hub: {exc}")
@@ -374,14 +498,14 @@ def fetch_shard_counted(
 ) -> Path:
     """``fetch_shard``, counted in ``meshnet_shard_fetches_total{result}`` and
     ``meshnet_shard_fetched_bytes_total``."""
-    if cached_shard(cache_dir, model_id, layers) is not None:
-        metrics.shard_fetches.labels("cached").inc()
-        return fetch_shard(model_id, layers, sources, cache_dir, trust=trust, revision=revision)
     try:
-        path = fetch_shard(model_id, layers, sources, cache_dir, trust=trust, revision=revision)
+        path, cached = _fetch_shard(
+            model_id, layers, sources, cache_dir, trust=trust, revision=revision
+        )
     except ModelError:
         metrics.shard_fetches.labels("failed").inc()
         raise
-    metrics.shard_fetches.labels("ok").inc()
-    metrics.fetched_bytes.inc(sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+    metrics.shard_fetches.labels("cached" if cached else "ok").inc()
+    if not cached:
+        metrics.fetched_bytes.inc(sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
     return path

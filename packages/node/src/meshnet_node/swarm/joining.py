@@ -78,7 +78,7 @@ def resolve_model_path(
         raise ValueError(f"no local snapshot of {model_id} and no tracker to fetch it from")
     trust = Trust(
         tracker=settings.tracker_url,
-        manifest_key=settings.manifest_key,
+        tracker_key=settings.tracker_key,
         swarm_token=settings.swarm_token,
     )
     return fetch_shard_counted(

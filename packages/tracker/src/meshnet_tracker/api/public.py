@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.logs import event
+from meshnet_common.manifest_keys import ALGORITHM, KEY_PATH
 from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import check_content_type, json_limit, loads_object, read_body
 from meshnet_tracker.heads import Head, RemoteHead
@@ -31,6 +32,11 @@ def public_router() -> APIRouter:
     async def health(request: Request):
         state = _state(request)
         return {"status": "ok", "nodes": len(state.registry.records())}
+
+    @router.get(KEY_PATH)
+    async def manifest_key(request: Request):
+        """The public key the tracker signs weight manifests with (docs/adr/0032)."""
+        return {"algorithm": ALGORITHM, "public_key": request.app.state.manifest_key.text}
 
     @router.get("/v1/coverage")
     async def coverage(request: Request):

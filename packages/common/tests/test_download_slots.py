@@ -1,0 +1,90 @@
+"""Shard downloads hold their slots for a bounded time, and a range's manifest is hashed
+once however many ask for it at the same time (docs/adr/0032)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from meshnet_common.layers import LayerRange
+from meshnet_common.models import shardfiles
+from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.shardfiles import ShardSource
+from meshnet_common.web.download_slots import MIN_HOLD_S, DownloadSlots
+from meshnet_common.web.http import install_error_handlers
+from meshnet_common.web.shards import ShardServer, shards_router
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_slot_held_past_its_deadline_is_taken_back():
+    clock = Clock()
+    slots = DownloadSlots(2, clock=clock)
+    first = slots.try_acquire(10)
+    second = slots.try_acquire(100 * 2**20)  # 100 MiB: 100 s at the floor rate
+    assert first and second and slots.try_acquire(10) is None
+    assert first.deadline == MIN_HOLD_S and second.deadline == 100.0
+    clock.now = MIN_HOLD_S  # the first reader stalled: its slot goes to the next
+    assert slots.overdue(first) and not slots.overdue(second)
+    third = slots.try_acquire(10)
+    assert third is not None and slots.in_use == 2
+    slots.release(first)  # late release of a reclaimed lease frees nothing twice
+    assert slots.in_use == 2 and slots.try_acquire(10) is None
+    slots.release(second)
+    assert slots.try_acquire(10) is not None
+
+
+def test_waiting_for_a_slot_is_bounded():
+    slots = DownloadSlots(1)
+    held = slots.try_acquire(10)
+    assert asyncio.run(slots.acquire(10, wait_s=0.2)) is None
+    slots.release(held)
+    assert asyncio.run(slots.acquire(10, wait_s=0.2)) is not None
+
+
+def test_a_download_that_finds_no_slot_gets_503(tiny_snapshot, monkeypatch):
+    monkeypatch.setattr("meshnet_common.web.download_slots.WAIT_S", 0.2)
+    snapshot = tiny_snapshot("llama")
+    app = FastAPI()
+    install_error_handlers(app)
+    app.state.shards = ShardServer(lambda _model: snapshot, max_concurrent=1)
+    app.include_router(shards_router())
+    params = {"model": "meshnet-tiny/llama", "start": 0, "end": 2, "file": "config.json"}
+    with TestClient(app) as client:
+        assert client.get("/v1/shards/download", params=params).status_code == 200
+        app.state.shards.slots.try_acquire(10)  # a stalled reader holds the only slot
+        resp = client.get("/v1/shards/download", params=params)
+        assert resp.status_code == 503
+        assert "download slot" in resp.json()["error"]["message"]
+
+
+def test_a_manifest_is_hashed_once_for_concurrent_requests(tiny_snapshot, monkeypatch):
+    source = ShardSource(
+        CheckpointIndex.load(tiny_snapshot("llama")), "meshnet-tiny/llama", LayerRange(0, 3), "r"
+    )
+    passes = []
+    original = shardfiles.ShardSource._compute_manifest
+
+    def counted(self):
+        passes.append(1)
+        return original(self)
+
+    monkeypatch.setattr(shardfiles.ShardSource, "_compute_manifest", counted)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(source.manifest()))
+               for _ in range(8)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(passes) == 1 and len(results) == 8
+    assert all(r is results[0] for r in results)
