@@ -32,7 +32,7 @@ def test_drains_and_a_restart_under_load_fail_nothing(smollm2_snapshot, models_d
         tracker = swarm.tracker("--model-id", MODEL, "--shard-start", "0", "--shard-end", "10")
         swarm.node(tracker, MODEL, 20, 30, "--node-id", "tail").wait_healthy()
         mids = [swarm.node(tracker, MODEL, 10, 20, "--node-id", f"mid-{n}", "--drain-timeout",
-                           "60") for n in "ab"]  # fmt: skip
+                           "60", "--operator-token", "op") for n in "ab"]  # fmt: skip
         for mid in mids:
             mid.wait_healthy()
         wait_for(lambda: covered(tracker, MODEL) and {"mid-a", "mid-b"} <= node_ids(tracker),
@@ -69,7 +69,8 @@ def test_drains_and_a_restart_under_load_fail_nothing(smollm2_snapshot, models_d
         # 3. The other replica is drained on request (idle: it leaves at once).
         again = httpx.post(f"{tracker.url}/v1/completions", json=BODY, timeout=180).json()
         assert again["choices"][0]["text"] == expected
-        resp = httpx.post(f"{other.url}/v1/node/drain", timeout=5)
+        resp = httpx.post(f"{other.url}/v1/node/drain", timeout=5,
+                          headers={"x-meshnet-operator-token": "op"})  # fmt: skip
         assert resp.status_code == 202 and resp.json()["state"] == "leaving"
         other.popen.wait(timeout=60)
         assert other.popen.returncode == 0

@@ -85,13 +85,29 @@ def test_a_draining_node_opens_no_session_and_names_itself(snapshot):
     assert relayed.failed_url == "http://me.test:1"  # the head avoids the draining node
 
 
-def test_drain_on_request_needs_the_swarm_token(snapshot):
-    runtime = runtime_for(snapshot, swarm_token="s3cret")
+def test_drain_on_request_needs_the_operator_token_not_the_swarm_token(snapshot):
+    runtime = runtime_for(snapshot, swarm_token="s3cret", operator_token="op-secret")
+    swarm = {"x-meshnet-swarm-token": "s3cret"}
+    operator = {**swarm, "x-meshnet-operator-token": "op-secret"}
     with TestClient(create_app(runtime)) as client:
         assert client.post("/v1/node/drain").status_code == 401
-        resp = client.post("/v1/node/drain", headers={"x-meshnet-swarm-token": "s3cret"})
+        # Every node holds the swarm token: it drains nothing (docs/adr/0032).
+        resp = client.post("/v1/node/drain", headers=swarm)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "operator_only"
+        wrong = {**swarm, "x-meshnet-operator-token": "guess"}
+        assert client.post("/v1/node/drain", headers=wrong).status_code == 401
+        resp = client.post("/v1/node/drain", headers=operator)
         assert resp.status_code == 400  # built in-process: nothing here can exit
         runtime.drain = Drain(runtime, timeout_s=1.0, exit_with=lambda code: None)
-        resp = client.post("/v1/node/drain", headers={"x-meshnet-swarm-token": "s3cret"})
+        resp = client.post("/v1/node/drain", headers=operator)
         assert resp.status_code == 202 and resp.json()["state"] == "leaving"
-        assert client.get("/v1/node", headers={"x-meshnet-swarm-token": "s3cret"}).json()["state"] == "leaving"  # fmt: skip
+        assert client.get("/v1/node", headers=swarm).json()["state"] == "leaving"
+
+
+def test_without_an_operator_token_no_request_drains_a_node(snapshot):
+    runtime = runtime_for(snapshot)
+    runtime.drain = Drain(runtime, timeout_s=1.0, exit_with=lambda code: None)
+    with TestClient(create_app(runtime)) as client:
+        resp = client.post("/v1/node/drain", headers={"x-meshnet-operator-token": "anything"})
+        assert resp.status_code == 401 and "--operator-token" in resp.json()["error"]["message"]
+        assert client.get("/v1/node").json()["state"] != "leaving"

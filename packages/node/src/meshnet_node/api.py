@@ -9,8 +9,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from meshnet_common.errors import InvalidRequest, ModelNotCovered, NotFound, Unauthorized
-from meshnet_common.protocol import H_ROUTE
-from meshnet_common.web.auth import has_swarm_token
+from meshnet_common.protocol import H_OPERATOR_TOKEN, H_ROUTE
+from meshnet_common.web.auth import has_swarm_token, same_secret
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import parse_route
 from meshnet_node.head.routes import handle_chat, handle_completions
@@ -49,8 +49,15 @@ def node_router() -> APIRouter:
 
     @router.post("/v1/node/drain", status_code=202)
     async def drain(request: Request):
-        """Leave the swarm gracefully (docs/adr/0024); the swarm token guards /v1/node."""
+        """Leave the swarm gracefully (docs/adr/0024): an operator action (docs/adr/0032),
+        so it takes this node's --operator-token, not the swarm token every node holds."""
         runtime = request.app.state.runtime
+        token = runtime.settings.operator_token
+        if not same_secret(token, request.headers.get(H_OPERATOR_TOKEN)):
+            hint = "" if token else " (start it with one; SIGTERM drains it locally)"
+            raise Unauthorized(
+                f"draining a node needs its --operator-token{hint}", code="operator_only"
+            )
         if runtime.drain is None:
             raise InvalidRequest("this process cannot drain (it is not a meshnet-node)")
         runtime.drain.start()

@@ -95,6 +95,11 @@ class NodeSettings(ShardSettings):
         "the tracker for its key (docs/adr/0032)", group=WEIGHTS,
     )  # fmt: skip
     max_concurrent_downloads: int = knob(4, "peers fetching from us at once", group=WEIGHTS)
+    operator_token: str | None = knob(
+        None, "the operator's credential (header x-meshnet-operator-token) for draining this "
+        "node over HTTP (POST /v1/node/drain); without it only SIGTERM drains it "
+        "(docs/adr/0032)", group=SECURITY, secret=True,
+    )  # fmt: skip
     fault_inject: str | None = knob(None, "", group=WEIGHTS, choices=FAULTS, hidden=True)
 
     # -- decided by the process itself --

@@ -11,10 +11,12 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
+from meshnet_common.web import head_deadline
+
 # Bounds on what one client can hold (docs/adr/0032): a request head of at most 16 KiB
 # (h11; httptools' llhttp caps it at 80 KiB itself), an idle keep-alive connection closed
 # after 5 s, and past 1024 open connections or running requests new requests get 503
-# rather than memory.
+# rather than memory. A request head must arrive within 10 s (``head_deadline``).
 LIMITS = {"h11_max_incomplete_event_size": 16 * 1024, "timeout_keep_alive": 5,
           "limit_concurrency": 1024}  # fmt: skip
 
@@ -54,7 +56,7 @@ async def _serve(
         # Hop streams (a node's /v1/stream) are uvicorn's own WebSockets, websockets' sans-I/O
         # protocol; a message over ws_max_size closes the stream (1009).
         ws="websockets-sansio" if ws_max_size else "auto", ws_max_size=ws_max_size or 1 << 24,
-        ws_per_message_deflate=False, **tls, **LIMITS,
+        ws_per_message_deflate=False, http=head_deadline.protocol_class(), **tls, **LIMITS,
     )  # fmt: skip
     server = uvicorn.Server(config)
     exit_code = 0

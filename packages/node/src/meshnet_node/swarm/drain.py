@@ -1,6 +1,6 @@
 """Graceful drain (docs/adr/0024): a node leaves without failing a request.
 
-SIGTERM (or ``POST /v1/node/drain`` with the swarm token) puts the node in ``LEAVING``: it
+SIGTERM (or ``POST /v1/node/drain`` with the node's --operator-token) puts the node in ``LEAVING``: it
 tells the tracker at once (a registration, not the next heartbeat), which routes no new
 session through it; it refuses to open sessions (503 ``draining``: a head that raced the
 map fails over elsewhere) and lets the sessions it holds finish. Once none is left, or

@@ -1,0 +1,103 @@
+"""A deadline on request heads (docs/adr/0032): uvicorn has none. A connection must deliver a
+complete request head within ``HEAD_TIMEOUT_S`` of opening, and of the end of its previous
+response when kept alive; else it is closed. A client sending a head a byte at a time
+(slowloris), or nothing at all, holds a connection that long at most. Bodies, streamed
+answers and WebSockets after the upgrade are not timed here: once the head is in, the
+deadline is off.
+
+uvicorn's keep-alive timer is no such bound: any byte received cancels it. The protocol
+classes below are uvicorn's own (0.55), with the deadline armed at ``connection_made`` and
+after a response, and disarmed when the parser reports a complete head: httptools'
+``on_headers_complete``, h11's leaving its ``IDLE`` state. These hooks are the only uvicorn
+internals this module relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:  # uvicorn's faster parser, where installed ("auto" picks it)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover - httptools is optional
+    HttpToolsProtocol = None
+
+HEAD_TIMEOUT_S = float(os.environ.get("MESHNET_HEAD_TIMEOUT_S", "10"))
+
+
+class HeadClock:
+    """Closes a transport unless ``disarm`` comes within the deadline of ``arm``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        self.loop, self.seconds = loop, seconds
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self, transport: asyncio.BaseTransport) -> None:
+        self.disarm()
+        self._timer = self.loop.call_later(self.seconds, _close, transport)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _close(transport: asyncio.BaseTransport) -> None:
+    if not transport.is_closing():
+        transport.close()
+
+
+class H11HeadDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.head_clock = HeadClock(self.loop, HEAD_TIMEOUT_S)
+        super().connection_made(transport)
+        self.head_clock.arm(transport)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # the head is in (or the peer is gone)
+            self.head_clock.disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self.head_clock.arm(self.transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.head_clock.disarm()
+        super().connection_lost(exc)
+
+
+if HttpToolsProtocol is not None:
+
+    class HttpToolsHeadDeadline(HttpToolsProtocol):
+        """uvicorn's httptools protocol with a deadline on each request head."""
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            self.head_clock = HeadClock(self.loop, HEAD_TIMEOUT_S)
+            super().connection_made(transport)
+            self.head_clock.arm(transport)
+
+        def on_headers_complete(self) -> None:
+            self.head_clock.disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and not self.pipeline:
+                self.head_clock.arm(self.transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.head_clock.disarm()
+            super().connection_lost(exc)
+
+
+def protocol_class() -> type[asyncio.Protocol]:
+    """The class uvicorn's ``http="auto"`` would pick (httptools where installed), with the
+    head deadline."""
+    return H11HeadDeadline if HttpToolsProtocol is None else HttpToolsHeadDeadline
