@@ -31,12 +31,12 @@ from meshnet_common.errors import (
 )
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import event
+from meshnet_common.manifest_keys import H_MANIFEST_SIGNATURE, ManifestSigner
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.byte_parts import Part, read_part
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_header import read_header
 from meshnet_common.models.models_dir import snapshot_fingerprint, validate_model_id
-from meshnet_common.manifest_keys import H_MANIFEST_SIGNATURE, ManifestSigner
 from meshnet_common.models.shardfiles import SUBSET_FILE, ShardSource, canonical_json
 from meshnet_common.web.download_slots import DownloadSlots
 
