@@ -431,27 +431,30 @@ def fetch_shard(
     trust: Trust = Trust(),
     hub: bool = True,
     revision: str | None = None,
+    metrics: Metrics | None = None,
 ) -> Path:
     """Try each source in order (peers, tracker), then the hub (at ``revision``, else the
     tracker's commit when its snapshot names one, else the hub's main branch, pinned to one
     commit); ModelError if all fail. With a tracker, everything is checked against its
-    signed manifest, a cached shard included."""
-    return _fetch_shard(
-        model_id, layers, sources, cache_dir, trust=trust, hub=hub, revision=revision
-    )[0]
+    signed manifest, a cached shard included. ``metrics``: counts the outcome in
+    ``meshnet_shard_fetches_total{result}`` and ``meshnet_shard_fetched_bytes_total``."""
+    try:
+        path, cached = _first_good(model_id, layers, sources, cache_dir, trust, hub, revision)
+    except ModelError:
+        if metrics is not None:
+            metrics.shard_fetches.labels("failed").inc()
+        raise
+    if metrics is not None:
+        metrics.shard_fetches.labels("cached" if cached else "ok").inc()
+        if not cached:
+            files = (f for f in path.iterdir() if f.is_file())
+            metrics.fetched_bytes.inc(sum(f.stat().st_size for f in files))
+    return path
 
 
-def _fetch_shard(
-    model_id: str,
-    layers: LayerRange,
-    sources: Sequence[str],
-    cache_dir: Path,
-    *,
-    trust: Trust = Trust(),
-    hub: bool = True,
-    revision: str | None = None,
-) -> tuple[Path, bool]:
-    """``fetch_shard``'s path, and whether it was the cache's."""
+def _first_good(model_id, layers, sources, cache_dir, trust, hub, revision) -> tuple[Path, bool]:
+    """The shard's path from the first source that delivers it, and whether it was the
+    cache."""
     failures = []
     try:
         expected = trusted_manifest(model_id, layers, trust)
@@ -496,16 +499,7 @@ def fetch_shard_counted(
     trust: Trust = Trust(),
     revision: str | None = None,
 ) -> Path:
-    """``fetch_shard``, counted in ``meshnet_shard_fetches_total{result}`` and
-    ``meshnet_shard_fetched_bytes_total``."""
-    try:
-        path, cached = _fetch_shard(
-            model_id, layers, sources, cache_dir, trust=trust, revision=revision
-        )
-    except ModelError:
-        metrics.shard_fetches.labels("failed").inc()
-        raise
-    metrics.shard_fetches.labels("cached" if cached else "ok").inc()
-    if not cached:
-        metrics.fetched_bytes.inc(sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
-    return path
+    """``fetch_shard``, counted in ``metrics``."""
+    return fetch_shard(
+        model_id, layers, sources, cache_dir, trust=trust, revision=revision, metrics=metrics
+    )
