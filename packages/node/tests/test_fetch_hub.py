@@ -22,13 +22,13 @@ from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
-from meshnet_node.swarm.fetch import (
+from meshnet_node.swarm import FetchError
+from meshnet_node.swarm.fetch import fetch_shard, fetch_shard_counted
+from meshnet_node.swarm.hub import (
     HUB_IGNORE_PATTERNS,
     HUB_SNAPSHOT_PATTERNS,
-    FetchError,
+    check_against,
     fetch_from_hub,
-    fetch_shard,
-    fetch_shard_counted,
 )
 
 MODEL = "acme/tiny-llama"
@@ -183,7 +183,6 @@ def test_revision_reaches_every_hub_call(monkeypatch, sharded_repo, tmp_path):
 
 def test_hub_files_are_checked_against_the_trusted_manifest(monkeypatch, sharded_repo, tmp_path):
     from meshnet_common.models.shardfiles import ShardSource
-    from meshnet_node.swarm.fetch import check_against
 
     layers = LayerRange(2, 4)
     trusted = ShardSource(CheckpointIndex.load(sharded_repo), MODEL, layers, COMMIT).manifest()

@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 
 from meshnet_common.errors import ModelError, NotFound
 from meshnet_common.layers import LayerRange
-from meshnet_common.manifest_keys import ALGORITHM, KEY_PATH, ManifestSigner
 from meshnet_common.models.shardfiles import MANIFEST_FILE, SUBSET_FILE
 from meshnet_common.tiny.snapshots import make_tiny
+from meshnet_common.trust.manifest_keys import ALGORITHM, KEY_PATH, ManifestSigner
 from meshnet_common.web.http import install_error_handlers
 from meshnet_common.web.shards import ShardServer, shards_router
 from meshnet_node.swarm import fetch

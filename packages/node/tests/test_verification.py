@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from meshnet_common import wire
-from meshnet_common.audit_evidence import check_evidence, row_bytes, sign_row
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.precision import Precision
+from meshnet_common.trust.evidence import check_evidence, row_bytes, sign_row
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.sessions import InputRecord
 from meshnet_node.engine.stage import Stage

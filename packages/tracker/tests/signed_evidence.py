@@ -1,11 +1,11 @@
-"""Evidence as a node signs it (``meshnet_common.audit_evidence``), for tests that post
+"""Evidence as a node signs it (``meshnet_common.trust.evidence``), for tests that post
 verdicts: the suspect's two answers to one input, which disagree."""
 
 from __future__ import annotations
 
 import base64
 
-from meshnet_common.audit_evidence import row_bytes, sign_row
+from meshnet_common.trust.evidence import row_bytes, sign_row
 
 DIGEST = "0" * 64
 

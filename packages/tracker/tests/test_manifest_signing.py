@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from meshnet_common.manifest_keys import H_MANIFEST_SIGNATURE, KEY_PATH, ManifestKey
+from meshnet_common.trust.manifest_keys import H_MANIFEST_SIGNATURE, KEY_PATH, ManifestKey
 from meshnet_tracker.app import create_app
 from meshnet_tracker.settings import TrackerSettings
 

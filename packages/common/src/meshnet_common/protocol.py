@@ -263,7 +263,7 @@ class HeartbeatResponse(Strict):
 
 class SignedRow(Strict):
     """One node's output row for an audit's inputs, signed with its node secret
-    (``meshnet_common.audit_evidence``)."""
+    (``meshnet_common.trust.evidence``)."""
 
     node_id: NodeId
     row: str = Field(max_length=1 << 20)  # base64 of the row's float32 values

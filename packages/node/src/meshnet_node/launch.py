@@ -11,12 +11,12 @@ import uuid
 from meshnet_common.config.cli import fail, setup_logging
 from meshnet_common.config.shard import check_advertise_url, check_exposure, check_range
 from meshnet_common.errors import InvalidRequest, MeshnetError
-from meshnet_common.manifest_keys import ManifestKey
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.precision import Precision, describe_precision, native_format_name
 from meshnet_common.protocol import NodeAnnouncement, NodeState
+from meshnet_common.trust.manifest_keys import ManifestKey
 from meshnet_common.web import tls
 from meshnet_common.web.hosts import require_https
 from meshnet_common.web.shards import ShardServer

@@ -9,9 +9,9 @@ import logging
 import httpx
 from fastapi import FastAPI
 
-from meshnet_common.manifest_keys import ManifestSigner
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.models_dir import resolve_snapshot
+from meshnet_common.trust.manifest_keys import ManifestSigner
 from meshnet_common.web import tls
 from meshnet_common.web.auth import install_auth, swarm_headers
 from meshnet_common.web.http import install_error_handlers, install_observability

@@ -5,7 +5,7 @@ it lists; the weights arrive as one safetensors file holding only that range's t
 Downloads stream from disk (no whole-file buffering), honour HTTP ranges (resume), and at
 most ``max_concurrent`` run at once per source: the rest wait their turn (``download_slots``:
 a bounded wait, then 503; a slot is held until a deadline at most). On the tracker, every
-manifest is signed with its key (``manifest_keys``), the root of trust for weights.
+manifest is signed with its key (``meshnet_common.trust.manifest_keys``), the root of trust for weights.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from meshnet_common.errors import (
 )
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import event
-from meshnet_common.manifest_keys import H_MANIFEST_SIGNATURE, ManifestSigner
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.byte_parts import Part, read_part
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_header import read_header
 from meshnet_common.models.models_dir import snapshot_fingerprint, validate_model_id
 from meshnet_common.models.shardfiles import SUBSET_FILE, ShardSource, canonical_json
+from meshnet_common.trust.manifest_keys import H_MANIFEST_SIGNATURE, ManifestSigner
 from meshnet_common.web.download_slots import DownloadSlots
 
 logger = logging.getLogger(__name__)

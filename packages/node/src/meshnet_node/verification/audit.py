@@ -22,9 +22,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from meshnet_common import wire
-from meshnet_common.audit_evidence import H_AUDIT_SIGNATURE, row_bytes, sign_row
 from meshnet_common.errors import InvalidRequest, NotFound
 from meshnet_common.protocol import H_POSITION, H_SESSION_KEY, H_START_LAYER
+from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, row_bytes, sign_row
 from meshnet_common.web.http import read_body
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage

@@ -31,10 +31,10 @@ import httpx
 import torch
 
 from meshnet_common import wire
-from meshnet_common.audit_evidence import H_AUDIT_SIGNATURE, row_bytes, signed_row
 from meshnet_common.metrics import Metrics
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER, Evidence, Verdict
+from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, row_bytes, signed_row
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.verification.audit import RECOMPUTE_PATH, RECORD_PATH, split

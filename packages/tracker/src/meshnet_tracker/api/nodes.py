@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from meshnet_common.audit_evidence import check_evidence
 from meshnet_common.errors import InvalidRequest, NotFound, Unauthorized
 from meshnet_common.memory import ModelCosts
 from meshnet_common.precision import Precision
@@ -24,6 +23,7 @@ from meshnet_common.protocol import (
     Verdict,
     VerdictResponse,
 )
+from meshnet_common.trust.evidence import check_evidence
 from meshnet_common.web.auth import same_secret
 from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import parse_model

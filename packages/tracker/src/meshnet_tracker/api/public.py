@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.logs import event
-from meshnet_common.manifest_keys import ALGORITHM, KEY_PATH
+from meshnet_common.trust.manifest_keys import ALGORITHM, KEY_PATH
 from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import check_content_type, json_limit, loads_object, read_body
 from meshnet_tracker.heads import Head, RemoteHead
