@@ -13,7 +13,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.models import shardfiles
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.shardfiles import ShardSource
-from meshnet_common.web.download_slots import MIN_HOLD_S, DownloadSlots
+from meshnet_common.web.download_slots import MIN_HOLD_S, START_S, DownloadSlots
 from meshnet_common.web.http import install_error_handlers
 from meshnet_common.web.shards import ShardServer, shards_router
 
@@ -32,15 +32,27 @@ def test_a_slot_held_past_its_deadline_is_taken_back():
     first = slots.try_acquire(10)
     second = slots.try_acquire(100 * 2**20)  # 100 MiB: 100 s at the floor rate
     assert first and second and slots.try_acquire(10) is None
-    assert first.deadline == MIN_HOLD_S and second.deadline == 100.0
+    slots.begin(first)
+    slots.begin(second)
     clock.now = MIN_HOLD_S  # the first reader stalled: its slot goes to the next
     assert slots.overdue(first) and not slots.overdue(second)
     third = slots.try_acquire(10)
     assert third is not None and slots.in_use == 2
     slots.release(first)  # late release of a reclaimed lease frees nothing twice
     assert slots.in_use == 2 and slots.try_acquire(10) is None
+    assert slots.overdue(first)  # taken back: its download stops at its next chunk
     slots.release(second)
     assert slots.try_acquire(10) is not None
+
+
+def test_a_slot_whose_download_never_begins_is_taken_back_soon():
+    clock = Clock()
+    slots = DownloadSlots(1, clock=clock)
+    lease = slots.try_acquire(100 * 2**20)  # its client left before the body started
+    clock.now = START_S - 1
+    assert slots.try_acquire(10) is None
+    clock.now = START_S
+    assert slots.overdue(lease) and slots.try_acquire(10) is not None
 
 
 def test_waiting_for_a_slot_is_bounded():

@@ -2,7 +2,9 @@
 once per source, a request waits a bounded time for a slot (else 503, retry later), and a
 slot held past its deadline is taken back, so a reader that stalls or trickles cannot keep
 the others out. The deadline allows the download's bytes at a floor rate, never less than a
-minute; a download past it ends early and its reader resumes with an HTTP range.
+minute, counted from the first byte sent; until then a slot is held ``START_S`` at most
+(a response whose body never starts, its client gone, cannot keep a slot). A download past
+its deadline ends early and its reader resumes with an HTTP range.
 
 A thread lock: the bytes are produced in the threadpool, where a slot is released.
 """
@@ -19,14 +21,15 @@ WAIT_S = 30.0  # how long a request waits for a slot
 MIN_HOLD_S = 60.0  # a slot is held at least this long
 FLOOR_BYTES_PER_S = 1 << 20  # ...and as long as its bytes take at 1 MiB/s
 POLL_S = 0.1  # how often a waiting request looks for a free slot
+START_S = 10.0  # a slot whose download has not begun is taken back after this
 
 
 @dataclass(frozen=True)
 class Lease:
-    """One held slot: until when, and whose."""
+    """One held slot, for a download of ``nbytes``."""
 
     number: int
-    deadline: float
+    nbytes: int
 
 
 class DownloadSlots:
@@ -53,8 +56,8 @@ class DownloadSlots:
                 del self._held[number]  # overdue: its download ends at its next chunk
             if len(self._held) >= self.count:
                 return None
-            lease = Lease(next(self._numbers), now + self.hold_for(nbytes))
-            self._held[lease.number] = lease.deadline
+            lease = Lease(next(self._numbers), nbytes)
+            self._held[lease.number] = now + START_S
             return lease
 
     async def acquire(self, nbytes: int, wait_s: float | None = None) -> Lease | None:
@@ -67,12 +70,20 @@ class DownloadSlots:
             await asyncio.sleep(POLL_S)
         return lease
 
+    def begin(self, lease: Lease) -> None:
+        """The download's first byte goes out: its full hold time starts now."""
+        with self._lock:
+            if lease.number in self._held:
+                self._held[lease.number] = self.clock() + self.hold_for(lease.nbytes)
+
     def release(self, lease: Lease) -> None:
         with self._lock:
             self._held.pop(lease.number, None)
 
     def overdue(self, lease: Lease) -> bool:
-        return self.clock() >= lease.deadline
+        """Past its deadline, or already taken back."""
+        with self._lock:
+            return self.clock() >= self._held.get(lease.number, float("-inf"))
 
     @property
     def in_use(self) -> int:

@@ -217,6 +217,7 @@ def shards_router() -> APIRouter:
               file=file, bytes=hi - lo, resumed_at=lo)  # fmt: skip
 
         def body() -> Iterator[bytes]:
+            shard_server.slots.begin(lease)
             try:
                 chunks = src.iter_file(file, lo, hi)
                 if shard_server.fault and file == SUBSET_FILE:
