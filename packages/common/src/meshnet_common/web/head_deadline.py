@@ -7,9 +7,12 @@ deadline is off.
 
 uvicorn's keep-alive timer is no such bound: any byte received cancels it. The protocol
 classes below are uvicorn's own (0.55), with the deadline armed at ``connection_made`` and
-after a response, and disarmed when the parser reports a complete head: httptools'
-``on_headers_complete``, h11's leaving its ``IDLE`` state. These hooks are the only uvicorn
-internals this module relies on.
+once a response is complete (what the client still sends then, the rest of a body the app
+did not read included, counts against it), and disarmed when the parser reports a complete
+head: httptools' ``on_headers_complete``, h11's ``their_state`` leaving ``IDLE``. These
+hooks (``handle_events``, ``on_response_complete``, ``conn``, ``pipeline``, ``loop``,
+``transport``) are the only uvicorn internals this module relies on; uvicorn has no public
+hook for it. ``MESHNET_HEAD_TIMEOUT_S`` sets the deadline (tests: ``HEAD_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ class HeadClock:
         self._timer: asyncio.TimerHandle | None = None
 
     def arm(self, transport: asyncio.BaseTransport) -> None:
-        self.disarm()
-        self._timer = self.loop.call_later(self.seconds, _close, transport)
+        """Start the deadline unless it already runs (bytes arriving never extend it)."""
+        if self._timer is None and not transport.is_closing():
+            self._timer = self.loop.call_later(self.seconds, _close, transport)
 
     def disarm(self) -> None:
         if self._timer is not None:
@@ -58,15 +62,22 @@ class H11HeadDeadline(H11Protocol):
         super().connection_made(transport)
         self.head_clock.arm(transport)
 
+    def _sync_head_clock(self) -> None:
+        # Waiting for a head: none has begun (IDLE), or the answer is out (DONE) and what
+        # still comes is the rest of its body, then the next head. h11 moves to IDLE after an
+        # unread body's end only inside handle_events, hence this check after each call.
+        if self.conn.their_state is h11.IDLE or self.conn.our_state is h11.DONE:
+            self.head_clock.arm(self.transport)
+        else:  # a head is in (or the connection failed)
+            self.head_clock.disarm()
+
     def handle_events(self) -> None:
         super().handle_events()
-        if self.conn.their_state is not h11.IDLE:  # the head is in (or the peer is gone)
-            self.head_clock.disarm()
+        self._sync_head_clock()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self.head_clock.arm(self.transport)
+        self._sync_head_clock()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.head_clock.disarm()
@@ -88,8 +99,9 @@ if HttpToolsProtocol is not None:
             super().on_headers_complete()
 
         def on_response_complete(self) -> None:
+            queued = bool(self.pipeline)  # a pipelined request, its head in, starts now
             super().on_response_complete()
-            if not self.transport.is_closing() and not self.pipeline:
+            if not queued:
                 self.head_clock.arm(self.transport)
 
         def connection_lost(self, exc: Exception | None) -> None:
