@@ -13,6 +13,8 @@ import pytest
 from swarm_harness import covered, wait_for
 
 from meshnet_common.protocol import H_SWARM_TOKEN, Heartbeat, NodeAnnouncement, NodeState
+from meshnet_common.trust.identity import Identity, issue
+from meshnet_common.trust.manifest_keys import ManifestSigner
 from meshnet_node.swarm.membership import Membership
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -67,6 +69,30 @@ def test_a_token_holder_cannot_take_over_quarantine_or_remove_members(tiny_snaps
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0}
     done = httpx.post(f"{tracker.url}/v1/completions", json=body, headers=TOKEN, timeout=60)
     assert done.status_code == 200, done.text
+
+    # Node-to-node routes take calls signed by a certified node only (docs/adr/0032): the
+    # completion above crossed tracker node -> tail on a signed hop stream.
+    forward = f"{tail.url}/v1/forward"
+    unsigned = httpx.post(forward, content=b"", headers=TOKEN, timeout=5)
+    assert unsigned.status_code == 401
+    assert "swarm nodes only" in unsigned.json()["error"]["message"]
+    forged = Identity()
+    forged.adopt(issue(ManifestSigner.generate(), "tracker-node", forged.key.public))
+    host = tail.url.split("://", 1)[1]
+    resp = httpx.post(forward, content=b"", timeout=5,
+                      headers={**TOKEN, **forged.headers("POST", host, "/v1/forward")})  # fmt: skip
+    assert resp.status_code == 401 and "not the tracker's" in resp.json()["error"]["message"]
+    # a member the tracker certified (registered as joining with its key) is let through
+    member = Identity()
+    joined = httpx.post(f"{base}/register", timeout=5, headers=TOKEN, json={
+        **thief, "node_id": "member-x", "public_key": member.key.public})  # fmt: skip
+    assert joined.status_code == 200, joined.text
+    assert joined.json()["tracker_key"] == httpx.get(f"{tracker.url}/v1/tracker/key").json()[
+        "public_key"]  # fmt: skip
+    member.adopt(joined.json()["certificate"])
+    resp = httpx.post(forward, content=b"", timeout=5,
+                      headers={**TOKEN, **member.headers("POST", host, "/v1/forward")})  # fmt: skip
+    assert resp.status_code == 400  # past the identity check: the empty step is refused
 
     # The tail still heartbeats with its own secret, and leaves with it on shutdown.
     assert _nodes(tracker)["tail"]["state"] == "serving"

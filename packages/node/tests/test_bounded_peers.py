@@ -109,3 +109,15 @@ def test_a_hop_stream_reads_no_more_than_its_bound_in_flight(monkeypatch):
         assert len(sent) == 5 and peers == ["10.0.0.7"] * 5
 
     asyncio.run(go())
+
+
+def test_a_signed_caller_is_bounded_by_its_node_id_not_its_address():
+    from meshnet_common.web.auth import PEER_SCOPE_KEY
+    from meshnet_node.dataplane.forward import peer_of
+
+    # two nodes behind one address are two peers; one node on two addresses is one
+    a = {"client": ("10.0.0.1", 4000), PEER_SCOPE_KEY: "node-a"}
+    b = {"client": ("10.0.0.1", 4001), PEER_SCOPE_KEY: "node-b"}
+    a_again = {"client": ("10.0.0.2", 4002), PEER_SCOPE_KEY: "node-a"}
+    assert peer_of(a) != peer_of(b) and peer_of(a) == peer_of(a_again) == "node:node-a"
+    assert peer_of({"client": ("10.0.0.1", 4000)}) == "10.0.0.1"  # unsigned: its address

@@ -680,6 +680,16 @@ def test_a_node_times_the_links_it_is_told_to_and_reports_them(middle, chain_hea
     assert service.links == {}
 
 
+def test_a_head_reports_the_step_time_of_its_route(chain_head):
+    """Plain decode steps (sampled: no drafts, no guesses) are timed per route and reported
+    in the head's heartbeats, for the tracker to hold against the hops' claims (ADR-0032)."""
+    body = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 12, "temperature": 0.8, "seed": 1,
+            "ignore_eos": True}  # fmt: skip
+    assert chain_head.http.post("/v1/completions", json=body).status_code == 200
+    reported = {r.hops: r.step_ms for r in chain_head.runtime.heartbeat().route_times}
+    assert 0 < reported[(MIDDLE_URL, TAIL_URL)] < 60_000
+
+
 def test_direct_answers_are_checked(chain_head):
     """The answer route: only a step that waits, with its session key, takes an answer."""
     post = chain_head.http.post

@@ -2,13 +2,17 @@
 (prompts x n), stop strings and JSON schemas beyond their bounds are refused with a 400
 naming the bound; planning runs off the event loop within a time limit; one generation's
 error ends every generation of its request and frees their sessions; the wait queue takes
-turns by the credential a client proved, not by the ``user`` it wrote."""
+turns by the credential a client proved, not by the ``user`` it wrote. The bounds are the
+operator's knobs (--max-prompts, --max-choices, --max-stop-chars, --max-schema-chars,
+--prepare-timeout)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +22,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.openai_protocol import MAX_CHOICES, MAX_PROMPTS, MAX_STOP_CHARS
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import GRAMMAR_MAX_BYTES, H_CLIENT_ADDRESS, H_SWARM_TOKEN
+from meshnet_node.cli import build_parser
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.routes import client_of
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
@@ -27,12 +32,12 @@ MODEL_ID = "meshnet-tiny/llama"
 BASE = {"model": MODEL_ID, "max_tokens": 2, "temperature": 0}
 
 
-@pytest.fixture
-def node(tiny_snapshot) -> Iterator[tuple[NodeRuntime, TestClient]]:
+@contextmanager
+def _head(tiny_snapshot, **knobs) -> Iterator[tuple[NodeRuntime, TestClient]]:
     """A head holding the whole model: 2 sessions at most, 1 request may wait for room."""
     settings = NodeSettings(
         model_id=MODEL_ID, model_path=tiny_snapshot("llama"), layers=LayerRange(0, 6),
-        quantization=Precision.FLOAT32, max_sessions=2, max_queued_requests=1,
+        quantization=Precision.FLOAT32, max_sessions=2, max_queued_requests=1, **knobs,
     )  # fmt: skip
 
     async def no_route(_model_id: str, _exclude=frozenset()) -> tuple[str, ...]:
@@ -41,6 +46,12 @@ def node(tiny_snapshot) -> Iterator[tuple[NodeRuntime, TestClient]]:
     runtime = build_runtime(settings, route_provider=no_route)
     with TestClient(create_app(runtime)) as client:
         yield runtime, client
+
+
+@pytest.fixture
+def node(tiny_snapshot) -> Iterator[tuple[NodeRuntime, TestClient]]:
+    with _head(tiny_snapshot) as head:
+        yield head
 
 
 def refused(resp, param: str, *words: str) -> dict:
@@ -124,6 +135,61 @@ def test_planning_runs_off_the_event_loop_and_is_bounded_in_time(node):
     late = client.post("/v1/completions", json={**BASE, "prompt": "a", "response_format": fmt})
     refused(late, "response_format", "0 s")
     assert len(runtime.service.stage.sessions) == 0
+
+
+def test_the_bounds_are_the_flags_the_operator_gave(tiny_snapshot):
+    flags = ["--max-prompts", "2", "--max-choices", "3", "--max-stop-chars", "4",
+             "--max-schema-chars", "40", "--prepare-timeout", "0.2"]  # fmt: skip
+    knobs = NodeSettings.from_args(build_parser().parse_args(flags)).model_dump(
+        include={"max_prompts", "max_choices", "max_stop_chars", "max_schema_chars",
+                 "prepare_timeout_s"}
+    )  # fmt: skip
+    assert knobs["max_prompts"] == 2 and knobs["prepare_timeout_s"] == 0.2
+    with _head(tiny_snapshot, **knobs) as (runtime, client):
+        url = "/v1/completions"
+        three = client.post(url, json={**BASE, "prompt": ["a", "b", "c"]})
+        assert refused(three, "prompt", "3 prompts", "at most 2")["code"] == "too_many_prompts"
+        ids = client.post(url, json={**BASE, "prompt": [[1], [2], [3]]})
+        refused(ids, "prompt", "at most 2")
+        two = client.post(url, json={**BASE, "prompt": ["a", "b"], "stop": ["xxxx"]})
+        assert two.status_code == 200 and len(two.json()["choices"]) == 2, two.text
+        four = client.post(url, json={**BASE, "prompt": ["a", "b"], "n": 2})
+        error = refused(four, "prompt", "2 prompts x n=2", "3 generations")
+        assert error["code"] == "too_many_generations"
+        chat = client.post("/v1/chat/completions", json={
+            **BASE, "messages": [{"role": "user", "content": "hi"}], "n": 4,
+        })  # fmt: skip
+        assert refused(chat, "n", "n=4", "3 generations")["code"] == "too_many_generations"
+        three_ok = client.post(url, json={**BASE, "prompt": "a", "n": 3})
+        assert three_ok.status_code == 200 and len(three_ok.json()["choices"]) == 3
+        stop = client.post(url, json={**BASE, "prompt": "a", "stop": ["xxxxx"]})
+        refused(stop, "stop", "at most 4 characters")
+        schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        big = client.post(url, json={**BASE, "prompt": "a", "response_format": fmt})
+        assert refused(big, "response_format", "at most 40")["code"] == "schema_too_large"
+
+        serving = runtime.openai
+        plan = serving._prompts
+
+        def slow(request):
+            time.sleep(1.0)
+            return plan(request)
+
+        serving._prompts = slow
+        late = client.post(url, json={**BASE, "prompt": "a"})
+        assert refused(late, "prompt", "over 0.2 s")["code"] == "request_too_complex"
+        assert len(runtime.service.stage.sessions) == 0
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--max-prompts", "0"), ("--max-choices", "-1"), ("--max-stop-chars", "0"),
+     ("--prepare-timeout", "0"), ("--max-schema-chars", "1"), ("--max-schema-chars", "40000")],
+)  # fmt: skip
+def test_a_bound_must_be_positive_and_a_schema_fit_a_hop_header(flag: str, value: str):
+    with pytest.raises(ValueError, match=f"^{flag} "):
+        NodeSettings.from_args(build_parser().parse_args([flag, value]))
 
 
 def test_one_refused_generation_ends_every_generation_of_its_request(node):

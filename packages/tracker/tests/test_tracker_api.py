@@ -140,6 +140,8 @@ def test_register_shows_node_and_gaps(tracker):
         "heartbeat_interval_s": 2.0,
         "url": "http://head.test:8000",
         "node_secret": secret,
+        "certificate": None,  # it announced no key (docs/adr/0032)
+        "tracker_key": resp.json()["tracker_key"],
     }
     assert len(secret) >= 32
     model = llama_coverage(tracker)
@@ -252,7 +254,9 @@ def test_heartbeat(tracker):
     }
     resp = heartbeat(tracker, beat)
     assert resp.status_code == 200
-    assert resp.json() == {"known": False, "directives": [], "probe": [], "quarantined": None}
+    assert resp.json() == {
+        "known": False, "directives": [], "probe": [], "quarantined": None, "certificate": None
+    }  # fmt: skip
     register(tracker, node_id="ghost")
     assert heartbeat(tracker, beat).json()["known"] is True
     assert_error(heartbeat(tracker, {**beat, "active_sessions": -1}), 400)

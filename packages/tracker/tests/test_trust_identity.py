@@ -261,7 +261,10 @@ def _mutated(base: dict) -> st.SearchStrategy:
 
 @pytest.fixture(scope="module")
 def fuzzed() -> Iterator[Swarm]:
-    settings = TrackerSettings(models_dir=None, verify_nodes=False, operator_token="op-7")
+    # Heartbeats every minute: the records outlive hundreds of fuzzed calls on a slow host.
+    settings = TrackerSettings(
+        models_dir=None, verify_nodes=False, operator_token="op-7", heartbeat_interval_s=60.0
+    )
     with TestClient(create_app(settings, node=None)) as client:
         swarm = Swarm(client)
         for node_id in ("honest", "faulty", "head"):

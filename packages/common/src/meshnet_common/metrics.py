@@ -168,7 +168,7 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
         )  # fmt: skip
         self.audits = Counter(
-            "meshnet_audits", "Verification audits this head ran (docs/adr/0026), by outcome: "
+            "meshnet_audits", "Verification audits this node ran (docs/adr/0026, 0032), by outcome: "
             "agreed, convicted (a node computed wrong), disputed (two replicas disagree and "
             "nothing tells which is right), skipped (no replica to compare with, or the "
             "session ended first)", ["outcome"], registry=r,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.protocol import (  # the one set of bounds
+    GRAMMAR_MAX_BYTES,
     LOGIT_BIAS_MAX,
     LOGIT_BIAS_MAX_ENTRIES,
     PENALTY_MAX,
@@ -189,6 +191,28 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+# Bounds on one request (issue #35): its prompts, its generations (prompts x n: one request
+# never fills a head's queue by itself), stop strings (checked at every step of every
+# generation) and its JSON schema (compiled on the head, then per session on the tail).
+# OpenAI takes up to 2048 prompts for embeddings; a completion's prompts each hold a
+# generation, and a batch beyond a head's --max-decode-batch only waits. The defaults of
+# --max-prompts, --max-choices, --max-stop-chars and --max-schema-chars.
+MAX_PROMPTS = 64
+MAX_CHOICES = 128
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What one request may ask of a head, as its settings say (issue #35). A schema is
+    at most GRAMMAR_MAX_BYTES whatever the settings: its grammar travels in a hop header."""
+
+    max_prompts: int = MAX_PROMPTS
+    max_choices: int = MAX_CHOICES
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_schema_chars: int = GRAMMAR_MAX_BYTES
+
+
 class _SamplingFields(Lenient):
     """Fields shared by completions and chat, in the OpenAI docs' order."""
 
@@ -224,8 +248,14 @@ class _SamplingFields(Lenient):
             raise InvalidRequest(f"{info.field_name} must be an integer", param=info.field_name)
         return value
 
-    def check_params(self) -> None:
-        """Validate the sampling parameters (the prompt-dependent checks come in ``check``)."""
+    @property
+    def prompt_count(self) -> int:
+        """How many prompts the request holds (a chat: its one conversation)."""
+        return 1
+
+    def check_params(self, *, bounds: RequestBounds) -> None:
+        """Validate the sampling parameters within ``bounds`` (the prompt-dependent checks
+        come in ``check``)."""
         for name in (
             "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty",
@@ -272,18 +302,35 @@ class _SamplingFields(Lenient):
             raise InvalidRequest("seed must fit in 64 bits", param="seed")
         if not 1 <= self.n <= 8:
             raise InvalidRequest("n must be between 1 and 8", param="n")
+        self._check_count(bounds)
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if len(stops) > 4 or any(not s for s in stops):
                 raise InvalidRequest("stop takes up to 4 non-empty strings", param="stop")
-            if any(len(s) > MAX_STOP_CHARS for s in stops):
+            if any(len(s) > bounds.max_stop_chars for s in stops):
                 raise InvalidRequest(
-                    f"a stop string is at most {MAX_STOP_CHARS} characters", param="stop"
+                    f"a stop string is at most {bounds.max_stop_chars} characters", param="stop"
                 )
 
-    def check(self, *, context_window: int, prompt_tokens: int) -> int:
+    def _check_count(self, bounds: RequestBounds) -> None:
+        """A request's prompts and generations (prompts x n) are bounded: one request never
+        fills a head's queue by itself (issue #35)."""
+        count = self.prompt_count
+        if count > bounds.max_prompts:
+            raise InvalidRequest(
+                f"prompt holds {count} prompts; at most {bounds.max_prompts} per request, "
+                "split the request", param="prompt", code="too_many_prompts",
+            )  # fmt: skip
+        if count * self.n > bounds.max_choices:
+            asked = f"n={self.n}" if count == 1 else f"{count} prompts x n={self.n}"
+            raise InvalidRequest(
+                f"{asked} exceeds {bounds.max_choices} generations per request; split the "
+                "request", param="n" if count == 1 else "prompt", code="too_many_generations",
+            )  # fmt: skip
+
+    def check(self, *, context_window: int, prompt_tokens: int, bounds: RequestBounds) -> int:
         """Validate everything for one prompt; returns the effective max_tokens."""
-        self.check_params()
+        self.check_params(bounds=bounds)
         room = context_window - prompt_tokens
         if room <= 0:
             raise InvalidRequest(
@@ -313,15 +360,6 @@ class _SamplingFields(Lenient):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-# Bounds on one request (issue #35): its prompts, its generations (prompts x n: one request
-# never fills a head's queue by itself), and stop strings, checked at every step of every
-# generation. OpenAI takes up to 2048 prompts for embeddings; a completion's prompts each
-# hold a generation, and a batch beyond a head's --max-decode-batch only waits.
-MAX_PROMPTS = 64
-MAX_CHOICES = 128
-MAX_STOP_CHARS = 256
-
-
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -349,24 +387,6 @@ class CompletionRequest(_SamplingFields):
         if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
             return 1
         return len(prompt)
-
-    @model_validator(mode="after")
-    def _choices(self):
-        """A request's prompts and generations (prompts x n) are bounded: one request never
-        fills a head's queue by itself (issue #35)."""
-        if self.prompt_count > MAX_PROMPTS:
-            raise InvalidRequest(
-                f"prompt holds {self.prompt_count} prompts; at most {MAX_PROMPTS} per request, "
-                "split the request", param="prompt", code="too_many_prompts",
-            )  # fmt: skip
-        if self.prompt_count * self.n > MAX_CHOICES:
-            raise InvalidRequest(
-                f"{self.prompt_count} prompts x n={self.n} exceeds {MAX_CHOICES} generations "
-                "per request; split the request",
-                param="prompt",
-                code="too_many_generations",
-            )
-        return self
 
     @field_validator("logprobs")
     @classmethod

@@ -70,9 +70,9 @@ H_CHUNK = "x-meshnet-chunk"
 H_ROUTE = "x-meshnet-route"  # comma-separated URLs of the hops after this one
 H_OPEN = "x-meshnet-open"  # JSON SamplingSpec: open the session on every hop first
 H_SAMPLE = "x-meshnet-sample"  # "1": the tail samples this step's last token
-H_IDS = (
-    "x-meshnet-ids"  # the step's token ids, comma-separated, when the tail's penalties count them
-)
+# The step's token ids, comma-separated: heads always send them (the tail's penalties count
+# them, the hop after a head audits it with them: docs/adr/0032).
+H_IDS = "x-meshnet-ids"
 # How many of the step's last tokens are drafts for the tail to verify (speculative
 # decoding, ADR-0019); such a step always carries its ids.
 H_DRAFTS = "x-meshnet-drafts"
@@ -108,6 +108,10 @@ H_COMPUTE = "x-meshnet-compute-ms"
 H_START_LAYER = "x-meshnet-start-layer"
 MAX_HOPS = 64
 MAX_PROBES = 16  # next hops a node times the links to (docs/adr/0021)
+# A head's heartbeat reports the measured decode steps of at most this many routes, each of
+# at most this many hops after it (docs/adr/0032).
+MAX_ROUTE_TIMES = 16
+MAX_ROUTE_TIME_HOPS = 16
 # The most memory a node may claim (32 TiB): more would only attract placement and prompts
 # to a node that lies about it (docs/adr/0032).
 MAX_MEMORY_BYTES = 1 << 45
@@ -203,6 +207,9 @@ class NodeAnnouncement(Strict):
     served_names: tuple[ServedName, ...] = Field(default=(), max_length=16)
     max_model_len: int | None = Field(default=None, gt=0)
     created: int = Field(default=0, ge=0)
+    # The node's Ed25519 public key (URL-safe base64 of its 32 bytes): the tracker certifies
+    # it, and the node signs its calls to peers with it (docs/adr/0032).
+    public_key: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{43}$")
 
     @property
     def compute_dtype(self) -> str:
@@ -219,6 +226,19 @@ class RegisterResponse(Strict):
     # later call (re-register, heartbeat, leave, verdicts). Issued at the first registration
     # of the id, the same one while the record lives.
     node_secret: str | None = Field(default=None, max_length=128)
+    # The tracker's certificate of the node's public key, and the tracker's key that checks
+    # it (and peers' certificates): docs/adr/0032. None when no key was announced.
+    certificate: str | None = Field(default=None, max_length=512)
+    tracker_key: str | None = Field(default=None, max_length=64)
+
+
+class RouteTime(Strict):
+    """What a head measured of a route it used: the median wall time of its last plain
+    decode steps (one token, no drafts, no failover), its own compute included. The tracker
+    holds it against the compute the route's nodes claim (docs/adr/0032)."""
+
+    hops: tuple[Url, ...] = Field(min_length=1, max_length=MAX_ROUTE_TIME_HOPS)  # after it
+    step_ms: float = Field(gt=0, le=60_000)
 
 
 class Heartbeat(Strict):
@@ -239,6 +259,8 @@ class Heartbeat(Strict):
     links: dict[Url, Annotated[float, Field(ge=0, le=1e6)]] = Field(
         default_factory=dict, max_length=MAX_PROBES
     )
+    # A head's measured decode steps per route it used lately (docs/adr/0032).
+    route_times: tuple[RouteTime, ...] = Field(default=(), max_length=MAX_ROUTE_TIMES)
 
 
 class DirectiveKind(StrEnum):
@@ -259,6 +281,7 @@ class HeartbeatResponse(Strict):
     probe: tuple[Url, ...] = Field(default=(), max_length=MAX_PROBES)  # next hops to time
     # Why the tracker quarantined this node (docs/adr/0026); None: it is not.
     quarantined: str | None = Field(default=None, max_length=300)
+    certificate: str | None = Field(default=None, max_length=512)  # renewed (docs/adr/0032)
 
 
 class SignedRow(Strict):

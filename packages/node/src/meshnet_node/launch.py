@@ -146,7 +146,10 @@ def launch(settings: NodeSettings) -> None:
             )  # fmt: skip
         if settings.load_delay_ms:
             time.sleep(settings.load_delay_ms / 1000)
-        model_path = resolve_model_path(settings, model_id, layers, sources, metrics, local)
+        model_path = resolve_model_path(
+            settings, model_id, layers, sources, metrics, local,
+            identity=membership.identity if membership is not None else None,
+        )  # fmt: skip
         settings = settings.with_shard(model_id, layers, model_path).replace(
             port=port, node_id=node_id, movable=movable
         )

@@ -28,11 +28,13 @@ from meshnet_common.protocol import (
     NodeState,
     ShardSpec,
 )
+from meshnet_common.trust.identity import CallChecker, Identity
 from meshnet_common.web.auth import install_auth
 from meshnet_common.web.http import install_error_handlers, install_observability
 from meshnet_common.web.shards import shards_router, watch_shard_server
 from meshnet_node.api import head_router, node_router
 from meshnet_node.dataplane.forward import install_forward_path
+from meshnet_node.dataplane.gauges import watch_service
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.preflight import preflight, resolve_device, resolve_precision_for
@@ -47,6 +49,7 @@ from meshnet_node.speculation.drafting import SpeculationSettings
 from meshnet_node.swarm.drain import Drain
 from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
 from meshnet_node.swarm.membership import Membership, TrackerClient
+from meshnet_node.verification.head_audit import build_head_auditor
 from meshnet_node.verification.verifier import SwarmView, build_verifier
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,10 @@ class NodeRuntime:
     view: SwarmView | None = None  # the map and verdicts, for audits (docs/adr/0026)
     # This node's secret, issued by the tracker: it signs its audit answers (docs/adr/0032)
     audit_secret: Callable[[], str | None] = lambda: None
+    # Its key and certificate (its calls to peers), and the checker of peers' calls to it
+    # (docs/adr/0032): the same objects its Membership keeps up to date.
+    identity: Identity = field(default_factory=Identity)
+    peers: CallChecker = field(default_factory=CallChecker)
 
     @property
     def url(self) -> str:
@@ -150,6 +157,7 @@ class NodeRuntime:
             tokens_served=self.service.tokens_served,
             layer_ms=self.service.layer_ms,
             links={url: round(ms, 3) for url, ms in self.service.links.items()},
+            route_times=self.openai.generator.route_times.report() if self.openai else (),
         )
 
 
@@ -217,21 +225,26 @@ def build_runtime(
     if settings.device == "auto":
         settings = settings.replace(device=resolve_device(settings.device))
     stage = load_stage(settings)
-    service = NodeService(stage, settings, model_id=settings.model_id, metrics=metrics)
+    identity = membership.identity if membership is not None else Identity()
+    peers = membership.peers if membership is not None else CallChecker.pinned(settings.tracker_key)
+    service = NodeService(
+        stage, settings, model_id=settings.model_id, metrics=metrics, identity=identity
+    )
     if settings.direct_answers:
         url = announced_url(settings)
         if urlsplit(url).hostname not in ("0.0.0.0", "::"):  # a URL tails can dial
             service.answer_url = url
-    service.watch()
+    watch_service(service)
     node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
     tracker = (
-        TrackerClient(settings.tracker_url, swarm_token=settings.swarm_token)
+        TrackerClient(settings.tracker_url, swarm_token=settings.swarm_token, identity=identity)
         if settings.tracker_url
         else None
     )
     if route_provider is None:
         route_provider = _tracker_routes(tracker, node_id, service)
     view = view or tracker
+    service.head_audit = build_head_auditor(settings, service, view, node_id)  # ADR-0032
     openai = build_openai(settings, service, route_provider, build_verifier(
         settings, service, view, node_id))  # fmt: skip
     if memory_declared_bytes is None:
@@ -246,7 +259,7 @@ def build_runtime(
             )  # fmt: skip
     return NodeRuntime(
         settings, node_id, service, openai, memory_declared_bytes, tracker, route_provider,
-        membership=membership, view=view,
+        membership=membership, view=view, identity=identity, peers=peers,
     )  # fmt: skip
 
 
@@ -339,6 +352,7 @@ async def start_background(runtime: NodeRuntime) -> None:
         membership = runtime.membership = Membership(
             settings.tracker_url, runtime.announcement, runtime.heartbeat,
             settings.heartbeat_interval_s, swarm_token=settings.swarm_token,
+            identity=runtime.identity, peers=runtime.peers,
         )  # fmt: skip
     loop = asyncio.get_running_loop()
     # Called on the membership thread: the work itself belongs to the loop.
@@ -371,6 +385,8 @@ async def stop_background(runtime: NodeRuntime) -> None:
         await runtime.tracker.aclose()
     if runtime.openai is not None and runtime.openai.generator.verifier is not None:
         await runtime.openai.generator.verifier.aclose()
+    if runtime.service.head_audit is not None:
+        await runtime.service.head_audit.aclose()
     await runtime.service.aclose()
 
 
@@ -388,7 +404,12 @@ def create_app(runtime: NodeRuntime) -> FastAPI:
     app = FastAPI(title="meshnet node", lifespan=lifespan)
     install_error_handlers(app)
     install_forward_path(app)  # inside auth and observability
-    install_auth(app, swarm_token=runtime.settings.swarm_token, api_key=runtime.settings.api_key)
+    install_auth(
+        app,
+        swarm_token=runtime.settings.swarm_token,
+        api_key=runtime.settings.api_key,
+        peers=runtime.peers if runtime.settings.tracker_url else None,  # docs/adr/0032
+    )
     install_observability(app, runtime.service.metrics)  # outermost: sees the 401s too
     watch_shard_server(runtime.service.metrics, app)
     app.state.max_request_bytes = runtime.settings.max_request_bytes
@@ -464,7 +485,7 @@ def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
         raise ModelError(f"no local snapshot of {spec.model_id} and nowhere to fetch it from")
     trust = Trust(
         tracker=runtime.tracker.base, tracker_key=settings.tracker_key,
-        swarm_token=settings.swarm_token,
+        swarm_token=settings.swarm_token, identity=runtime.identity,
     )  # fmt: skip
     return fetch_shard_counted(
         spec.model_id, spec.layers, (runtime.tracker.base,), settings.cache_dir,

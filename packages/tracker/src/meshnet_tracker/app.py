@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.models_dir import resolve_snapshot
+from meshnet_common.trust.identity import CallChecker
 from meshnet_common.trust.manifest_keys import ManifestSigner
 from meshnet_common.web import tls
 from meshnet_common.web.auth import install_auth, swarm_headers
@@ -38,15 +39,18 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
     # Registration call-backs dial URLs a registering party named: no swarm token, no
     # redirects (docs/adr/0032).
     callback = httpx.AsyncClient(verify=tls.client_context(), follow_redirects=False)
-    state = TrackerState(
-        settings=settings, registry=registry, node=node, client=client, callback=callback
-    )
-    state.index_models_dir()
+    # The tracker key: it signs weight manifests and certifies nodes' keys (docs/adr/0032).
     signer = (
         ManifestSigner.from_file(settings.signing_key) if settings.signing_key
         else ManifestSigner.generate()
     )  # fmt: skip
-    logger.info("weight manifests are signed with key %s (--tracker-key)", signer.public().text)
+    logger.info("manifests and node certificates are signed with key %s (--tracker-key)",
+                signer.public().text)  # fmt: skip
+    state = TrackerState(
+        settings=settings, registry=registry, node=node, client=client, callback=callback,
+        signer=signer,
+    )  # fmt: skip
+    state.index_models_dir()
     if node is not None:
         node.attach(state)  # the tracker node routes through this coverage map
 
@@ -81,7 +85,8 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
     install_error_handlers(app)
     if node is not None:
         node.install_data_path(app)  # the tracker node's data path; inside auth and observability
-    install_auth(app, swarm_token=settings.swarm_token, api_key=settings.api_key)
+    install_auth(app, swarm_token=settings.swarm_token, api_key=settings.api_key,
+                 peers=CallChecker(signer.public(), serves_nodes=node is not None))  # fmt: skip
     # A tracker node reports its own layers and the swarm's numbers in one registry.
     metrics = node.metrics if node is not None else Metrics()
     install_observability(app, metrics)  # outermost: sees the 401s too

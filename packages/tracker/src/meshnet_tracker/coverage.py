@@ -23,6 +23,8 @@ class ServingNode:
     quant_group_size: int | None = None
     layer_ms: float | None = None  # decode compute per layer, as the node measured it
     links: tuple[tuple[str, float], ...] = ()  # (next hop URL, round trip ms) it measured
+    # Its measured slowdown (docs/adr/0032): routes count its compute as claimed times this.
+    slowdown: float = 1.0
 
 
 @dataclass(frozen=True)

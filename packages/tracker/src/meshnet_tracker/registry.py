@@ -11,9 +11,16 @@ from dataclasses import dataclass
 
 from meshnet_common.errors import Conflict
 from meshnet_common.layers import LayerRange
-from meshnet_common.protocol import Heartbeat, NodeAnnouncement, NodeState, Verdict
+from meshnet_common.protocol import (
+    MAX_ROUTE_TIMES,
+    Heartbeat,
+    NodeAnnouncement,
+    NodeState,
+    Verdict,
+)
 from meshnet_common.web.auth import same_secret as _same
 from meshnet_tracker.coverage import ModelCoverage, ServingNode, build_coverage
+from meshnet_tracker.routing import RouteReport, measured_slowdowns, with_slowdowns
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +30,9 @@ MISSED_HEARTBEATS = 3  # a node silent this many intervals leaves the coverage m
 # tens; nothing takes a minute.
 LAYER_MS = (0.002, 60_000.0)
 LINK_MS = (0.02, 60_000.0)
+# A head's report of a route's step time counts this long after it last sent it (docs/adr/0032).
+ROUTE_TIMES_S = 300.0
+SLOW_LOGGED = 2.0  # a measured slowdown from this on is logged
 
 
 def _clamp(value: float, bounds: tuple[float, float]) -> float:
@@ -50,6 +60,7 @@ class NodeRecord:
     # Its proof of id (docs/adr/0032): issued at its first registration, asked on every
     # later call; it dies with the record (a node that lost it waits for the record to expire).
     secret: str = ""
+    slowdown: float = 1.0  # its compute measured against its claim (docs/adr/0032)
 
     @property
     def node_id(self) -> str:
@@ -96,6 +107,9 @@ class Registry:
         self._quarantined: dict[str, str] = {}
         self._quarantined_urls: dict[str, str] = {}  # URL -> the node id quarantined there
         self.verdicts = 0  # verdicts received
+        # What each head measured of the routes it used: reporter -> route URLs (after it) ->
+        # (step ms, when reported); the latest per route, MAX_ROUTE_TIMES per reporter.
+        self._route_times: dict[str, dict[tuple[str, ...], tuple[float, float]]] = {}
         self._lock = threading.Lock()
 
     def authentic(self, node_id: str, proof: str | None) -> bool:
@@ -182,9 +196,16 @@ class Registry:
             record.memory_free_bytes = beat.memory_free_bytes
             record.tokens_generated = beat.tokens_generated
             # Self-reported figures attract routes: kept within what hardware can do
-            # (docs/adr/0032); routing cross-checks them against one another.
+            # (docs/adr/0032); routing cross-checks them against one another, and against
+            # the step times heads measured (``coverage``).
             record.layer_ms = None if beat.layer_ms is None else _clamp(beat.layer_ms, LAYER_MS)
             record.links = tuple(sorted((u, _clamp(ms, LINK_MS)) for u, ms in beat.links.items()))
+            mine = self._route_times.setdefault(beat.node_id, {})
+            for measured in beat.route_times:  # one per route: the latest replaces it
+                mine.pop(measured.hops, None)
+                mine[measured.hops] = (measured.step_ms, now)
+            while len(mine) > MAX_ROUTE_TIMES:  # the least recently reported go
+                del mine[next(iter(mine))]
             return True
 
     def strike(
@@ -254,6 +275,7 @@ class Registry:
     def remove(self, node_id: str) -> bool:
         with self._lock:
             removed = self._nodes.pop(node_id, None) is not None
+            self._route_times.pop(node_id, None)
         if removed:
             logger.info("node %s left", node_id)
         return removed
@@ -275,6 +297,7 @@ class Registry:
             now = self.clock()
             for nid in dead:
                 self._lost[nid] = (self._nodes.pop(nid), now)
+                self._route_times.pop(nid, None)
         for nid in dead:
             logger.warning("node %s missed %d heartbeats: dropped", nid, MISSED_HEARTBEATS)
         return dead
@@ -313,10 +336,62 @@ class Registry:
             return self._model_layers.pop(model_id, None) is not None
 
     def coverage(self) -> dict[str, ModelCoverage]:
+        """The map, each node's compute cross-checked against what heads measured."""
         records = self.records()
         with self._lock:
             layers = dict(self._model_layers)
-        return build_coverage((r.serving_node() for r in records), layers)
+            reports = self._route_reports(records)
+        coverage = build_coverage((r.serving_node() for r in records), layers)
+        slowdowns = {
+            model_id: measured_slowdowns(model, reports.get(model_id, ()))
+            for model_id, model in coverage.items()
+        }  # fmt: skip
+        for record in records:
+            slowdown = slowdowns.get(record.announcement.shard.model_id, {}).get(record.node_id)
+            self._note_slowdown(record, slowdown or 1.0)
+        return {m: with_slowdowns(model, slowdowns[m]) for m, model in coverage.items()}
+
+    def measured(self, model_id: str) -> set[str]:
+        """The nodes of ``model_id`` on some route a head timed lately (docs/adr/0032)."""
+        records = self.records()
+        with self._lock:
+            reports = self._route_reports(records).get(model_id, ())
+        return {node_id for report in reports for node_id in report.hops}
+
+    def _route_reports(self, records: list[NodeRecord]) -> dict[str, list[RouteReport]]:
+        """Model id -> the recent route times of live heads, their URLs as node ids (a URL
+        no record announced is the tracker node's, which heads reach at the tracker's own
+        address). Drops the expired ones. Call with the lock held."""
+        since = self.clock() - ROUTE_TIMES_S
+        live = {r.node_id: r for r in records}
+        reports: dict[str, list[RouteReport]] = {}
+        for reporter, routes in self._route_times.items():
+            for expired in [urls for urls, (_, when) in routes.items() if when < since]:
+                del routes[expired]
+            head = live.get(reporter)
+            if head is None or not routes:
+                continue
+            model_id = head.announcement.shard.model_id
+            mine = [r for r in records if r.announcement.shard.model_id == model_id]
+            ids = {r.announcement.url: r.node_id for r in mine}
+            local = next((r.node_id for r in mine if r.local), None)
+            for urls, (step_ms, _) in routes.items():
+                hops = [ids.get(url, local) for url in urls]
+                if None not in hops:
+                    report = RouteReport(reporter, (reporter, *hops), step_ms)
+                    reports.setdefault(model_id, []).append(report)
+        return reports
+
+    @staticmethod
+    def _note_slowdown(record: NodeRecord, slowdown: float) -> None:
+        was, record.slowdown = record.slowdown, slowdown
+        if slowdown >= SLOW_LOGGED > was:
+            logger.warning(
+                "node %s: its decode compute measured %.1fx slower than it reports; routes "
+                "count it so", record.node_id, slowdown,
+            )  # fmt: skip
+        elif was >= SLOW_LOGGED > slowdown:
+            logger.info("node %s: its compute measures as it reports again", record.node_id)
 
 
 def _covers(ranges: list[LayerRange], want: LayerRange) -> bool:

@@ -11,14 +11,17 @@ to the next (as the sending node measured it). What no node reported is estimate
 node's compute as the model's median, a link as the median of the measured ones, or
 ``DEFAULT_LINK_MS`` when none was. With no measurement at all every hop costs the same, so
 the fewest hops win, as before.
+
+What nodes claim is cross-checked against what heads measure (docs/adr/0032,
+``measured_slowdowns``): a node's compute counts as claimed times its measured slowdown.
 """
 
 from __future__ import annotations
 
 import heapq
 import statistics
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, replace
 
 from meshnet_common.errors import ModelNotCovered
 from meshnet_tracker.coverage import ModelCoverage, ServingNode, describe_gaps
@@ -29,6 +32,10 @@ SWITCH_MIN_MS = 0.5
 # The most a node's reported compute may undercut the model's median (a GPU among CPUs is
 # 10-30x faster); below that its claim counts for no more (docs/adr/0032).
 MAX_SPEEDUP = 32.0
+# A route measured within this factor of the normal ratio (measured / predicted step time)
+# shows each of its nodes as claimed: load and noise move a route's time that much.
+MEASURED_TOLERANCE = 1.5
+MAX_SLOWDOWN = 1000.0
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,12 @@ class StepEstimate:
 
     Every figure is what a node says of itself, so none may make it look faster than the
     evidence (docs/adr/0032): a node's compute counts as at least the model's median over
-    ``MAX_SPEEDUP``, and a link as at least what the other end measured of the way back."""
+    ``MAX_SPEEDUP``, and a link as at least what the other end measured of the way back;
+    and a node's compute counts times its measured slowdown, unless ``as_claimed`` (what
+    the nodes claim, which measurements are held against)."""
 
-    def __init__(self, nodes: Collection[ServingNode]) -> None:
+    def __init__(self, nodes: Collection[ServingNode], *, as_claimed: bool = False) -> None:
+        self.as_claimed = as_claimed
         computes = [n.layer_ms for n in nodes if n.layer_ms is not None]
         self.compute_default = statistics.median(computes) if computes else 0.0
         self.compute_floor = self.compute_default / MAX_SPEEDUP
@@ -56,8 +66,10 @@ class StepEstimate:
 
     def compute_ms(self, node: ServingNode) -> float:
         if node.layer_ms is None:
-            return self.compute_default
-        return max(node.layer_ms, self.compute_floor)
+            claimed = self.compute_default
+        else:
+            claimed = max(node.layer_ms, self.compute_floor)
+        return claimed if self.as_claimed else claimed * node.slowdown
 
     def link_ms(self, previous: ServingNode, node: ServingNode) -> float:
         claimed = self._links.get((previous.url, node.url))
@@ -164,3 +176,94 @@ def keep_or_switch(
     lighter = sum(h.node.load for h in chosen) < sum(h.node.load for h in renewed)
     close = old_ms <= new_ms * (1 + SWITCH_GAIN) + SWITCH_MIN_MS
     return renewed if close and not faster and not lighter else chosen
+
+
+@dataclass(frozen=True)
+class RouteReport:
+    """A head's measured decode step over a route (``RouteTime``), its hops as node ids."""
+
+    reporter: str  # the head's node id
+    hops: tuple[str, ...]  # the head first
+    step_ms: float
+
+
+@dataclass(frozen=True)
+class _Measured:
+    reporter: str
+    step_ms: float
+    predicted_ms: float  # from the claims
+    shares: dict[str, float]  # node id -> its claimed compute on this route, ms
+
+
+def measured_slowdowns(model: ModelCoverage, reports: Iterable[RouteReport]) -> dict[str, float]:
+    """Node id -> how much slower than it claims its compute measured, for nodes over 1.
+
+    Each report's *ratio* is its measured step time over the time the claims predict
+    (``StepEstimate(as_claimed=True)``). The *normal ratio* is the median over nodes of
+    each node's least ratio: the overhead every route pays (HTTP, sampling), not counted
+    against anyone. A route within ``MEASURED_TOLERANCE`` of the normal ratio shows its
+    nodes as claimed; beyond it, a node's slowdown on that route is the factor its own
+    compute would need for it alone to explain the route's excess. A node's slowdown is its
+    least over the reports that include it, so one route measured normal clears it (a
+    reporter cannot slander a node others see as normal). A head's own reports count for it
+    only when no other reporter's include it (it cannot vouch for itself against them).
+    Reports whose hops do not chain ``[0, num_layers)`` over serving nodes are ignored."""
+    estimate = StepEstimate(model.serving, as_claimed=True)
+    by_id = {n.node_id: n for n in model.serving}
+    seen: list[_Measured] = []
+    for report in reports:
+        route = _route_of(report.hops, by_id, model.num_layers)
+        if route is None:
+            continue
+        shares = {}
+        for i, hop in enumerate(route):
+            end = route[i + 1].start_layer if i + 1 < len(route) else model.num_layers
+            shares[hop.node.node_id] = estimate.compute_ms(hop.node) * (end - hop.start_layer)
+        predicted = estimate.route_ms(route, model.num_layers)
+        if predicted > 0:
+            seen.append(_Measured(report.reporter, report.step_ms, predicted, shares))
+    witnesses: dict[str, list[_Measured]] = {}
+    for node_id in {n for m in seen for n in m.shares}:
+        about = [m for m in seen if node_id in m.shares]
+        witnesses[node_id] = [m for m in about if m.reporter != node_id] or about
+    if not witnesses:
+        return {}
+    normal = statistics.median(
+        min(m.step_ms / m.predicted_ms for m in found) for found in witnesses.values()
+    )
+
+    def slowdown_on(m: _Measured, node_id: str) -> float:
+        share = m.shares[node_id]
+        if m.step_ms <= MEASURED_TOLERANCE * normal * m.predicted_ms or share <= 0:
+            return 1.0
+        return 1.0 + (m.step_ms / normal - m.predicted_ms) / share
+
+    slowdowns = {}
+    for node_id, found in witnesses.items():
+        slowdown = min(slowdown_on(m, node_id) for m in found)
+        if slowdown > 1.0:
+            slowdowns[node_id] = min(slowdown, MAX_SLOWDOWN)
+    return slowdowns
+
+
+def with_slowdowns(model: ModelCoverage, slowdowns: dict[str, float]) -> ModelCoverage:
+    """``model`` with each node's measured slowdown set (1 where none was measured)."""
+    if not slowdowns:
+        return model
+    nodes = tuple(replace(n, slowdown=slowdowns.get(n.node_id, 1.0)) for n in model.nodes)
+    return replace(model, nodes=nodes)
+
+
+def _route_of(
+    hops: tuple[str, ...], by_id: dict[str, ServingNode], num_layers: int
+) -> list[Hop] | None:
+    """The route of these node ids, each entered where the one before ends; None unless
+    they chain ``[0, num_layers)``."""
+    route, position = [], 0
+    for node_id in hops:
+        node = by_id.get(node_id)
+        if node is None or not node.layers.start <= position < node.layers.end:
+            return None
+        route.append(Hop(node, position))
+        position = min(node.layers.end, num_layers)
+    return route if route and position == num_layers else None

@@ -20,6 +20,8 @@ from meshnet_common.models.models_dir import (
     snapshot_fingerprint,
 )
 from meshnet_common.protocol import MAX_PROBES
+from meshnet_common.trust.identity import issue
+from meshnet_common.trust.manifest_keys import ManifestSigner
 from meshnet_tracker.balancer import Balancer
 from meshnet_tracker.coverage import ModelCoverage
 from meshnet_tracker.heads import LocalNode
@@ -28,6 +30,10 @@ from meshnet_tracker.routing import Hop, choose_route, keep_or_switch
 from meshnet_tracker.settings import TrackerSettings
 
 logger = logging.getLogger(__name__)
+
+# One route request in this many, per (model, head), takes a chain through a node that no
+# head timed lately, where there is one: measured compute needs a route to compare with.
+EXPLORE_EVERY = 8
 
 
 class ModelsScan(NamedTuple):
@@ -46,6 +52,7 @@ class TrackerState:
     node: LocalNode | None  # the tracker node (meshnet_tracker.tracker_node), if any
     client: httpx.AsyncClient
     callback: httpx.AsyncClient | None = None  # registration call-backs: no credentials
+    signer: ManifestSigner | None = None  # the tracker key: certifies nodes (docs/adr/0032)
     costs: dict[str, ModelCosts] = field(default_factory=dict)  # models we can place nodes on
     demand: Counter = field(default_factory=Counter)  # requests per model
     balancer: Balancer = field(init=False)
@@ -54,6 +61,7 @@ class TrackerState:
     _problems: set[str] = field(default_factory=set)  # models-dir problems already logged
     # The route each (model, head) got last: kept unless a clearly better one appears.
     _last_routes: dict[tuple[str, str | None], list] = field(default_factory=dict)
+    _asked: Counter = field(default_factory=Counter)  # route requests per (model, head)
 
     def __post_init__(self) -> None:
         self.balancer = Balancer(
@@ -61,6 +69,13 @@ class TrackerState:
             move_grace_s=self.settings.move_grace_s, joining_ttl_s=self.settings.joining_ttl_s,
             restart_grace_s=self.settings.restart_grace_s,
         )  # fmt: skip
+
+    def certify(self, node_id: str, public_key: str | None) -> str | None:
+        """A certificate of ``public_key`` for ``node_id`` (docs/adr/0032): issued at each
+        registration and renewed by each heartbeat answer; None without a key."""
+        if public_key is None or self.signer is None:
+            return None
+        return issue(self.signer, node_id, public_key)
 
     def index_models_dir(self) -> None:
         """Make every model in the models dir known to the coverage map and to placement."""
@@ -163,7 +178,30 @@ class TrackerState:
         if previous is not None and not exclude & {h.node.node_id for h in previous}:
             chosen = keep_or_switch(model, previous, chosen)
         self._last_routes[key] = chosen
+        self._asked[key] += 1
+        if self._asked[key] % EXPLORE_EVERY == 0:  # now and then, time another replica
+            return self._explore(model, head, exclude, chosen) or chosen
         return chosen
+
+    def _explore(self, model, head: str | None, exclude: set[str], chosen: list[Hop]):
+        """A chain through a node no head timed lately, avoiding one hop of ``chosen`` (None:
+        none such). A node that claims more speed than it has draws every route; without a
+        route around it, its lie looks like the overhead every route pays (docs/adr/0032).
+        Not kept as the last route: the next request goes back to ``chosen``."""
+        ids = {h.node.node_id for h in chosen}
+        unmeasured = (
+            {n.node_id for n in model.serving} - ids - self.registry.measured(model.model_id)
+        )
+        if not unmeasured:
+            return None
+        for hop in chosen[1:] if head is not None else chosen:
+            try:
+                other = choose_route(model, head=head, exclude=exclude | {hop.node.node_id})
+            except ModelNotCovered:
+                continue
+            if unmeasured & {h.node.node_id for h in other}:
+                return other
+        return None
 
     def probe_targets(self, node_id: str) -> tuple[str, ...]:
         """The nodes that could follow ``node_id`` in a route of its model (serving the

@@ -98,7 +98,13 @@ class TrackerNode:
         return self.runtime.announcement()
 
     def heartbeat(self) -> Heartbeat:
+        self._certify()  # renewed with every beat, as a node's heartbeat answer does
         return self.runtime.heartbeat()
+
+    def _certify(self) -> None:
+        """The tracker node's certificate, from the tracker key itself (docs/adr/0032)."""
+        runtime = self.runtime
+        runtime.identity.adopt(self._state.certify(runtime.node_id, runtime.identity.key.public))
 
     def probe(self, urls: tuple[str, ...]) -> None:
         """The next hops whose links this node times (as a node's heartbeat reply says)."""
@@ -108,6 +114,9 @@ class TrackerNode:
         self._state = state
         # its audit answers are signed with the secret its own record holds (docs/adr/0032)
         self.runtime.audit_secret = lambda: state.registry.secret_of(self.runtime.node_id)
+        if state.signer is not None:  # its calls to peers are signed (docs/adr/0032)
+            self.runtime.peers.tracker_key = state.signer.public()
+            self._certify()
 
     def install_data_path(self, app) -> None:
         install_forward_path(app)

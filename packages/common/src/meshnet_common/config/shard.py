@@ -17,6 +17,7 @@ from meshnet_common.config import defaults
 from meshnet_common.config.settings import ServiceSettings, knob
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import FORMATS, LEVELS
+from meshnet_common.openai_protocol import MAX_CHOICES, MAX_PROMPTS, MAX_STOP_CHARS
 from meshnet_common.precision import (
     DEFAULT_GROUP_SIZE,
     DTYPE_CHOICES,
@@ -26,6 +27,7 @@ from meshnet_common.precision import (
     compute_dtype_name,
     resolve_precision,
 )
+from meshnet_common.protocol import GRAMMAR_MAX_BYTES
 
 MODEL = "model and layer range"
 DATA = "data path"
@@ -112,11 +114,12 @@ class ShardSettings(ServiceSettings):
         "(0: never wait)", group=MODEL, flag="--coverage-wait",
     )  # fmt: skip
     verify_fraction: float = knob(
-        0.0, "on a head: the fraction of decode steps after which one hop of the chain is "
-        "audited: a replica of its layers recomputes its output from the same input, and a "
-        "node that disagrees (by more than the precision allows) is reported to the tracker, "
-        "which quarantines it, and failed over (0: never; each audit costs a replica a "
-        "prefill of the session so far)", group=MODEL,
+        0.0, "the fraction of decode steps after which a computation is audited: on a head, "
+        "one hop of the chain; on the hop after a head, that head (of the sessions it "
+        "chooses with this probability). A replica of the layers recomputes the output from "
+        "the same input, and a node that disagrees (by more than the precision allows) is "
+        "reported to the tracker, which quarantines it, and failed over (0: never; each "
+        "audit costs a replica a prefill of the session so far)", group=MODEL,
     )  # fmt: skip
     reasoning_parser: str | None = knob(
         None, "return <think>...</think> text as reasoning_content apart from content: "
@@ -232,6 +235,28 @@ class ShardSettings(ServiceSettings):
         group=SECURITY, action="bool",
     )  # fmt: skip
     max_request_mb: float = knob(8.0, "largest OpenAI JSON body (413 above)", group=SECURITY)
+    max_prompts: int = knob(
+        MAX_PROMPTS, "on a head: most prompts one completions request may hold (beyond: 400 "
+        "too_many_prompts)", group=SECURITY,
+    )  # fmt: skip
+    max_choices: int = knob(
+        MAX_CHOICES, "on a head: most generations one request may start, its prompts x n "
+        "(beyond: 400 too_many_generations)", group=SECURITY,
+    )  # fmt: skip
+    max_stop_chars: int = knob(
+        MAX_STOP_CHARS, "on a head: longest stop string, characters (each is looked for at "
+        "every step of every generation; beyond: 400)", group=SECURITY,
+    )  # fmt: skip
+    max_schema_chars: int = knob(
+        GRAMMAR_MAX_BYTES, "on a head: largest JSON schema of response_format or a forced "
+        f"tool call, and of its grammar, characters (at most {GRAMMAR_MAX_BYTES}: the grammar "
+        "travels in a hop header; beyond: 400 schema_too_large)", group=SECURITY,
+    )  # fmt: skip
+    prepare_timeout_s: float = knob(
+        10.0, "on a head: seconds planning one request (tokenizing its prompts, its chat "
+        "template, compiling its JSON schema) may take (beyond: 400 request_too_complex)",
+        group=SECURITY, flag="--prepare-timeout",
+    )  # fmt: skip
     tls_cert: Path | None = knob(
         None, "serve https/wss with this certificate (PEM; with --tls-key)", group=SECURITY
     )
@@ -276,6 +301,20 @@ class ShardSettings(ServiceSettings):
     def _fraction(cls, value: float) -> float:
         if not 0.0 <= value <= 1.0:
             raise ValueError("must lie in [0, 1]")
+        return value
+
+    @field_validator("max_prompts", "max_choices", "max_stop_chars", "prepare_timeout_s")
+    @classmethod
+    def _positive(cls, value):
+        if not value > 0:
+            raise ValueError("must be > 0")
+        return value
+
+    @field_validator("max_schema_chars")
+    @classmethod
+    def _schema_chars(cls, value: int) -> int:
+        if not 2 <= value <= GRAMMAR_MAX_BYTES:  # the shortest grammar has 2
+            raise ValueError(f"expected 2..{GRAMMAR_MAX_BYTES} (a hop header's limit)")
         return value
 
     @field_validator("test_only_perturb")

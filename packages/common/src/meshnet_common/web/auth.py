@@ -5,6 +5,7 @@ registration, heartbeats, assignment, routes) needs ``x-meshnet-swarm-token``; w
 ``--api-key`` set, the OpenAI routes need ``Authorization: Bearer <key>`` (or the swarm
 token, which is how the tracker reaches a head). Comparisons are constant-time and the
 secrets are never logged. Without them the swarm is open (a trusted LAN or a laptop).
+Calls between nodes carry the calling node's signed identity too (``peers``: docs/adr/0032).
 """
 
 from __future__ import annotations
@@ -15,12 +16,21 @@ import json
 from fastapi import FastAPI, Request
 
 from meshnet_common.protocol import H_SWARM_TOKEN
+from meshnet_common.trust.identity import H_NODE_CALL, H_NODE_CERT, CallChecker, IdentityError
 
 INTERNAL_PREFIXES = (
     "/v1/forward", "/v1/sessions", "/v1/shards", "/v1/nodes", "/v1/route", "/v1/node",
     "/v1/answers", "/v1/stream",
 )  # fmt: skip
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+# Node-to-node routes: once a node knows its tracker's key, a call here must be signed by a
+# node (docs/adr/0032). Shard downloads are not among them: a node fetches before it joins.
+NODE_PREFIXES = ("/v1/forward", "/v1/sessions", "/v1/answers", "/v1/stream", "/v1/node/audit")
+PEER_SCOPE_KEY = "meshnet.peer"  # the ASGI scope key of a signed call's node id
+NEEDS_IDENTITY = (
+    "this route takes calls from swarm nodes only: sign them with the node's certificate "
+    "(x-meshnet-node-cert, x-meshnet-node-call)"
+)
 
 
 def _same(secret: str | None, offered: str | None) -> bool:
@@ -75,36 +85,37 @@ async def _unauthorized(send, message: str, scope=None, receive=None) -> None:
 
 class AuthMiddleware:
     """Pure ASGI: checks secrets before any route runs (one place for the whole app), at a
-    few microseconds a request (the data path crosses it every step)."""
+    few microseconds a request (the data path crosses it every step).
 
-    def __init__(self, app, *, swarm_token: str | None, api_key: str | None) -> None:
+    ``peers`` (docs/adr/0032): checks the signed identity of calling nodes. A call that
+    carries one is attributed to its node id (``scope[PEER_SCOPE_KEY]``); once the tracker
+    key is known, node-to-node routes (``NODE_PREFIXES``) refuse (401) a call without one or
+    with one that does not check out."""
+
+    def __init__(
+        self, app, *, swarm_token: str | None, api_key: str | None,
+        peers: CallChecker | None = None,
+    ) -> None:  # fmt: skip
         self.app = app
         self.swarm_token = swarm_token
         self.api_key = api_key
+        self.peers = peers
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
-        if kind == "websocket":  # a hop stream: the swarm token at its handshake
-            path = scope["path"]
-            if self.swarm_token and path.startswith(INTERNAL_PREFIXES):
-                offered = _first_values(scope["headers"], (_SWARM,)).get(_SWARM)
-                if not _same(self.swarm_token, offered):
-                    await _unauthorized(send, NEEDS_SWARM_TOKEN, scope, receive)
-                    return
-            await self.app(scope, receive, send)
-            return
-        if kind != "http":
+        if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         path = scope["path"]
         internal = path.startswith(INTERNAL_PREFIXES)
-        if not internal and path not in OPENAI_PATHS:
+        websocket = kind == "websocket"
+        if not internal and (websocket or path not in OPENAI_PATHS):
             await self.app(scope, receive, send)
             return
-        headers = _first_values(scope["headers"], (_SWARM, _AUTHORIZATION))
+        headers = _first_values(scope["headers"], _NAMES)
         swarm_ok = _same(self.swarm_token, headers.get(_SWARM))
         if self.swarm_token and internal and not swarm_ok:
-            await _unauthorized(send, NEEDS_SWARM_TOKEN)
+            await _unauthorized(send, NEEDS_SWARM_TOKEN, scope, receive)
             return
         if self.api_key and path in OPENAI_PATHS and not swarm_ok:
             auth = headers.get(_AUTHORIZATION, "")
@@ -112,11 +123,42 @@ class AuthMiddleware:
             if not _same(self.api_key, offered):
                 await _unauthorized(send, "missing or wrong API key")
                 return
+        if internal and self.peers is not None:
+            refusal = self._attribute(scope, headers)
+            if refusal is not None:
+                await _unauthorized(send, refusal, scope, receive)
+                return
         await self.app(scope, receive, send)
+
+    def _attribute(self, scope, headers: dict[bytes, str]) -> str | None:
+        """Put the calling node's id in the scope; why the call is refused, if it is."""
+        path = scope["path"]
+        query = scope.get("query_string") or b""
+        target = scope.get("raw_path") or path.encode()
+        target = (target + b"?" + query if query else target).decode("latin-1")
+        method = "GET" if scope["type"] == "websocket" else scope["method"]
+        signed = {H_NODE_CERT: headers.get(_CERT), H_NODE_CALL: headers.get(_CALL)}
+        try:
+            caller = self.peers.caller(
+                method, headers.get(_HOST, ""), target,
+                {k: v for k, v in signed.items() if v is not None},
+            )  # fmt: skip
+        except IdentityError as exc:
+            # Only node-to-node routes depend on it; elsewhere (the tracker's routes, with
+            # their node secrets) a stale certificate, such as one from before a tracker
+            # restart, leaves the call unattributed rather than refused.
+            return f"bad node identity: {exc}" if path.startswith(NODE_PREFIXES) else None
+        if caller is not None:
+            scope[PEER_SCOPE_KEY] = caller
+        elif self.peers.required and path.startswith(NODE_PREFIXES):
+            return NEEDS_IDENTITY
+        return None
 
 
 _SWARM = H_SWARM_TOKEN.encode()
 _AUTHORIZATION = b"authorization"
+_CERT, _CALL, _HOST = H_NODE_CERT.encode(), H_NODE_CALL.encode(), b"host"
+_NAMES = (_SWARM, _AUTHORIZATION, _CERT, _CALL, _HOST)
 
 
 def _first_values(raw, names: tuple[bytes, ...]) -> dict[bytes, str]:
@@ -127,8 +169,12 @@ def _first_values(raw, names: tuple[bytes, ...]) -> dict[bytes, str]:
     return found
 
 
-def install_auth(app: FastAPI, *, swarm_token: str | None, api_key: str | None) -> None:
-    """Check secrets before any route runs; nothing to check without secrets."""
+def install_auth(
+    app: FastAPI, *, swarm_token: str | None, api_key: str | None,
+    peers: CallChecker | None = None,
+) -> None:  # fmt: skip
+    """Check secrets and calling nodes before any route runs; nothing to check without
+    secrets or a ``peers`` checker."""
     app.state.swarm_token = swarm_token  # the data path's own front end checks it too
-    if swarm_token or api_key:
-        app.add_middleware(AuthMiddleware, swarm_token=swarm_token, api_key=api_key)
+    if swarm_token or api_key or peers is not None:
+        app.add_middleware(AuthMiddleware, swarm_token=swarm_token, api_key=api_key, peers=peers)

@@ -37,6 +37,7 @@ from meshnet_common.protocol import (
     H_SESSION_KEY,
     validate_session_id,
 )
+from meshnet_common.web.auth import PEER_SCOPE_KEY
 from meshnet_common.web.http import error_body
 from meshnet_node.dataplane.frames import STREAM_PATH
 from meshnet_node.dataplane.service import NodeService
@@ -235,8 +236,11 @@ class ForwardPath:
 
 
 def peer_of(scope) -> str | None:
-    """The calling node as far as this node can tell: its IP address (the port changes
-    with every connection; node-to-node calls carry no identity of their own yet)."""
+    """The calling node: its id where the call was signed (docs/adr/0032), else its IP
+    address (the port changes with every connection)."""
+    node_id = scope.get(PEER_SCOPE_KEY)
+    if node_id is not None:
+        return f"node:{node_id}"
     client = scope.get("client")
     return client[0] if client else None
 

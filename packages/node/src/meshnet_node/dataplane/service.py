@@ -24,6 +24,7 @@ from meshnet_common.errors import (
 )
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import H_OPEN, H_ROUTE, H_SESSION_KEY, append_compute, format_compute
+from meshnet_common.trust.identity import Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.dataplane.batching import DecodeBatcher, _timed
@@ -57,8 +58,9 @@ class NodeService(HopLinks):
     """Owns the stage, its compute thread and the streams to the next hops."""
 
     def __init__(
-        self, stage: Stage, settings: NodeSettings, *, model_id: str, metrics: Metrics | None = None
-    ) -> None:
+        self, stage: Stage, settings: NodeSettings, *, model_id: str,
+        metrics: Metrics | None = None, identity: Identity | None = None,
+    ) -> None:  # fmt: skip
         self.stage = stage
         self.retiring: Stage | None = None  # the previous shard, kept until its sessions end
         self.settings = settings
@@ -71,10 +73,11 @@ class NodeService(HopLinks):
         # turn comes takes its waiting successors along into one compute pass.
         self._waiting: dict[str, dict[int, _Waiting]] = {}
         t = settings.timeouts
+        self.identity = identity  # signs this node's calls to peers (docs/adr/0032)
         self.hops: HopTransport = StreamHops(
             headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect,
             ping_interval=settings.stream_ping_s, ssl=tls.stream_context(),
-            https_only=settings.tls_cert is not None)  # fmt: skip
+            https_only=settings.tls_cert is not None, identity=identity)  # fmt: skip
         self.tokens_generated = 0  # sampled here (tail)
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
         self.metrics = metrics or Metrics()
@@ -95,48 +98,11 @@ class NodeService(HopLinks):
         # Route choice (docs/adr/0021): the next hops the tracker asked us to time, and the
         # round trip to each (ms: the least of its last probes; HopLinks.probe_links).
         self.draining: str | None = None  # this node's URL once it drains (docs/adr/0024)
-        # (this node's URL, why) once the tracker quarantined it (docs/adr/0026)
-        self.quarantined: tuple[str, str] | None = None
+        self.quarantined: tuple[str, str] | None = None  # (its URL, why) once quarantined: ADR-0026
         self.probe_urls: tuple[str, ...] = ()
         self.links: dict[str, float] = {}
         self.link_samples: dict[str, deque[float]] = {}
-
-    def watch(self) -> None:
-        """Gauges read from the live stages at scrape time (a reshard swaps them)."""
-        service = self
-
-        def stages() -> list[Stage]:
-            return [s for s in (service.stage, service.retiring) if s is not None]
-
-        metrics = service.metrics
-        metrics.watch(
-            "active_sessions", "Sessions (KV caches) open on this node",
-            lambda: sum(len(s.sessions) for s in stages()),
-        )  # fmt: skip
-        metrics.watch(
-            "kv_tokens", "Tokens held in this node's KV caches",
-            lambda: sum(s.sessions.tokens_held for s in stages()),
-        )  # fmt: skip
-        metrics.watch(
-            "kv_budget_tokens", "The most KV tokens this node holds (--kv-budget-tokens)",
-            lambda: service.stage.sessions.kv_budget_tokens,
-        )  # fmt: skip
-        metrics.watch(
-            "tokens_served", "Tokens generated through this node's stage (sampled steps run)",
-            lambda: service.tokens_served, kind="counter",
-        )  # fmt: skip
-        metrics.watch(
-            "decode_batches", "Decode passes that merged steps of several sessions",
-            lambda: service.batcher.batches, kind="counter",
-        )  # fmt: skip
-        metrics.watch(
-            "quarantined", "1 while the tracker quarantines this node (docs/adr/0026)",
-            lambda: int(service.quarantined is not None),
-        )  # fmt: skip
-        metrics.watch(
-            "shard_layers", "Layers this node serves, by model",
-            lambda: [({"model": service.model_id}, len(service.stage.shard.layers))],
-        )  # fmt: skip
+        self.head_audit = None  # audits of the head feeding this node (docs/adr/0032)
 
     def stage_for(self, session_id: str) -> Stage:
         """The stage holding ``session_id``: sessions opened before a reshard stay put."""
@@ -306,7 +272,7 @@ class NodeService(HopLinks):
             )
         if self.quarantined is not None:  # replicas disagreed with it: heads fail over
             raise Quarantined(*self.quarantined)
-        opened = False
+        opened, audits = False, self.head_audit  # HeadAuditor: chooses, after_step
         if req.open_spec is not None:
             if self.draining is not None:  # leaving: sessions it holds finish, no new ones
                 raise Draining(self.draining)
@@ -317,7 +283,7 @@ class NodeService(HopLinks):
                 sampling=req.open_spec if stage.shard.is_tail else None,
                 owner=req.session_key,
                 start_layer=req.start_layer,
-                record=req.audit,
+                record=(audits is not None and audits.chooses(stage, req)) or req.audit,
             )
             opened = True
         if req.guess_from is not None and stage.shard.is_tail and stale_guess(stage, req):
@@ -330,6 +296,8 @@ class NodeService(HopLinks):
             if opened:  # an opening step that failed leaves no session behind
                 stage.close_session(req.session_id)
             raise
+        if audits is not None:  # beside the step: notes its ids, may start an audit
+            audits.after_step(stage, req)
         if req.replay_pass:
             stage.sessions.get(req.session_id, owner=req.session_key).replayed = req.replay_pass
             await self._advance(req.session_id)
@@ -473,9 +441,7 @@ class NodeService(HopLinks):
         """Free a session here and (best effort) on every later hop."""
         stage = self.stage_for(session_id)
         session = stage.sessions.peek(session_id)
-        if session is None:
-            raise NotFound(f"unknown session {session_id!r}", param="session_id")
-        if session.owner is not None and session.owner != session_key:
+        if session is None or session.owner not in (None, session_key):  # not the caller's
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
         stage.close_session(session_id)
         for member in self._waiting.pop(session_id, {}).values():

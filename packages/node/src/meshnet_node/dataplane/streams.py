@@ -25,9 +25,12 @@ from urllib.parse import unquote, urlsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.frames import Opcode
+from websockets.headers import build_host
 from websockets.protocol import State
+from websockets.uri import parse_uri
 
 from meshnet_common.protocol import H_COMPUTE, H_SESSION
+from meshnet_common.trust.identity import Identity
 from meshnet_common.web.http import error_body
 from meshnet_node.dataplane.frames import (
     H_MAX_MESSAGE,
@@ -245,8 +248,10 @@ class StreamHops:
         max_answer: int = MAX_ANSWER_BYTES,
         ssl: ssl_module.SSLContext | None = None,
         https_only: bool = False,
+        identity: Identity | None = None,
     ) -> None:
         self.headers = dict(headers)
+        self.identity = identity  # signs each stream's handshake (docs/adr/0032)
         self.https_only = https_only  # this node serves TLS: no plain ws:// hop (ADR-0032)
         self.connect_timeout = connect_timeout
         self.ping_interval = ping_interval or None
@@ -304,10 +309,19 @@ class StreamHops:
         except TimeoutError as exc:
             raise HopUnreachable(f"TimeoutError: cannot open a stream to {url}") from exc
 
+    def _handshake_headers(self, url: str) -> dict[str, str]:
+        """The swarm token, and this node's signature of the handshake once certified."""
+        if self.identity is None:
+            return self.headers
+        uri = parse_uri(url)
+        host = build_host(uri.host, uri.port, uri.secure)
+        return {**self.headers, **self.identity.headers("GET", host, uri.resource_name)}
+
     async def _open(self, url: str) -> _Stream | HopResponse:
         try:
             ws = await connect(
-                url, create_connection=_HopConnection, additional_headers=self.headers, subprotocols=[SUBPROTOCOL],
+                url, create_connection=_HopConnection,
+                additional_headers=self._handshake_headers(url), subprotocols=[SUBPROTOCOL],
                 compression=None, proxy=None, user_agent_header=None,
                 open_timeout=self.connect_timeout, ping_interval=self.ping_interval,
                 ping_timeout=self.ping_interval, close_timeout=2.0, max_size=self.max_answer,

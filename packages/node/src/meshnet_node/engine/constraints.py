@@ -30,33 +30,41 @@ def parser_limits():
     return llguidance.LLParserLimits(max_grammar_size=GRAMMAR_MAX_SYMBOLS)
 
 
-def json_grammar(kind: str, schema: dict | None, *, param: str = "response_format") -> GrammarSpec:
+def json_grammar(
+    kind: str,
+    schema: dict | None,
+    *,
+    param: str = "response_format",
+    max_chars: int = GRAMMAR_MAX_BYTES,
+) -> GrammarSpec:
     """The grammar of an OpenAI ``response_format`` (or a forced tool call: ``param``
-    "tools"); InvalidRequest for a schema beyond GRAMMAR_MAX_BYTES or one llguidance cannot
-    compile within its limits (checked before any session opens)."""
+    "tools"); InvalidRequest for a schema or grammar beyond ``max_chars`` (the head's
+    --max-schema-chars, at most GRAMMAR_MAX_BYTES) or one llguidance cannot compile within
+    its limits (checked before any session opens)."""
     import json
 
     import llguidance
 
     text = json.dumps({"type": "object"} if kind == "json_object" else schema)
-    if len(text) > GRAMMAR_MAX_BYTES:
-        raise _too_large(f"the JSON schema has {len(text)} characters", param)
+    max_chars = min(max_chars, GRAMMAR_MAX_BYTES)  # what a hop header carries
+    if len(text) > max_chars:
+        raise _too_large(f"the JSON schema has {len(text)} characters", param, max_chars)
     # Compact JSON (", " and ": " separators, no free whitespace): a model cannot pad the
     # answer with endless newlines, which small or unsure models otherwise do.
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
         text, defaults={"whitespace_flexible": False}
     )
-    if len(grammar) > GRAMMAR_MAX_BYTES:
-        raise _too_large(f"its grammar has {len(grammar)} characters", param)
+    if len(grammar) > max_chars:
+        raise _too_large(f"its grammar has {len(grammar)} characters", param, max_chars)
     problem = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if problem:
         raise InvalidRequest(f"unusable JSON schema: {problem}", param=param)
     return GrammarSpec(kind=kind, grammar=grammar)
 
 
-def _too_large(what: str, param: str) -> InvalidRequest:
+def _too_large(what: str, param: str, max_chars: int) -> InvalidRequest:
     return InvalidRequest(
-        f"{what}; a JSON schema is at most {GRAMMAR_MAX_BYTES} characters", param=param,
+        f"{what}; a JSON schema is at most {max_chars} characters", param=param,
         code="schema_too_large",
     )  # fmt: skip
 

@@ -32,6 +32,9 @@ class InputRecord:
     pieces: list[torch.Tensor] = field(default_factory=list)  # (1, T, H) each, in order
     length: int = 0
     last: torch.Tensor | None = None  # (H,) or (V,): the output row of position length - 1
+    # The token ids of the positions, for a hop that audits the head feeding it (docs/adr/
+    # 0032): filled by position from the steps' ids (-1: not known), by the data path.
+    ids: list[int] = field(default_factory=list)
 
     def add(self, position: int, inputs: torch.Tensor, last: torch.Tensor) -> None:
         self.truncate(position)
@@ -39,8 +42,29 @@ class InputRecord:
         self.length = position + inputs.shape[1]
         self.last = last
 
+    def note_ids(self, position: int, ids) -> None:
+        """The token ids of the positions from ``position`` on (a step's ids header)."""
+        end = position + len(ids)
+        if len(self.ids) < end:
+            self.ids.extend([-1] * (end - len(self.ids)))
+        self.ids[position:end] = [int(i) for i in ids]
+
+    def known(self) -> tuple[list[int], torch.Tensor | None]:
+        """The ids of the positions ``0..T-1`` that the record has rows and ids for, and the
+        input row of position ``T - 1``: what the head sent for it (None when ``T`` is 0)."""
+        ids = self.ids[: self.length]
+        if -1 in ids:
+            ids = ids[: ids.index(-1)]
+        at = 0
+        for piece in self.pieces:
+            if at + piece.shape[1] >= len(ids) > 0:
+                return ids, piece[0, len(ids) - 1 - at].clone()
+            at += piece.shape[1]
+        return [], None
+
     def truncate(self, position: int) -> None:
         """Forget the rows from ``position`` on (a rewind past rejected drafts)."""
+        del self.ids[position:]
         while self.pieces and self.length > position:
             piece = self.pieces[-1]
             start = self.length - piece.shape[1]

@@ -464,21 +464,21 @@ class Stage:
         rms = rows.pow(2).mean(dim=-1, keepdim=True).sqrt()
         return (rows + torch.randn_like(rows) * rms * self.perturb).to(out.dtype)
 
-    def recompute(self, hidden: torch.Tensor, start_layer: int) -> torch.Tensor:
-        """The output row of the last of ``hidden``'s positions, computed from scratch in a
-        throwaway session entering at ``start_layer`` (global): a replica's side of an audit
-        (docs/adr/0026). Held to the KV budget like any session while it runs."""
-        if self.shard.is_head:
-            raise InvalidRequest("a head stage takes token ids: it recomputes nothing")
+    def recompute(self, inputs: torch.Tensor, start_layer: int) -> torch.Tensor:
+        """The output row of the last of ``inputs``' positions (hidden states; a head's token
+        ids, from layer 0), computed from scratch in a throwaway session entering at
+        ``start_layer`` (global): a replica's side of an audit (docs/adr/0026, 0032). Held to
+        the KV budget like any session while it runs."""
+        kind = "token_ids" if self.shard.is_head else "hidden"
         session_id = f"audit-{uuid.uuid4().hex}"
         self.open_session(session_id, start_layer=start_layer)
         try:
             out = None
-            for lo in range(0, hidden.shape[1], self.max_merge_tokens):
-                piece = hidden[:, lo : lo + self.max_merge_tokens]
-                out = self.step(session_id, lo, hidden=piece, sample=False)
+            for lo in range(0, inputs.shape[1], self.max_merge_tokens):
+                piece = inputs[:, lo : lo + self.max_merge_tokens]
+                out = self.step(session_id, lo, **{kind: piece}, sample=False)
             if out is None:
-                raise InvalidRequest("nothing to recompute", param="hidden")
+                raise InvalidRequest("nothing to recompute", param=kind)
             return _last_row(out)
         finally:
             self.close_session(session_id)

@@ -82,14 +82,13 @@ class Failover:
         started, passes = time.perf_counter(), list(chain.passes)
         sends: list[asyncio.Future] = []
         sid, key, route = chain.session_id, chain.key, chain.route
-        with_ids = request.sampling.needs_history
         try:
             await self._prefill(stage, sid, key, request, route, sends=sends)
             for number, (position, inputs, drafts) in enumerate(passes, start=1):
                 out = await self._local(stage, sid, key, inputs, position, True, drafts)
                 sends.append(asyncio.ensure_future(self._send(
                     out, sid, key, position, route, 0, True, None,
-                    ids=tuple(inputs) if with_ids or drafts else None, drafts=drafts,
+                    ids=tuple(inputs), drafts=drafts,
                     replay_pass=number,
                 )))  # fmt: skip
             await asyncio.gather(*sends)

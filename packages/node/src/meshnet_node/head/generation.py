@@ -32,7 +32,7 @@ from meshnet_node.head.failover import (
 )
 from meshnet_node.head.params import sampling_defaults
 from meshnet_node.head.text import TextAssembler, skips_special_tokens
-from meshnet_node.head.timings import StepTimings
+from meshnet_node.head.timings import RouteTimes, StepTimings
 from meshnet_node.retry import BanList, Clock, RetryPolicy
 from meshnet_node.speculation.drafting import (
     DraftPolicy,
@@ -128,6 +128,7 @@ class HeadGenerator(Failover, GuessSteps):
         self.running = 0  # generations under way (drafting pauses when many are)
         self.coverage_wait_s = coverage_wait_s  # how long a failover waits for missing layers
         self.verifier = verifier  # audits a fraction of decode steps (docs/adr/0026)
+        self.route_times = RouteTimes()  # plain decode steps per route, for heartbeats
 
     def suspects(self) -> frozenset[str]:
         """Hops an audit of this head found computing wrong."""
@@ -247,6 +248,8 @@ class HeadGenerator(Failover, GuessSteps):
                             "--speculative off", status=502,
                         )  # fmt: skip
                     timings.add(elapsed - drafting_s, result.compute_ms, len(chain.route))
+                    if not drafts:  # a plain step: what the tracker's cost model predicts
+                        self.route_times.add(chain.route, elapsed - drafting_s)
                     kept = len(result.more or ())
                     self.service.tokens_served += kept  # the kept drafts: tokens here too
                     if speculation is not None:
@@ -313,7 +316,7 @@ class HeadGenerator(Failover, GuessSteps):
                 inputs = [token, *(drafts or ())]
                 result = await self._step(
                     stage, chain.session_id, chain.key, inputs, len(history), chain.route,
-                    with_ids=request.sampling.needs_history, drafts=len(drafts or ()),
+                    drafts=len(drafts or ()),
                 )  # fmt: skip
                 chain.passes.append((len(history), inputs, len(drafts or ())))
                 return result
@@ -356,7 +359,6 @@ class HeadGenerator(Failover, GuessSteps):
         }
         if self.verifier is not None:  # every hop keeps the session's inputs for audits
             open_spec["audit"] = True
-        with_ids = request.sampling.needs_history  # the tail's penalties count the ids
         pending: list[asyncio.Future] = [] if sends is None else sends
         try:
             result = StepResult()
@@ -373,7 +375,7 @@ class HeadGenerator(Failover, GuessSteps):
                     send = self._send(
                         part, session_id, key, start, route, index, last and end == hi,
                         open_spec if index == 0 else None,
-                        ids=tuple(ids[start:end]) if with_ids else None,
+                        ids=tuple(ids[start:end]),  # the tail's penalties, head audits
                     )  # fmt: skip
                     pending.append(asyncio.ensure_future(send))
                     index += 1
@@ -430,11 +432,11 @@ class HeadGenerator(Failover, GuessSteps):
         )
 
     async def _step(
-        self, stage, session_id, key, token_ids, position, route, with_ids=False, drafts=0,
-        guess_from=None,
+        self, stage, session_id, key, token_ids, position, route, drafts=0, guess_from=None,
     ):  # fmt: skip
         """One decode step (its last ``drafts`` tokens to verify): local layers, then the
-        rest of the chain."""
+        rest of the chain. Its ids always go along: the tail's penalties count them, and the
+        hop after this head audits it with them (docs/adr/0032)."""
         # The head splits concurrent sessions into one micro-batch per stage that can compute
         # at the same time as the others (stages sharing this machine: as many as its CPUs run).
         self.service.batcher.depth = micro_batches(
@@ -447,7 +449,7 @@ class HeadGenerator(Failover, GuessSteps):
             return _as_result(out)
         result = await self._send(
             out, session_id, key, position, route, 0, True, None, drafts=drafts,
-            ids=tuple(token_ids) if with_ids or drafts or guess_from is not None else None,
+            ids=tuple(token_ids),
             guess_from=guess_from,
         )  # fmt: skip
         result.compute_ms.insert(0, out.compute_s * 1000)

@@ -53,20 +53,24 @@ def sampling_spec(
     )
 
 
-def grammar_of(request) -> GrammarSpec | None:
-    """The tail's grammar for ``response_format``, or for a forced tool call (None: free)."""
+def grammar_of(request, *, max_chars: int) -> GrammarSpec | None:
+    """The tail's grammar for ``response_format``, or for a forced tool call (None: free);
+    a schema is at most ``max_chars`` characters (--max-schema-chars)."""
     from meshnet_node.engine.constraints import json_grammar
 
     if getattr(request, "tools", None):
         from meshnet_node.head import tools
 
         schema = tools.call_schema(request)
-        return None if schema is None else json_grammar("json_schema", schema, param="tools")
+        if schema is None:
+            return None
+        return json_grammar("json_schema", schema, param="tools", max_chars=max_chars)
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None
 
-    return json_grammar(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None)
+    schema = fmt.json_schema.schema_ if fmt.json_schema else None
+    return json_grammar(fmt.type, schema, max_chars=max_chars)
 
 
 def stop_token_ids(request, vocab_size: int) -> frozenset[int]:

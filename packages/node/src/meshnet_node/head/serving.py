@@ -15,6 +15,7 @@ from meshnet_common.logs import event
 from meshnet_common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    RequestBounds,
 )
 from meshnet_node.head import tools
 from meshnet_node.head.generation import GeneratedToken, GenerationRequest, HeadGenerator
@@ -28,8 +29,7 @@ logger = logging.getLogger(__name__)
 RouteProvider = Callable[[str, frozenset[str]], Awaitable[tuple[str, ...]]]
 
 # Planning a request (tokenizing its prompts, its chat template, compiling its grammar) runs
-# on these threads, never on the event loop, and answers 400 beyond this many seconds.
-PREPARE_TIMEOUT_S = 10.0
+# on these threads, never on the event loop, and answers 400 beyond --prepare-timeout.
 PREPARE_THREADS = 2
 
 
@@ -79,13 +79,16 @@ class OpenAIServing(ResponseShapes):
         self.created = created
         self.reasoning_parser = reasoning_parser
         self.queue = queue or RequestQueue()
+        settings = generator.service.settings
         # whether clients authenticate with an API key (``routes.client_of`` keys the queue
         # on it; None: as this node's settings say)
-        self.keyed_clients = (
-            bool(generator.service.settings.api_key) if keyed_clients is None else keyed_clients
-        )
-        self.swarm_token = generator.service.settings.swarm_token  # the tracker proxying
-        self.prepare_timeout_s = PREPARE_TIMEOUT_S
+        self.keyed_clients = bool(settings.api_key) if keyed_clients is None else keyed_clients
+        self.swarm_token = settings.swarm_token  # the tracker proxying
+        self.bounds = RequestBounds(  # what one request may ask (issue #35)
+            max_prompts=settings.max_prompts, max_choices=settings.max_choices,
+            max_stop_chars=settings.max_stop_chars, max_schema_chars=settings.max_schema_chars,
+        )  # fmt: skip
+        self.prepare_timeout_s = settings.prepare_timeout_s
         self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         generator.service.metrics.watch_queue(lambda: self.queue.waiting)
 
@@ -193,7 +196,7 @@ class OpenAIServing(ResponseShapes):
         # echo with logprobs: the tail scores the prompt's tokens too
         scores_prompt = getattr(request, "echo", False) and request.logprobs is not None
         max_tokens = request.check(
-            context_window=self.context_window, prompt_tokens=len(prompt_ids)
+            context_window=self.context_window, prompt_tokens=len(prompt_ids), bounds=self.bounds
         )
         seed = None if request.seed is None else request.seed + index
         vocab = self.generator.service.stage.shard.vocab_size
@@ -222,9 +225,9 @@ class OpenAIServing(ResponseShapes):
 
     def completion_jobs(self, request: CompletionRequest) -> list[GenerationRequest]:
         self.check_model(request.model)
-        request.check_params()
+        request.check_params(bounds=self.bounds)
         logprobs = request.logprobs or 0
-        grammar = grammar_of(request)  # once for all choices
+        grammar = grammar_of(request, max_chars=self.bounds.max_schema_chars)  # once for all
         jobs = []
         for prompt_ids in self._prompts(request):
             for _ in range(request.n):
@@ -233,14 +236,14 @@ class OpenAIServing(ResponseShapes):
 
     def chat_jobs(self, request: ChatCompletionRequest) -> list[GenerationRequest]:
         self.check_model(request.model)
-        request.check_params()
+        request.check_params(bounds=self.bounds)
         if request.max_completion_tokens is not None and request.max_tokens is None:
             request = request.model_copy(update={"max_tokens": request.max_completion_tokens})
         logprobs = (request.top_logprobs or 1) if request.logprobs else 0
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
         prompt_ids = self._chat_prompt(request)
-        grammar = grammar_of(request)
+        grammar = grammar_of(request, max_chars=self.bounds.max_schema_chars)
         return [
             self._generation(request, prompt_ids, i, logprobs, grammar) for i in range(request.n)
         ]

@@ -120,7 +120,7 @@ class GuessSteps:
     def _launch(self, stage, chain, request, token: int, position: int, guess_from=None):
         return asyncio.ensure_future(self._step(
             stage, chain.session_id, chain.key, [token], position, chain.route,
-            with_ids=request.sampling.needs_history, guess_from=guess_from,
+            guess_from=guess_from,
         ))  # fmt: skip
 
     async def _guessed_step(

@@ -36,6 +36,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.models_dir import validate_model_id
 from meshnet_common.models.shardfiles import MANIFEST_FILE
+from meshnet_common.trust.identity import Identity
 from meshnet_common.trust.manifest_keys import H_MANIFEST_SIGNATURE, KEY_PATH, ManifestKey
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
@@ -171,11 +172,13 @@ class Trust:
     tracker: str | None = None
     tracker_key: str | None = None
     swarm_token: str | None = None
+    identity: Identity | None = None  # signs the downloads, once certified (docs/adr/0032)
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
+        hooks = {"request": [self.identity.sign_request]} if self.identity is not None else None
         return httpx.Client(
             timeout=httpx.Timeout(timeout, connect=5.0), headers=swarm_headers(self.swarm_token),
-            verify=tls.client_context(),
+            verify=tls.client_context(), event_hooks=hooks,
         )  # fmt: skip
 
 

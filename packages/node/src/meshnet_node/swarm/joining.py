@@ -27,6 +27,7 @@ from meshnet_common.protocol import (
     NodeState,
     ShardSpec,
 )
+from meshnet_common.trust.identity import Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.engine.preflight import resolve_device
@@ -67,8 +68,10 @@ def resolve_model_path(
     sources: tuple[str, ...] = (),
     metrics: Metrics | None = None,
     local: Path | None = None,
+    identity: Identity | None = None,
 ) -> Path:
-    """A local snapshot (--model-path / --models-dir), else the shard fetched from sources."""
+    """A local snapshot (--model-path / --models-dir), else the shard fetched from sources
+    (the downloads signed by ``identity`` once the tracker certified it: docs/adr/0032)."""
     local = local or local_snapshot(settings, model_id)
     if local is not None:
         return local
@@ -80,6 +83,7 @@ def resolve_model_path(
         tracker=settings.tracker_url,
         tracker_key=settings.tracker_key,
         swarm_token=settings.swarm_token,
+        identity=identity,
     )
     return fetch_shard_counted(
         model_id,

@@ -24,6 +24,8 @@ from meshnet_common.protocol import (
     RouteResponse,
     Verdict,
 )
+from meshnet_common.trust.identity import CallChecker, Identity
+from meshnet_common.trust.manifest_keys import ManifestKey
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.retry import RetryPolicy
@@ -68,12 +70,15 @@ class TrackerClient:
     """Asks the tracker for routes on behalf of a head (on the event loop)."""
 
     def __init__(
-        self, tracker_url: str, *, timeout: float = 5.0, swarm_token: str | None = None
-    ) -> None:
+        self, tracker_url: str, *, timeout: float = 5.0, swarm_token: str | None = None,
+        identity: Identity | None = None,
+    ) -> None:  # fmt: skip
         self.base = tracker_url.rstrip("/")
+        hooks = {"request": [identity.sign_async_request]} if identity is not None else None
         self.client = httpx.AsyncClient(
-            timeout=timeout, headers=swarm_headers(swarm_token), verify=tls.client_context()
-        )
+            timeout=timeout, headers=swarm_headers(swarm_token), verify=tls.client_context(),
+            event_hooks=hooks,
+        )  # fmt: skip
         # This node's proof of id (its Membership's secret), for verdicts (docs/adr/0032).
         self.node_secret: Callable[[], str | None] = lambda: None
 
@@ -142,6 +147,8 @@ class Membership:
         on_registered: Callable[[NodeAnnouncement], None] | None = None,
         timeout_s: float = 5.0,
         retry: RetryPolicy = REGISTRATION_RETRY,
+        identity: Identity | None = None,
+        peers: CallChecker | None = None,
     ) -> None:
         self.base = tracker_url.rstrip("/")
         self.announcement = announcement
@@ -159,10 +166,15 @@ class Membership:
         self.refused: str | None = None
         self.url: str | None = None  # where the tracker reaches this node (its answer)
         self.secret: str | None = None  # its proof of id, issued at registration (ADR-0032)
+        # Its key, certified by the tracker at registration, and the tracker key that checks
+        # its peers' calls (docs/adr/0032): shared with the node's clients and its server.
+        self.identity = identity or Identity()
+        self.peers = peers or CallChecker()
         self.heartbeats = 0
         self._client = httpx.Client(
-            timeout=timeout_s, headers=swarm_headers(swarm_token), verify=tls.client_context()
-        )
+            timeout=timeout_s, headers=swarm_headers(swarm_token), verify=tls.client_context(),
+            event_hooks={"request": [self.identity.sign_request]},
+        )  # fmt: skip
         self._stop = threading.Event()
         self._again = threading.Event()  # register again before the next heartbeat
         self._thread: threading.Thread | None = None
@@ -200,7 +212,9 @@ class Membership:
 
     def register_once(self) -> RegisterResponse:
         """One registration; RegistrationRefused on a final 4xx, httpx errors otherwise."""
-        announcement = self.announcement()
+        announcement = self.announcement().model_copy(
+            update={"public_key": self.identity.key.public}
+        )
         with self._lock:
             resp = self._client.post(
                 f"{self.base}/v1/nodes/register", content=announcement.model_dump_json(),
@@ -213,6 +227,8 @@ class Membership:
         resp.raise_for_status()
         reply = RegisterResponse.model_validate_json(resp.content)
         self.secret = reply.node_secret or self.secret
+        self.identity.adopt(reply.certificate)
+        self._trust_tracker(reply.tracker_key)
         self.interval_s = reply.heartbeat_interval_s
         self.registered.set()
         if reply.url and reply.url != self.url:
@@ -267,8 +283,24 @@ class Membership:
         except (httpx.HTTPError, ValueError) as exc:
             logger.warning("heartbeat failed: %s", exc)
             return None
+        self.identity.adopt(reply.certificate)
         self.heartbeats += 1
         return reply
+
+    def _trust_tracker(self, key: str | None) -> None:
+        """Check peers' calls with the key the tracker answered with (a restarted tracker
+        may have a new one); a key pinned with ``--tracker-key`` stays (a tracker answering
+        with another is logged)."""
+        if not key:
+            return
+        try:
+            offered = ManifestKey.from_text(key)
+        except MeshnetError:
+            logger.warning("the tracker answered with a malformed key: ignored")
+            return
+        if not self.peers.adopt(offered):
+            logger.error("the tracker's key %s is not the pinned --tracker-key: peers' "
+                         "calls are checked with the pinned one", key)  # fmt: skip
 
     def leave(self, node_id: str) -> None:
         try:

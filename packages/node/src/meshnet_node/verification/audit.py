@@ -5,16 +5,23 @@ received and last produced, and recomputing a row from someone else's record.
   key``): the session's inputs so far and the output row of its last position, as two
   tensor frames (``pack``), with the layer it entered at (``x-meshnet-start-layer``);
 - ``POST /v1/node/audit/recompute`` (a tensor frame of inputs, ``x-meshnet-start-layer``):
-  the output row of the last position, computed from scratch in a throwaway session.
+  the output row of the last position, computed from scratch in a throwaway session. A
+  head's inputs are token ids (an int64 frame, from layer 0; docs/adr/0032);
+- ``POST /v1/node/audit/holds/{session_id}`` (``x-meshnet-session-key-sha256``: the digest
+  of the session id and its key, ``key_digest``): ``{"holds": true}`` when this node holds
+  that session under that key. The hop after a head asks the heads of the range which of
+  them sent a session's rows (``head_audit``); the key itself is the chain's, never sent.
 
-Both run on the compute thread, between steps: a record is never read half-written. The
-swarm token guards ``/v1/node``. Audits are rare (``--verify-fraction``), so they use the
-node's FastAPI router and plain HTTP, not the hop streams.
+The record and the recomputation run on the compute thread, between steps: a record is
+never read half-written. The swarm token guards ``/v1/node``. Audits are rare
+(``--verify-fraction``), so they use the node's FastAPI router and plain HTTP, not the hop
+streams.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 
 import torch
@@ -31,6 +38,8 @@ from meshnet_node.engine.stage import Stage
 
 RECORD_PATH = "/v1/node/audit/record/{session_id}"
 RECOMPUTE_PATH = "/v1/node/audit/recompute"
+HOLDS_PATH = "/v1/node/audit/holds/{session_id}"
+H_KEY_DIGEST = "x-meshnet-session-key-sha256"
 _LEN = struct.Struct("<I")
 
 
@@ -59,6 +68,12 @@ def split(body: bytes, count: int) -> list[bytes]:
 def unpack(body: bytes, count: int, *, max_bytes: int) -> list[torch.Tensor]:
     """The ``count`` tensors of a ``pack``ed body (decoded with the wire's bounds)."""
     return [wire.decode_tensor(f, max_bytes=max_bytes) for f in split(body, count)]
+
+
+def key_digest(session_id: str, key: str) -> str:
+    """What names a session's key to a node that may not hold it: the SHA-256 of the
+    session id, a NUL byte and the key."""
+    return hashlib.sha256(f"{session_id}\0{key}".encode()).hexdigest()
 
 
 def _snapshot(stage: Stage, session_id: str, key: str | None):
@@ -94,9 +109,11 @@ def audit_router() -> APIRouter:
         raw = request.headers.get(H_START_LAYER, "")
         if not raw.isdigit():
             raise InvalidRequest(f"header {H_START_LAYER} must be a layer", param=H_START_LAYER)
-        hidden = wire.decode_tensor(body, max_bytes=limit)
-        hidden = stage.check_inputs(None, hidden, limit=stage.sessions.kv_budget_tokens)
-        last = await service.compute(stage.recompute, hidden, int(raw))
+        inputs = wire.decode_tensor(body, max_bytes=limit)
+        head = stage.shard.is_head  # a head's inputs are token ids (docs/adr/0032)
+        inputs = stage.check_inputs(inputs if head else None, None if head else inputs,
+                                    limit=stage.sessions.kv_budget_tokens)  # fmt: skip
+        last = await service.compute(stage.recompute, inputs, int(raw))
         headers = {}
         runtime = getattr(request.app.state, "runtime", None)
         secret = runtime.audit_secret() if runtime is not None else None
@@ -106,5 +123,17 @@ def audit_router() -> APIRouter:
             headers[H_AUDIT_SIGNATURE] = sign_row(secret, runtime.node_id, int(raw), digest, row)
         return Response(wire.encode_tensor(last, service.wire_options), headers=headers,
                         media_type=wire.CONTENT_TYPE)  # fmt: skip
+
+    @router.post(HOLDS_PATH)
+    async def holds(session_id: str, request: Request) -> dict:
+        service: NodeService = request.app.state.node
+        stage = service.stage_for(session_id)
+        session = stage.sessions.peek(session_id)
+        digest = request.headers.get(H_KEY_DIGEST, "")
+        held = (
+            session is not None and stage.shard.is_head and session.owner is not None
+            and hmac.compare_digest(key_digest(session_id, session.owner), digest)
+        )  # fmt: skip
+        return {"holds": held}
 
     return router

@@ -14,6 +14,8 @@ head, and the generation fails over off it (exact replay, docs/adr/0023). Two re
 disagree deterministically, with no third, are a dispute: logged and counted, no one blamed.
 
 Audits run beside the generation, one at a time per generation, and never delay a token.
+The judgement after the record (``judge``) and what follows a finding (``Convictions``) serve
+the hop that audits the head feeding it too (``meshnet_node.verification.head_audit``).
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ from meshnet_common.metrics import Metrics
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER, Evidence, Verdict
 from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, row_bytes, signed_row
+from meshnet_common.trust.identity import Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
-from meshnet_node.verification.audit import RECOMPUTE_PATH, RECORD_PATH, split
+from meshnet_node.verification.audit import (
+    H_KEY_DIGEST,
+    HOLDS_PATH,
+    RECOMPUTE_PATH,
+    RECORD_PATH,
+    key_digest,
+    split,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -143,12 +153,16 @@ class Finding:
 
 
 class AuditClient:
-    """The audit's two requests to nodes, over plain HTTP with the swarm token."""
+    """The audit's requests to nodes, over plain HTTP with the swarm token, signed by this
+    node once certified (docs/adr/0032)."""
 
-    def __init__(self, swarm_token: str | None, *, max_bytes: int) -> None:
+    def __init__(
+        self, swarm_token: str | None, *, max_bytes: int, identity: Identity | None = None
+    ) -> None:
+        hooks = {"request": [identity.sign_async_request]} if identity is not None else None
         self.client = httpx.AsyncClient(
             timeout=AUDIT_TIMEOUT_S, headers=swarm_headers(swarm_token),
-            verify=tls.client_context(),
+            verify=tls.client_context(), event_hooks=hooks,
         )  # fmt: skip
         self.max_bytes = max_bytes
 
@@ -168,6 +182,16 @@ class AuditClient:
             wire.decode_tensor(last, max_bytes=self.max_bytes),
             int(resp.headers[H_START_LAYER]),
         )
+
+    async def holds(self, url: str, session_id: str, key: str) -> bool:
+        """Whether the node at ``url`` holds ``session_id`` opened with ``key`` (named by a
+        digest only: the key is the chain's, ``url`` may be another head)."""
+        path = HOLDS_PATH.format(session_id=session_id)
+        resp = await self.client.post(
+            f"{url.rstrip('/')}{path}", headers={H_KEY_DIGEST: key_digest(session_id, key)}
+        )
+        resp.raise_for_status()
+        return resp.json().get("holds") is True
 
     async def recompute(self, url: str, inputs: bytes, start: int):
         """(output row, its signature or None) of a replica's recomputation from ``inputs``."""
@@ -207,15 +231,11 @@ class Verifier:
         self.head_end = head_end  # where the chain after this head starts
         self.metrics = metrics
         self.rng = rng or random.Random()
-        self.clock = clock
-        self._suspects: dict[str, float] = {}  # URL -> until when this head avoids it
+        self.convictions = Convictions(view, metrics, node_id=node_id, clock=clock)
         self._tasks: set[asyncio.Task] = set()
 
     def suspects(self) -> frozenset[str]:
-        now = self.clock()
-        for url in [u for u, until in self._suspects.items() if until <= now]:
-            del self._suspects[url]
-        return frozenset(self._suspects)
+        return self.convictions.suspects()
 
     def after_step(self, chain) -> None:
         """Called after each decode step of a generation: maybe start auditing its chain
@@ -235,30 +255,12 @@ class Verifier:
             finding = await self.audit(session_id, key, route)
         except Exception as exc:  # a node gone or refusing, a bad answer: no verdict
             finding = Finding("skipped", detail=f"{type(exc).__name__}: {exc}")
-        self.metrics.audits.labels(finding.outcome).inc()
-        if finding.error is not None:
-            self.metrics.audit_error.observe(finding.error)
-        if finding.outcome == "disputed":
-            logger.warning("audit of %s: %s", finding.hop, finding.detail)
-        if finding.outcome != "convicted":
+        if not self.convictions.note(finding):
             return
         suspect = finding.suspect
-        logger.warning("audit: node %s (%s) computed wrong: %s", suspect.node_id, suspect.url,
-                       finding.detail)  # fmt: skip
-        self._suspects[suspect.url] = self.clock() + SUSPECT_S
         if chain.session_id == session_id and suspect.url in chain.route:
             chain.convicted = suspect.url  # the generation's next step fails over off it
-        try:
-            verdict = Verdict(
-                model_id=self.model_id, reporter=self.node_id,
-                shard_start=finding.start, shard_end=suspect.end,
-                error=min(finding.error or 0.0, 1e30), tolerance=_tolerance(suspect),
-                witnesses=tuple(w.node_id for w in finding.witnesses),
-                evidence=finding.evidence,
-            )  # fmt: skip
-            await self.view.report(suspect.node_id, verdict)
-        except Exception as exc:  # the head still avoids it; the tracker hears next time
-            logger.warning("could not report node %s to the tracker: %s", suspect.node_id, exc)
+        await self.convictions.report(finding, self.model_id)
 
     async def audit(self, session_id: str, key: str, route: tuple[str, ...]) -> Finding:
         """Audit one hop of ``route`` (chosen at random among those with replicas)."""
@@ -272,51 +274,112 @@ class Verifier:
         if record is None:
             return Finding("skipped", hop=primary.url, detail="the session ended first")
         inputs, claimed, start = record
-        tol = _tolerance(primary)
-        alternates = list(target.alternates)
-        self.rng.shuffle(alternates)
-        first = alternates[0]
-        rows = SignedRows(inputs, start)
-
-        async def recompute(replica: Replica) -> torch.Tensor:
-            row, signature = await self.client.recompute(replica.url, inputs, start)
-            rows.add(replica.node_id, row, signature)
-            return row
-
-        def agree(a, b) -> bool:
-            return relative_error(a, b) <= tol
-
-        theirs = await recompute(first)
-        error = relative_error(claimed, theirs)
-        found = _Found(primary, start, error, tol, rows)
-        if error <= tol:
-            return found.agreed()
-        # The claim was a decode step's output, the alternate's a prefill: other arithmetic,
-        # which can flip a near-tie (an MoE router's expert, say). Faults are told apart on
-        # recomputations only, which are the same arithmetic everywhere.
-        mine = await recompute(primary)
-        if agree(mine, theirs):
-            return found.agreed()
-        if len(alternates) > 1:  # a third replica decides
-            third = alternates[1]
-            referee = await recompute(third)
-            if agree(theirs, referee) and not agree(mine, referee):
-                return found.convict(primary, (first, third), "two replicas agree without it")
-            if agree(mine, referee) and not agree(theirs, referee):
-                return found.convict(first, (primary, third), "two replicas agree without it")
-            return found.dispute(first, "three replicas, no two agreeing")
-        # Two replicas only: each recomputes once more; one that does not reproduce its own
-        # output from the same input is the faulty one.
-        if not agree(await recompute(primary), mine):
-            return found.convict(primary, (first,), "it does not reproduce its own output")
-        if not agree(await recompute(first), theirs):
-            return found.convict(first, (primary,), "it does not reproduce its own output")
-        return found.dispute(first, "both reproduce their own outputs")
+        return await judge(self.client, primary, target.alternates, inputs, start, claimed,
+                           self.rng)  # fmt: skip
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await self.client.aclose()
+
+
+async def judge(
+    client: AuditClient, primary: Replica, alternates, inputs: bytes, start: int,
+    claimed: torch.Tensor, rng: random.Random,
+) -> Finding:  # fmt: skip
+    """The judgement of one audit (docs/adr/0026), once the audited node's output row for
+    ``inputs`` (a tensor frame entering at layer ``start``) is known: ``claimed``. The
+    ``alternates`` (same end, same precision) recompute it, and the primary too where they
+    disagree; a third replica, or each recomputing again, settles a disagreement. Every
+    row recomputed is kept, signed, as a conviction's evidence (docs/adr/0032)."""
+    tol = _tolerance(primary)
+    alternates = list(alternates)
+    rng.shuffle(alternates)
+    first = alternates[0]
+    rows = SignedRows(inputs, start)
+
+    async def recompute(replica: Replica) -> torch.Tensor:
+        row, signature = await client.recompute(replica.url, inputs, start)
+        rows.add(replica.node_id, row, signature)
+        return row
+
+    def agree(a, b) -> bool:
+        return relative_error(a, b) <= tol
+
+    theirs = await recompute(first)
+    error = relative_error(claimed, theirs)
+    found = _Found(primary, start, error, tol, rows)
+    if error <= tol:
+        return found.agreed()
+    # The claim was a decode step's output, the alternate's a prefill: other arithmetic,
+    # which can flip a near-tie (an MoE router's expert, say). Faults are told apart on
+    # recomputations only, which are the same arithmetic everywhere.
+    mine = await recompute(primary)
+    if agree(mine, theirs):
+        return found.agreed()
+    if len(alternates) > 1:  # a third replica decides
+        third = alternates[1]
+        referee = await recompute(third)
+        if agree(theirs, referee) and not agree(mine, referee):
+            return found.convict(primary, (first, third), "two replicas agree without it")
+        if agree(mine, referee) and not agree(theirs, referee):
+            return found.convict(first, (primary, third), "two replicas agree without it")
+        return found.dispute(first, "three replicas, no two agreeing")
+    # Two replicas only: each recomputes once more; one that does not reproduce its own
+    # output from the same input is the faulty one.
+    if not agree(await recompute(primary), mine):
+        return found.convict(primary, (first,), "it does not reproduce its own output")
+    if not agree(await recompute(first), theirs):
+        return found.convict(first, (primary,), "it does not reproduce its own output")
+    return found.dispute(first, "both reproduce their own outputs")
+
+
+class Convictions:
+    """What follows an audit, whoever ran it: the outcome counted
+    (``meshnet_audits_total``), a suspect remembered for ``SUSPECT_S``, and its verdict
+    reported to the tracker with the signed rows as evidence (docs/adr/0032)."""
+
+    def __init__(self, view: SwarmView, metrics: Metrics, *, node_id: str, clock) -> None:
+        self.view, self.metrics, self.node_id, self.clock = view, metrics, node_id, clock
+        self._suspects: dict[str, float] = {}  # URL -> until when this node avoids it
+
+    def suspects(self) -> frozenset[str]:
+        now = self.clock()
+        for url in [u for u, until in self._suspects.items() if until <= now]:
+            del self._suspects[url]
+        return frozenset(self._suspects)
+
+    def note(self, finding: Finding) -> bool:
+        """Count and log ``finding``; True when it convicted someone (now a suspect)."""
+        self.metrics.audits.labels(finding.outcome).inc()
+        if finding.error is not None:
+            self.metrics.audit_error.observe(finding.error)
+        if finding.outcome == "disputed":
+            logger.warning("audit of %s: %s", finding.hop, finding.detail)
+        elif finding.outcome == "skipped":
+            logger.debug("audit skipped: %s", finding.detail)
+        if finding.outcome != "convicted":
+            return False
+        suspect = finding.suspect
+        logger.warning("audit: node %s (%s) computed wrong: %s", suspect.node_id, suspect.url,
+                       finding.detail)  # fmt: skip
+        self._suspects[suspect.url] = self.clock() + SUSPECT_S
+        return True
+
+    async def report(self, finding: Finding, model_id: str) -> None:
+        """Tell the tracker (it quarantines after repeated verdicts)."""
+        suspect = finding.suspect
+        try:
+            verdict = Verdict(
+                model_id=model_id, reporter=self.node_id,
+                shard_start=finding.start, shard_end=suspect.end,
+                error=min(finding.error or 0.0, 1e30), tolerance=_tolerance(suspect),
+                witnesses=tuple(w.node_id for w in finding.witnesses),
+                evidence=finding.evidence,
+            )  # fmt: skip
+            await self.view.report(suspect.node_id, verdict)
+        except Exception as exc:  # still a suspect here; the tracker hears next time
+            logger.warning("could not report node %s to the tracker: %s", suspect.node_id, exc)
 
 
 class SignedRows:
@@ -382,11 +445,12 @@ def _tolerance(replica: Replica) -> float:
 
 
 def build_verifier(settings, service, view: SwarmView | None, node_id: str) -> Verifier | None:
-    """The verifier of a head started with ``--verify-fraction`` (None: not auditing, or
-    no tracker to ask for replicas)."""
-    if not settings.verify_fraction or view is None:
+    """The verifier of a head started with ``--verify-fraction`` (None: not auditing, no
+    tracker to ask for replicas, or not a head)."""
+    if not settings.verify_fraction or view is None or not service.stage.shard.is_head:
         return None
-    client = AuditClient(settings.swarm_token, max_bytes=settings.max_body_bytes)
+    client = AuditClient(settings.swarm_token, max_bytes=settings.max_body_bytes,
+                         identity=service.identity)  # fmt: skip
     return Verifier(
         settings.verify_fraction, view, client, model_id=settings.model_id, node_id=node_id,
         head_end=service.stage.shard.layers.end, metrics=service.metrics,

@@ -53,6 +53,7 @@ def _node(record: NodeRecord, now: float) -> dict:
         "kv_budget_tokens": announcement.kv_budget_tokens,
         "tokens_per_s": round(record.tokens_per_s, 2),
         "tokens_served": record.tokens_served or 0,
+        "slowdown": round(record.slowdown, 2),  # compute measured against its claim (ADR-0032)
         "last_heartbeat_s": round(max(0.0, now - record.last_heartbeat), 2),
         "local": record.local,
         "movable": announcement.movable,  # the tracker may move it (placed, or --allow-rebalance)

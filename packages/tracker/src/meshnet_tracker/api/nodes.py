@@ -98,11 +98,14 @@ def nodes_router() -> APIRouter:
             heartbeat_interval_s=state.registry.heartbeat_interval_s,
             url=url,
             node_secret=record.secret,
+            certificate=state.certify(announcement.node_id, announcement.public_key),
+            tracker_key=state.signer.public().text if state.signer is not None else None,
         )
 
     @router.post("/v1/nodes/heartbeat")
     async def heartbeat(request: Request) -> HeartbeatResponse:
-        beat = await parse_model(request, Heartbeat, limit=16 * 1024)
+        # 16 route times of 16 hops each fit (docs/adr/0032)
+        beat = await parse_model(request, Heartbeat, limit=128 * 1024)
         state = _state(request)
         if state.registry.get(beat.node_id) is not None:
             _need_node(request, beat.node_id, "a heartbeat")
@@ -113,6 +116,8 @@ def nodes_router() -> APIRouter:
         return HeartbeatResponse(
             known=known, directives=directives, probe=probe,
             quarantined=record.quarantined if record is not None else None,
+            certificate=None if record is None
+            else state.certify(beat.node_id, record.announcement.public_key),
         )  # fmt: skip
 
     @router.post("/v1/nodes/{node_id}/verdicts")

@@ -1,0 +1,144 @@
+"""Node identities (docs/adr/0032): a tracker certificate over a node's key, calls signed
+with it, checked with the tracker key alone; the auth middleware attributes or refuses."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from meshnet_common.protocol import H_SWARM_TOKEN
+from meshnet_common.trust.identity import (
+    CERT_LIFETIME_S,
+    H_NODE_CALL,
+    H_NODE_CERT,
+    MAX_SKEW_S,
+    CallChecker,
+    Identity,
+    IdentityError,
+    issue,
+    valid_public_key,
+)
+from meshnet_common.trust.manifest_keys import ManifestSigner
+from meshnet_common.web.auth import PEER_SCOPE_KEY, install_auth
+
+TRACKER = ManifestSigner.generate()
+HOST, TARGET = "127.0.0.1:9000", "/v1/forward"
+
+
+def _certified(node_id: str = "node-a", signer: ManifestSigner = TRACKER) -> Identity:
+    identity = Identity()
+    identity.adopt(issue(signer, node_id, identity.key.public))
+    return identity
+
+
+def test_a_certified_call_names_its_node_and_nothing_else_passes():
+    checker = CallChecker(TRACKER.public())
+    identity = _certified()
+    assert valid_public_key(identity.key.public)
+    headers = identity.headers("POST", HOST, TARGET)
+    assert checker.caller("POST", HOST, TARGET, headers) == "node-a"
+    assert checker.caller("POST", HOST, TARGET, {}) is None  # unsigned: not attributed
+    # the same signature for another method, peer or target: refused (no relaying)
+    for method, host, target in (("GET", HOST, TARGET), ("POST", "127.0.0.1:9001", TARGET),
+                                 ("POST", HOST, "/v1/sessions/s")):  # fmt: skip
+        with pytest.raises(IdentityError, match="not signed"):
+            checker.caller(method, host, target, headers)
+    with pytest.raises(IdentityError, match="both"):
+        checker.caller("POST", HOST, TARGET, {H_NODE_CERT: headers[H_NODE_CERT]})
+
+
+def test_a_certificate_from_another_key_or_altered_is_refused():
+    checker = CallChecker(TRACKER.public())
+    forged = _certified(signer=ManifestSigner.generate()).headers("POST", HOST, TARGET)
+    with pytest.raises(IdentityError, match="not the tracker's"):
+        checker.caller("POST", HOST, TARGET, forged)
+    # another node's key under node-a's certificate: the call's signature fails
+    mine, theirs = _certified("node-a"), _certified("node-b")
+    mixed = {**theirs.headers("POST", HOST, TARGET), H_NODE_CERT: mine.certificate}
+    with pytest.raises(IdentityError, match="not signed by 'node-a'"):
+        checker.caller("POST", HOST, TARGET, mixed)
+    # renaming the id inside the certificate breaks the tracker's signature
+    parts = mine.certificate.split(".")
+    parts[1] = "bm9kZS1i"  # "node-b"
+    renamed = {**mine.headers("POST", HOST, TARGET), H_NODE_CERT: ".".join(parts)}
+    with pytest.raises(IdentityError, match="not the tracker's"):
+        checker.caller("POST", HOST, TARGET, renamed)
+    for junk in ("", "v1", "v2.a.b.1.c", "v1.!!.b.1.c", "x" * 600):
+        with pytest.raises(IdentityError):
+            checker.caller("POST", HOST, TARGET, {H_NODE_CERT: junk, H_NODE_CALL: "1.x"})
+    with pytest.raises(IdentityError, match="does not know"):  # no tracker key yet
+        CallChecker().caller("POST", HOST, TARGET, mine.headers("POST", HOST, TARGET))
+
+
+def test_expired_certificates_and_stale_calls_are_refused():
+    identity = _certified()
+    headers = identity.headers("POST", HOST, TARGET)
+    when = int(headers[H_NODE_CALL].split(".")[0])
+    late = CallChecker(TRACKER.public(), clock=lambda: when + MAX_SKEW_S + 1)
+    with pytest.raises(IdentityError, match="too far"):
+        late.caller("POST", HOST, TARGET, headers)
+    expired = CallChecker(TRACKER.public(), clock=lambda: when + CERT_LIFETIME_S + MAX_SKEW_S + 2)
+    with pytest.raises(IdentityError, match="expired"):
+        expired.caller("POST", HOST, TARGET, headers)
+    assert Identity().headers("POST", HOST, TARGET) == {}  # no certificate yet: unsigned
+
+
+def _app(checker: CallChecker) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/forward")
+    async def forward(request: Request) -> dict:
+        return {"peer": request.scope.get(PEER_SCOPE_KEY)}
+
+    @app.get("/v1/shards/x")
+    async def shards(request: Request) -> dict:
+        return {"peer": request.scope.get(PEER_SCOPE_KEY)}
+
+    install_auth(app, swarm_token="tok", api_key=None, peers=checker)
+    return app
+
+
+def test_the_middleware_attributes_signed_calls_and_refuses_unsigned_node_calls():
+    checker = CallChecker()
+    client = TestClient(_app(checker), base_url="http://127.0.0.1:9000")
+    token = {H_SWARM_TOKEN: "tok"}
+    # before the node knows its tracker's key, nothing is attributed nor required
+    assert client.post("/v1/forward", headers=token).json() == {"peer": None}
+    checker.tracker_key = TRACKER.public()
+    refused = client.post("/v1/forward", headers=token)
+    assert refused.status_code == 401 and "swarm nodes only" in refused.json()["error"]["message"]
+    assert client.get("/v1/shards/x", headers=token).json() == {"peer": None}  # not a node route
+    identity = _certified("node-a")
+
+    def signed(method: str, path: str) -> dict[str, str]:  # as an httpx client's hook signs
+        request = httpx.Request(method, f"http://127.0.0.1:9000{path}")
+        identity.sign_request(request)
+        return {k: request.headers[k] for k in (H_NODE_CERT, H_NODE_CALL)}
+
+    ok = client.post("/v1/forward", headers={**token, **signed("POST", "/v1/forward")})
+    assert ok.json() == {"peer": "node-a"}
+    shard = client.get("/v1/shards/x", headers={**token, **signed("GET", "/v1/shards/x")})
+    assert shard.json() == {"peer": "node-a"}
+    wrong = {H_SWARM_TOKEN: "wrong", **signed("POST", "/v1/forward")}
+    assert client.post("/v1/forward", headers=wrong).status_code == 401
+    forged = _certified("node-a", ManifestSigner.generate())
+    bad = forged.headers("POST", "127.0.0.1:9000", "/v1/forward")
+    resp = client.post("/v1/forward", headers={**token, **bad})
+    assert resp.status_code == 401 and "bad node identity" in resp.json()["error"]["message"]
+    # elsewhere a stale certificate (a tracker restarted with a new key) is only not believed
+    stale = forged.headers("GET", "127.0.0.1:9000", "/v1/shards/x")
+    assert client.get("/v1/shards/x", headers={**token, **stale}).json() == {"peer": None}
+
+
+def test_a_restarted_trackers_new_key_replaces_the_old_unless_one_is_pinned():
+    old, new = TRACKER, ManifestSigner.generate()
+    learned = CallChecker()
+    assert learned.adopt(old.public()) and learned.adopt(new.public())
+    after = _certified("node-a", new).headers("POST", HOST, TARGET)
+    assert learned.caller("POST", HOST, TARGET, after) == "node-a"
+    pinned = CallChecker.pinned(old.public().text)
+    assert pinned.adopt(old.public()) and not pinned.adopt(new.public())
+    with pytest.raises(IdentityError, match="not the tracker's"):
+        pinned.caller("POST", HOST, TARGET, after)

@@ -1,0 +1,44 @@
+"""A node's gauges (``/metrics``), read from its live stages at scrape time: a reshard
+swaps the stages under them."""
+
+from __future__ import annotations
+
+from meshnet_node.dataplane.service import NodeService
+from meshnet_node.engine.stage import Stage
+
+
+def watch_service(service: NodeService) -> None:
+    """Register the gauges of ``service``'s sessions, KV, tokens, batches and state."""
+
+    def stages() -> list[Stage]:
+        return [s for s in (service.stage, service.retiring) if s is not None]
+
+    metrics = service.metrics
+    metrics.watch(
+        "active_sessions", "Sessions (KV caches) open on this node",
+        lambda: sum(len(s.sessions) for s in stages()),
+    )  # fmt: skip
+    metrics.watch(
+        "kv_tokens", "Tokens held in this node's KV caches",
+        lambda: sum(s.sessions.tokens_held for s in stages()),
+    )  # fmt: skip
+    metrics.watch(
+        "kv_budget_tokens", "The most KV tokens this node holds (--kv-budget-tokens)",
+        lambda: service.stage.sessions.kv_budget_tokens,
+    )  # fmt: skip
+    metrics.watch(
+        "tokens_served", "Tokens generated through this node's stage (sampled steps run)",
+        lambda: service.tokens_served, kind="counter",
+    )  # fmt: skip
+    metrics.watch(
+        "decode_batches", "Decode passes that merged steps of several sessions",
+        lambda: service.batcher.batches, kind="counter",
+    )  # fmt: skip
+    metrics.watch(
+        "quarantined", "1 while the tracker quarantines this node (docs/adr/0026)",
+        lambda: int(service.quarantined is not None),
+    )  # fmt: skip
+    metrics.watch(
+        "shard_layers", "Layers this node serves, by model",
+        lambda: [({"model": service.model_id}, len(service.stage.shard.layers))],
+    )  # fmt: skip
