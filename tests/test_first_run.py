@@ -159,6 +159,14 @@ def test_a_node_still_loading_counts_as_capacity_on_its_way(swarm):
              timeout=30)  # fmt: skip
 
 
+def balancer_passes(tracker) -> float:
+    """``meshnet_rebalance_passes_total`` on the tracker's ``/metrics``."""
+    for line in httpx.get(f"{tracker.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("meshnet_rebalance_passes_total "):
+            return float(line.split()[1])
+    raise AssertionError("no meshnet_rebalance_passes_total on the tracker's /metrics")
+
+
 def test_ranges_given_by_hand_never_move_under_load(swarm):
     """The order that churned ranges: the tail nodes are still loading while the middle ones
     serve, under load, with no grace period at all."""
@@ -182,7 +190,8 @@ def test_ranges_given_by_hand_never_move_under_load(swarm):
         for start, end in ((2, 4), (2, 4), (4, 6), (4, 6)):
             swarm.node(tracker, LLAMA, start, end, *F32, "--load-delay-ms", "2000").wait_healthy()
         wait_for(lambda: len(statuses) >= 10, timeout=60)
-        time.sleep(3)  # several heartbeat intervals and balancer passes after the last join
+        passes = balancer_passes(tracker)  # then several balancer passes after the last join
+        wait_for(lambda: balancer_passes(tracker) >= passes + 4, timeout=60)
     finally:
         stop.set()
         watcher.join()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from baselines import split_greedy
 from swarm_harness import Swarm, covered, wait_for
 from transformers import AutoTokenizer
 
@@ -18,7 +19,6 @@ from meshnet_common.models.gguf_header import read_header
 from meshnet_common.models.gguf_import import smollm2_gguf_path
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

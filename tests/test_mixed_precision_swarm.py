@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from baselines import split_greedy
 from swarm_harness import Swarm, covered, wait_for
 from transformers import AutoTokenizer
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 
 pytestmark = [pytest.mark.integration]

@@ -48,8 +48,7 @@ def _echo_scores_match_the_unsplit_model(url: str, snapshot, model: str) -> None
     on the tail process, 200 tokens across two prefill chunks) equal the unsplit model's."""
     import openai
     import torch
-
-    from meshnet_node.engine.reference import load_reference_model
+    from baselines import load_reference_model
 
     prompt = [(i * 29) % 400 + 5 for i in range(200)]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

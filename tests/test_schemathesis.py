@@ -126,7 +126,8 @@ def node(tiny_snapshot) -> Iterator[Service]:
         ),
         route_provider=whole_model_here,
     )
-    runtime.service.hops = HttpxHops(httpx.AsyncClient(transport=httpx.MockTransport(_refuse)))
+    refusing = httpx.AsyncClient(transport=httpx.MockTransport(_refuse))
+    runtime.service.links.hops = HttpxHops(refusing)
     app = create_node_app(runtime)
     app.state.shards = ShardServer(runtime.own_snapshot)  # what meshnet-node's CLI does
     with TestClient(app, raise_server_exceptions=False) as client:

@@ -7,9 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from baselines import hf_chunked_greedy, load_reference_model
 from swarm_harness import Swarm, covered, wait_for
-
-from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 
 pytestmark = [pytest.mark.integration]
 

@@ -10,9 +10,8 @@ import json
 import httpx
 import pytest
 import torch
+from baselines import hf_chunked_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from meshnet_node.engine.reference import hf_chunked_greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -96,7 +96,7 @@ def test_a_head_splits_its_sessions_into_one_micro_batch_per_stage(tiny_snapshot
 
         async def run() -> tuple[list[int], list]:
             service = NodeService(stage, settings, model_id=settings.model_id)
-            service.batcher.depth = 3
+            service.set_micro_batches(3)
             sizes: list[int] = []
             original = stage.step_batch
             stage.step_batch = lambda items: sizes.append(len(items)) or original(items)
@@ -206,7 +206,7 @@ def test_a_session_keeps_its_micro_batch_whatever_the_order_steps_arrive_in(tiny
 
     async def run() -> None:
         service = NodeService(stage, settings, model_id=settings.model_id)
-        service.batcher.depth = 2
+        service.set_micro_batches(2)
         for position, order in ((3, sids), (4, sids[::-1]), (5, sids[1:] + sids[:1])):
             await asyncio.gather(*(
                 service.run_stage(stage, sid, position, token_ids=torch.tensor([[9]]),
@@ -235,7 +235,7 @@ def test_a_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
 
     async def run() -> None:
         service = NodeService(stage, settings, model_id=settings.model_id)
-        service.batcher.depth = 2
+        service.set_micro_batches(2)
         await asyncio.gather(*(step(service, sid, 3) for sid in sids))  # all in phase
         service.batcher._pass_s = 0.1  # a cycle of 0.2 s: as a real pass would measure
         late = sids[2]  # slot 0 is r0 and r2

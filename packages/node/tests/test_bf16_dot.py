@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from baselines import hf_chunked_greedy, load_reference_model, split_greedy
 from torch import nn
 
 from meshnet_common.layers import LayerRange
@@ -14,7 +15,6 @@ from meshnet_common.precision import Precision
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine.bf16_upcast import widened_linear
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy
 from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import bf16_dot
 

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from baselines import hf_chunked_greedy, load_reference_model, split_greedy
 from torch import nn
 
 from meshnet_common.config.shard import ShardSettings
@@ -15,7 +16,6 @@ from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine import bf16_upcast
 from meshnet_node.engine.bf16_upcast import upcast_min_rows, widen_linears, widened_linear
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy
 from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import bf16_dot
 

@@ -69,8 +69,8 @@ def test_a_hop_stream_reads_no_more_than_its_bound_in_flight(monkeypatch):
     from types import SimpleNamespace
 
     from meshnet_node.dataplane import stream_server
-    from meshnet_node.dataplane.forward import Answer
     from meshnet_node.dataplane.frames import Kind, encode_request
+    from meshnet_node.dataplane.handlers import Answer
 
     monkeypatch.setattr(stream_server, "MAX_IN_FLIGHT", 3)
 
@@ -113,7 +113,7 @@ def test_a_hop_stream_reads_no_more_than_its_bound_in_flight(monkeypatch):
 
 def test_a_signed_caller_is_bounded_by_its_node_id_not_its_address():
     from meshnet_common.web.auth import PEER_SCOPE_KEY
-    from meshnet_node.dataplane.forward import peer_of
+    from meshnet_node.dataplane.handlers import peer_of
 
     # two nodes behind one address are two peers; one node on two addresses is one
     a = {"client": ("10.0.0.1", 4000), PEER_SCOPE_KEY: "node-a"}

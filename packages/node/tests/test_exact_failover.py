@@ -66,7 +66,7 @@ def node(snapshot: Path, start: int, end: int, route_provider=None, hops=None,
     runtime = build_runtime(settings_for(snapshot, start, end, quantization),
                             route_provider=route_provider or no_route)  # fmt: skip
     if hops is not None:
-        runtime.service.hops = HttpxHops(httpx.AsyncClient(transport=hops))
+        runtime.service.links.hops = HttpxHops(httpx.AsyncClient(transport=hops))
     app = create_app(runtime)
     with TestClient(app) as http:
         yield runtime, app, http
@@ -181,7 +181,7 @@ def test_a_replay_runs_the_lost_passes_again_and_the_text_is_unchanged(
     try:
         swarm.hops.dead.clear()
         swarm.hops.die_after.clear()
-        generator.bans.lift(A)  # an earlier test's failover
+        generator.failover.bans.lift(A)  # an earlier test's failover
         swarm.passes.clear()
         swarm.stale = 0
         calm = complete(swarm, prompt, 40)
@@ -246,14 +246,14 @@ def test_a_client_that_leaves_with_guess_steps_in_flight_frees_every_hop(swarm):
     import anyio
 
     from meshnet_common.protocol import SamplingSpec
-    from meshnet_node.head.generation import GenerationRequest
+    from meshnet_node.head.chain import GenerationRequest
 
     generator = swarm.head.openai.generator
     speculation = generator.speculation
     generator.speculation = SpeculationSettings("greedy", 2, 2, 4)
     swarm.hops.dead.clear()
     swarm.hops.die_after.clear()
-    generator.bans.lift(A)
+    generator.failover.bans.lift(A)
     stages = [swarm.head.service.stage, swarm.tail_runtime.service.stage]
     stages += [service.stage for service in swarm.mid_services]
     before = [len(stage.sessions) for stage in stages]  # a failed-over hop keeps its own
@@ -303,7 +303,7 @@ def test_a_seeded_sampled_request_with_guess_steps_gives_the_text_without_them(s
     speculation = generator.speculation
     swarm.hops.dead.clear()
     swarm.hops.die_after.clear()
-    generator.bans.lift(A)
+    generator.failover.bans.lift(A)
     body = {"model": MODEL_ID, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 40, "seed": 1234,
             "temperature": 0.7, "ignore_eos": True}  # fmt: skip
     metrics = generator.service.metrics

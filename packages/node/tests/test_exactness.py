@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from baselines import hf_chunked_greedy, load_reference_model, split_greedy
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy
 from meshnet_node.engine.stage import Stage
 
 FAMILIES = list(tiny.FAMILIES)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from baselines import split_greedy
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -21,7 +22,6 @@ from meshnet_common.precision import Precision, native_format_name, resolve_prec
 from meshnet_common.tiny.gguf_files import write_gguf
 from meshnet_common.tiny.snapshots import make_tiny
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 from meshnet_node.lowbit.gguf_blocks import BLOCKS, GgufTensors, int4_weight, int8_weight
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from baselines import split_greedy
 from transformers import AutoModelForCausalLM
 
 from meshnet_common.errors import ModelError
@@ -17,7 +18,6 @@ from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_import import smollm2_gguf_path
 from meshnet_common.precision import Precision, native_format_name, resolve_precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 from meshnet_node.lowbit.modules import PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from baselines import split_greedy
 
 from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
@@ -24,7 +25,6 @@ from meshnet_common.tiny.gguf_files import write_gguf
 from meshnet_common.tiny.snapshots import make_tiny
 from meshnet_common.web.shards import snapshot_revision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 
 RANGES = [(0, 10), (10, 20), (20, 30)]

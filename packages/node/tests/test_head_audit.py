@@ -18,6 +18,7 @@ from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_START_LAYER, SamplingSpec
 from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, check_evidence, row_bytes, sign_row
 from meshnet_node.dataplane.steps import StepRequest
+from meshnet_node.engine.faults import noisy_outputs
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.sessions import InputRecord
 from meshnet_node.engine.stage import Stage
@@ -35,7 +36,9 @@ def llama(tiny_snapshot):
 
 
 def head_stage(llama, precision=FP32, perturb=0.0) -> Stage:
-    return Stage(load_shard(llama, LayerRange(0, 2), precision), perturb=perturb)
+    """A head stage of ``[0, 2)``; ``perturb``: as started with ``--test-only-perturb``."""
+    shard = load_shard(llama, LayerRange(0, 2), precision)
+    return Stage(shard, output_fault=noisy_outputs(perturb))
 
 
 # -- a head stage recomputes from token ids -----------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from baselines import split_greedy
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
@@ -24,7 +25,6 @@ from meshnet_common.precision import Precision, native_format_name, resolve_prec
 from meshnet_common.tiny.int4_files import write_int4
 from meshnet_common.tiny.snapshots import make_tiny
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 from meshnet_node.lowbit.packed import Int4Weight
 

@@ -4,10 +4,12 @@ last probes, and a probe during which the prober computed on its loop not counte
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
+from meshnet_common import wire
+from meshnet_common.metrics import Metrics
 from meshnet_node.dataplane.links import LINK_SAMPLES, HopLinks
 from meshnet_node.dataplane.streams import HopResponse, HopUnreachable
+from meshnet_node.settings import HopTimeouts
 
 HOP = "http://127.0.0.1:9"
 
@@ -16,31 +18,37 @@ class TimedHops:
     """Answers each probe after the next of ``delays_ms``; None: unreachable. With
     ``busy``, the prober's loop computes during that probe."""
 
-    def __init__(self, node, delays_ms: list[float | None], busy: set[int] = frozenset()):
-        self.node, self.delays, self.busy, self.calls = node, list(delays_ms), busy, 0
+    def __init__(self, delays_ms: list[float | None], busy: set[int] = frozenset()):
+        self.delays, self.busy, self.calls = list(delays_ms), busy, 0
+        self.inline_runs = 0  # the prober's passes run on its loop
 
     async def request(self, method, url, *, headers, body, timeout):
         assert method == "DELETE" and url.startswith(HOP) and "/v1/sessions/" in url
         delay, self.calls = self.delays[self.calls], self.calls + 1
         if self.calls - 1 in self.busy:
-            self.node.inline_runs += 1
+            self.inline_runs += 1
         if delay is None:
             raise HopUnreachable("connection refused")
         await asyncio.sleep(delay / 1000)
         return HopResponse(404, b"{}")
 
 
-def probing_node(delays_ms, busy=frozenset()):
-    node = SimpleNamespace(probe_urls=(HOP,), links={}, link_samples={}, inline_runs=0)
-    node.hops = TimedHops(node, delays_ms, busy)
-    return node
+def probing_node(delays_ms, busy=frozenset()) -> HopLinks:
+    hops = TimedHops(delays_ms, busy)
+    links = HopLinks(
+        hops, metrics=Metrics(), wire_options=wire.WireOptions(),
+        timeouts=HopTimeouts(connect=1.0, prefill_chunk=1.0, decode_step=1.0),
+        direct_min_rtt_ms=5.0, runs_on_loop=lambda: hops.inline_runs,
+    )  # fmt: skip
+    links.set_probe_urls((HOP,))
+    return links
 
 
-def probe(node, times: int) -> list[float | None]:
+def probe(node: HopLinks, times: int) -> list[float | None]:
     seen = []
     for _ in range(times):
-        asyncio.run(HopLinks.probe_links(node))
-        seen.append(node.links.get(HOP))
+        asyncio.run(node.probe_links())
+        seen.append(node.rtt_ms.get(HOP))
     return seen
 
 
@@ -64,9 +72,9 @@ def test_an_unreachable_or_unnamed_hop_is_forgotten():
     node = probing_node([2, None, 2])
     first, second = probe(node, 2)
     assert first is not None and second is None
-    assert HOP not in node.links and HOP not in node.link_samples
+    assert HOP not in node.rtt_ms and HOP not in node.rtt_samples
     probe(node, 1)
-    assert HOP in node.links
-    node.probe_urls = ()
+    assert HOP in node.rtt_ms
+    node.set_probe_urls(())
     probe(node, 1)
-    assert node.links == {} and node.link_samples == {}
+    assert node.rtt_ms == {} and node.rtt_samples == {}

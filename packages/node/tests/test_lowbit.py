@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from baselines import split_greedy
 from stage_drivers import decode_sessions, speculative_greedy
 from torch import nn
 
@@ -15,11 +16,16 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import packed as packed_kernels
 from meshnet_node.lowbit.modules import PackedExperts, PackedLinear
-from meshnet_node.lowbit.packed import WIDE_ROWS, Int4Weight, Int8Weight, prompt_calls
+from meshnet_node.lowbit.packed import (
+    WIDE_ROWS,
+    Int4Weight,
+    Int8Weight,
+    packed_bytes,
+    prompt_calls,
+)
 
 LOWBIT = (Precision.INT8, Precision.INT4)
 
@@ -114,8 +120,8 @@ def test_int8_and_int4_stand_for_the_weight(dtype):
     err4 = (int4.dequantize() - weight).abs().view(128, 8, 32).amax(-1)
     assert (err4 <= step4 * 0.51 + 2e-2).all()
     act = torch.finfo(dtype).bits // 8  # scales (and int4 zeros) are held in the compute dtype
-    assert int8.nbytes == weight.numel() + 128 * act
-    assert int4.nbytes == weight.numel() // 2 + 2 * act * weight.numel() // 32
+    assert packed_bytes(int8) == weight.numel() + 128 * act
+    assert packed_bytes(int4) == weight.numel() // 2 + 2 * act * weight.numel() // 32
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

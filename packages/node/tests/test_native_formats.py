@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from baselines import hf_chunked_greedy, load_reference_model, split_greedy
 
 from meshnet_common.errors import InvalidRequest, ModelError
 from meshnet_common.layers import LayerRange
@@ -25,7 +26,6 @@ from meshnet_common.models.native_formats import (
 )
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model, split_greedy
 from meshnet_node.engine.stage import Stage
 
 CASES = [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4")]

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 import zstandard
+from baselines import hf_chunked_greedy, load_reference_model
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from inprocess_hops import HttpxHops
@@ -37,7 +38,6 @@ from meshnet_common.protocol import (
 )
 from meshnet_node.dataplane.steps import step_headers
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.engine.stage import Stage
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
 from meshnet_node.settings import NodeSettings
@@ -98,7 +98,7 @@ def running(
 
     runtime = build_runtime(settings, route_provider=route_provider)
     if peers is not None:
-        runtime.service.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport(peers)))
+        runtime.service.links.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport(peers)))
     app = create_app(runtime)
     with TestClient(app) as http:
         yield InProcessNode(runtime, app, http)
@@ -636,28 +636,28 @@ def test_the_tail_answers_the_head_directly(chain_head, middle, tail, tokenizer,
     head_url = chain_head.runtime.service.answer_url
     assert head_url and urlsplit(head_url).hostname == "127.0.0.1"
     direct = chain_head.runtime.service.metrics.direct_answers
-    service = tail.runtime.service
-    hops, service._unreachable_heads = service.hops, {}
+    links = tail.runtime.service.links
+    hops, links._unreachable_heads = links.hops, {}
     before = direct._value.get()
     try:
-        service.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport({})))  # no head
+        links.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport({})))  # no head
         resp = chain_head.http.post("/v1/completions", json=body)
         assert resp.json()["choices"][0]["text"] == want
-        assert head_url in service._unreachable_heads
+        assert head_url in links._unreachable_heads
         assert direct._value.get() == before
-        service._unreachable_heads.clear()
+        links._unreachable_heads.clear()
         peers = {"127.0.0.1": chain_head.app}
-        service.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport(peers)))
+        links.hops = HttpxHops(httpx.AsyncClient(transport=AppsTransport(peers)))
         resp = chain_head.http.post("/v1/completions", json=body)
     finally:
-        service.hops = hops
+        links.hops = hops
     choice = resp.json()["choices"][0]
     assert choice["text"] == want
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(
         greedy_logprobs(reference, prompt, 12), abs=1e-4
     )
     assert direct._value.get() - before >= 6  # (the chain's answer may still win a few)
-    assert not tail.runtime.service._unreachable_heads
+    assert not tail.runtime.service.links._unreachable_heads
     timing = resp.json().get("meshnet_timing") or {}
     assert timing.get("hops") == 2
 
@@ -665,19 +665,19 @@ def test_the_tail_answers_the_head_directly(chain_head, middle, tail, tokenizer,
 def test_a_node_times_the_links_it_is_told_to_and_reports_them(middle, chain_head):
     """The next hops the tracker names are timed over the data path (a close of a session
     that does not exist) and reported in heartbeats with the compute per layer."""
-    service = middle.runtime.service
-    service.probe_urls = (TAIL_URL, "http://nowhere.test")
-    middle.http.portal.call(service.probe_links)
-    assert set(service.links) == {TAIL_URL}  # an unreachable hop reports nothing
-    assert 0 < service.links[TAIL_URL] < 5000
+    links = middle.runtime.service.links
+    links.set_probe_urls((TAIL_URL, "http://nowhere.test"))
+    middle.http.portal.call(links.probe_links)
+    assert set(links.rtt_ms) == {TAIL_URL}  # an unreachable hop reports nothing
+    assert 0 < links.rtt_ms[TAIL_URL] < 5000
     chain_head.http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "Hi",
                                                   "max_tokens": 3, **GREEDY})  # fmt: skip
     beat = middle.runtime.heartbeat()
-    assert beat.links == {TAIL_URL: pytest.approx(service.links[TAIL_URL], abs=1e-3)}
+    assert beat.links == {TAIL_URL: pytest.approx(links.rtt_ms[TAIL_URL], abs=1e-3)}
     assert beat.layer_ms is not None and beat.layer_ms > 0
-    service.probe_urls = ()
-    middle.http.portal.call(service.probe_links)
-    assert service.links == {}
+    links.set_probe_urls(())
+    middle.http.portal.call(links.probe_links)
+    assert links.rtt_ms == {}
 
 
 def test_a_head_reports_the_step_time_of_its_route(chain_head):
@@ -1473,14 +1473,17 @@ def test_a_previous_reply_appended_as_the_client_writes_it_is_accepted(whole):
 
 def test_direct_answers_are_asked_for_only_over_slow_links():
     """ADR-0020: on a LAN the chain's answer is as fast; a direct one costs a message."""
-    from types import SimpleNamespace
-
+    from meshnet_common.metrics import Metrics
     from meshnet_node.dataplane.links import HopLinks
+    from meshnet_node.settings import HopTimeouts
 
-    node = SimpleNamespace(links={"http://lan.test": 0.8, "http://wan.test": 42.0},
-                           settings=SimpleNamespace(direct_min_rtt_ms=5.0))  # fmt: skip
-    assert not HopLinks.direct_pays(node, "http://lan.test")
-    assert HopLinks.direct_pays(node, "http://wan.test")
-    assert HopLinks.direct_pays(node, "http://unmeasured.test")  # until probed: as before
-    node.settings.direct_min_rtt_ms = 0.0
-    assert HopLinks.direct_pays(node, "http://lan.test")
+    links = HopLinks(
+        HttpxHops(httpx.AsyncClient()), metrics=Metrics(), wire_options=wire.WireOptions(),
+        timeouts=HopTimeouts(1.0, 1.0, 1.0), direct_min_rtt_ms=5.0, runs_on_loop=lambda: 0,
+    )  # fmt: skip
+    links.rtt_ms.update({"http://lan.test": 0.8, "http://wan.test": 42.0})
+    assert not links.direct_pays("http://lan.test")
+    assert links.direct_pays("http://wan.test")
+    assert links.direct_pays("http://unmeasured.test")  # until probed: as before
+    links.direct_min_rtt_ms = 0.0
+    assert links.direct_pays("http://lan.test")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from baselines import split_greedy
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 
 pytest.importorskip("bitsandbytes")

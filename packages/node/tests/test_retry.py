@@ -13,13 +13,9 @@ import pytest
 
 from meshnet_common.errors import HopError, ModelNotCovered
 from meshnet_common.protocol import StepResult
-from meshnet_node.head.generation import (
-    FAILOVER_BAN_S,
-    FAILOVER_POLICY,
-    GenerationRequest,
-    HeadGenerator,
-    _Chain,
-)
+from meshnet_node.head.chain import Chain, GenerationRequest
+from meshnet_node.head.failover import FAILOVER_BAN_S, FAILOVER_POLICY
+from meshnet_node.head.generation import HeadGenerator
 from meshnet_node.retry import BanList, RetryPolicy
 from meshnet_node.swarm import membership as membership_module
 from meshnet_node.swarm.fetch import RESUME_RETRY
@@ -215,11 +211,13 @@ class FailingChain:
         service = SimpleNamespace(
             stage=SimpleNamespace(shard=SimpleNamespace(is_head=True)),
             metrics=SimpleNamespace(failovers=SimpleNamespace(inc=lambda: None)),
+            settings=SimpleNamespace(threads=1),
         )
         tokenizer = SimpleNamespace(eos_token_id=None)
         self.gen = HeadGenerator(
-            service, tokenizer, failover=policy, clock=self.clock, sleep=self.clock.async_sleep
-        )
+            service, tokenizer, failover_policy=policy, clock=self.clock,
+            sleep=self.clock.async_sleep,
+        )  # fmt: skip
         self.script = list(script)
         self.routes = list(routes or [])
         self.excluded: list[frozenset[str]] = []
@@ -235,10 +233,11 @@ class FailingChain:
         async def nothing(*args, **kwargs):
             return None
 
-        self.gen._prefill = attempt
-        self.gen._step = attempt
-        self.gen._close = nothing
-        self.gen._open_local = lambda *args: None
+        passes = self.gen.passes  # the generator's failover runs its passes through these
+        passes.prefill = attempt
+        passes.step = attempt
+        passes.close = nothing
+        passes.open = lambda *args: None
 
     async def reroute(self, exclude: frozenset[str]) -> tuple[str, ...]:
         self.excluded.append(exclude)
@@ -247,10 +246,10 @@ class FailingChain:
             raise route
         return route
 
-    def run(self, chain: _Chain | None = None):
-        chain = chain or _Chain(route=("http://a", "http://b"))
+    def run(self, chain: Chain | None = None):
+        chain = chain or Chain(route=("http://a", "http://b"))
         request = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=4)
-        coro = self.gen._advance(None, chain, request, [1, 2, 3], None, self.reroute)
+        coro = self.gen.failover.advance(None, chain, request, [1, 2, 3], None, self.reroute)
         return asyncio.run(coro), chain
 
 
@@ -263,7 +262,7 @@ def test_a_request_survives_four_failovers_with_capped_backoff():
     result, chain = fake.run()
     assert result.token_id == 7 and chain.failovers == 4 and chain.replay is False
     assert fake.clock.slept == pytest.approx([0.2, 0.4, 0.8, 1.6])
-    bans = fake.gen.bans
+    bans = fake.gen.failover.bans
     assert bans.banned() == {f"http://n{i}" for i in range(4)}
     assert bans.until("http://n0") == pytest.approx(1000.0 + FAILOVER_BAN_S)
     assert fake.excluded[-1] == {f"http://n{i}" for i in range(4)}
@@ -286,14 +285,14 @@ def test_the_budget_is_per_request_not_per_step():
 
 def test_no_failover_after_the_request_deadline():
     fake = FailingChain([hop("http://a"), hop("http://b"), None])
-    chain = _Chain(route=("http://a",))
-    real_attempt = fake.gen._prefill
+    chain = Chain(route=("http://a",))
+    real_attempt = fake.gen.passes.prefill
 
     async def slow_attempt(*args, **kwargs):
         fake.clock.advance(61.0)  # two attempts of 61 s pass the 120 s deadline
         return await real_attempt(*args, **kwargs)
 
-    fake.gen._prefill = slow_attempt
+    fake.gen.passes.prefill = slow_attempt
     with pytest.raises(HopError, match="http://b failed"):
         fake.run(chain)
     assert chain.failovers == 2 and len(fake.clock.slept) == 1
@@ -302,10 +301,10 @@ def test_no_failover_after_the_request_deadline():
 def test_a_ban_expires_and_a_full_node_is_avoided_without_a_ban():
     fake = FailingChain([hop("http://a"), hop("http://busy", status=503), None])
     fake.run()
-    assert fake.gen.bans.banned() == {"http://a"}
+    assert fake.gen.failover.bans.banned() == {"http://a"}
     assert fake.excluded == [{"http://a"}, {"http://a", "http://busy"}]
     fake.clock.advance(FAILOVER_BAN_S)
-    assert fake.gen.bans.banned() == frozenset()
+    assert fake.gen.failover.bans.banned() == frozenset()
 
 
 def test_a_missing_replacement_route_uses_the_same_budget():

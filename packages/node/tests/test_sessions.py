@@ -6,12 +6,12 @@ import time
 
 import pytest
 import torch
+from baselines import split_greedy
 
 from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import split_greedy
 from meshnet_node.engine.stage import Stage
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from baselines import hf_chunked_greedy, load_reference_model
 from stage_drivers import speculative_greedy
 from transformers import AutoConfig
 
@@ -18,7 +19,6 @@ from meshnet_node.engine import bf16_upcast
 from meshnet_node.engine.bf16_upcast import widen_linears
 from meshnet_node.engine.families import attention_module
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.reference import hf_chunked_greedy, load_reference_model
 from meshnet_node.engine.row_attention import widen_attention
 from meshnet_node.engine.sampling import Sampler
 from meshnet_node.engine.stage import Stage

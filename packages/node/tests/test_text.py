@@ -267,7 +267,7 @@ def test_structural_special_tokens_survive_by_default(structured):
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_reasoning_is_split_from_content_in_any_cut(parser):
-    from meshnet_node.head.reasoning import ReasoningSplitter
+    from meshnet_node.head.text import ReasoningSplitter
 
     reply = "<think>The user wants a city.\nRome fits.</think>\n\nRome."
     # the content keeps what follows </think> as it is (as vLLM's parsers)

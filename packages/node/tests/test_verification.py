@@ -15,6 +15,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.precision import Precision
 from meshnet_common.trust.evidence import check_evidence, row_bytes, sign_row
+from meshnet_node.engine.faults import NoisyOutputs
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.sessions import InputRecord
 from meshnet_node.engine.stage import Stage
@@ -88,7 +89,8 @@ def test_a_replica_recomputes_the_recorded_row_within_the_tolerance(llama, preci
     assert relative_error(record.last, again) <= precision.verify_tolerance / 10
     assert len(replica.sessions) == 0  # the throwaway session is gone
 
-    faulty = Stage(load_shard(llama, LayerRange(*layers), precision), perturb=0.3)
+    noisy = NoisyOutputs(0.3)  # as started with --test-only-perturb 0.3
+    faulty = Stage(load_shard(llama, LayerRange(*layers), precision), output_fault=noisy)
     wrong = faulty.recompute(record.inputs(), layers[0])
     assert relative_error(wrong, again) > precision.verify_tolerance
 

@@ -26,7 +26,7 @@ from meshnet_tracker.routing import (
     with_slowdowns,
 )
 from meshnet_tracker.settings import TrackerSettings
-from meshnet_tracker.state import EXPLORE_EVERY
+from meshnet_tracker.state import EXPLORE_AFTER_S, EXPLORE_EVERY
 
 MODEL = "org/measured"
 LAYERS = 8
@@ -282,8 +282,13 @@ def test_with_one_head_a_route_around_the_liar_is_tried_and_then_measured(tracke
     assert tracker.beat("h1", layer_ms=1.0, links=links).status_code == 200
     assert tracker.beat("honest", layer_ms=1.0).status_code == 200
     assert tracker.beat("liar", layer_ms=0.05).status_code == 200  # real: 1.5
-    # Every route goes through the liar, but one in EXPLORE_EVERY tries the replica no
-    # head has timed yet, so that the liar has something to be compared with.
+    # Every route goes through the liar: at first (a replica just joined) always, later one
+    # in EXPLORE_EVERY tries the replica no head has timed yet, so that the liar has
+    # something to be compared with.
+    assert [tracker.route("h1") for _ in range(EXPLORE_EVERY)] == [["h1", "liar"]] * 8
+    registry = tracker.client.app.state.tracker.registry
+    for node_id in ("h1", "honest", "liar"):  # as if they joined a while ago
+        registry.get(node_id).since -= EXPLORE_AFTER_S + 1
     routes = [tracker.route("h1") for _ in range(EXPLORE_EVERY)]
     assert routes[:-1] == [["h1", "liar"]] * (EXPLORE_EVERY - 1)
     assert routes[-1] == ["h1", "honest"]

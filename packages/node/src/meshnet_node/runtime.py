@@ -36,6 +36,7 @@ from meshnet_node.api import head_router, node_router
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.gauges import watch_service
 from meshnet_node.dataplane.service import NodeService
+from meshnet_node.engine.faults import noisy_outputs, slow_compute
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.preflight import preflight, resolve_device, resolve_precision_for
 from meshnet_node.engine.stage import Stage
@@ -156,7 +157,7 @@ class NodeRuntime:
             tokens_generated=self.service.tokens_generated,
             tokens_served=self.service.tokens_served,
             layer_ms=self.service.layer_ms,
-            links={url: round(ms, 3) for url, ms in self.service.links.items()},
+            links={url: round(ms, 3) for url, ms in self.service.links.rtt_ms.items()},
             route_times=self.openai.generator.route_times.report() if self.openai else (),
         )
 
@@ -201,7 +202,7 @@ def load_stage(settings: NodeSettings) -> Stage:
     return Stage(
         shard, max_chunk_tokens=settings.chunk_tokens, kv_budget_tokens=settings.kv_budget_tokens,
         idle_timeout_s=settings.session_idle_timeout_s, max_sessions=settings.max_sessions,
-        perturb=settings.test_only_perturb,
+        output_fault=noisy_outputs(settings.test_only_perturb),  # tests only; None: a real node
     )  # fmt: skip
 
 
@@ -228,8 +229,9 @@ def build_runtime(
     identity = membership.identity if membership is not None else Identity()
     peers = membership.peers if membership is not None else CallChecker.pinned(settings.tracker_key)
     service = NodeService(
-        stage, settings, model_id=settings.model_id, metrics=metrics, identity=identity
-    )
+        stage, settings, model_id=settings.model_id, metrics=metrics, identity=identity,
+        before_pass=slow_compute(settings.step_delay_ms),  # tests only; None: a real node
+    )  # fmt: skip
     if settings.direct_answers:
         url = announced_url(settings)
         if urlsplit(url).hostname not in ("0.0.0.0", "::"):  # a URL tails can dial
@@ -340,7 +342,7 @@ async def start_background(runtime: NodeRuntime) -> None:
     async def probe() -> None:  # the links to the next hops the tracker named, twice a beat
         while True:
             await asyncio.sleep(max(0.5, runtime.settings.heartbeat_interval_s / 2))
-            await runtime.service.probe_links()
+            await runtime.service.links.probe_links()
 
     runtime.tasks.append(asyncio.ensure_future(sweep()))
     runtime.tasks.append(asyncio.ensure_future(probe()))
@@ -359,7 +361,7 @@ async def start_background(runtime: NodeRuntime) -> None:
     membership.on_directives = lambda directives: loop.call_soon_threadsafe(
         apply_directives, runtime, directives
     )
-    membership.on_probe = lambda urls: setattr(runtime.service, "probe_urls", urls)
+    membership.on_probe = runtime.service.links.set_probe_urls
     membership.on_quarantine = lambda why: loop.call_soon_threadsafe(runtime.quarantine, why)
     membership.on_url = runtime.adopt_url
     if membership.url is not None:  # answered to the joining announcement already

@@ -83,6 +83,7 @@ class Balancer:
         self._gap_since: dict[str, float] = {}  # model -> when its (pending-aware) gap opened
         self.moves = 0
         self.move_counts: Counter = Counter()  # (model, reason) -> moves planned
+        self.passes = 0  # plan_moves calls so far (``meshnet_rebalance_passes_total``)
         self._lock = threading.Lock()
 
     def _live_pending(self) -> list[Pending]:
@@ -183,6 +184,7 @@ class Balancer:
         how many moves were planned."""
         planned = 0
         with self._lock:
+            self.passes += 1
             serving = self._serving_capacity()
             busy = {p.node_id for p in self._live_pending()}  # expired moves free their node
             now = self.clock()

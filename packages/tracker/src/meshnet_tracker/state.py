@@ -32,8 +32,11 @@ from meshnet_tracker.settings import TrackerSettings
 logger = logging.getLogger(__name__)
 
 # One route request in this many, per (model, head), takes a chain through a node that no
-# head timed lately, where there is one: measured compute needs a route to compare with.
+# head timed lately and that has served for EXPLORE_AFTER_S, where there is one: measured
+# compute needs a route to compare with. A node that just joined is left to routing as
+# usual for that long (routes do not flap when a replica arrives).
 EXPLORE_EVERY = 8
+EXPLORE_AFTER_S = 60.0
 
 
 class ModelsScan(NamedTuple):
@@ -189,9 +192,10 @@ class TrackerState:
         route around it, its lie looks like the overhead every route pays (docs/adr/0032).
         Not kept as the last route: the next request goes back to ``chosen``."""
         ids = {h.node.node_id for h in chosen}
-        unmeasured = (
-            {n.node_id for n in model.serving} - ids - self.registry.measured(model.model_id)
-        )
+        settled = self.registry.clock() - EXPLORE_AFTER_S
+        unmeasured = {r.node_id for r in self.registry.records() if r.since <= settled}
+        unmeasured &= {n.node_id for n in model.serving}
+        unmeasured -= ids | self.registry.measured(model.model_id)
         if not unmeasured:
             return None
         for hop in chosen[1:] if head is not None else chosen:

@@ -108,7 +108,7 @@ class TrackerNode:
 
     def probe(self, urls: tuple[str, ...]) -> None:
         """The next hops whose links this node times (as a node's heartbeat reply says)."""
-        self.runtime.service.probe_urls = urls
+        self.runtime.service.links.set_probe_urls(urls)
 
     def attach(self, state) -> None:
         self._state = state

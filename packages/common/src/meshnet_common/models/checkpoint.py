@@ -200,9 +200,14 @@ class CheckpointIndex:
         if root.is_dir() and not (root / "config.json").exists():
             root = gguf_in(root) or root  # a folder holding one GGUF (and no config.json)
         if root.suffix == ".gguf" and root.is_file():
-            from meshnet_common.models.gguf_index import load_gguf_index
+            from meshnet_common.models.gguf_index import read_gguf_index
 
-            return load_gguf_index(root)
+            gguf = read_gguf_index(root)
+            return cls(
+                root=gguf.root, config=gguf.config, architecture=gguf.architecture,
+                num_layers=gguf.num_layers, gguf=gguf.source,
+                tensors={name: TensorInfo(*t) for name, t in gguf.tensors.items()},
+            )  # fmt: skip
         if not root.is_dir():
             raise ModelError(f"{root}: not a directory")
         config = read_config(root)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from meshnet_common.errors import ModelError
 from meshnet_common.models.gguf_header import ArrayInfo, read_header
@@ -268,12 +269,32 @@ def split_files(path: Path) -> list[Path]:
     return files
 
 
-def load_gguf_index(path: Path | str):
-    """The ``CheckpointIndex`` of one GGUF file, or of a llama.cpp split set (any of its
-    files: the first holds the metadata, each its own tensors). ModelError naming the path
-    on any defect."""
-    from meshnet_common.models.checkpoint import CheckpointIndex, TensorInfo
+class GgufTensor(NamedTuple):
+    """One tensor of a GGUF under its HF name: the fields of ``checkpoint.TensorInfo``."""
 
+    name: str
+    file: str
+    dtype: str  # the ggml type's name
+    shape: tuple[int, ...]  # HF order, [out, in]
+    nbytes: int
+    offset: int
+
+
+class GgufIndex(NamedTuple):
+    """What a GGUF holds, as a ``CheckpointIndex`` has it (``CheckpointIndex.load`` makes
+    one of it)."""
+
+    root: Path
+    config: dict
+    architecture: str  # the HF class
+    num_layers: int
+    tensors: dict[str, GgufTensor]
+    source: GgufSource
+
+
+def read_gguf_index(path: Path | str) -> GgufIndex:
+    """The index of one GGUF file, or of a llama.cpp split set (any of its files: the first
+    holds the metadata, each its own tensors). ModelError naming the path on any defect."""
     files = split_files(Path(path))
     path = files[0]
     headers = [read_header(f) for f in files]
@@ -286,7 +307,7 @@ def load_gguf_index(path: Path | str):
     config = gguf_config(meta, path, {t.name for _, t in placed})
     arch = meta["general.architecture"]
     source = GgufSource(file=path.name)
-    tensors: dict[str, TensorInfo] = {}
+    tensors: dict[str, GgufTensor] = {}
     for file, t in placed:
         m = _LAYER_TENSOR.match(t.name)
         if m is not None and m["part"] in _EXPERTS:
@@ -300,7 +321,7 @@ def load_gguf_index(path: Path | str):
         shape = tuple(reversed(t.dims))  # ggml lists the innermost dimension first
         if name.endswith("shared_expert_gate.weight"):
             shape = (1, *shape)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as a vector
-        tensors[name] = TensorInfo(name, file, t.type_name, shape, t.nbytes, t.offset)
+        tensors[name] = GgufTensor(name, file, t.type_name, shape, t.nbytes, t.offset)
         source.names[name] = t.name
         if arch in _GEMMA and t.name.endswith("norm.weight"):
             source.value_shift[name] = 1.0  # llama.cpp stored 1 + w
@@ -308,19 +329,17 @@ def load_gguf_index(path: Path | str):
             heads = "head_count" if "attn_q" in t.name else "head_count_kv"
             source.row_permutation[name] = int(meta[f"{arch}.attention.{heads}"])
     config["quantization_config"] = {"quant_method": "gguf", "runtime": runtime_of(tensors)}
-    return CheckpointIndex(
+    return GgufIndex(
         root=path.parent, config=config, architecture=ARCHITECTURES[arch],
-        num_layers=int(config["num_hidden_layers"]), tensors=tensors, gguf=source,
+        num_layers=int(config["num_hidden_layers"]), tensors=tensors, source=source,
     )  # fmt: skip
 
 
 def _list_experts(tensors: dict, source: GgufSource, t, file: str, prefix: str) -> None:
     """Index a stacked experts tensor expert by expert: each a contiguous slice."""
-    from meshnet_common.models.checkpoint import TensorInfo
-
     inner, out, experts = t.dims  # ggml order: [in, out, experts]
     size = t.nbytes // experts
     for e in range(experts):
         name = f"{prefix}.{e}.{_EXPERTS[t.name.split('.')[2]]}.weight"
-        tensors[name] = TensorInfo(name, file, t.type_name, (out, inner), size, t.offset + e * size)
+        tensors[name] = GgufTensor(name, file, t.type_name, (out, inner), size, t.offset + e * size)
         source.names[name] = t.name

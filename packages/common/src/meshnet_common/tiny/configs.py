@@ -1,15 +1,15 @@
-"""How each family's tiny random config is built from a resolved ``TinySpec``: one builder
-per family (``CONFIG_BUILDERS``), with the shapes every family shares."""
+"""How each family's tiny random config is built from a resolved ``TinySpec`` (defined here,
+filled in by ``snapshots.tiny_spec``): one builder per family (``CONFIG_BUILDERS``), with the
+shapes every family shares."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from meshnet_common.tiny.snapshots import TinySpec
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gpt2",
@@ -21,6 +21,24 @@ EXPERTS = 4  # routed experts per MoE layer in a tiny model, 2 of them per token
 WIDTH_MULTIPLE = 32  # nf4 on CPU needs Linear output widths divisible by this
 SLIDING_WINDOW = 48  # small, so a 300-token prompt crosses the window
 MAX_POSITIONS = 1024
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """The resolved shape of a random model; every default already filled in."""
+
+    family: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab_size: int | None  # None: the tokenizer's size rounded up to WIDTH_MULTIPLE
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
 
 
 def _round_up(value: int, multiple: int) -> int:

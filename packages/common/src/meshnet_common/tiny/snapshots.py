@@ -9,7 +9,6 @@ CPU refuses anything else.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,7 @@ from meshnet_common.tiny.configs import (  # the family table, re-exported here
     CONFIG_BUILDERS,
     MAX_POSITIONS,
     WIDTH_MULTIPLE,
+    TinySpec,
     _round_up,
 )
 from meshnet_common.tiny.configs import (
@@ -84,24 +84,6 @@ The doctor told him to drink more water, to sleep well and to walk for an hour e
 In the evening the family sat together at the table, talking about what they had done.
 The answer to the question is simple: think about the problem before you try to solve it.
 """
-
-
-@dataclass(frozen=True)
-class TinySpec:
-    """The resolved shape of a random model; every default already filled in."""
-
-    family: str
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab_size: int | None  # None: the tokenizer's size rounded up to WIDTH_MULTIPLE
-    seed: int = 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
 
 def tiny_spec(

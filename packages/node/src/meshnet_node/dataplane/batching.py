@@ -8,29 +8,10 @@ import contextlib
 import functools
 import os
 import time
-from typing import TYPE_CHECKING
 
 from meshnet_common.web.hosts import url_is_loopback
+from meshnet_node.dataplane.compute import ComputeThread
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
-
-if TYPE_CHECKING:
-    from meshnet_node.dataplane.service import NodeService
-
-
-def _timed(fn, *args, delay_s: float = 0.0, **kwargs):
-    """Call ``fn``; StepOutputs it returns learn how long it took (a batch shares it).
-
-    ``delay_s`` (tests only) makes the step that much slower, holding the calling thread as
-    real compute would."""
-    started = time.perf_counter()
-    if delay_s:
-        time.sleep(delay_s)
-    result = fn(*args, **kwargs)
-    elapsed = time.perf_counter() - started
-    for out in result if isinstance(result, list) else (result,):
-        if isinstance(out, StepOutput):
-            out.compute_s = elapsed
-    return result
 
 
 def usable_cpus() -> int:
@@ -68,7 +49,7 @@ class DecodeBatcher:
 
     On a head, the sessions are split into ``depth`` micro-batches, ``depth`` being the
     number of stages of its chains that can compute at once (set by the head's generator
-    from :func:`micro_batches`): one batch of every
+    through ``NodeService.set_micro_batches``, from :func:`micro_batches`): one batch of every
     session would move down the chain in lockstep, one stage computing while the others
     wait; ``depth`` smaller batches keep every stage busy, each with its own (pipeline
     parallelism's micro-batches; vLLM keeps one batch per pipeline stage the same way).
@@ -80,8 +61,10 @@ class DecodeBatcher:
     steps where 16 sessions should run as 8 and 8), each pass paying its fixed cost.
     """
 
-    def __init__(self, service: NodeService, max_batch: int = 32, gather_s: float = 0.005) -> None:
-        self.service = service
+    def __init__(
+        self, compute: ComputeThread, max_batch: int = 32, gather_s: float = 0.005
+    ) -> None:
+        self.compute = compute  # where passes run (and a lone step may run inline)
         self.max_batch = max_batch
         self._queue: list[tuple[Stage, DecodeItem, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
@@ -94,12 +77,14 @@ class DecodeBatcher:
         self._pass_s = 0.0  # the last pass's wall time on this node
         self._arrived = asyncio.Event()
 
-    async def submit(self, stage: Stage, item: DecodeItem) -> StepOutput:
-        if not self._queue and self.service.inline_ok(stage):
+    async def submit(self, stage: Stage, item: DecodeItem, *, alone: bool = False) -> StepOutput:
+        """Run ``item``'s step, batched with other sessions' where they wait together.
+        ``alone``: ``stage`` is the node's only stage (no retiring shard computes too)."""
+        if not self._queue and alone and self.compute.inline_ok(stage):
             # The only session on an idle node: run on the event loop's thread. A hand-off
             # to the compute thread and back costs two wake-ups (milliseconds on a busy or
             # virtualized host), and with no other session there is nothing to batch with.
-            out = self.service.compute_inline(
+            out = self.compute.run_inline(
                 stage.step, item.session_id, item.position, token_ids=item.token_ids,
                 hidden=item.hidden, owner=item.owner, sample=item.sample,
                 guess_from=item.guess_from,
@@ -224,16 +209,14 @@ class DecodeBatcher:
                 if len(items) == 1:
                     item = items[0]
                     results = [
-                        await self.service.compute(
+                        await self.compute.run_decode(
                             stage.step, item.session_id, item.position, token_ids=item.token_ids,
                             hidden=item.hidden, owner=item.owner, sample=item.sample,
                             guess_from=item.guess_from,
                         )
                     ]  # fmt: skip
-                    self.service.note_decode(results)
                 else:
-                    results = await self.service.compute(stage.step_batch, items)
-                    self.service.note_decode(results)
+                    results = await self.compute.run_decode(stage.step_batch, items)
                     self.batches += 1
                     self.batched_steps += len(items)
             except Exception as exc:  # the single-step path raises instead of returning

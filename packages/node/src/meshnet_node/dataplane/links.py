@@ -1,7 +1,7 @@
 """The links from a node to the next hops of its routes: sending a step and waiting for its
 answer (through the chain, or straight from the tail: ADR-0020), answering a head directly
-from the tail, and timing the links the tracker asks about (ADR-0021). ``HopLinks`` is the
-half of ``NodeService`` that talks to other nodes."""
+from the tail, and timing the links the tracker asks about (ADR-0021). ``NodeService`` holds
+one ``HopLinks`` (``service.links``): everything a node says to other nodes goes through it."""
 
 from __future__ import annotations
 
@@ -10,17 +10,27 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from meshnet_common import wire
 from meshnet_common.errors import HopError
 from meshnet_common.logs import H_REQUEST_ID, request_id_var
-from meshnet_common.protocol import H_COMPUTE, H_POSITION, H_SESSION_KEY, StepResult, parse_compute
+from meshnet_common.metrics import Metrics
+from meshnet_common.protocol import (
+    H_COMPUTE,
+    H_POSITION,
+    H_ROUTE,
+    H_SESSION_KEY,
+    StepResult,
+    parse_compute,
+)
 from meshnet_node.dataplane.steps import StepRequest, step_headers
-from meshnet_node.dataplane.streams import HopResponse, HopUnreachable
+from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
+from meshnet_node.settings import HopTimeouts
 
-logger = logging.getLogger("meshnet_node.dataplane.service")
+logger = logging.getLogger(__name__)
 
 UNREACHABLE_HEAD_S = 30.0  # a head the tail could not answer directly: through the chain
 LINK_PROBE_SESSION = "link-probe"  # never opened: closing it costs the next hop nothing
@@ -46,9 +56,42 @@ def _drained(task: asyncio.Task) -> None:
 
 
 class HopLinks:
-    """Sending steps on and hearing their answers (``NodeService`` provides ``hops``,
-    ``settings``, ``metrics``, ``wire_options``, ``stage``, ``decode_s`` and the direct-answer
-    and link state it initialises)."""
+    """A node's links to other nodes: sending steps on and hearing their answers (through
+    the chain or straight from the tail), closing sessions down the chain, and timing the
+    links to the next hops the tracker names.
+
+    ``hops``: the transport (hop streams; tests put an in-process one here); ``timeouts``:
+    per hop; ``direct_min_rtt_ms``: the link round trip from which direct answers pay;
+    ``runs_on_loop``: how many passes the node has run on its event loop's thread so far (a
+    probe during one measures the node's own compute, not the link)."""
+
+    def __init__(
+        self, hops: HopTransport, *, metrics: Metrics, wire_options: wire.WireOptions,
+        timeouts: HopTimeouts, direct_min_rtt_ms: float, runs_on_loop: Callable[[], int],
+    ) -> None:  # fmt: skip
+        self.hops = hops
+        self.metrics = metrics
+        self.wire_options = wire_options
+        self.timeouts = timeouts
+        self.direct_min_rtt_ms = direct_min_rtt_ms
+        self._runs_on_loop = runs_on_loop
+        # Direct answers (ADR-0020): steps whose answer this head awaits from the tail, by
+        # (session, position); and heads this tail could not reach lately (URL -> when).
+        self._answers: dict[tuple[str, int], tuple[asyncio.Future, str]] = {}
+        self._unreachable_heads: dict[str, float] = {}
+        self._background: set[asyncio.Task] = set()
+        # Route choice (docs/adr/0021): the next hops the tracker asked us to time, and the
+        # round trip to each (ms: the least of its last probes, ``probe_links``).
+        self.probe_urls: tuple[str, ...] = ()
+        self.rtt_ms: dict[str, float] = {}
+        self.rtt_samples: dict[str, deque[float]] = {}
+
+    async def aclose(self) -> None:
+        await self.hops.aclose()
+
+    def set_probe_urls(self, urls: tuple[str, ...]) -> None:
+        """The next hops whose links to time (the tracker's word, in heartbeat answers)."""
+        self.probe_urls = tuple(urls)
 
     async def send(self, hop: str, hidden: torch.Tensor, **step) -> StepResult:
         """POST one tensor frame to ``hop``; returns the tail's answer, with the compute
@@ -90,6 +133,13 @@ class HopLinks:
         entry[0].set_result((body, compute))
         return True
 
+    def answer_head(self, req: StepRequest, body: bytes, compute: str) -> None:
+        """A tail's answer, posted straight to the head too (``req.answer_to``), beside the
+        chain's: in the background, best effort."""
+        task = asyncio.ensure_future(self._answer_head(req, body, compute))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _answer_head(self, req: StepRequest, body: bytes, compute: str) -> None:
         """Post a tail's answer to the head (best effort: the chain carries it too)."""
         url = req.answer_to
@@ -103,7 +153,7 @@ class HopLinks:
         try:
             resp = await self.hops.request(
                 "POST", f"{url}/v1/answers/{req.session_id}", headers=headers, body=body,
-                timeout=self.settings.timeouts.decode_step,
+                timeout=self.timeouts.decode_step,
             )  # fmt: skip
         except HopUnreachable as exc:
             self._unreachable_heads[url] = time.monotonic()
@@ -124,35 +174,35 @@ class HopLinks:
         the wait, not the link. A probe during which this node computed on its loop is not
         counted at all."""
         urls = self.probe_urls
-        for url in list(self.links):
+        for url in list(self.rtt_ms):
             if url not in urls:
-                del self.links[url]
-                self.link_samples.pop(url, None)
+                del self.rtt_ms[url]
+                self.rtt_samples.pop(url, None)
         for url in urls:
-            busy, started = self.inline_runs, time.perf_counter()
+            busy, started = self._runs_on_loop(), time.perf_counter()
             try:
                 await self.hops.request(
                     "DELETE", f"{url.rstrip('/')}/v1/sessions/{LINK_PROBE_SESSION}",
                     headers={}, body=None, timeout=LINK_PROBE_TIMEOUT_S,
                 )  # fmt: skip
             except HopUnreachable:
-                self.links.pop(url, None)
-                self.link_samples.pop(url, None)
+                self.rtt_ms.pop(url, None)
+                self.rtt_samples.pop(url, None)
                 continue
             ms = (time.perf_counter() - started) * 1000
-            if self.inline_runs != busy:
+            if self._runs_on_loop() != busy:
                 continue
-            samples = self.link_samples.setdefault(url, deque(maxlen=LINK_SAMPLES))
+            samples = self.rtt_samples.setdefault(url, deque(maxlen=LINK_SAMPLES))
             samples.append(ms)
-            self.links[url] = min(samples)
+            self.rtt_ms[url] = min(samples)
 
     def direct_pays(self, hop: str) -> bool:
         """Whether a direct answer is worth asking for on a chain starting at ``hop``: unless
         the link to it is known to be fast (``--direct-min-rtt``). A direct answer saves the
         links back up the chain, but costs every step one more message (about 0.3 ms of
         both ends' CPU): on a LAN or loopback the chain's answer is as fast (ADR-0020)."""
-        rtt = self.links.get(hop)
-        return rtt is None or rtt >= self.settings.direct_min_rtt_ms
+        rtt = self.rtt_ms.get(hop)
+        return rtt is None or rtt >= self.direct_min_rtt_ms
 
     async def reachable(self, url: str) -> bool:
         """Whether ``url`` answers on the data path (a session close it does not know: 404)."""
@@ -165,17 +215,19 @@ class HopLinks:
             return False
         return True
 
-    @property
-    def layer_ms(self) -> float | None:
-        """The last decode pass's compute per layer of this stage, in ms (None: unknown)."""
-        if self.decode_s is None:
-            return None
-        return self.decode_s * 1000 / max(1, len(self.stage.shard.layers))
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def close_remote(self, hop: str, session_id: str, key: str, route) -> None:
+        """Free ``session_id`` on ``hop`` and (it relays the close) the hops of ``route``;
+        best effort: a hop's idle timeout frees it anyway."""
+        headers = {H_SESSION_KEY: key}
+        if route:
+            headers[H_ROUTE] = ",".join(route)
+        try:
+            await self.hops.request(
+                "DELETE", f"{hop.rstrip('/')}/v1/sessions/{session_id}", headers=headers,
+                body=None, timeout=5.0,
+            )  # fmt: skip
+        except HopUnreachable as exc:
+            logger.warning("could not close session %s on %s: %s", session_id, hop, exc)
 
     async def relay(
         self,
@@ -220,7 +272,7 @@ class HopLinks:
         request_id = request_id_var.get()
         if request_id is not None:  # every hop's log lines of this step carry the same id
             headers[H_REQUEST_ID] = request_id
-        t = self.settings.timeouts
+        t = self.timeouts
         timeout = t.prefill_chunk if prefill else t.decode_step
         # Metrics are recorded off the step's critical path: once the frame is on its way
         # (a callback runs while this task waits for the answer), and after the answer

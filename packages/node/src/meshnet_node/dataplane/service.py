@@ -1,14 +1,16 @@
 """The node's data path: run a forward step on the local stage and relay it down the chain;
-pipelined prefill chunks taken in order (and merged into one pass when they wait)."""
+pipelined prefill chunks taken in order (and merged into one pass when they wait).
+
+``NodeService`` holds its parts by reference, each owning its data: the compute thread
+(``compute_thread``), the decode batcher (``batcher``) and the links to other nodes
+(``links``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import logging
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +25,12 @@ from meshnet_common.errors import (
     Quarantined,
 )
 from meshnet_common.metrics import Metrics
-from meshnet_common.protocol import H_OPEN, H_ROUTE, H_SESSION_KEY, append_compute, format_compute
+from meshnet_common.protocol import H_OPEN, H_ROUTE, StepResult, append_compute, format_compute
 from meshnet_common.trust.identity import Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
-from meshnet_node.dataplane.batching import DecodeBatcher, _timed
+from meshnet_node.dataplane.batching import DecodeBatcher
+from meshnet_node.dataplane.compute import ComputeThread
 from meshnet_node.dataplane.links import HopLinks
 from meshnet_node.dataplane.steps import (
     _EMPTY_RESULT,
@@ -37,11 +40,9 @@ from meshnet_node.dataplane.steps import (
     _token_json,
     stale_guess,
 )  # fmt: skip
-from meshnet_node.dataplane.streams import HopTransport, HopUnreachable, StreamHops
+from meshnet_node.dataplane.streams import StreamHops
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.settings import NodeSettings
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,55 +55,89 @@ class _Waiting:
     taken: bool = False
 
 
-class NodeService(HopLinks):
-    """Owns the stage, its compute thread and the streams to the next hops."""
+class NodeService:
+    """Owns the stage, its compute thread, its decode batcher and its links to the next hops.
+
+    ``before_pass``: a fault composed at start-up for tests (``engine.faults.SlowCompute``,
+    ``--step-delay-ms``), run before every compute pass; None in a real node."""
 
     def __init__(
         self, stage: Stage, settings: NodeSettings, *, model_id: str,
         metrics: Metrics | None = None, identity: Identity | None = None,
+        before_pass: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.stage = stage
         self.retiring: Stage | None = None  # the previous shard, kept until its sessions end
         self.settings = settings
         self.model_id = model_id
         self.wire_options = wire.WireOptions(zstd_level=settings.zstd_level)
-        # One compute thread: torch parallelizes inside an op; steps of sessions queue here.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.metrics = metrics or Metrics()
+        self.identity = identity  # signs this node's calls to peers (docs/adr/0032)
+        self.compute_thread = ComputeThread(
+            inline_decode=settings.inline_decode,
+            inline_max_s=settings.inline_decode_max_ms / 1000.0,
+            before_pass=before_pass,
+        )
+        self.batcher = DecodeBatcher(self.compute_thread, max_batch=settings.max_decode_batch)
+        t = settings.timeouts
+        hops = StreamHops(
+            headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect,
+            ping_interval=settings.stream_ping_s, ssl=tls.stream_context(),
+            https_only=settings.tls_cert is not None, identity=identity)  # fmt: skip
+        self.links = HopLinks(
+            hops, metrics=self.metrics, wire_options=self.wire_options, timeouts=t,
+            direct_min_rtt_ms=settings.direct_min_rtt_ms,
+            runs_on_loop=lambda: self.compute_thread.inline_runs,
+        )  # fmt: skip
         self._turns: dict[str, asyncio.Condition] = {}
         # Prefill chunks waiting for their turn, per session and position: the chunk whose
         # turn comes takes its waiting successors along into one compute pass.
         self._waiting: dict[str, dict[int, _Waiting]] = {}
-        t = settings.timeouts
-        self.identity = identity  # signs this node's calls to peers (docs/adr/0032)
-        self.hops: HopTransport = StreamHops(
-            headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect,
-            ping_interval=settings.stream_ping_s, ssl=tls.stream_context(),
-            https_only=settings.tls_cert is not None, identity=identity)  # fmt: skip
         self.tokens_generated = 0  # sampled here (tail)
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
-        self.metrics = metrics or Metrics()
-        self.batcher = DecodeBatcher(self, max_batch=settings.max_decode_batch)
-        self._in_flight = self.inline_runs = 0  # steps computing now; runs on the loop so far
-        self.inline_decode = settings.inline_decode
-        # A decode step runs on the loop's thread only while steps are known to be short:
-        # a long one there would stall /health, heartbeats' I/O and every other connection.
-        self.inline_max_s = settings.inline_decode_max_ms / 1000.0
-        self.decode_s: float | None = None  # the last decode pass's compute time (None: unknown)
-        self.step_delay_s = settings.step_delay_ms / 1000.0  # tests only: slower compute
-        # Direct answers (ADR-0020): steps whose answer the head awaits from the tail,
-        # by (session, position); and heads the tail could not reach lately (URL -> when).
-        self._answers: dict[tuple[str, int], tuple[asyncio.Future, str]] = {}
-        self._unreachable_heads: dict[str, float] = {}
-        self._background: set[asyncio.Task] = set()
         self.answer_url: str | None = None  # where tails answer this head (set when it is one)
-        # Route choice (docs/adr/0021): the next hops the tracker asked us to time, and the
-        # round trip to each (ms: the least of its last probes; HopLinks.probe_links).
         self.draining: str | None = None  # this node's URL once it drains (docs/adr/0024)
         self.quarantined: tuple[str, str] | None = None  # (its URL, why) once quarantined: ADR-0026
-        self.probe_urls: tuple[str, ...] = ()
-        self.links: dict[str, float] = {}
-        self.link_samples: dict[str, deque[float]] = {}
         self.head_audit = None  # audits of the head feeding this node (docs/adr/0032)
+
+    # -- what the head and the heartbeat use -------------------------------------------------
+
+    def set_micro_batches(self, depth: int) -> None:
+        """How many micro-batches a head keeps in flight (``batching.micro_batches``)."""
+        if depth < 1:
+            raise ValueError(f"micro-batches: at least 1, not {depth}")
+        self.batcher.depth = depth
+
+    def count_served(self, tokens: int) -> None:
+        """``tokens`` more generated through this stage (sampled steps, kept drafts)."""
+        self.tokens_served += tokens
+
+    @property
+    def layer_ms(self) -> float | None:
+        """The last decode pass's compute per layer of this stage, in ms (None: unknown)."""
+        decode_s = self.compute_thread.decode_s
+        if decode_s is None:
+            return None
+        return decode_s * 1000 / max(1, len(self.stage.shard.layers))
+
+    def compute(self, fn, *args, **kwargs) -> Awaitable:
+        """Run ``fn`` on the compute thread; StepOutputs learn how long it took."""
+        return self.compute_thread.run(fn, *args, **kwargs)
+
+    # The head's calls to the next hops, handed to ``links`` as they are (no coroutine of
+    # their own: a decode step pays per call on the path, docs/adr/0011).
+
+    def send(self, hop: str, hidden: torch.Tensor, **step) -> Awaitable[StepResult]:
+        return self.links.send(hop, hidden, **step)
+
+    def direct_pays(self, hop: str) -> bool:
+        return self.links.direct_pays(hop)
+
+    def reachable(self, url: str) -> Awaitable[bool]:
+        return self.links.reachable(url)
+
+    def close_remote(self, hop: str, session_id: str, key: str, route) -> Awaitable[None]:
+        return self.links.close_remote(hop, session_id, key, route)
 
     def stage_for(self, session_id: str) -> Stage:
         """The stage holding ``session_id``: sessions opened before a reshard stay put."""
@@ -114,11 +149,11 @@ class NodeService(HopLinks):
     def swap(self, stage: Stage) -> None:
         """Serve new sessions from ``stage``; the old one drains its sessions."""
         self.retiring, self.stage = self.stage, stage
-        self.decode_s = None  # another shard: its step time is not known yet
+        self.compute_thread.forget_decode_time()
 
     async def aclose(self) -> None:
-        await self.hops.aclose()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        await self.links.aclose()
+        self.compute_thread.shutdown()
 
     async def run_stage(
         self,
@@ -137,52 +172,11 @@ class NodeService(HopLinks):
         tensor = token_ids if token_ids is not None else hidden
         if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
             item = DecodeItem(session_id, position, token_ids, hidden, owner, sample, guess_from)
-            return await self.batcher.submit(stage, item)
-        return await self.compute(
+            return await self.batcher.submit(stage, item, alone=self.retiring is None)
+        return await self.compute_thread.run(
             stage.step, session_id, position, token_ids=token_ids, hidden=hidden,
             owner=owner, sample=sample, drafts=drafts,
         )  # fmt: skip
-
-    async def compute(self, fn, *args, **kwargs):
-        """Run ``fn`` on the compute thread; StepOutputs learn how long it took."""
-        self._in_flight += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: _timed(fn, *args, delay_s=self.step_delay_s, **kwargs)
-            )
-        finally:
-            self._in_flight -= 1
-
-    def note_decode(self, results) -> None:
-        """Remember how long a decode pass took (it decides whether the next may run inline)."""
-        for out in results:
-            if isinstance(out, StepOutput) and out.compute_s is not None:
-                self.decode_s = out.compute_s
-                return
-
-    def inline_ok(self, stage: Stage) -> bool:
-        """Whether a decode step may run on the caller's thread: allowed by the settings,
-        nothing else computing, no other session that could send a step to batch, and this
-        stage's decode steps known to be short (``--inline-decode-max-ms``): the first step of
-        a shard, and every step of a slow one, runs on the compute thread."""
-        return (
-            self.inline_decode
-            and self.decode_s is not None
-            and self.decode_s < self.inline_max_s
-            and self._in_flight == 0
-            and self.retiring is None
-            and len(stage.sessions) <= 1
-        )
-
-    def compute_inline(self, fn, *args, **kwargs):
-        self._in_flight += 1
-        self.inline_runs += 1  # the loop is blocked meanwhile (a link probe's time is off)
-        try:
-            out = _timed(fn, *args, delay_s=self.step_delay_s, **kwargs)
-        finally:
-            self._in_flight -= 1
-        self.note_decode((out,))
-        return out
 
     # -- ordering of pipelined chunks --------------------------------------------------------
 
@@ -303,19 +297,18 @@ class NodeService(HopLinks):
             await self._advance(req.session_id)
         elif opened and req.session_id in self._turns:  # a one-row prompt: a pass may wait
             await self._advance(req.session_id)
-        self.tokens_served += req.sample  # a sampled step: one more token through this stage
+        self.count_served(req.sample)  # a sampled step: one more token through this stage
         own_ms = out.compute_s * 1000
         if stage.shard.is_tail:
             if out.token is None:
                 return StepAnswer(_EMPTY_RESULT, format_compute(own_ms))
             self.tokens_generated += 1 + len(out.more or ())
-            self.tokens_served += len(out.more or ())  # the drafts it kept: tokens too
+            self.count_served(len(out.more or ()))  # the drafts it kept: tokens too
             body = _token_json(out.token, out.more)
             if req.answer_to is not None:  # straight to the head too; the chain still answers
-                self._spawn(self._answer_head(req, body, append_compute(req.compute_before,
-                                                                         own_ms)))  # fmt: skip
+                self.links.answer_head(req, body, append_compute(req.compute_before, own_ms))
             return StepAnswer(body, format_compute(own_ms))
-        resp = await self.relay(
+        resp = await self.links.relay(
             req.route[0],
             out.hidden,
             session_id=req.session_id,
@@ -336,7 +329,7 @@ class NodeService(HopLinks):
         )
         if req.drafts:  # the drafts the tail kept went through this stage too
             with contextlib.suppress(ValueError, TypeError, AttributeError):
-                self.tokens_served += len(json.loads(resp.body).get("more") or ())
+                self.count_served(len(json.loads(resp.body).get("more") or ()))
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
 
@@ -399,7 +392,7 @@ class NodeService(HopLinks):
         is_head = stage.shard.is_head
         merged = me.tensor if len(run) == 1 else torch.cat([m.tensor for m in run], dim=1)
         try:
-            out = await self.compute(
+            out = await self.compute_thread.run(
                 stage.step, me.req.session_id, me.req.position,
                 token_ids=merged if is_head else None, hidden=None if is_head else merged,
                 owner=me.req.session_key, sample=run[-1].req.sample,
@@ -451,16 +444,4 @@ class NodeService(HopLinks):
         await self._advance(session_id)
         self._turns.pop(session_id, None)
         if route:
-            await self.close_remote(route[0], session_id, session_key or "", route[1:])
-
-    async def close_remote(self, hop: str, session_id: str, key: str, route) -> None:
-        headers = {H_SESSION_KEY: key}
-        if route:
-            headers[H_ROUTE] = ",".join(route)
-        try:
-            await self.hops.request(
-                "DELETE", f"{hop.rstrip('/')}/v1/sessions/{session_id}", headers=headers,
-                body=None, timeout=5.0,
-            )  # fmt: skip
-        except HopUnreachable as exc:  # the hop's idle timeout frees it anyway
-            logger.warning("could not close session %s on %s: %s", session_id, hop, exc)
+            await self.links.close_remote(route[0], session_id, session_key or "", route[1:])

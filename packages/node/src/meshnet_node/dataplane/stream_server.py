@@ -22,17 +22,6 @@ from meshnet_common.errors import InvalidRequest, PayloadTooLarge
 from meshnet_common.logs import H_REQUEST_ID, accept_request_id, bind_session, request_id_var
 from meshnet_common.protocol import H_COMPUTE, H_SESSION
 from meshnet_common.web.http import error_body, record_request
-from meshnet_node.dataplane.forward import (
-    ANSWERS_ROUTE,
-    FORWARD_PATH,
-    SESSIONS_ROUTE,
-    Answer,
-    close_answer,
-    deliver_answer,
-    error_answer,
-    forward_answer,
-    peer_of,
-)
 from meshnet_node.dataplane.frames import (
     H_MAX_MESSAGE,
     MAX_HEADER_BYTES,
@@ -43,6 +32,17 @@ from meshnet_node.dataplane.frames import (
     Request,
     decode_request,
     encode_answer,
+)
+from meshnet_node.dataplane.handlers import (
+    ANSWERS_ROUTE,
+    FORWARD_PATH,
+    SESSIONS_ROUTE,
+    Answer,
+    close_answer,
+    deliver_answer,
+    error_answer,
+    forward_answer,
+    peer_of,
 )
 from meshnet_node.dataplane.service import NodeService
 

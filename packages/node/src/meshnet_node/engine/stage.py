@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,12 +64,11 @@ class Stage:
         kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS,
         idle_timeout_s: float = 300.0,
         max_sessions: int = 256,
-        perturb: float = 0.0,
+        output_fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.shard = shard
-        # TESTING ONLY (--test-only-perturb): noise of this many times each output row's RMS
-        # is added to everything the stage computes, as a node with faulty hardware would.
-        self.perturb = perturb
+        # Tests only (``engine.faults``): applied to every output this stage computes.
+        self.output_fault = output_fault
         self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
         # One compute pass: consecutive waiting prefill chunks run together (ADR 0010).
         self.max_merge_tokens = max(max_chunk_tokens, max_merge_tokens)
@@ -371,7 +371,7 @@ class Stage:
             ]
             hidden = batched(layer, hidden, per_row)  # (B, 1, H)
         if not shard.is_tail:
-            out = self._faulty(hidden.to(shard.activation_dtype))
+            out = self._emit(hidden.to(shard.activation_dtype))
             return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]
         states = mods.norm(hidden)  # (B, 1, H)
         if not logits:
@@ -383,7 +383,7 @@ class Stage:
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """Final-norm states (B, 1, H) -> float32 logits (B, 1, V)."""
         shard = self.shard
-        return self._faulty(final_logits(shard.config, shard.modules.lm_head, states).float().cpu())
+        return self._emit(final_logits(shard.config, shard.modules.lm_head, states).float().cpu())
 
     @torch_products  # rows as the one-token steps, in bf16 too: never widened (ADR-0027)
     def _forward_drafts(
@@ -448,21 +448,18 @@ class Stage:
                 position_embeddings=rotary[layer_type],
             )
         if not shard.is_tail:
-            return StepOutput(hidden=self._faulty(hidden.to(shard.activation_dtype)))
+            return StepOutput(hidden=self._emit(hidden.to(shard.activation_dtype)))
         scores = None if session.sampler is None else session.sampler.prompt
         if scores is not None and scores.rows(position, num_tokens):
             self._score_prompt(session, hidden, position, scores.rows(position, num_tokens))
         last = mods.norm(hidden[:, -rows:, :])  # (1, rows, H)
-        logits = self._faulty(final_logits(shard.config, mods.lm_head, last).float().cpu()[0])
+        logits = self._emit(final_logits(shard.config, mods.lm_head, last).float().cpu()[0])
         return StepOutput(logits=logits.reshape(-1) if rows == 1 else logits)
 
-    def _faulty(self, out: torch.Tensor) -> torch.Tensor:
-        """TESTING ONLY: ``out`` with noise of ``perturb`` times each row's RMS added."""
-        if not self.perturb:
-            return out
-        rows = out.float()
-        rms = rows.pow(2).mean(dim=-1, keepdim=True).sqrt()
-        return (rows + torch.randn_like(rows) * rms * self.perturb).to(out.dtype)
+    def _emit(self, out: torch.Tensor) -> torch.Tensor:
+        """An output as it leaves the stage: as computed, unless a fault was injected."""
+        fault = self.output_fault
+        return out if fault is None else fault(out)
 
     def recompute(self, inputs: torch.Tensor, start_layer: int) -> torch.Tensor:
         """The output row of the last of ``inputs``' positions (hidden states; a head's token

@@ -1,26 +1,24 @@
 """Failover: when a hop of a generation's route dies, ban it, free what the chain held,
 find another route (waiting for missing layers expected back: ``--coverage-wait``), and
 rebuild the fresh chain's caches by running the lost computation again, pass for pass, so
-the text goes on exactly as it would have (docs/adr/0007, 0023). ``Failover`` is the half of
-``HeadGenerator`` that does it."""
+the text goes on exactly as it would have (docs/adr/0007, 0023)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import CapacityExceeded, HopError, ModelNotCovered
+from meshnet_common.protocol import StepResult
+from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage
-from meshnet_node.retry import RetryBudget, RetryPolicy
+from meshnet_node.head.chain import Chain, GenerationRequest, HeadPasses
+from meshnet_node.retry import BanList, Clock, RetryPolicy
 
-if TYPE_CHECKING:
-    from meshnet_node.head.generation import GenerationRequest
-
-logger = logging.getLogger("meshnet_node.head.generation")
+logger = logging.getLogger(__name__)
 
 # Failover policy (ADR 0007), per request: the first try and up to 4 failovers within 120 s,
 # backing off 0.2 s doubling to at most 2 s; a failed hop is banned for 30 s.
@@ -28,6 +26,9 @@ FAILOVER_POLICY = RetryPolicy(
     max_attempts=1 + 4, deadline_s=120.0, backoff_base_s=0.2, backoff_cap_s=2.0
 )
 FAILOVER_BAN_S = 30.0
+
+# The hops to avoid -> URLs of the hops after this head
+Reroute = Callable[[frozenset[str]], Awaitable[tuple[str, ...]]]
 
 
 class ComputedWrong(HopError):
@@ -43,32 +44,120 @@ def _still_alive(exc: HopError) -> bool:
     return (body.get("error") or {}).get("code") == "quarantined"
 
 
-@dataclass
-class _Chain:
-    """The current session of one generation along its route (replaced on failover)."""
-
-    route: tuple[str, ...]
-    session_id: str = ""
-    key: str = ""
-    replay: bool = False  # the next step must rebuild the chain's caches from the history
-    budget: RetryBudget | None = None  # the request's failovers and deadline (set once)
-    # Every decode pass the chain ran after the prompt, as (position, input ids, drafts):
-    # a replay runs them again exactly as they ran (docs/adr/0023).
-    passes: list[tuple[int, list[int], int]] = field(default_factory=list)
-    auditing: asyncio.Task | None = None  # the verifier's audit of this chain (ADR-0026)
-    convicted: str | None = None  # a hop an audit found computing wrong: fail over off it
-
-    @property
-    def failovers(self) -> int:
-        return 0 if self.budget is None else self.budget.failures
+def _no_suspects() -> frozenset[str]:
+    return frozenset()
 
 
 class Failover:
-    """Provided by ``HeadGenerator``: ``service``, ``bans``, ``clock``, ``sleep``,
-    ``coverage_wait_s``, ``avoided``, ``suspects``, ``_prefill``, ``_local``, ``_send``,
-    ``_close``, ``_open_local``."""
+    """Runs a generation's passes through ``passes`` and, when a hop dies, moves the chain
+    to another route: bans the hop for ``ban_s``, within ``policy``'s attempts and deadline
+    per request. Owns the bans of this head; ``suspects``: the hops an audit found
+    computing wrong (avoided, never forgiven here)."""
 
-    async def _replay(self, stage: Stage, chain: _Chain, request: GenerationRequest) -> None:
+    def __init__(
+        self,
+        passes: HeadPasses,
+        service: NodeService,
+        *,
+        policy: RetryPolicy = FAILOVER_POLICY,
+        ban_s: float = FAILOVER_BAN_S,
+        clock: Clock = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        coverage_wait_s: float = 30.0,
+        suspects: Callable[[], frozenset[str]] = _no_suspects,
+    ) -> None:
+        self.passes = passes
+        self.service = service  # its metrics, and whether a banned hop answers again
+        self.policy = policy
+        self.clock = clock
+        self.sleep = sleep
+        self.bans = BanList(ban_s, clock)  # failed hops, per head process
+        self.coverage_wait_s = coverage_wait_s  # how long a failover waits for missing layers
+        self.suspects = suspects
+
+    def avoided(self) -> frozenset[str]:
+        """Hops new routes must avoid: failed ones (banned for a while) and suspects."""
+        return self.bans.banned() | self.suspects()
+
+    async def first_route(self, reroute: Reroute) -> tuple[str, ...]:
+        """A route for a new request, avoiding the hops to avoid; missing layers expected
+        back are waited for, for up to --coverage-wait (docs/adr/0023)."""
+
+        async def ask() -> tuple[str, ...]:
+            return await reroute(self.avoided())
+
+        return await wait_for_coverage(
+            ask, wait_s=self.coverage_wait_s, clock=self.clock, sleep=self.sleep,
+            between=self.lift_bans_of_the_living,
+        )  # fmt: skip
+
+    async def advance(
+        self,
+        stage: Stage,
+        chain: Chain,
+        request: GenerationRequest,
+        history: list[int],
+        token: int | None,
+        reroute: Reroute | None,
+        drafts: list[int] | None = None,
+    ) -> StepResult:
+        """Prefill (``token`` None) or one decode step (with ``drafts`` for the chain to
+        verify), failing over to a new route if a hop dies: bounded attempts, capped
+        exponential backoff, an overall deadline. A replay verifies no drafts."""
+        if chain.budget is None:  # the limits hold for the whole request, not per step
+            chain.budget = self.policy.start(self.clock)
+        while True:
+            phase = "prefill" if token is None or chain.replay else "decode"
+            try:
+                if chain.convicted is not None:  # an audit found it computing wrong
+                    convicted, chain.convicted = chain.convicted, None
+                    raise ComputedWrong(f"hop {convicted} computed wrong (an audit, "
+                                        "docs/adr/0026)", hop=convicted)  # fmt: skip
+                if token is None:  # the prompt (again, in a fresh session, after a failover)
+                    chain.replay = False
+                    return await self.passes.prefill(
+                        stage, chain.session_id, chain.key, request, chain.route
+                    )
+                if chain.replay:  # a fresh session: rebuild every cache as it was built
+                    await self._replay(stage, chain, request)
+                    chain.replay = False
+                inputs = [token, *(drafts or ())]
+                result = await self.passes.step(
+                    stage, chain.session_id, chain.key, inputs, len(history), chain.route,
+                    drafts=len(drafts or ()),
+                )  # fmt: skip
+                chain.passes.append((len(history), inputs, len(drafts or ())))
+                return result
+            except HopError as exc:
+                may_retry = chain.budget.failed()
+                if reroute is None or not exc.recoverable or not may_retry:
+                    raise
+                await self.fail_over(stage, chain, request, exc, reroute, phase)
+
+    async def fail_over(
+        self,
+        stage: Stage,
+        chain: Chain,
+        request: GenerationRequest,
+        exc: HopError,
+        reroute: Reroute,
+        phase: str,
+    ) -> None:
+        """Move ``chain`` off the hop ``exc`` names, once the request's budget allowed it:
+        free the old session, back off, find a new route and open a fresh session there,
+        which the next step replays into."""
+        await self._abandon(stage, chain, exc, phase)
+        await self._reroute(stage, chain, request, exc, reroute)
+
+    async def lift_bans_of_the_living(self) -> None:
+        """A banned hop that answers again (a node restarted at its address) is routable
+        again: its ban would otherwise keep a request waiting on coverage it has."""
+        for url in self.bans.banned() - self.suspects():  # a node computing wrong stays out
+            if await self.service.reachable(url):
+                logger.info("hop %s answers again; no longer avoided", url)
+                self.bans.lift(url)
+
+    async def _replay(self, stage: Stage, chain: Chain, request: GenerationRequest) -> None:
         """Rebuild a fresh session's caches with the computation the lost one ran: the
         prompt in the same chunks and pieces, then each decode pass with the same inputs
         (drafts included, so every hop rewinds where it rewound). Run as a single prefill,
@@ -83,10 +172,10 @@ class Failover:
         sends: list[asyncio.Future] = []
         sid, key, route = chain.session_id, chain.key, chain.route
         try:
-            await self._prefill(stage, sid, key, request, route, sends=sends)
+            await self.passes.prefill(stage, sid, key, request, route, sends=sends)
             for number, (position, inputs, drafts) in enumerate(passes, start=1):
-                out = await self._local(stage, sid, key, inputs, position, True, drafts)
-                sends.append(asyncio.ensure_future(self._send(
+                out = await self.passes.local(stage, sid, key, inputs, position, True, drafts)
+                sends.append(asyncio.ensure_future(self.passes.send(
                     out, sid, key, position, route, 0, True, None,
                     ids=tuple(inputs), drafts=drafts,
                     replay_pass=number,
@@ -100,7 +189,7 @@ class Failover:
         self.service.metrics.replay_seconds.observe(seconds)
         logger.info("replayed the prompt and %d decode passes in %.2f s", len(passes), seconds)
 
-    async def _abandon(self, stage: Stage, chain: _Chain, exc: HopError, phase: str) -> None:
+    async def _abandon(self, stage: Stage, chain: Chain, exc: HopError, phase: str) -> None:
         """Ban the failed hop, free the chain's session on the hops still alive, back off."""
         failed = exc.failed_url
         logger.warning(
@@ -113,11 +202,17 @@ class Failover:
             self.bans.ban(failed)
         old_session, old_key, old_route = chain.session_id, chain.key, chain.route
         gone = None if _still_alive(exc) else failed
-        await self._close(stage, old_session, old_key, tuple(u for u in old_route if u != gone))
+        alive = tuple(u for u in old_route if u != gone)
+        await self.passes.close(stage, old_session, old_key, alive)
         await self.sleep(chain.budget.backoff())
 
     async def _reroute(
-        self, stage: Stage, chain: _Chain, request: GenerationRequest, exc: HopError, reroute
+        self,
+        stage: Stage,
+        chain: Chain,
+        request: GenerationRequest,
+        exc: HopError,
+        reroute: Reroute,
     ) -> None:
         """A new route avoiding banned hops, then a fresh session to replay into.
 
@@ -139,7 +234,7 @@ class Failover:
                 # for up to --coverage-wait within the request's deadline (docs/adr/0023).
                 chain.route = await wait_for_coverage(
                     ask, wait_s=self.coverage_wait_s, clock=self.clock, sleep=self.sleep,
-                    deadline=chain.budget.deadline, between=self._lift_bans_of_the_living,
+                    deadline=chain.budget.deadline, between=self.lift_bans_of_the_living,
                 )  # fmt: skip
                 break
             except ModelNotCovered as missing:
@@ -153,16 +248,8 @@ class Failover:
                     raise
                 logger.warning("no replacement route yet (%s); asking again", missing)
                 await self.sleep(chain.budget.backoff())
-        self._open_local(stage, chain, request)
+        self.passes.open(stage, chain, request)
         chain.replay = True
-
-    async def _lift_bans_of_the_living(self) -> None:
-        """A banned hop that answers again (a node restarted at its address) is routable
-        again: its ban would otherwise keep a request waiting on coverage it has."""
-        for url in self.bans.banned() - self.suspects():  # a node computing wrong stays out
-            if await self.service.reachable(url):
-                logger.info("hop %s answers again; no longer avoided", url)
-                self.bans.lift(url)
 
 
 def _capacity_code(exc: HopError) -> str | None:

@@ -1,15 +1,16 @@
 """The OpenAI response shapes of both endpoints, whole and streamed: choices, log-probs,
-usage (in streams too), reasoning and tool calls, and meshnet's timing extension.
-``ResponseShapes`` is the half of ``OpenAIServing`` that writes responses."""
+usage (in streams too), reasoning and tool calls, and meshnet's timing extension."""
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from meshnet_common.errors import MeshnetError
 from meshnet_common.logs import event
+from meshnet_common.metrics import Metrics
 from meshnet_common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -18,14 +19,14 @@ from meshnet_common.openai_protocol import (
     usage,
 )
 from meshnet_node.head import tools
+from meshnet_node.head.chain import GenerationRequest
 from meshnet_node.head.generation import GeneratedToken
-from meshnet_node.head.reasoning import ReasoningSplitter
-from meshnet_node.head.text import TextAssembler
+from meshnet_node.head.text import ReasoningSplitter, TextAssembler
 
-if TYPE_CHECKING:
-    from meshnet_node.head.serving import Choice
+logger = logging.getLogger(__name__)
 
-logger = logging.getLogger("meshnet_node.head.serving")
+# A request's tokens as they come: (choice index, token)
+Tokens = AsyncIterator[tuple[int, GeneratedToken]]
 
 
 def sse(payload: dict | str) -> str:
@@ -33,13 +34,41 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+@dataclass
+class Choice:
+    """One finished choice of a non-streaming response."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    tokens: list[GeneratedToken]
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.tokens[-1].finish_reason if self.tokens else "length"
+
+    @property
+    def timing(self) -> dict | None:
+        return self.tokens[-1].timing if self.tokens else None
+
+
 class ResponseShapes:
-    """Response writing for ``OpenAIServing`` (which provides ``tokenizer``, ``generator``,
-    ``reasoning_parser`` and ``stream``)."""
+    """Writes the responses of both endpoints from generated tokens: whole (from finished
+    ``Choice``s) or streamed (from the tokens as they come). ``tokenizer`` spells tokens in
+    log-probs; ``reasoning_parser`` splits reasoning from content; stream errors are
+    counted in ``metrics``."""
+
+    def __init__(self, tokenizer, metrics: Metrics, *, reasoning_parser: str | None = None):
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.reasoning_parser = reasoning_parser
 
     def _stream_error(self, exc: MeshnetError) -> str:
         """A stream cannot change its status: the error goes in-band, and is counted."""
-        self.generator.service.metrics.error(exc.status, exc.code or exc.error_type)
+        self.metrics.error(exc.status, exc.code or exc.error_type)
         event(logger, logging.WARNING, "stream ended by an error", status=exc.status,
               code=exc.code or exc.error_type, error=exc.message)  # fmt: skip
         return sse(exc.to_openai())
@@ -168,7 +197,11 @@ class ResponseShapes:
             "usage": choices_usage(choices),
         }
 
-    async def completion_stream(self, request: CompletionRequest, jobs, route=None):
+    async def completion_stream(
+        self, request: CompletionRequest, jobs: list[GenerationRequest], tokens: Tokens
+    ) -> AsyncIterator[str]:
+        """The SSE events of a completion: a chunk per token (the echoed prompt first), the
+        usage if asked, an error in-band, then ``[DONE]``."""
         rid, created = new_id("cmpl"), now()
         counts = [0] * len(jobs)
         usage_of = StreamUsage(request, jobs, counts)
@@ -189,7 +222,7 @@ class ResponseShapes:
 
         started: set[int] = set()
         try:
-            async for index, tok in self.stream(jobs, route):
+            async for index, tok in tokens:
                 if request.echo and index not in started:
                     # the prompt first: its scores come with the first token
                     prompt = self.echoed(request, jobs[index].prompt_ids, tok)
@@ -208,12 +241,16 @@ class ResponseShapes:
             yield self._stream_error(exc)
         except Exception as exc:  # a stream cannot change its status: report in-band
             logger.exception("stream failed")
-            self.generator.service.metrics.error(500, "internal_error")
+            self.metrics.error(500, "internal_error")
             yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                  "code": None}})  # fmt: skip
         yield sse("[DONE]")
 
-    async def chat_stream(self, request: ChatCompletionRequest, jobs, route=None):
+    async def chat_stream(
+        self, request: ChatCompletionRequest, jobs: list[GenerationRequest], tokens: Tokens
+    ) -> AsyncIterator[str]:
+        """The SSE events of a chat completion: the role, a delta per token (content,
+        reasoning, tool calls), the usage if asked, an error in-band, then ``[DONE]``."""
         rid, created = new_id("chatcmpl"), now()
         counts = [0] * len(jobs)
         usage_of = StreamUsage(request, jobs, counts)
@@ -236,7 +273,7 @@ class ResponseShapes:
             streams = [tools.ToolStream(request) if tools.active(request) else None
                        for _ in jobs]  # fmt: skip
             called = [False] * len(jobs)
-            async for index, tok in self.stream(jobs, route):
+            async for index, tok in tokens:
                 counts[index] += 1
                 logprobs = self.chat_logprobs([tok]) if request.logprobs else None
                 if streams[index] is not None:
@@ -271,7 +308,7 @@ class ResponseShapes:
             yield self._stream_error(exc)
         except Exception as exc:
             logger.exception("stream failed")
-            self.generator.service.metrics.error(500, "internal_error")
+            self.metrics.error(500, "internal_error")
             yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                  "code": None}})  # fmt: skip
         yield sse("[DONE]")

@@ -7,9 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import CapacityExceeded, Draining, InvalidRequest, NotFound
 from meshnet_common.logs import event
 from meshnet_common.openai_protocol import (
@@ -18,10 +16,11 @@ from meshnet_common.openai_protocol import (
     RequestBounds,
 )
 from meshnet_node.head import tools
-from meshnet_node.head.generation import GeneratedToken, GenerationRequest, HeadGenerator
+from meshnet_node.head.chain import GenerationRequest
+from meshnet_node.head.generation import GeneratedToken, HeadGenerator
 from meshnet_node.head.params import grammar_of, sampling_spec, stop_token_ids
 from meshnet_node.head.queue import CAPACITY_CODES, RequestQueue
-from meshnet_node.head.responses import ResponseShapes, sse  # noqa: F401 - sse: re-exported
+from meshnet_node.head.responses import Choice, ResponseShapes, Tokens
 
 logger = logging.getLogger(__name__)
 
@@ -33,29 +32,9 @@ RouteProvider = Callable[[str, frozenset[str]], Awaitable[tuple[str, ...]]]
 PREPARE_THREADS = 2
 
 
-@dataclass
-class Choice:
-    """One finished choice of a non-streaming response."""
-
-    index: int
-    prompt_ids: tuple[int, ...]
-    tokens: list[GeneratedToken]
-
-    @property
-    def text(self) -> str:
-        return "".join(t.text for t in self.tokens)
-
-    @property
-    def finish_reason(self) -> str:
-        return self.tokens[-1].finish_reason if self.tokens else "length"
-
-    @property
-    def timing(self) -> dict | None:
-        return self.tokens[-1].timing if self.tokens else None
-
-
-class OpenAIServing(ResponseShapes):
-    """Turns OpenAI requests into generations through the head and a route."""
+class OpenAIServing:
+    """Turns OpenAI requests into generations through the head and a route; ``responses``
+    writes what they generate as OpenAI responses."""
 
     def __init__(
         self,
@@ -77,9 +56,12 @@ class OpenAIServing(ResponseShapes):
         self.names = tuple(served_names) or (model_id,)  # what clients may call it
         self.max_model_len = max_model_len
         self.created = created
-        self.reasoning_parser = reasoning_parser
+        self.responses = ResponseShapes(
+            generator.tokenizer, generator.metrics, reasoning_parser=reasoning_parser
+        )
+        self.metrics = generator.metrics
         self.queue = queue or RequestQueue()
-        settings = generator.service.settings
+        settings = generator.settings
         # whether clients authenticate with an API key (``routes.client_of`` keys the queue
         # on it; None: as this node's settings say)
         self.keyed_clients = bool(settings.api_key) if keyed_clients is None else keyed_clients
@@ -90,15 +72,13 @@ class OpenAIServing(ResponseShapes):
         )  # fmt: skip
         self.prepare_timeout_s = settings.prepare_timeout_s
         self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
-        generator.service.metrics.watch_queue(lambda: self.queue.waiting)
+        self.metrics.watch_queue(lambda: self.queue.waiting)
 
     @property
     def context_window(self) -> int:
         """Longest prompt + completion: the model's context, capped by --max-model-len and
         by this node's KV budget (a longer request could never run, even alone)."""
-        window = min(
-            self.generator.context_window, self.generator.service.stage.sessions.kv_budget_tokens
-        )
+        window = min(self.generator.context_window, self.generator.kv_budget_tokens)
         return min(window, self.max_model_len) if self.max_model_len else window
 
     def model_cards(self) -> list[dict]:
@@ -115,17 +95,9 @@ class OpenAIServing(ResponseShapes):
     async def route(self) -> tuple[str, ...]:
         """A route for a new request; missing layers expected back are waited for, for up
         to --coverage-wait (docs/adr/0023)."""
-        generator = self.generator
-        if generator.service.draining is not None:  # leaving the swarm: no new requests
-            raise Draining(generator.service.draining)
-
-        async def ask() -> tuple[str, ...]:
-            return await self.route_provider(self.model_id, generator.avoided())
-
-        return await wait_for_coverage(
-            ask, wait_s=generator.coverage_wait_s, clock=generator.clock, sleep=generator.sleep,
-            between=generator._lift_bans_of_the_living,
-        )  # fmt: skip
+        if self.generator.draining is not None:  # leaving the swarm: no new requests
+            raise Draining(self.generator.draining)
+        return await self.generator.route(self._reroute)
 
     def check_model(self, model: str) -> None:
         if model != self.model_id and model not in self.names:
@@ -140,7 +112,7 @@ class OpenAIServing(ResponseShapes):
     def _prompts(self, request: CompletionRequest) -> list[list[int]]:
         """Token ids of each prompt: text, texts, token ids, or lists of token ids."""
         prompt = request.prompt
-        vocab = self.generator.service.stage.shard.vocab_size
+        vocab = self.generator.vocab_size
         if isinstance(prompt, str):
             prompts = [prompt]
         elif prompt and all(isinstance(p, str) for p in prompt):
@@ -199,7 +171,7 @@ class OpenAIServing(ResponseShapes):
             context_window=self.context_window, prompt_tokens=len(prompt_ids), bounds=self.bounds
         )
         seed = None if request.seed is None else request.seed + index
-        vocab = self.generator.service.stage.shard.vocab_size
+        vocab = self.generator.vocab_size
         return GenerationRequest(
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
@@ -278,7 +250,7 @@ class OpenAIServing(ResponseShapes):
 
         While it has produced nothing, a chain without room (a full KV budget or session
         limit, here or downstream) makes it wait in the queue for a turn and run again."""
-        metrics = self.generator.service.metrics
+        metrics = self.metrics
         metrics.prompt_tokens.inc(len(job.prompt_ids))
         started, tokens, finish = time.perf_counter(), 0, "error"
         deadline = self.queue.clock() + self.queue.timeout_s
@@ -327,7 +299,7 @@ class OpenAIServing(ResponseShapes):
         try:
             await self.queue.wait(job.client, deadline, again=again, user=job.user)
         finally:
-            self.generator.service.metrics.queue_seconds.observe(time.perf_counter() - started)
+            self.metrics.queue_seconds.observe(time.perf_counter() - started)
 
     async def _run_one(self, job: GenerationRequest, route) -> list[GeneratedToken]:
         return [tok async for tok in self._generate(job, route)]
@@ -347,9 +319,7 @@ class OpenAIServing(ResponseShapes):
             for i, (job, toks) in enumerate(zip(jobs, results, strict=True))
         ]
 
-    async def stream(
-        self, jobs: list[GenerationRequest], route=None
-    ) -> AsyncIterator[tuple[int, GeneratedToken]]:
+    async def stream(self, jobs: list[GenerationRequest], route=None) -> Tokens:
         """Tokens of all jobs as they come, tagged with the choice index."""
         if route is None:
             route = await self.route()
@@ -380,3 +350,24 @@ class OpenAIServing(ResponseShapes):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- responses -------------------------------------------------------------------------
+
+    def completion_response(self, request: CompletionRequest, choices: list[Choice]) -> dict:
+        return self.responses.completion_response(request, choices)
+
+    def chat_response(self, request: ChatCompletionRequest, choices: list[Choice]) -> dict:
+        return self.responses.chat_response(request, choices)
+
+    def completion_stream(
+        self, request: CompletionRequest, jobs: list[GenerationRequest], route=None
+    ) -> AsyncIterator[str]:
+        """The SSE events of the completion ``jobs`` generate (``route``: None, one for
+        them all, found once the stream starts)."""
+        return self.responses.completion_stream(request, jobs, self.stream(jobs, route))
+
+    def chat_stream(
+        self, request: ChatCompletionRequest, jobs: list[GenerationRequest], route=None
+    ) -> AsyncIterator[str]:
+        """The SSE events of the chat completion ``jobs`` generate."""
+        return self.responses.chat_stream(request, jobs, self.stream(jobs, route))

@@ -12,29 +12,21 @@ from torch import nn
 from meshnet_node.lowbit.packed import PackedWeight
 
 
-class _PackedHolder(nn.Module):
-    """Registers a PackedWeight's tensors as buffers and keeps the weight pointing at them
-    after ``.to()`` and friends replace the buffers."""
+def _hold(module: nn.Module, prefix: str, weight: PackedWeight) -> None:
+    """Register a packed weight's tensors as ``module``'s buffers."""
+    for name, tensor in weight.tensors().items():
+        module.register_buffer(f"{prefix}{name}", tensor, persistent=False)
 
-    def _hold(self, prefix: str, weight: PackedWeight) -> None:
-        for name, tensor in weight.tensors().items():
-            self.register_buffer(f"{prefix}{name}", tensor, persistent=False)
 
-    def _rebind(self, prefix: str, weight: PackedWeight) -> None:
+def _rebind(module: nn.Module, weights: dict[str, PackedWeight]) -> None:
+    """Point each packed weight at ``module``'s buffers again, after ``.to()`` and friends
+    replaced them (``_apply``)."""
+    for prefix, weight in weights.items():
         for name in weight.tensors():
-            setattr(weight, name, getattr(self, f"{prefix}{name}"))
-
-    def _weights(self) -> dict[str, PackedWeight]:
-        raise NotImplementedError
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for prefix, weight in self._weights().items():
-            self._rebind(prefix, weight)
-        return self
+            setattr(weight, name, getattr(module, f"{prefix}{name}"))
 
 
-class PackedLinear(_PackedHolder):
+class PackedLinear(nn.Module):
     """``nn.Linear`` over a packed weight (and GPT-2's ``Conv1D``, whose weight is stored
     transposed: it is packed as ``[out, in]`` like any other)."""
 
@@ -42,11 +34,16 @@ class PackedLinear(_PackedHolder):
         super().__init__()
         self.packed = weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self._hold("packed_", weight)
+        _hold(self, "packed_", weight)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def _weights(self) -> dict[str, PackedWeight]:
         return {"packed_": self.packed}
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        _rebind(self, self._weights())
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # (B*T, in)
@@ -59,7 +56,7 @@ class PackedLinear(_PackedHolder):
         return f"{self.in_features} -> {self.out_features}, {self.packed.fmt}"
 
 
-class PackedExperts(_PackedHolder):
+class PackedExperts(nn.Module):
     """A family's routed experts (transformers' ``*Experts`` modules: Mixtral, Qwen2/3-MoE,
     DeepSeek-V3, GLM-4.5, gpt-oss) with one packed weight per expert and projection.
 
@@ -87,8 +84,8 @@ class PackedExperts(_PackedHolder):
         self.gate_up, self.down = gate_up, down
         for e in range(self.num_experts):
             for p, part in enumerate(gate_up[e]):
-                self._hold(f"e{e}_gu{p}_", part)
-            self._hold(f"e{e}_down_", down[e])
+                _hold(self, f"e{e}_gu{p}_", part)
+            _hold(self, f"e{e}_down_", down[e])
         self.gate_up_bias = _frozen(gate_up_bias)  # (E, 2I) gpt-oss
         self.down_bias = _frozen(down_bias)  # (E, H)
 
@@ -99,6 +96,11 @@ class PackedExperts(_PackedHolder):
                 out[f"e{e}_gu{p}_"] = part
             out[f"e{e}_down_"] = self.down[e]
         return out
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        _rebind(self, self._weights())
+        return self
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         parts = [part.matmul(x) for part in self.gate_up[e]]

@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -95,35 +96,31 @@ def _rows_chunked(weight: Rows, rows: int = 256) -> Iterator[tuple[int, torch.Te
         offset += part.shape[0]
 
 
-class PackedWeight:
-    """A matrix ``[out, in]`` in a packed format; subclasses own their tensors."""
+class PackedWeight(Protocol):
+    """A matrix ``[out, in]`` in a packed format (``Int8Weight``, ``Int4Weight``, the shipped
+    formats of ``lowbit.shipped``); each owns its tensors, named as its attributes."""
 
-    fmt = "packed"
+    fmt: str
     out_features: int
     in_features: int
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+    def tensors(self) -> dict[str, torch.Tensor]: ...
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for 2-D ``x`` (rows, in), in ``x.dtype``."""
-        raise NotImplementedError
+        ...
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The matrix the packed bytes stand for (a fresh tensor; tests and references)."""
-        raise NotImplementedError
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def to(self, device: torch.device | str) -> PackedWeight:
-        for name, tensor in self.tensors().items():
-            setattr(self, name, tensor.to(device))
-        return self
+        ...
 
 
-class Int8Weight(PackedWeight):
+def packed_bytes(weight: PackedWeight) -> int:
+    """The bytes a packed weight's tensors hold."""
+    return sum(t.numel() * t.element_size() for t in weight.tensors().values())
+
+
+class Int8Weight:
     """Per-output-channel symmetric int8: ``W[n, k] = q[n, k] * scale[n]``."""
 
     fmt = "int8"
@@ -156,7 +153,7 @@ class Int8Weight(PackedWeight):
         return (self.q.float() * self.scale.float()[:, None]).to(dtype)
 
 
-class Int4Weight(PackedWeight):
+class Int4Weight:
     """Group-wise asymmetric int4 in torch's CPU packing: ``W[n, k] = (q - 8) * scale + zero``
     per group of ``group`` inputs, ``scale_zero`` ``[in / group, out, 2]`` in the compute dtype
     (``aten._weight_int4pack_mm_for_cpu``'s form)."""

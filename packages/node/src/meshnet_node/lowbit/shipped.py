@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from meshnet_node.kernels import packed as kernels
-from meshnet_node.lowbit.packed import PackedWeight, wide_call
+from meshnet_node.lowbit.packed import wide_call
 
 
-class Fp8Weight(PackedWeight):
+class Fp8Weight:
     """float8 e4m3 bytes ``[out, in]`` and float32 ``weight_scale_inv`` per ``block`` tile
     (DeepSeek-V3, Kimi K2): ``W = fp8 * scale[n // bn, k // bk]``."""
 
@@ -35,7 +35,7 @@ class Fp8Weight(PackedWeight):
         return kernels.fp8_dequantize(self.weight, self.scale_inv, self.block, out).to(dtype)
 
 
-class Mxfp4Weight(PackedWeight):
+class Mxfp4Weight:
     """MXFP4 (gpt-oss experts): ``blocks`` ``[out, in / 32, 16]`` two E2M1 codes a byte, low
     nibble first, and E8M0 ``scales`` ``[out, in / 32]`` (exponent + 127)."""
 
@@ -58,7 +58,7 @@ class Mxfp4Weight(PackedWeight):
         return kernels.mxfp4_dequantize(self.blocks, self.scales, out).to(dtype)
 
 
-class DenseWeight(PackedWeight):
+class DenseWeight:
     """A matrix left at the compute dtype: an expert projection whose shape a format cannot
     pack (int4 needs out % 16 and in % group), beside packed ones."""
 

@@ -23,9 +23,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from meshnet_common.errors import HopError
+from meshnet_common.metrics import Metrics
+from meshnet_common.protocol import StepResult
 
 DEFAULT_DEPTH = 4  # decode steps of one generation in flight at most
 
@@ -101,48 +104,52 @@ class GuessFlight:
         self.guessed += 1
 
 
-class GuessSteps:
-    """Provided by ``HeadGenerator``: ``service``, ``speculation``, ``verifier``,
-    ``running``, ``_step``, ``_advance``, ``_abandon``, ``_reroute``."""
+# One decode step along the chain: (stage, session id, key, token ids, position, route,
+# guess_from=...) -> the chain's answer (``HeadPasses.step``)
+StepSender = Callable[..., Awaitable[StepResult]]
 
-    def _guesses(self, chain) -> bool:
+
+class GuessSteps:
+    """Sends a greedy generation's next decode steps before the tokens they carry are known
+    (their guesses), through ``send_step``, counting them in ``metrics``. ``quiet``:
+    whether this head may guess now (no audit under way, few generations running)."""
+
+    def __init__(self, send_step: StepSender, metrics: Metrics, quiet: Callable[[], bool]) -> None:
+        self.send_step = send_step
+        self.metrics = metrics
+        self.quiet = quiet
+
+    def allowed(self, chain) -> bool:
         """Whether this generation's next steps may be guesses: over a chain, with no
         replay or audit under way, and few generations on this head (with many, batched
         decoding keeps the hops busy already, and a stale guess would cost them a row)."""
-        return (
-            bool(chain.route)
-            and not chain.replay
-            and chain.convicted is None
-            and self.verifier is None
-            and self.running <= self.speculation.max_running
-        )
+        return bool(chain.route) and not chain.replay and chain.convicted is None and self.quiet()
 
-    def _launch(self, stage, chain, request, token: int, position: int, guess_from=None):
-        return asyncio.ensure_future(self._step(
+    def _launch(self, stage, chain, token: int, position: int, guess_from=None):
+        return asyncio.ensure_future(self.send_step(
             stage, chain.session_id, chain.key, [token], position, chain.route,
             guess_from=guess_from,
         ))  # fmt: skip
 
-    async def _guessed_step(
-        self, stage, chain, request, history, token, reroute, flight: GuessFlight,
-        speculation, room: int, timings,
-    ):  # fmt: skip
+    async def step(
+        self, stage, chain, history, token, flight: GuessFlight, speculation, room: int, timings,
+    ) -> StepResult:  # fmt: skip
         """The step for input ``token`` at ``len(history)``: already in flight when it was
         guessed right, else sent now (the guesses in flight were wrong); then more guesses
-        behind it, up to ``flight.depth`` steps in flight. Returns its answer."""
-        metrics = self.service.metrics
+        behind it, up to ``flight.depth`` steps in flight. Returns its answer. A hop that
+        fails drops every step in flight and raises (the caller fails over and steps again
+        plainly)."""
+        metrics = self.metrics
         position, started = len(history), time.perf_counter()
         current = flight.take(position, token)
         fresh = current is None
         if current is None:
             await flight.drop()
-            current = InFlight(
-                position, token, self._launch(stage, chain, request, token, position)
-            )
+            current = InFlight(position, token, self._launch(stage, chain, token, position))
         else:
             metrics.accepted_tokens.inc()
             speculation.accepted += 1
-        if not self._guesses(chain):
+        if not self.allowed(chain):
             await flight.drop()
         elif (want := min(flight.depth - 1, room) - len(flight)) > 0:
             have = flight.guessed_tokens()
@@ -150,9 +157,7 @@ class GuessSteps:
             if proposal[: len(have)] == have:  # the guesses go on from those in flight
                 at = position + 1 + len(have)
                 for guess in proposal[len(have) :]:
-                    task = self._launch(
-                        stage, chain, request, guess, at, guess_from=flight.rewind_from(at)
-                    )
+                    task = self._launch(stage, chain, guess, at, guess_from=flight.rewind_from(at))
                     flight.add(at, guess, task)
                     at += 1
                 metrics.draft_tokens.inc(len(proposal) - len(have))
@@ -161,14 +166,10 @@ class GuessSteps:
             result = await current.task
             if result.stale:  # cannot happen: its input is the tail's token; start afresh
                 await flight.drop()
-                fresh, result = True, await self._launch(stage, chain, request, token, position)
-        except HopError as exc:
+                fresh, result = True, await self._launch(stage, chain, token, position)
+        except HopError:
             await flight.drop()
-            if reroute is None or not exc.recoverable or not chain.budget.failed():
-                raise
-            await self._abandon(stage, chain, exc, "decode")
-            await self._reroute(stage, chain, request, exc, reroute)
-            return await self._advance(stage, chain, request, history, token, reroute)
+            raise
         except BaseException:  # cancelled (the client left): the flight is dropped by then
             current.task.cancel()
             raise

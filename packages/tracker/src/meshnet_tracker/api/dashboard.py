@@ -116,6 +116,10 @@ def watch_swarm(metrics: Metrics, state: TrackerState) -> None:
         "rebalance_moves", "Nodes the tracker moved to another range, by model and reason",
         moves, kind="counter",
     )  # fmt: skip
+    metrics.watch(
+        "rebalance_passes", "Passes of the balancer over the map (one per heartbeat interval)",
+        lambda: state.balancer.passes, kind="counter",
+    )  # fmt: skip
     metrics.watch("swarm_uncovered_layers", "Layers no serving node holds, by model", uncovered)
     metrics.watch(
         "swarm_verdicts", "Verdicts heads reported against nodes that computed wrong",

@@ -1,0 +1,240 @@
+"""One generation's chain: the request, its session along the route, and the passes the head
+runs for it: through its own layers, then on down the chain (``HeadPasses``).
+
+The head holds the first layers locally; every later hop is reached through
+``NodeService.send``. Prefill is pipelined: chunk ``i`` travels downstream while the head
+computes chunk ``i + 1`` (nodes put early-arriving chunks back in order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import uuid
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from meshnet_common.logs import bind_session
+from meshnet_common.protocol import SamplingSpec, StepResult
+from meshnet_node.dataplane.batching import micro_batches
+from meshnet_node.dataplane.service import NodeService
+from meshnet_node.engine.stage import Stage, StepOutput
+from meshnet_node.retry import RetryBudget
+
+# Prefill: tokens the head runs through its layers per pass before sending them on in wire
+# chunks (ADR 0010). Larger passes cost less per token; smaller ones start the next hop sooner.
+PREFILL_PIECE_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()  # token ids that end the generation (not text)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens are text (harmony channels)
+    client: str = "anonymous"  # who asked: the wait queue takes turns between clients
+    user: str = ""  # the request's ``user`` field: turns within the client's share
+
+
+@dataclass
+class Chain:
+    """The current session of one generation along its route (replaced on failover)."""
+
+    route: tuple[str, ...]
+    session_id: str = ""
+    key: str = ""
+    replay: bool = False  # the next step must rebuild the chain's caches from the history
+    budget: RetryBudget | None = None  # the request's failovers and deadline (set once)
+    # Every decode pass the chain ran after the prompt, as (position, input ids, drafts):
+    # a replay runs them again exactly as they ran (docs/adr/0023).
+    passes: list[tuple[int, list[int], int]] = field(default_factory=list)
+    auditing: asyncio.Task | None = None  # the verifier's audit of this chain (ADR-0026)
+    convicted: str | None = None  # a hop an audit found computing wrong: fail over off it
+
+    @property
+    def failovers(self) -> int:
+        return 0 if self.budget is None else self.budget.failures
+
+
+class HeadPasses:
+    """Runs a generation's passes: through the head's own layers on ``service``, then on to
+    the chain's first hop. ``audited``: every hop keeps the sessions' inputs for audits
+    (docs/adr/0026)."""
+
+    def __init__(self, service: NodeService, *, audited: bool = False) -> None:
+        self.service = service
+        self.audited = audited
+        self.threads = service.settings.threads  # None: as many as torch runs
+
+    def open(self, stage: Stage, chain: Chain, request: GenerationRequest) -> None:
+        """A fresh session on ``stage`` for ``chain`` (the hops open theirs with its first
+        pass)."""
+        chain.session_id = uuid.uuid4().hex
+        chain.key = secrets.token_hex(16)
+        bind_session(chain.session_id)  # this generation's log lines carry its session
+        stage.open_session(
+            chain.session_id,
+            sampling=request.sampling,
+            owner=chain.key,
+        )
+
+    async def prefill(
+        self,
+        stage: Stage,
+        session_id: str,
+        key: str,
+        request: GenerationRequest,
+        route: tuple[str, ...],
+        sends: list[asyncio.Future] | None = None,
+    ) -> StepResult:
+        """Run the prompt through the local layers in pieces and send it on in wire chunks.
+
+        The first piece is one wire chunk, so the next hops start early; later pieces are
+        ``PREFILL_PIECE_TOKENS`` long, since one pass over several chunks is much cheaper
+        than several passes. Each wire chunk's send overlaps the next piece's compute (the
+        next hop merges chunks that wait for it the same way). With no route, the whole
+        prompt runs in passes as large as the stage allows. ``sends``: collect the chunks'
+        sends there and return without waiting for them (a replay, docs/adr/0023).
+        """
+        chunk_tokens = stage.max_chunk_tokens
+        ids = request.prompt_ids
+        if route:
+            piece = max(chunk_tokens, PREFILL_PIECE_TOKENS // chunk_tokens * chunk_tokens)
+            bounds = [0, *range(chunk_tokens, len(ids), piece), len(ids)]
+        else:
+            bounds = [*range(0, len(ids), stage.max_merge_tokens), len(ids)]
+        bounds = sorted(set(b for b in bounds if b <= len(ids)))
+        open_spec = {
+            **request.sampling.model_dump(),
+            "start_layer": stage.shard.layers.end,
+        }
+        if self.audited:  # every hop keeps the session's inputs for audits
+            open_spec["audit"] = True
+        pending: list[asyncio.Future] = [] if sends is None else sends
+        try:
+            result = StepResult()
+            index = 0
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                last = hi == len(ids)
+                out = await self.local(stage, session_id, key, ids[lo:hi], lo, last)
+                if not route:
+                    result = as_result(out)
+                    continue
+                for start in range(lo, hi, chunk_tokens):
+                    end = min(start + chunk_tokens, hi)
+                    part = replace(out, hidden=out.hidden[:, start - lo : end - lo])
+                    send = self.send(
+                        part, session_id, key, start, route, index, last and end == hi,
+                        open_spec if index == 0 else None,
+                        ids=tuple(ids[start:end]),  # the tail's penalties, head audits
+                    )  # fmt: skip
+                    pending.append(asyncio.ensure_future(send))
+                    index += 1
+            if pending and sends is None:
+                result = (await asyncio.gather(*pending))[-1]
+            return result
+        except BaseException:
+            if sends is None:
+                for task in pending:
+                    task.cancel()
+            raise
+
+    async def local(
+        self, stage, session_id, key, token_ids, position, sample, drafts=0, guess_from=None
+    ) -> StepOutput:
+        """One pass through the head's own layers (``sample``: a token comes out of it)."""
+        # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
+        self.service.count_served(int(sample))  # a sampled step: one more token through here
+        return await self.service.run_stage(
+            stage,
+            session_id,
+            position,
+            token_ids=torch.tensor([token_ids], dtype=torch.int64),
+            owner=key,
+            sample=sample,
+            drafts=tuple(token_ids[len(token_ids) - drafts :]) if drafts else (),
+            guess_from=guess_from,
+        )
+
+    async def send(
+        self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None,
+        drafts=0, replay_pass=0, guess_from=None,
+    ) -> StepResult:  # fmt: skip
+        """``out`` of the head's layers on to the route's first hop; the chain's answer."""
+        # A sampled step over 2+ hops: the tail answers here directly too (ADR-0020), where
+        # the links are slow enough for it to pay; over one hop the chain's answer is
+        # already the direct one.
+        direct = None
+        if sample and len(route) >= 2 and self.service.direct_pays(route[0]):
+            direct = self.service.answer_url
+        return await self.service.send(
+            route[0],
+            out.hidden,
+            session_id=session_id,
+            session_key=key,
+            position=position,
+            chunk=chunk,
+            route=route[1:],
+            sample=sample,
+            open_spec=open_spec,
+            ids=ids,
+            drafts=drafts,
+            answer_to=direct,
+            replay_pass=replay_pass,
+            guess_from=guess_from,
+        )
+
+    async def step(
+        self, stage, session_id, key, token_ids, position, route, drafts=0, guess_from=None,
+    ) -> StepResult:  # fmt: skip
+        """One decode step (its last ``drafts`` tokens to verify): local layers, then the
+        rest of the chain. Its ids always go along: the tail's penalties count them, and the
+        hop after this head audits it with them (docs/adr/0032)."""
+        # The head splits concurrent sessions into one micro-batch per stage that can compute
+        # at the same time as the others (stages sharing this machine: as many as its CPUs run).
+        self.service.set_micro_batches(
+            micro_batches(route, self.threads or torch.get_num_threads())
+        )
+        out = await self.local(
+            stage, session_id, key, token_ids, position, True, drafts, guess_from
+        )
+        if not route:  # head is also the tail
+            return as_result(out)
+        result = await self.send(
+            out, session_id, key, position, route, 0, True, None, drafts=drafts,
+            ids=tuple(token_ids),
+            guess_from=guess_from,
+        )  # fmt: skip
+        result.compute_ms.insert(0, out.compute_s * 1000)
+        return result
+
+    async def close(self, stage, session_id: str, key: str, route: tuple[str, ...]) -> None:
+        """Free the session here and on every hop of ``route``."""
+        stage.close_session(session_id)
+        if route:
+            # Shielded: a client disconnect cancels us, but the hops must still be freed.
+            await asyncio.shield(self.service.close_remote(route[0], session_id, key, route[1:]))
+
+
+def as_result(out: StepOutput) -> StepResult:
+    """A pass of a head that is also the tail, as the chain's answer."""
+    compute_ms = [out.compute_s * 1000]
+    if out.token is None:
+        return StepResult(compute_ms=compute_ms)
+    token = out.token
+    return StepResult(
+        token_id=token.token_id,
+        logprob=token.logprob,
+        top_logprobs=token.top_logprobs,
+        prompt_logprobs=token.prompt_logprobs,
+        more=None
+        if out.more is None
+        else [(t.token_id, t.logprob, t.top_logprobs) for t in out.more],  # fmt: skip
+        compute_ms=compute_ms,
+    )
