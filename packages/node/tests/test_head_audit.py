@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from audit_fakes import FakeView
 
 from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
@@ -165,18 +166,6 @@ class HeadNodes:
 
     async def aclose(self):
         pass
-
-
-class FakeView:
-    def __init__(self, replicas) -> None:
-        self.replicas_ = list(replicas)
-        self.reports: list[tuple[str, object]] = []
-
-    async def replicas(self, model_id):
-        return self.replicas_
-
-    async def report(self, node_id, verdict):
-        self.reports.append((node_id, verdict))
 
 
 @pytest.fixture(scope="module")

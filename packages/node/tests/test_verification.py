@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from audit_fakes import FakeView
 
 from meshnet_common import wire
 from meshnet_common.layers import LayerRange
@@ -165,18 +166,6 @@ class FakeNodes:
 
     async def aclose(self):
         pass
-
-
-class FakeView:
-    def __init__(self, replicas) -> None:
-        self.replicas_ = list(replicas)
-        self.reports: list[tuple[str, object]] = []
-
-    async def replicas(self, model_id):
-        return self.replicas_
-
-    async def report(self, node_id, verdict):
-        self.reports.append((node_id, verdict))
 
 
 def audit(nodes: FakeNodes, replicas, route=(P.url, TAIL.url)):
