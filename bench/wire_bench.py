@@ -118,10 +118,10 @@ def codec_speed(tensor, repeats: int) -> dict:
 
 def header_bytes() -> int:
     """meshnet's own headers on a decode-step POST (route with one more hop)."""
-    from meshnet_node.dataplane.steps import step_headers
+    from meshnet_node.dataplane.steps import Step
 
-    headers = step_headers(session_id="0" * 32, session_key="0" * 32, position=1000, chunk=0,
-                           route=("http://127.0.0.1:65535",), sample=True, open_spec=None)  # fmt: skip
+    step = Step("0" * 32, "0" * 32, 1000, route=("http://127.0.0.1:65535",), sample=True)
+    headers = step.to_headers()
     return sum(len(k) + len(v) + 4 for k, v in headers.items())  # "k: v\r\n"
 
 

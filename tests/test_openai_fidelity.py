@@ -111,8 +111,8 @@ def test_structured_output_with_the_openai_client(models_dir, tiny_snapshot, tin
 
 def test_requests_wait_for_room_instead_of_failing(models_dir, tiny_snapshot, tiny_model_id,
                                                    tmp_path):  # fmt: skip
-    """One session of room on the node: of three requests at once, one runs, one waits its
-    turn and completes, the third finds the queue (of one) full: 503 with Retry-After."""
+    """One session of room on the node: of three requests, one runs, one waits its turn and
+    completes, the third finds the queue (of one) full: 503 with Retry-After."""
     from concurrent.futures import ThreadPoolExecutor
 
     tiny_snapshot("llama")
@@ -128,15 +128,24 @@ def test_requests_wait_for_room_instead_of_failing(models_dir, tiny_snapshot, ti
         body = {"model": model_id, "prompt": "Hello", "max_tokens": 120, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
 
-        def post(delay: float) -> httpx.Response:
-            import time
-
-            time.sleep(delay)
+        def post() -> httpx.Response:
             return httpx.post(f"{node.url}/v1/completions", json=body, timeout=120)
 
+        def gauge(name: str) -> float:
+            metrics = httpx.get(f"{node.url}/metrics", timeout=5).text
+            return next(float(ln.split()[-1]) for ln in metrics.splitlines()
+                        if ln.startswith(f"{name} "))  # fmt: skip
+
+        # Each request once the one before it is seen running, then waiting: the order is
+        # the one the node saw, whatever the machine's speed.
         with ThreadPoolExecutor(3) as pool:
-            replies = list(pool.map(post, (0.0, 0.3, 0.6)))
-        codes = sorted(r.status_code for r in replies)
+            sent = [pool.submit(post)]
+            wait_for(lambda: gauge("meshnet_num_requests_running") >= 1, 30, interval=0.01)
+            sent.append(pool.submit(post))
+            wait_for(lambda: gauge("meshnet_num_requests_waiting") >= 1, 30, interval=0.01)
+            sent.append(pool.submit(post))
+            replies = [future.result() for future in sent]
+        codes = [r.status_code for r in replies]
         assert codes == [200, 200, 503], [r.text[:200] for r in replies]
         refused = next(r for r in replies if r.status_code == 503)
         assert refused.json()["error"]["code"] == "queue_full"

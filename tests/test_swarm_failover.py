@@ -19,7 +19,11 @@ BODY = {"model": MODEL, "prompt": "Once upon a time, in a small village,", "max_
 
 
 @pytest.fixture
-def swarm(smollm2_snapshot, models_dir, tmp_path):
+def swarm(request, smollm2_snapshot, models_dir, tmp_path):
+    """A head (the tracker node), two replicas of the middle [10, 20) and a tail. With a
+    parameter (indirect), every compute pass of the middle hops takes that many ms more
+    (``--step-delay-ms``): a request holds them long enough for a watcher to see it."""
+    middle = ("--step-delay-ms", str(request.param)) if hasattr(request, "param") else ()
     swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
     try:
         tracker = swarm.tracker(
@@ -29,8 +33,8 @@ def swarm(smollm2_snapshot, models_dir, tmp_path):
         # (rightly) be moved there by the tracker's coverage-first balancer.
         swarm.node(tracker, MODEL, 20, 30, *F32, "--node-id", "tail").wait_healthy()
         wait_for(lambda: gaps(tracker) == [[10, 20]], timeout=60)
-        mid_a = swarm.node(tracker, MODEL, 10, 20, *F32, "--node-id", "mid-a")
-        mid_b = swarm.node(tracker, MODEL, 10, 20, *F32, "--node-id", "mid-b")
+        mid_a = swarm.node(tracker, MODEL, 10, 20, *F32, "--node-id", "mid-a", *middle)
+        mid_b = swarm.node(tracker, MODEL, 10, 20, *F32, "--node-id", "mid-b", *middle)
         for proc in swarm.procs:
             proc.wait_healthy()
         wait_for(lambda: covered(tracker, MODEL), timeout=60)
@@ -93,25 +97,34 @@ def test_killed_hop_mid_stream_changes_nothing(swarm):
 
 
 def kill_middle_hop_when(mids, ready) -> tuple[threading.Thread, list]:
-    """Watch the middle hops; SIGKILL the one holding the session once ``ready(info)``."""
+    """Watch the middle hops; SIGKILL the one holding the session once ``ready(info)``.
+    ``killed`` gets ``(hop, info)``: what the hop reported just before it was killed.
+
+    Polling sees a state only while it lasts: the tests using this slow the middle hops'
+    passes (the ``swarm`` fixture's parameter) so the state they wait for lasts seconds,
+    not the few milliseconds a loaded machine can let pass between two polls."""
     killed: list = []
 
     def watch() -> None:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            for mid in mids:
-                info = httpx.get(f"{mid.url}/v1/node", timeout=5).json()
-                if info["active_sessions"] and ready(info):
-                    mid.kill()
-                    killed.append(mid)
-                    return
-            time.sleep(0.005)
+        with httpx.Client(timeout=5) as client:
+            while time.monotonic() < deadline:
+                for mid in mids:
+                    info = client.get(f"{mid.url}/v1/node").json()
+                    if info["active_sessions"] and ready(info):
+                        mid.kill()
+                        killed.append((mid, info))
+                        return
+                time.sleep(0.005)
 
     thread = threading.Thread(target=watch)
     thread.start()
     return thread, killed
 
 
+# 64 decode passes of the middle hop at 50 ms or more each: its session sits between 22 and
+# 75 tokens for over 2 s.
+@pytest.mark.parametrize("swarm", [50], indirect=True, ids=["slow-middle"])
 def test_killed_hop_mid_decode_without_streaming(swarm):
     tracker, mid_a, mid_b = swarm
     expected = httpx.post(f"{tracker.url}/v1/completions", json=BODY, timeout=180).json()
@@ -124,9 +137,12 @@ def test_killed_hop_mid_decode_without_streaming(swarm):
     assert "choices" in again, again
     assert again["choices"][0]["text"] == expected["choices"][0]["text"]
     assert again["usage"]["completion_tokens"] == 64
-    assert "failed during decode" in tracker.log()
+    assert "failed during decode" in tracker.log(), f"killed at {killed[0][1]}"
 
 
+# The long prompt's passes on the middle hop at 200 ms or more each: its session is in
+# prefill for seconds.
+@pytest.mark.parametrize("swarm", [200], indirect=True, ids=["slow-middle"])
 def test_killed_hop_during_prefill_changes_nothing(swarm):
     tracker, mid_a, mid_b = swarm
     prompt = " ".join(f"word{i}" for i in range(600))  # ~1,800 tokens: 15 prefill chunks
@@ -140,7 +156,7 @@ def test_killed_hop_during_prefill_changes_nothing(swarm):
     killer.join()
     assert killed, "no middle hop ever held the session"
     assert again["choices"][0]["text"] == expected["choices"][0]["text"]
-    assert "failed during prefill" in tracker.log()
+    assert "failed during prefill" in tracker.log(), f"killed at {killed[0][1]}"
 
 
 def test_tracker_restart_does_not_touch_a_generation_in_flight(tiny_snapshot, swarm_factory):

@@ -103,16 +103,16 @@ class Swarm:
 
         self.stale = 0  # guess steps the tail answered stale
 
-        async def recorded(req):
+        async def recorded(req, tensor):
             self.passes.setdefault(req.session_id, []).append(
                 (
                     req.position,
-                    req.tensor.shape[1],
+                    tensor.shape[1],
                     req.drafts,
                     -1 if req.guess_from is None else req.guess_from,
                 )
             )
-            answer = await handle(req)
+            answer = await handle(req, tensor)
             self.stale += b'"stale":true' in answer.body
             return answer
 
@@ -122,11 +122,11 @@ class Swarm:
             mid.handle_step = self._counted(mid.handle_step)
 
     def _counted(self, handle):
-        async def counted(req):
+        async def counted(req, tensor):
             self.in_flight += bool(req.replay_pass)
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
-                return await handle(req)
+                return await handle(req, tensor)
             finally:
                 self.in_flight -= bool(req.replay_pass)
 
@@ -226,17 +226,37 @@ def test_a_silent_stream_gets_sse_comments_and_loses_nothing():
 
     from meshnet_node.head.routes import with_keepalive
 
-    async def slow():
-        yield "data: 1\n\n"
-        await asyncio.sleep(0.35)  # a failover waiting for coverage, say
-        yield "data: 2\n\n"
+    keepalive = ": waiting\n\n"
 
     async def collect():
-        return [e async for e in with_keepalive(slow(), every_s=0.1)]
+        # The source stays silent (a failover waiting for coverage, say) until the client
+        # has had three keepalives: only keepalives can end its silence.
+        silent_until_three = asyncio.Event()
 
-    got = asyncio.run(collect())
-    assert got[0] == "data: 1\n\n" and got[-1] == "data: 2\n\n"
-    assert 2 <= got.count(": waiting\n\n") <= 4 and len(got) == got.count(": waiting\n\n") + 2
+        async def slow():
+            yield "data: 1\n\n"
+            await silent_until_three.wait()
+            yield "data: 2\n\n"
+
+        got = []
+        async for event in with_keepalive(slow(), every_s=0.01):
+            got.append(event)
+            if got.count(keepalive) == 3:
+                silent_until_three.set()
+        return got
+
+    async def talkative():  # never silent for a minute: no keepalive is due
+        for i in range(50):
+            await asyncio.sleep(0)
+            yield f"data: {i}\n\n"
+
+    async def collect_talkative():
+        return [event async for event in with_keepalive(talkative(), every_s=60)]
+
+    got = asyncio.run(asyncio.wait_for(collect(), timeout=30))
+    assert got[0] == "data: 1\n\n" and got[-1] == "data: 2\n\n"  # nothing lost
+    assert got[1:-1] == [keepalive] * (len(got) - 2) and len(got) >= 5  # the rest keepalives
+    assert asyncio.run(collect_talkative()) == [f"data: {i}\n\n" for i in range(50)]
 
 
 def test_a_client_that_leaves_with_guess_steps_in_flight_frees_every_hop(swarm):

@@ -15,7 +15,7 @@ from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_GUESS, H_IDS, H_POSITION, H_SAMPLE, H_SESSION
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_common.wire import encode_tensor
-from meshnet_node.dataplane.steps import StepRequest, parse_step, stale_guess
+from meshnet_node.dataplane.steps import Step, parse_step, stale_guess
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.speculation.guessing import GuessFlight
@@ -83,13 +83,13 @@ def test_guess_steps_and_their_rewinds_give_the_rows_of_one_token_steps(tiny_sna
     assert out.token.token_id == truth[-1]
 
 
-def _request(position: int, ids: list[int], guess_from: int | None) -> StepRequest:
+def _request(position: int, ids: list[int], guess_from: int | None) -> Step:
     headers = {H_SESSION: "s1", H_POSITION: str(position), H_SAMPLE: "1",
                H_IDS: ",".join(map(str, ids))}  # fmt: skip
     if guess_from is not None:
         headers[H_GUESS] = str(guess_from)
     body = encode_tensor(torch.zeros(1, len(ids), 8, dtype=torch.bfloat16))
-    return parse_step(headers, body, max_bytes=1 << 20)
+    return parse_step(headers, body, max_bytes=1 << 20)[0]
 
 
 def test_a_guess_step_is_one_sampled_token_that_goes_back_no_further_than_allowed():

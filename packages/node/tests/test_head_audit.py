@@ -16,9 +16,9 @@ from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_common.protocol import H_START_LAYER, SamplingSpec
+from meshnet_common.protocol import H_START_LAYER, OpenSpec
 from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, check_evidence, row_bytes, sign_row
-from meshnet_node.dataplane.steps import StepRequest
+from meshnet_node.dataplane.steps import Step
 from meshnet_node.engine.faults import noisy_outputs
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.sessions import InputRecord
@@ -205,12 +205,10 @@ async def generate(
     out = head.step(session_id, 0, token_ids=torch.tensor([prompt]), owner=key, sample=False)
     position, inputs = 0, prompt
     for _ in range(steps + 1):
-        answer = await service.handle_step(StepRequest(
-            session_id=session_id, session_key=key, position=position, chunk=0, route=(),
-            open_spec=SamplingSpec() if position == 0 else None,
-            start_layer=2 if position == 0 else None, sample=True, tensor=out.hidden,
-            ids=tuple(inputs) if ids else None, audit=audit and position == 0,
-        ))  # fmt: skip
+        answer = await service.handle_step(Step(
+            session_id, key, position, sample=True, ids=tuple(inputs) if ids else None,
+            open_spec=OpenSpec(start_layer=2, audit=audit) if position == 0 else None,
+        ), out.hidden)  # fmt: skip
         audits = service.head_audit._tasks
         await asyncio.gather(*list(audits))
         position += len(inputs)

@@ -1,12 +1,18 @@
 """How a node times its links (``HopLinks.probe_links``, docs/adr/0021): the least of the
-last probes, and a probe during which the prober computed on its loop not counted."""
+last probes, and a probe during which the prober computed on its loop not counted.
+
+The links module reads a fake clock here, which only the fake hops move (by each probe's
+chosen round trip): the times asserted are the ones chosen, whatever the machine's speed."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from meshnet_common import wire
 from meshnet_common.metrics import Metrics
+from meshnet_node.dataplane import links as links_module
 from meshnet_node.dataplane.links import LINK_SAMPLES, HopLinks
 from meshnet_node.dataplane.streams import HopResponse, HopUnreachable
 from meshnet_node.settings import HopTimeouts
@@ -14,12 +20,27 @@ from meshnet_node.settings import HopTimeouts
 HOP = "http://127.0.0.1:9"
 
 
-class TimedHops:
-    """Answers each probe after the next of ``delays_ms``; None: unreachable. With
-    ``busy``, the prober's loop computes during that probe."""
+class FakeClock:
+    """``time`` as the links module uses it; it moves only when ``advance`` is called."""
 
-    def __init__(self, delays_ms: list[float | None], busy: set[int] = frozenset()):
-        self.delays, self.busy, self.calls = list(delays_ms), busy, 0
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def advance(self, ms: float) -> None:
+        self.now_s += ms / 1000
+
+    def perf_counter(self) -> float:
+        return self.now_s
+
+    monotonic = perf_counter
+
+
+class TimedHops:
+    """Answers each probe after the next of ``delays_ms`` on ``clock``; None: unreachable.
+    With ``busy``, the prober's loop computes during that probe."""
+
+    def __init__(self, clock: FakeClock, delays_ms: list[float | None], busy: set[int]):
+        self.clock, self.delays, self.busy, self.calls = clock, list(delays_ms), busy, 0
         self.inline_runs = 0  # the prober's passes run on its loop
 
     async def request(self, method, url, *, headers, body, timeout):
@@ -29,19 +50,28 @@ class TimedHops:
             self.inline_runs += 1
         if delay is None:
             raise HopUnreachable("connection refused")
-        await asyncio.sleep(delay / 1000)
+        await asyncio.sleep(0)  # an answer comes later, never within the call
+        self.clock.advance(delay)
         return HopResponse(404, b"{}")
 
 
-def probing_node(delays_ms, busy=frozenset()) -> HopLinks:
-    hops = TimedHops(delays_ms, busy)
-    links = HopLinks(
-        hops, metrics=Metrics(), wire_options=wire.WireOptions(),
-        timeouts=HopTimeouts(connect=1.0, prefill_chunk=1.0, decode_step=1.0),
-        direct_min_rtt_ms=5.0, runs_on_loop=lambda: hops.inline_runs,
-    )  # fmt: skip
-    links.set_probe_urls((HOP,))
-    return links
+@pytest.fixture
+def probing_node(monkeypatch):
+    """A ``HopLinks`` whose probes take ``delays_ms`` by the clock it reads."""
+    clock = FakeClock()
+    monkeypatch.setattr(links_module, "time", clock)
+
+    def make(delays_ms, busy=frozenset()) -> HopLinks:
+        hops = TimedHops(clock, delays_ms, busy)
+        links = HopLinks(
+            hops, metrics=Metrics(), wire_options=wire.WireOptions(),
+            timeouts=HopTimeouts(connect=1.0, prefill_chunk=1.0, decode_step=1.0),
+            direct_min_rtt_ms=5.0, runs_on_loop=lambda: hops.inline_runs,
+        )  # fmt: skip
+        links.set_probe_urls((HOP,))
+        return links
+
+    return make
 
 
 def probe(node: HopLinks, times: int) -> list[float | None]:
@@ -52,23 +82,23 @@ def probe(node: HopLinks, times: int) -> list[float | None]:
     return seen
 
 
-def test_a_link_is_the_least_of_its_last_probes():
+def test_a_link_is_the_least_of_its_last_probes(probing_node):
     # A fast link probed while the far end was busy (30 ms) reads fast; a link that became
     # slow reads slow once every remembered probe is slow.
     node = probing_node([2, 30, 30, 2, 30, 30, 30, 30, 30, 30])
     seen = probe(node, 10)
-    assert all(2 <= ms < 15 for ms in seen[: 3 + LINK_SAMPLES])
-    assert seen[-1] >= 30
+    assert seen[: 3 + LINK_SAMPLES] == [pytest.approx(2)] * (3 + LINK_SAMPLES)
+    assert seen[-1] == pytest.approx(30)
 
 
-def test_a_probe_while_the_prober_computed_is_not_counted():
+def test_a_probe_while_the_prober_computed_is_not_counted(probing_node):
     node = probing_node([40, 3, 40], busy={0, 2})
     seen = probe(node, 3)
     assert seen[0] is None  # nothing measured yet: the only probe met its own compute
-    assert 3 <= seen[1] < 15 and seen[2] == seen[1]
+    assert seen[1] == pytest.approx(3) and seen[2] == seen[1]
 
 
-def test_an_unreachable_or_unnamed_hop_is_forgotten():
+def test_an_unreachable_or_unnamed_hop_is_forgotten(probing_node):
     node = probing_node([2, None, 2])
     first, second = probe(node, 2)
     assert first is not None and second is None

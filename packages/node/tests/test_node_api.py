@@ -34,9 +34,10 @@ from meshnet_common.protocol import (
     H_ROUTE,
     H_SESSION,
     H_SESSION_KEY,
+    OpenSpec,
     SamplingSpec,
 )
-from meshnet_node.dataplane.steps import step_headers
+from meshnet_node.dataplane.steps import Step
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
@@ -129,15 +130,10 @@ def headers(
     chunk: int = 0,
     sample: bool = True,
 ) -> dict[str, str]:
-    return step_headers(
-        session_id=session_id,
-        session_key=key,
-        position=position,
-        chunk=chunk,
-        route=route,
-        sample=sample,
-        open_spec=opening,
-    )
+    opening = None if opening is None else OpenSpec.model_validate(opening)
+    return Step(
+        session_id, key, position, chunk=chunk, route=route, open_spec=opening, sample=sample
+    ).to_headers()
 
 
 def hidden(tokens: int, seed: int = 0) -> torch.Tensor:

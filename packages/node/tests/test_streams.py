@@ -38,7 +38,7 @@ from websockets.sync.client import connect as ws_connect
 from meshnet_common import wire
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_common.protocol import H_COMPUTE, H_SESSION_KEY, H_SWARM_TOKEN, SamplingSpec
+from meshnet_common.protocol import H_COMPUTE, H_SESSION_KEY, H_SWARM_TOKEN, OpenSpec
 from meshnet_node.dataplane.frames import (
     MAX_HEADER_BYTES,
     STREAM_PATH,
@@ -50,7 +50,7 @@ from meshnet_node.dataplane.frames import (
     encode_answer,
     encode_request,
 )
-from meshnet_node.dataplane.steps import step_headers
+from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.stream_server import max_message_bytes
 from meshnet_node.dataplane.streams import HopUnreachable, StreamHops
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
@@ -136,8 +136,8 @@ def serving(snapshot: Path, *, loop: str = "auto", **overrides) -> Iterator[Serv
 # -- steps ------------------------------------------------------------------------------------
 
 
-def open_spec(start_layer: int = 4, **sampling) -> dict:
-    return {**SamplingSpec(**sampling).model_dump(), "start_layer": start_layer}
+def open_spec(start_layer: int = 4, **sampling) -> OpenSpec:
+    return OpenSpec(**sampling, start_layer=start_layer)
 
 
 def hidden(tokens: int, seed: int = 0) -> torch.Tensor:
@@ -145,10 +145,7 @@ def hidden(tokens: int, seed: int = 0) -> torch.Tensor:
 
 
 def step_head(session_id: str, position: int, *, key: str = "key", opening=None) -> dict:
-    return step_headers(
-        session_id=session_id, session_key=key, position=position, chunk=0, route=(),
-        sample=True, open_spec=opening,
-    )  # fmt: skip
+    return Step(session_id, key, position, open_spec=opening, sample=True).to_headers()
 
 
 def canonical(session_id: str, position: int, *, key: str = "key") -> tuple[dict, bytes]:
@@ -483,16 +480,50 @@ def test_the_swarm_token_is_checked_when_the_stream_opens(token_node, expected):
 # -- 5. dead streams, timeouts ---------------------------------------------------------------
 
 
+@dataclass
+class HeldPasses:
+    """A served node's compute passes held at a gate: ``entered`` is set once one began,
+    and each waits for ``release`` (a hop mid-step for as long as a test needs)."""
+
+    entered: threading.Event
+    release: threading.Event
+
+
+@contextmanager
+def held_passes(node: Served) -> Iterator[HeldPasses]:
+    """Hold every compute pass of ``node`` from now on until ``release`` (set on leaving,
+    so that the node can always shut down). Serve it with ``inline_decode=False``: a pass
+    held on the loop's thread would hold the node's loop too."""
+    held = HeldPasses(threading.Event(), threading.Event())
+    compute = node.runtime.service.compute_thread
+    assert not compute.inline_decode
+
+    def gate() -> None:
+        held.entered.set()
+        held.release.wait(30)
+
+    compute.before_pass = gate
+    try:
+        yield held
+    finally:
+        held.release.set()
+
+
 def test_a_dead_stream_fails_its_requests_and_the_next_one_reconnects(snapshot, expected):
     async def main():
         hops = make_hops()
-        with serving(snapshot, step_delay_ms=400) as node:
+        with serving(snapshot, inline_decode=False) as node:
             assert_token(await step(hops, node, "dead", 0), expected[0])
-            in_flight = asyncio.ensure_future(step(hops, node, "dead", 3))
-            await asyncio.sleep(0.1)
-            await asyncio.to_thread(node.stop)  # the hop goes away mid-step
-            with pytest.raises(HopUnreachable, match="closed"):
-                await in_flight
+            with held_passes(node) as held:
+                in_flight = asyncio.ensure_future(step(hops, node, "dead", 3))
+                assert await asyncio.to_thread(held.entered.wait, 30)  # the hop computes it
+                # The hop goes away mid-step: its shutdown closes the stream at once, and
+                # waits for the held pass (released once the client saw the close).
+                stopping = asyncio.ensure_future(asyncio.to_thread(node.stop))
+                with pytest.raises(HopUnreachable, match="closed"):
+                    await in_flight
+                held.release.set()
+                await stopping
         with pytest.raises(HopUnreachable):  # nobody listens there now
             await step(hops, node, "dead", 3, timeout=5)
         with serving(snapshot) as other:  # a fresh hop: a fresh stream
@@ -505,13 +536,23 @@ def test_a_dead_stream_fails_its_requests_and_the_next_one_reconnects(snapshot, 
 def test_a_step_that_times_out_leaves_the_stream_usable(snapshot, expected):
     async def main():
         hops = make_hops()
-        with serving(snapshot, step_delay_ms=600) as node:
-            started = time.monotonic()
+        with serving(snapshot, inline_decode=False) as node, held_passes(node) as held:
+            # The pass is held until after the wait ended: only the timeout can end it.
             with pytest.raises(HopUnreachable, match="TimeoutError"):
                 await step(hops, node, "slow", 0, timeout=0.2)
-            assert time.monotonic() - started < 0.5
             stream = hops._streams[node.ws_url]
-            await asyncio.sleep(0.6)  # the late answer arrives and is dropped
+            answered = asyncio.Event()
+            on_message = stream.on_message
+
+            def noting(data) -> None:
+                on_message(data)
+                answered.set()
+
+            stream.on_message = noting
+            assert await asyncio.to_thread(held.entered.wait, 30)  # the hop got the step
+            assert not answered.is_set()
+            held.release.set()
+            await asyncio.wait_for(answered.wait(), 30)  # the late answer arrives: dropped
             assert stream.usable and stream.pending == {}
             assert_token(await step(hops, node, "slow", 3), expected[3])
         await hops.aclose()
@@ -581,17 +622,25 @@ def test_metrics_count_stream_steps_and_wire_bytes(node, expected):
         await hops.aclose()
 
     asyncio.run(main())
-    time.sleep(0.05)  # recorded just after each answer
-    after = scrape()
+    growth = {  # (name, labels): by how much it grew
+        ("meshnet_requests_total", (("path", forward), ("status", "200"))): 5,
+        ("meshnet_requests_total", (("path", forward), ("status", "400"))): 1,
+        ("meshnet_requests_total", (("path", sessions), ("status", "200"))): 1,
+        ("meshnet_errors_total", (("code", "bad_frame"), ("status", "400"))): 1,
+        ("meshnet_wire_received_bytes_total", ()): sent,
+    }
 
-    def grew(name: str, **labels) -> float:
-        return metric(after, name, **labels) - metric(before, name, **labels)
+    def grew(after: str) -> dict:
+        return {(name, labels): metric(after, name, **dict(labels))
+                - metric(before, name, **dict(labels)) for name, labels in growth}  # fmt: skip
 
-    assert grew("meshnet_requests_total", path=forward, status="200") == 5
-    assert grew("meshnet_requests_total", path=forward, status="400") == 1
-    assert grew("meshnet_requests_total", path=sessions, status="200") == 1
-    assert grew("meshnet_errors_total", code="bad_frame", status="400") == 1
-    assert grew("meshnet_wire_received_bytes_total") == sent
+    # Each is recorded just after its answer: wait until all are (counters never shrink).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        got < growth[key] for key, got in grew(scrape()).items()
+    ):
+        time.sleep(0.01)
+    assert grew(scrape()) == growth
 
 
 def test_plain_http_steps_still_work_for_tools(node, expected):

@@ -243,8 +243,8 @@ def test_audit_routes_hand_over_the_record_and_recompute_it(llama):
 
     from fastapi.testclient import TestClient
 
-    from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER
-    from meshnet_node.dataplane.steps import step_headers
+    from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER, OpenSpec
+    from meshnet_node.dataplane.steps import Step
     from meshnet_node.runtime import build_runtime, create_app
     from meshnet_node.settings import NodeSettings
 
@@ -258,12 +258,11 @@ def test_audit_routes_hand_over_the_record_and_recompute_it(llama):
     with TestClient(create_app(runtime)) as client:
 
         def forward(position, rows, open_spec=None):
-            headers = step_headers(session_id="s1", session_key="k", position=position, chunk=0,
-                                   route=(), sample=True, open_spec=open_spec)  # fmt: skip
+            headers = Step("s1", "k", position, open_spec=open_spec, sample=True).to_headers()
             body = wire.encode_tensor(hidden[:, position : position + rows])
             return client.post("/v1/forward", headers=headers, content=body)
 
-        opened = forward(0, 4, {"temperature": 0, "start_layer": 2, "audit": True})
+        opened = forward(0, 4, OpenSpec(temperature=0, start_layer=2, audit=True))
         assert opened.status_code == 200, opened.text
         assert forward(4, 1).status_code == 200
         refused = client.post("/v1/node/audit/record/s1", headers={H_SESSION_KEY: "other"})

@@ -12,7 +12,15 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    model_validator,
+)
 
 from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest
@@ -68,7 +76,7 @@ H_SESSION_KEY = "x-meshnet-session-key"  # binds a session to the chain that ope
 H_POSITION = "x-meshnet-position"
 H_CHUNK = "x-meshnet-chunk"
 H_ROUTE = "x-meshnet-route"  # comma-separated URLs of the hops after this one
-H_OPEN = "x-meshnet-open"  # JSON SamplingSpec: open the session on every hop first
+H_OPEN = "x-meshnet-open"  # JSON OpenSpec: open the session on every hop first
 H_SAMPLE = "x-meshnet-sample"  # "1": the tail samples this step's last token
 # The step's token ids, comma-separated: heads always send them (the tail's penalties count
 # them, the hop after a head audits it with them: docs/adr/0032).
@@ -417,6 +425,30 @@ class SamplingSpec(Strict):
             if not ok:  # not a ValueError: pydantic lets it through, param and all
                 raise InvalidRequest(f"invalid {param}: {getattr(self, param)!r}", param=param)
         return self
+
+
+class OpenSpec(SamplingSpec):
+    """The open header (``H_OPEN``), one flat JSON object: the session's sampling, the global
+    layer the receiving hop enters its shard at (None: its first), and whether every hop
+    keeps the session's inputs for audits (docs/adr/0026; on the wire only when true)."""
+
+    start_layer: StrictInt | None = Field(default=None, ge=0)
+    audit: StrictBool = False
+
+    @classmethod
+    def of(cls, sampling: SamplingSpec, *, start_layer: int, audit: bool = False) -> OpenSpec:
+        return cls(**sampling.model_dump(), start_layer=start_layer, audit=audit)
+
+    @property
+    def sampling(self) -> SamplingSpec:
+        return SamplingSpec.model_validate(self.model_dump(exclude={"start_layer", "audit"}))
+
+    def entering(self, start_layer: int) -> OpenSpec:
+        """The same opening for the next hop, which enters at ``start_layer``."""
+        return self.model_copy(update={"start_layer": start_layer})
+
+    def to_header(self) -> str:
+        return self.model_dump_json(exclude=None if self.audit else {"audit"})
 
 
 class StepResult(BaseModel):

@@ -108,8 +108,8 @@ async def forward_answer(
     # Counted once this task next waits (off the step's critical path).
     asyncio.get_running_loop().call_soon(service.metrics.wire_received.inc, len(body))
     try:
-        step = parse_step(headers, body, max_bytes=service.settings.max_body_bytes)
-        result = await service.handle_step(step)
+        step, tensor = parse_step(headers, body, max_bytes=service.settings.max_body_bytes)
+        result = await service.handle_step(step, tensor)
     except Exception as exc:  # never kill the node: an error answer
         return error_answer(exc)
     return Answer(200, result.body, ((_COMPUTE, result.compute_ms.encode()),))

@@ -26,7 +26,7 @@ from meshnet_common.protocol import (
     StepResult,
     parse_compute,
 )
-from meshnet_node.dataplane.steps import StepRequest, step_headers
+from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
 from meshnet_node.settings import HopTimeouts
 
@@ -93,21 +93,21 @@ class HopLinks:
         """The next hops whose links to time (the tracker's word, in heartbeat answers)."""
         self.probe_urls = tuple(urls)
 
-    async def send(self, hop: str, hidden: torch.Tensor, **step) -> StepResult:
+    async def send(self, hop: str, hidden: torch.Tensor, step: Step) -> StepResult:
         """POST one tensor frame to ``hop``; returns the tail's answer, with the compute
         time of every hop after this one.
 
-        With ``answer_to`` (this head's URL), the tail also posts the answer straight here:
-        whichever comes first, the direct answer or the chain's, is the step's. The chain's
-        answer still comes and still reports a failed hop, so a tail that cannot reach the
-        head costs nothing but the time saved."""
-        if step.get("answer_to") is None:
-            resp = await self.relay(hop, hidden, **step)
+        With ``step.answer_to`` (this head's URL), the tail also posts the answer straight
+        here: whichever comes first, the direct answer or the chain's, is the step's. The
+        chain's answer still comes and still reports a failed hop, so a tail that cannot
+        reach the head costs nothing but the time saved."""
+        if step.answer_to is None:
+            resp = await self.relay(hop, hidden, step)
             return _parsed(hop, resp.body, resp.compute_ms)
-        key = (step["session_id"], step["position"])
+        key = (step.session_id, step.position)
         direct = asyncio.get_running_loop().create_future()
-        self._answers[key] = (direct, step["session_key"])
-        chain = asyncio.ensure_future(self.relay(hop, hidden, **step))
+        self._answers[key] = (direct, step.session_key)
+        chain = asyncio.ensure_future(self.relay(hop, hidden, step))
         try:
             await asyncio.wait((direct, chain), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
@@ -133,14 +133,14 @@ class HopLinks:
         entry[0].set_result((body, compute))
         return True
 
-    def answer_head(self, req: StepRequest, body: bytes, compute: str) -> None:
+    def answer_head(self, req: Step, body: bytes, compute: str) -> None:
         """A tail's answer, posted straight to the head too (``req.answer_to``), beside the
         chain's: in the background, best effort."""
         task = asyncio.ensure_future(self._answer_head(req, body, compute))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _answer_head(self, req: StepRequest, body: bytes, compute: str) -> None:
+    async def _answer_head(self, req: Step, body: bytes, compute: str) -> None:
         """Post a tail's answer to the head (best effort: the chain carries it too)."""
         url = req.answer_to
         failed_at = self._unreachable_heads.get(url)
@@ -229,46 +229,14 @@ class HopLinks:
         except HopUnreachable as exc:
             logger.warning("could not close session %s on %s: %s", session_id, hop, exc)
 
-    async def relay(
-        self,
-        hop: str,
-        hidden: torch.Tensor,
-        *,
-        session_id: str,
-        session_key: str,
-        position: int,
-        chunk: int,
-        route: tuple[str, ...],
-        sample: bool,
-        open_spec: dict | None,
-        ids: tuple[int, ...] | None = None,
-        drafts: int = 0,
-        answer_to: str | None = None,
-        compute_before: str | None = None,
-        replay_pass: int = 0,
-        guess_from: int | None = None,
-    ) -> HopResponse:
+    async def relay(self, hop: str, hidden: torch.Tensor, step: Step) -> HopResponse:
         """POST one tensor frame to ``hop``; returns its answer (a 200) unparsed."""
-        prefill = hidden.shape[1] > 1 and not drafts
+        prefill = hidden.shape[1] > 1 and not step.drafts
         if prefill:  # a prefill chunk: encode off the loop, beside the compute thread
             frame = await asyncio.to_thread(wire.encode_tensor, hidden, self.wire_options)
         else:
             frame = wire.encode_tensor(hidden, self.wire_options)
-        headers = step_headers(
-            session_id=session_id,
-            session_key=session_key,
-            position=position,
-            chunk=chunk,
-            route=route,
-            sample=sample,
-            open_spec=open_spec,
-            ids=ids,
-            drafts=drafts,
-            answer_to=answer_to,
-            compute_before=compute_before,
-            replay_pass=replay_pass,
-            guess_from=guess_from,
-        )
+        headers = step.to_headers()
         request_id = request_id_var.get()
         if request_id is not None:  # every hop's log lines of this step carry the same id
             headers[H_REQUEST_ID] = request_id

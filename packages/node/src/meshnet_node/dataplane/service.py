@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,8 +35,8 @@ from meshnet_node.dataplane.links import HopLinks
 from meshnet_node.dataplane.steps import (
     _EMPTY_RESULT,
     STALE_RESULT,
+    Step,
     StepAnswer,
-    StepRequest,
     _token_json,
     stale_guess,
 )  # fmt: skip
@@ -49,7 +49,7 @@ from meshnet_node.settings import NodeSettings
 class _Waiting:
     """A prefill chunk waiting for its turn; another chunk's pass may take it along."""
 
-    req: StepRequest
+    req: Step
     tensor: torch.Tensor
     future: asyncio.Future
     taken: bool = False
@@ -127,8 +127,8 @@ class NodeService:
     # The head's calls to the next hops, handed to ``links`` as they are (no coroutine of
     # their own: a decode step pays per call on the path, docs/adr/0011).
 
-    def send(self, hop: str, hidden: torch.Tensor, **step) -> Awaitable[StepResult]:
-        return self.links.send(hop, hidden, **step)
+    def send(self, hop: str, hidden: torch.Tensor, step: Step) -> Awaitable[StepResult]:
+        return self.links.send(hop, hidden, step)
 
     def direct_pays(self, hop: str) -> bool:
         return self.links.direct_pays(hop)
@@ -186,7 +186,7 @@ class NodeService:
             cond = self._turns[session_id] = asyncio.Condition()
         return cond
 
-    async def wait_for_turn(self, req: StepRequest, me: _Waiting | None = None) -> None:
+    async def wait_for_turn(self, req: Step, me: _Waiting | None = None) -> None:
         """Pipelined prefill chunks may arrive out of order: wait until ours is next (or
         until an earlier chunk's pass took ours along)."""
         if req.chunk == 0:
@@ -221,7 +221,7 @@ class NodeService:
                     code="wrong_position",
                 ) from exc
 
-    async def wait_for_pass(self, req: StepRequest) -> None:
+    async def wait_for_pass(self, req: Step) -> None:
         """A replay's pass n waits until pass n - 1 (or, for the first, the prompt) ran here."""
 
         def ready() -> bool:
@@ -252,7 +252,9 @@ class NodeService:
 
     # -- one step ----------------------------------------------------------------------------
 
-    async def handle_step(self, req: StepRequest) -> StepAnswer:
+    async def handle_step(self, req: Step, tensor: torch.Tensor) -> StepAnswer:
+        """Run one step received (its tensor: the body) here and relay it on down the route;
+        the tail's answer, with this hop's compute time first."""
         if req.replay_pass:  # a replay's passes come back to back: run them in order
             await self.wait_for_pass(req)
         stage = self.stage if req.open_spec is not None else self.stage_for(req.session_id)
@@ -274,7 +276,7 @@ class NodeService:
                 raise InvalidRequest("a session opens at position 0", param=H_OPEN)
             stage.open_session(
                 req.session_id,
-                sampling=req.open_spec if stage.shard.is_tail else None,
+                sampling=req.open_spec.sampling if stage.shard.is_tail else None,
                 owner=req.session_key,
                 start_layer=req.start_layer,
                 record=(audits is not None and audits.chooses(stage, req)) or req.audit,
@@ -285,7 +287,7 @@ class NodeService:
         if req.ids is not None and stage.shard.is_tail:  # before any later step samples
             stage.sessions.observe(req.session_id, req.position, req.ids, owner=req.session_key)
         try:
-            out = await self._run_step(stage, req)
+            out = await self._run_step(stage, req, tensor)
         except MeshnetError:
             if opened:  # an opening step that failed leaves no session behind
                 stage.close_session(req.session_id)
@@ -308,34 +310,22 @@ class NodeService:
             if req.answer_to is not None:  # straight to the head too; the chain still answers
                 self.links.answer_head(req, body, append_compute(req.compute_before, own_ms))
             return StepAnswer(body, format_compute(own_ms))
-        resp = await self.links.relay(
-            req.route[0],
-            out.hidden,
-            session_id=req.session_id,
-            session_key=req.session_key or "",
-            position=req.position,
-            chunk=req.chunk,
-            route=req.route[1:],
-            sample=req.sample,
-            open_spec=self._relayed_open(stage, req),
-            ids=req.ids,
-            drafts=req.drafts,
-            answer_to=req.answer_to,
-            replay_pass=req.replay_pass,
-            guess_from=req.guess_from,
-            compute_before=(
-                None if req.answer_to is None else append_compute(req.compute_before, own_ms)
-            ),
-        )
+        # The next hop's step: the route after it, opening where this stage ends.
+        opening = req.open_spec
+        if opening is not None:
+            opening = opening.entering(stage.shard.layers.end)
+        before = None if req.answer_to is None else append_compute(req.compute_before, own_ms)
+        onward = replace(req, route=req.route[1:], open_spec=opening, compute_before=before)
+        resp = await self.links.relay(req.route[0], out.hidden, onward)
         if req.drafts:  # the drafts the tail kept went through this stage too
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 self.count_served(len(json.loads(resp.body).get("more") or ()))
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
 
-    async def _run_step(self, stage: Stage, req: StepRequest) -> StepOutput:
+    async def _run_step(self, stage: Stage, req: Step, tensor: torch.Tensor) -> StepOutput:
         is_head = stage.shard.is_head
-        token_ids, hidden = (req.tensor, None) if is_head else (None, req.tensor)
+        token_ids, hidden = (tensor, None) if is_head else (None, tensor)
         # One wire chunk at most. Values (token ranges, finiteness) are checked where the
         # step runs: a decode step is never merged with another's input, and each torch
         # call here costs tens of microseconds per hop on a CPU that idled (docs/adr/0011).
@@ -420,15 +410,6 @@ class NodeService:
             if not member.future.done():
                 member.future.set_result(member_out)
         return outs[0]
-
-    def _relayed_open(self, stage: Stage, req: StepRequest) -> dict | None:
-        """The open header for the next hop: same sampling, entering where this stage ends."""
-        if req.open_spec is None:
-            return None
-        spec = {**req.open_spec.model_dump(), "start_layer": stage.shard.layers.end}
-        if req.audit:
-            spec["audit"] = True
-        return spec
 
     async def close_session(self, session_id: str, session_key: str | None, route) -> None:
         """Free a session here and (best effort) on every later hop."""

@@ -1,5 +1,5 @@
-"""The step message: one forward step as it crosses a hop — parsed from HTTP headers and a
-tensor frame (``parse_step``), written back to headers (``step_headers``) — and its answer."""
+"""The step message: one forward step as it crosses a hop (``Step``, written to and read
+from HTTP headers; its tensor travels as the body, ``parse_step``) — and its answer."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from meshnet_common.protocol import (
     H_SAMPLE,
     H_SESSION,
     H_SESSION_KEY,
-    SamplingSpec,
+    OpenSpec,
     StepResult,
     validate_session_id,
 )
@@ -44,7 +44,7 @@ _EMPTY_RESULT = StepResult().model_dump_json(exclude={"compute_ms"}).encode()
 STALE_RESULT = StepResult(stale=True).model_dump_json(exclude={"compute_ms"}).encode()
 
 
-def stale_guess(stage, req: StepRequest) -> bool:
+def stale_guess(stage, req: Step) -> bool:
     """Whether a guess step reaching the tail guessed wrong (or follows one that did): the
     tail did not sample its token at its position (ADR-0019). Such a step computes nothing
     here; the hops before it computed it, and the head's next step rewinds them."""
@@ -87,29 +87,124 @@ def _token_json(token, more=None) -> bytes:
 
 
 @dataclass(frozen=True)
-class StepRequest:
-    """A forward step as parsed from HTTP headers + tensor frame."""
+class Step:
+    """One forward step as it crosses a hop, both ways: the head builds it, a hop relays it
+    (``dataclasses.replace``: the route after the next hop, the opening entering where this
+    stage ends) and the next hop parses it. Not its tensor, which travels as the body.
+    ``to_headers`` and ``from_headers`` are its one codec (docs/adr/0011)."""
 
     session_id: str
     session_key: str | None
     position: int
-    chunk: int
-    route: tuple[str, ...]
-    open_spec: SamplingSpec | None
-    start_layer: int | None
-    sample: bool
-    tensor: torch.Tensor
+    chunk: int = 0
+    route: tuple[str, ...] = ()  # the hops after the one receiving it
+    open_spec: OpenSpec | None = None  # opens the session there first (with its first chunk)
+    sample: bool = False  # the tail samples this step's last token
     ids: tuple[int, ...] | None = None  # the step's token ids (penalties at the tail)
     drafts: int = 0  # how many of the last tokens are drafts to verify (ADR-0019)
     answer_to: str | None = None  # the head's URL: the tail answers there too (ADR-0020)
     compute_before: str | None = None  # compute of the hops before (with answer_to)
-    audit: bool = False  # an opening step: every hop keeps the session's inputs (ADR-0026)
     replay_pass: int = 0  # n > 0: a replay's n-th decode pass, run after pass n - 1 (ADR-0023)
     guess_from: int | None = None  # a guess step: later steps may go back to here (ADR-0019)
 
     @property
+    def start_layer(self) -> int | None:
+        return None if self.open_spec is None else self.open_spec.start_layer
+
+    @property
+    def audit(self) -> bool:
+        """An opening step: every hop keeps the session's inputs (ADR-0026)."""
+        return self.open_spec is not None and self.open_spec.audit
+
+    @property
     def draft_ids(self) -> tuple[int, ...]:
         return self.ids[len(self.ids) - self.drafts :] if self.drafts and self.ids else ()
+
+    def to_headers(self) -> dict[str, str]:
+        headers = {
+            "content-type": wire.CONTENT_TYPE,
+            H_SESSION: self.session_id,
+            H_SESSION_KEY: self.session_key or "",
+            H_POSITION: str(self.position),
+            H_CHUNK: str(self.chunk),
+            H_SAMPLE: "1" if self.sample else "0",
+        }
+        if self.route:
+            headers[H_ROUTE] = ",".join(self.route)
+        if self.open_spec is not None:
+            headers[H_OPEN] = self.open_spec.to_header()
+        if self.ids is not None:
+            headers[H_IDS] = ",".join(map(str, self.ids))
+        if self.drafts:
+            headers[H_DRAFTS] = str(self.drafts)
+        if self.replay_pass:
+            headers[H_REPLAY_PASS] = str(self.replay_pass)
+        if self.guess_from is not None:
+            headers[H_GUESS] = str(self.guess_from)
+        if self.answer_to is not None:
+            headers[H_ANSWER_TO] = self.answer_to
+            if self.compute_before:
+                headers[H_COMPUTE] = self.compute_before
+        return headers
+
+    @classmethod
+    def from_headers(cls, headers) -> Step:
+        """Validate a step's headers (InvalidRequest: a 400 naming the header)."""
+        session_id = headers.get(H_SESSION)
+        if not session_id:
+            raise InvalidRequest(f"missing header {H_SESSION}", param=H_SESSION)
+        validate_session_id(session_id, param=H_SESSION)
+        open_spec = None
+        if headers.get(H_OPEN):
+            try:
+                open_spec = OpenSpec.model_validate_json(headers[H_OPEN])
+            except ValueError as exc:
+                raise InvalidRequest(f"malformed {H_OPEN} header: {exc}", param=H_OPEN) from exc
+        step = cls(
+            session_id=session_id,
+            session_key=headers.get(H_SESSION_KEY),
+            position=_int_header(headers, H_POSITION),
+            chunk=_int_header(headers, H_CHUNK, 0),
+            route=parse_route(headers.get(H_ROUTE)),
+            open_spec=open_spec,
+            sample=headers.get(H_SAMPLE) == "1",
+            ids=parse_ids(headers.get(H_IDS)),
+            drafts=_int_header(headers, H_DRAFTS, 0),
+            answer_to=parse_answer_to(headers.get(H_ANSWER_TO)),
+            compute_before=headers.get(H_COMPUTE),
+            replay_pass=_int_header(headers, H_REPLAY_PASS, 0),
+            guess_from=_int_header(headers, H_GUESS) if H_GUESS in headers else None,
+        )
+        if step.guess_from is not None and (
+            step.guess_from > step.position or step.ids is None or len(step.ids) != 1
+            or not step.sample or step.drafts or step.chunk or step.open_spec is not None
+        ):  # fmt: skip
+            raise InvalidRequest(
+                f"a step with {H_GUESS} is one sampled decode token, with its id ({H_IDS}), "
+                "that may go back no further than its own position",
+                param=H_GUESS,
+            )
+        if step.drafts and (step.ids is None or not step.sample or step.chunk):
+            raise _bad_drafts()
+        return step
+
+    def check_tokens(self, tokens: int) -> None:
+        """The headers that count the tokens of the step's tensor agree with it."""
+        if self.ids is not None and len(self.ids) != tokens:
+            raise InvalidRequest(
+                f"header {H_IDS} needs one token id >= 0 per token of the step ({tokens})",
+                param=H_IDS,
+            )
+        if self.drafts and self.drafts >= tokens:
+            raise _bad_drafts()
+
+
+def _bad_drafts() -> InvalidRequest:
+    return InvalidRequest(
+        f"a step with {H_DRAFTS} is one sampled step of its first token and the drafts "
+        f"after it, with their ids ({H_IDS})",
+        param=H_DRAFTS,
+    )
 
 
 def _int_header(headers, name: str, default: int | None = None) -> int:
@@ -139,60 +234,12 @@ def parse_route(raw: str | None) -> tuple[str, ...]:
     return hops
 
 
-def parse_step(headers, body: bytes, *, max_bytes: int) -> StepRequest:
-    """Validate a step's headers and decode its tensor frame (bounded)."""
-    session_id = headers.get(H_SESSION)
-    if not session_id:
-        raise InvalidRequest(f"missing header {H_SESSION}", param=H_SESSION)
-    validate_session_id(session_id, param=H_SESSION)
-    open_spec = None
-    start_layer = None
-    audit = False
-    if headers.get(H_OPEN):
-        try:
-            raw = json.loads(headers[H_OPEN])
-            start_layer = raw.pop("start_layer", None)
-            audit = raw.pop("audit", False) is True
-            open_spec = SamplingSpec.model_validate(raw)
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise InvalidRequest(f"malformed {H_OPEN} header: {exc}", param=H_OPEN) from exc
+def parse_step(headers, body: bytes, *, max_bytes: int) -> tuple[Step, torch.Tensor]:
+    """A step and its tensor frame (decoded, bounded), checked against each other."""
+    step = Step.from_headers(headers)
     tensor = wire.decode_tensor(body, max_bytes=max_bytes)
-    step = StepRequest(
-        session_id=session_id,
-        session_key=headers.get(H_SESSION_KEY),
-        position=_int_header(headers, H_POSITION),
-        chunk=_int_header(headers, H_CHUNK, 0),
-        route=parse_route(headers.get(H_ROUTE)),
-        open_spec=open_spec,
-        start_layer=start_layer,
-        sample=headers.get(H_SAMPLE) == "1",
-        tensor=tensor,
-        ids=parse_ids(headers.get(H_IDS), tensor),
-        drafts=_int_header(headers, H_DRAFTS, 0),
-        answer_to=parse_answer_to(headers.get(H_ANSWER_TO)),
-        compute_before=headers.get(H_COMPUTE),
-        audit=audit,
-        replay_pass=_int_header(headers, H_REPLAY_PASS, 0),
-        guess_from=_int_header(headers, H_GUESS) if H_GUESS in headers else None,
-    )
-    if step.guess_from is not None and (
-        step.guess_from > step.position or step.ids is None or len(step.ids) != 1
-        or not step.sample or step.drafts or step.chunk or step.open_spec is not None
-    ):  # fmt: skip
-        raise InvalidRequest(
-            f"a step with {H_GUESS} is one sampled decode token, with its id ({H_IDS}), that "
-            "may go back no further than its own position",
-            param=H_GUESS,
-        )
-    if step.drafts:
-        tokens = tensor.shape[1] if tensor.dim() >= 2 else tensor.numel()
-        if step.ids is None or step.drafts >= tokens or not step.sample or step.chunk:
-            raise InvalidRequest(
-                f"a step with {H_DRAFTS} is one sampled step of its first token and the "
-                f"drafts after it, with their ids ({H_IDS})",
-                param=H_DRAFTS,
-            )
-    return step
+    step.check_tokens(tensor.shape[1] if tensor.dim() >= 2 else tensor.numel())
+    return step, tensor
 
 
 def parse_answer_to(raw: str | None) -> str | None:
@@ -204,8 +251,8 @@ def parse_answer_to(raw: str | None) -> str | None:
     return url.rstrip("/")
 
 
-def parse_ids(raw: str | None, tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The ids header: one non-negative integer per token of the step's tensor."""
+def parse_ids(raw: str | None) -> tuple[int, ...] | None:
+    """The ids header: non-negative integers (one per token of the step's tensor)."""
     if raw is None:
         return None
     try:
@@ -214,53 +261,6 @@ def parse_ids(raw: str | None, tensor: torch.Tensor) -> tuple[int, ...] | None:
         raise InvalidRequest(
             f"header {H_IDS} must be comma-separated integers", param=H_IDS
         ) from exc
-    tokens = tensor.shape[1] if tensor.dim() >= 2 else tensor.numel()
-    if len(ids) != tokens or any(i < 0 for i in ids):
-        raise InvalidRequest(
-            f"header {H_IDS} needs one token id >= 0 per token of the step ({tokens})",
-            param=H_IDS,
-        )
+    if any(i < 0 for i in ids):
+        raise InvalidRequest(f"header {H_IDS} needs token ids >= 0", param=H_IDS)
     return ids
-
-
-def step_headers(
-    *,
-    session_id: str,
-    session_key: str,
-    position: int,
-    chunk: int,
-    route: tuple[str, ...],
-    sample: bool,
-    open_spec: dict | None,
-    ids: tuple[int, ...] | None = None,
-    drafts: int = 0,
-    answer_to: str | None = None,
-    compute_before: str | None = None,
-    replay_pass: int = 0,
-    guess_from: int | None = None,
-) -> dict[str, str]:
-    headers = {
-        "content-type": wire.CONTENT_TYPE,
-        H_SESSION: session_id,
-        H_SESSION_KEY: session_key,
-        H_POSITION: str(position),
-        H_CHUNK: str(chunk),
-        H_SAMPLE: "1" if sample else "0",
-    }
-    if route:
-        headers[H_ROUTE] = ",".join(route)
-    if open_spec is not None:
-        headers[H_OPEN] = json.dumps(open_spec)
-    if ids is not None:
-        headers[H_IDS] = ",".join(map(str, ids))
-    if drafts:
-        headers[H_DRAFTS] = str(drafts)
-    if replay_pass:
-        headers[H_REPLAY_PASS] = str(replay_pass)
-    if guess_from is not None:
-        headers[H_GUESS] = str(guess_from)
-    if answer_to is not None:
-        headers[H_ANSWER_TO] = answer_to
-        if compute_before:
-            headers[H_COMPUTE] = compute_before
-    return headers

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from meshnet_common.logs import bind_session
-from meshnet_common.protocol import SamplingSpec, StepResult
+from meshnet_common.protocol import OpenSpec, SamplingSpec, StepResult
 from meshnet_node.dataplane.batching import micro_batches
 from meshnet_node.dataplane.service import NodeService
+from meshnet_node.dataplane.steps import Step
 from meshnet_node.engine.stage import Stage, StepOutput
 from meshnet_node.retry import RetryBudget
 
@@ -110,12 +111,10 @@ class HeadPasses:
         else:
             bounds = [*range(0, len(ids), stage.max_merge_tokens), len(ids)]
         bounds = sorted(set(b for b in bounds if b <= len(ids)))
-        open_spec = {
-            **request.sampling.model_dump(),
-            "start_layer": stage.shard.layers.end,
-        }
-        if self.audited:  # every hop keeps the session's inputs for audits
-            open_spec["audit"] = True
+        # The first chunk opens the session on every hop (``audited``: each keeps its inputs).
+        opening = OpenSpec.of(
+            request.sampling, start_layer=stage.shard.layers.end, audit=self.audited
+        )
         pending: list[asyncio.Future] = [] if sends is None else sends
         try:
             result = StepResult()
@@ -129,12 +128,12 @@ class HeadPasses:
                 for start in range(lo, hi, chunk_tokens):
                     end = min(start + chunk_tokens, hi)
                     part = replace(out, hidden=out.hidden[:, start - lo : end - lo])
-                    send = self.send(
-                        part, session_id, key, start, route, index, last and end == hi,
-                        open_spec if index == 0 else None,
+                    step = Step(
+                        session_id, key, start, chunk=index, route=route[1:],
+                        open_spec=opening if index == 0 else None, sample=last and end == hi,
                         ids=tuple(ids[start:end]),  # the tail's penalties, head audits
                     )  # fmt: skip
-                    pending.append(asyncio.ensure_future(send))
+                    pending.append(asyncio.ensure_future(self.send(route[0], part, step)))
                     index += 1
             if pending and sends is None:
                 result = (await asyncio.gather(*pending))[-1]
@@ -162,33 +161,15 @@ class HeadPasses:
             guess_from=guess_from,
         )
 
-    async def send(
-        self, out, session_id, key, position, route, chunk, sample, open_spec, ids=None,
-        drafts=0, replay_pass=0, guess_from=None,
-    ) -> StepResult:  # fmt: skip
-        """``out`` of the head's layers on to the route's first hop; the chain's answer."""
+    async def send(self, hop: str, out: StepOutput, step: Step) -> StepResult:
+        """``out`` of the head's layers on to ``hop``, the route's first (``step.route``: the
+        hops after it); the chain's answer."""
         # A sampled step over 2+ hops: the tail answers here directly too (ADR-0020), where
         # the links are slow enough for it to pay; over one hop the chain's answer is
         # already the direct one.
-        direct = None
-        if sample and len(route) >= 2 and self.service.direct_pays(route[0]):
-            direct = self.service.answer_url
-        return await self.service.send(
-            route[0],
-            out.hidden,
-            session_id=session_id,
-            session_key=key,
-            position=position,
-            chunk=chunk,
-            route=route[1:],
-            sample=sample,
-            open_spec=open_spec,
-            ids=ids,
-            drafts=drafts,
-            answer_to=direct,
-            replay_pass=replay_pass,
-            guess_from=guess_from,
-        )
+        if step.sample and step.route and self.service.direct_pays(hop):
+            step = replace(step, answer_to=self.service.answer_url)
+        return await self.service.send(hop, out.hidden, step)
 
     async def step(
         self, stage, session_id, key, token_ids, position, route, drafts=0, guess_from=None,
@@ -206,11 +187,11 @@ class HeadPasses:
         )
         if not route:  # head is also the tail
             return as_result(out)
-        result = await self.send(
-            out, session_id, key, position, route, 0, True, None, drafts=drafts,
-            ids=tuple(token_ids),
-            guess_from=guess_from,
+        step = Step(
+            session_id, key, position, route=route[1:], sample=True, ids=tuple(token_ids),
+            drafts=drafts, guess_from=guess_from,
         )  # fmt: skip
+        result = await self.send(route[0], out, step)
         result.compute_ms.insert(0, out.compute_s * 1000)
         return result
 

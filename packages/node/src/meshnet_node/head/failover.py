@@ -14,6 +14,7 @@ from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import CapacityExceeded, HopError, ModelNotCovered
 from meshnet_common.protocol import StepResult
 from meshnet_node.dataplane.service import NodeService
+from meshnet_node.dataplane.steps import Step
 from meshnet_node.engine.stage import Stage
 from meshnet_node.head.chain import Chain, GenerationRequest, HeadPasses
 from meshnet_node.retry import BanList, Clock, RetryPolicy
@@ -175,11 +176,9 @@ class Failover:
             await self.passes.prefill(stage, sid, key, request, route, sends=sends)
             for number, (position, inputs, drafts) in enumerate(passes, start=1):
                 out = await self.passes.local(stage, sid, key, inputs, position, True, drafts)
-                sends.append(asyncio.ensure_future(self.passes.send(
-                    out, sid, key, position, route, 0, True, None,
-                    ids=tuple(inputs), drafts=drafts,
-                    replay_pass=number,
-                )))  # fmt: skip
+                step = Step(sid, key, position, route=route[1:], sample=True,
+                            ids=tuple(inputs), drafts=drafts, replay_pass=number)  # fmt: skip
+                sends.append(asyncio.ensure_future(self.passes.send(route[0], out, step)))
             await asyncio.gather(*sends)
         except BaseException:
             for task in sends:

@@ -145,7 +145,7 @@ class HeadAuditor:
             self.convictions.note(Finding("skipped", detail="a step without token ids"))
             return
         record.note_ids(req.position, req.ids)
-        decode = req.chunk == 0 and (req.tensor.shape[1] == 1 or req.drafts)
+        decode = req.chunk == 0 and (len(req.ids) == 1 or req.drafts)  # one id a token
         if not decode or not req.sample or req.replay_pass:
             return
         if watch.task is not None and not watch.task.done():

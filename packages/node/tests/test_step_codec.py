@@ -1,0 +1,83 @@
+"""The step message's one codec: ``Step.to_headers`` and ``Step.from_headers`` are inverse,
+and a relay's ``dataclasses.replace`` keeps every field it does not change (docs/adr/0011)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields, replace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshnet_common.errors import InvalidRequest
+from meshnet_common.protocol import H_OPEN, OpenSpec, SamplingSpec
+from meshnet_node.dataplane.steps import Step
+
+urls = st.sampled_from(["http://a.test:1", "http://b.test:2", "https://c.test"])
+openings = st.none() | st.builds(
+    OpenSpec,
+    temperature=st.sampled_from([0.0, 0.7]),
+    seed=st.none() | st.integers(0, 1 << 40),
+    logprobs=st.integers(0, 5),
+    start_layer=st.none() | st.integers(0, 64),
+    audit=st.booleans(),
+)
+
+
+@st.composite
+def steps(draw) -> Step:
+    opening = draw(openings)
+    ids = draw(st.none() | st.lists(st.integers(0, 1 << 20), min_size=1, max_size=4))
+    ids = None if ids is None else tuple(ids)
+    guess = opening is None and ids is not None and len(ids) == 1 and draw(st.booleans())
+    position = draw(st.integers(0, 1 << 20))
+    answer_to = draw(st.none() | urls)
+    return Step(
+        session_id=draw(st.from_regex(r"[A-Za-z0-9_-]{1,16}", fullmatch=True)),
+        session_key=draw(st.from_regex(r"[0-9a-f]{1,32}", fullmatch=True)),
+        position=position,
+        chunk=0 if guess else draw(st.integers(0, 9)),
+        route=tuple(draw(st.lists(urls, max_size=3))),
+        open_spec=opening,
+        sample=True if guess else draw(st.booleans()),
+        ids=ids,
+        answer_to=answer_to,
+        compute_before=None if answer_to is None else draw(st.none() | st.just("1.250,0.500")),
+        replay_pass=draw(st.integers(0, 5)),
+        guess_from=draw(st.integers(0, position)) if guess else None,
+    )
+
+
+@given(steps())
+def test_a_step_survives_its_headers(step):
+    assert Step.from_headers(step.to_headers()) == step
+
+
+def test_the_open_header_is_the_sampling_beside_start_layer_and_audit():
+    sampling = SamplingSpec(temperature=0.5, logit_bias=((3, 1.5),))
+    opening = OpenSpec.of(sampling, start_layer=4, audit=False)
+    raw = json.loads(Step("s", "k", 0, open_spec=opening).to_headers()[H_OPEN])
+    assert raw == {**json.loads(sampling.model_dump_json()), "start_layer": 4}  # no audit
+    assert opening.sampling == sampling
+    assert opening.entering(6) == OpenSpec.of(sampling, start_layer=6)
+    audited = OpenSpec.of(sampling, start_layer=4, audit=True)
+    assert json.loads(audited.to_header())["audit"] is True
+
+
+def test_a_relay_changes_only_what_it_names():
+    step = Step("s", "k", 7, route=("http://a.test", "http://b.test"), sample=True, ids=(1,),
+                answer_to="http://h.test", replay_pass=2)  # fmt: skip
+    onward = replace(step, route=step.route[1:], compute_before="1.000")
+    changed = {f.name for f in fields(Step) if getattr(step, f.name) != getattr(onward, f.name)}
+    assert changed == {"route", "compute_before"}
+
+
+@pytest.mark.parametrize(
+    "raw_open",
+    ['{"start_layer": "4"}', '{"audit": 1}', '{"temperature": 0.0, "bogus": 1}', "[1]"],
+)
+def test_an_open_header_is_strict(raw_open):
+    headers = Step("s", "k", 0).to_headers() | {H_OPEN: raw_open}
+    with pytest.raises(InvalidRequest):
+        Step.from_headers(headers)
