@@ -76,16 +76,6 @@ def issue(
     return f"v1.{_b64(node_id.encode())}.{public_key}.{not_after}.{_b64(signature)}"
 
 
-def valid_public_key(text: str) -> bool:
-    """Whether ``text`` is a public key as ``NodeKey.public`` writes it."""
-    try:
-        raw = _unb64(text)
-        Ed25519PublicKey.from_public_bytes(raw)
-    except (binascii.Error, ValueError):
-        return False
-    return len(text) == 43
-
-
 class NodeKey:
     """This node's key pair: made at start, never written anywhere."""
 
