@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshnet_common.web.serve import free_port
-
 STARTUP_TIMEOUT_S = 180.0
+# A process started with --port 0 binds a port the kernel picks and prints it at once
+# (meshnet_common.web.serve.announce_port): no window where another process takes it.
+PORT_LINE = re.compile(rb"^meshnet-(?:node|tracker) listening on port (\d+)$", re.M)
 
 
 @dataclass
@@ -24,18 +27,37 @@ class Proc:
 
     name: str
     args: list[str]
-    port: int
     log_path: Path
+    bound: int | None = None  # the port, once known: given (a restart) or read from the log
     popen: subprocess.Popen | None = None
     env: dict = field(default_factory=dict)
     scheme: str = "http"  # https: started with --tls-cert
     verify: object = True  # what health checks verify an https process with (a CA file)
 
     @property
+    def port(self) -> int:
+        """The port the process holds: waits for its ``listening on port`` line."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while self.bound is None:
+            found = PORT_LINE.search(self.log_path.read_bytes())
+            if found:
+                self.bound = int(found.group(1))
+            elif self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{self.log()}")
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} reported no port:\n{self.log()}")
+            else:
+                time.sleep(0.02)
+        return self.bound
+
+    @property
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def start(self) -> Proc:
+        """Start (or start again: a restart keeps the port it held, as a real one would)."""
+        if self.bound is not None and "--port" in self.args:
+            self.args[self.args.index("--port") + 1] = str(self.bound)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         # No hub here: make huggingface_hub fail at once instead of trying the network.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self.env}
@@ -86,35 +108,43 @@ class Swarm:
         self.procs: list[Proc] = []
 
     def tracker(self, *extra: str, port: int | None = None) -> Proc:
-        port = port or free_port()
-        args = ["meshnet_tracker.cli", "--models-dir", str(self.models_dir), "--port", str(port),
-                "--heartbeat-interval", str(self.heartbeat_s), "--threads", "1", *extra]  # fmt: skip
-        return self._add(Proc(f"tracker-{port}", args, port, self.log_dir / f"tracker-{port}.log"))
+        """A tracker on a port the kernel picks, or on ``port`` (a restart keeps its address)."""
+        args = ["meshnet_tracker.cli", "--models-dir", str(self.models_dir), "--port",
+                str(port or 0), "--heartbeat-interval", str(self.heartbeat_s), "--threads", "1",
+                *extra]  # fmt: skip
+        return self._add(Proc("tracker", args, self._log("tracker"), bound=port))
 
     def node(self, tracker: Proc, model_id: str, start: int, end: int, *extra: str) -> Proc:
-        port = free_port()
         args = ["meshnet_node.cli", "--tracker", tracker.url, "--models-dir",
                 str(self.models_dir), "--model-id", model_id, "--shard-start", str(start),
-                "--shard-end", str(end), "--port", str(port), "--threads", "1",
+                "--shard-end", str(end), "--port", "0", "--threads", "1",
                 "--heartbeat-interval", str(self.heartbeat_s), *extra]  # fmt: skip
-        return self._add(Proc(f"node-{port}", args, port, self.log_dir / f"node-{port}.log"))
+        name = f"node-{start}-{end}"
+        return self._add(Proc(name, args, self._log(name)))
 
     def join(self, tracker: Proc, memory_gb: str, node_id: str, *extra: str) -> Proc:
         """A node with no model: the tracker assigns its shard."""
-        port = free_port()
         args = ["meshnet_node.cli", "--tracker", tracker.url, "--models-dir",
                 str(self.models_dir), "--memory-gb", memory_gb, "--node-id", node_id,
-                "--port", str(port), "--threads", "1",
+                "--port", "0", "--threads", "1",
                 "--heartbeat-interval", str(self.heartbeat_s), *extra]  # fmt: skip
-        return self._add(Proc(node_id, args, port, self.log_dir / f"{node_id}.log"))
+        return self._add(Proc(node_id, args, self._log(node_id)))
 
     def bare_node(self, tracker: Proc, node_id: str, *extra: str) -> Proc:
         """A node with no models dir: whatever it serves, it must fetch."""
-        port = free_port()
         args = ["meshnet_node.cli", "--tracker", tracker.url, "--node-id", node_id,
-                "--port", str(port), "--threads", "1",
+                "--port", "0", "--threads", "1",
                 "--heartbeat-interval", str(self.heartbeat_s), *extra]  # fmt: skip
-        return self._add(Proc(node_id, args, port, self.log_dir / f"{node_id}.log"))
+        return self._add(Proc(node_id, args, self._log(node_id)))
+
+    def _log(self, name: str) -> Path:
+        """A log file of its own per process, even for a restart under the same name."""
+        path = self.log_dir / f"{name}.log"
+        count = 1
+        while path.exists():
+            count += 1
+            path = self.log_dir / f"{name}-{count}.log"
+        return path
 
     def _add(self, proc: Proc) -> Proc:
         self.procs.append(proc.start())
@@ -123,6 +153,18 @@ class Swarm:
     def close(self) -> None:
         for proc in reversed(self.procs):
             proc.kill()
+
+
+_HELD: list[socket.socket] = []
+
+
+def closed_port() -> int:
+    """A loopback port that refuses connections for the rest of the run: bound, never
+    listening, and held, so no other process can take it meanwhile."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)
+    return sock.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2):

@@ -11,8 +11,7 @@ import httpx
 import pytest
 import trustme
 from answering_port import AnsweringPort, http_reply
-
-from meshnet_common.web.serve import free_port
+from swarm_harness import closed_port
 
 pytestmark = [pytest.mark.integration]
 
@@ -32,7 +31,7 @@ def test_a_running_trackers_probe_of_closed_and_open_ports_answers_alike(swarm_f
     tracker = swarm_factory().tracker("--swarm-token", "swarm-1").wait_healthy()
     garbage = http_reply(b"<html>" + b"x" * (1 << 20) + b"</html>")
     with AnsweringPort(garbage) as server:
-        urls = {"closed": f"http://127.0.0.1:{free_port()}", "open": server.url}
+        urls = {"closed": f"http://127.0.0.1:{closed_port()}", "open": server.url}
         answers = {}
         for kind, url in urls.items():
             resp = httpx.post(f"{tracker.url}/v1/nodes/register", json=announcement(url),
@@ -53,7 +52,7 @@ def test_a_tls_node_refuses_a_plain_http_tracker(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "meshnet_node.cli", "--tracker", "http://127.0.0.1:9",
          "--tls-cert", str(cert_path), "--tls-key", str(key_path), "--memory-gb", "1",
-         "--port", str(free_port())],
+         "--port", "0"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr

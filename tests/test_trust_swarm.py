@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -134,13 +133,10 @@ def test_a_restarted_node_that_lost_its_secret_gets_its_id_back_after_expiry(swa
     first.start()
     second = Membership(tracker.url, lambda: ann, lambda: beat, 0.3)
     try:
-        time.sleep(0.5)
         with pytest.raises(ValueError, match="missed heartbeats"):
             second.register_once()  # the first one still beats: its id is held
         first.stop(deregister=False)  # killed: no leave
-        started = time.monotonic()
-        assert second.register_until_accepted()
-        assert time.monotonic() - started < 5
+        assert second.register_until_accepted()  # once the old record expires
         assert second.secret and second.secret != old
         assert second.beat().known is True
         first_beat = httpx.post(f"{tracker.url}/v1/nodes/heartbeat", content=beat.model_dump_json(),

@@ -55,9 +55,10 @@ def app() -> FastAPI:
 def server(request, monkeypatch):
     monkeypatch.setattr(head_deadline, "HEAD_TIMEOUT_S", DEADLINE_S)
     monkeypatch.setattr(head_deadline, "protocol_class", lambda: request.param)
-    api, port, started = app(), serve.free_port(), threading.Event()
+    api, sock, started = app(), serve.bind("127.0.0.1", 0), threading.Event()
+    port = serve.bound_port(sock)
     thread = threading.Thread(
-        target=serve.run, args=(api, "127.0.0.1", port, None), daemon=True,
+        target=serve.run, args=(api, sock, None), daemon=True,
         kwargs={"on_started": started.set},
     )  # fmt: skip
     thread.start()

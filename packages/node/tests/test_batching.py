@@ -228,8 +228,10 @@ def test_a_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
     sids = [f"r{i}" for i in range(4)]
     stage, settings, passes = _head_service(tiny_snapshot, sids)
 
-    async def step(service, sid: str, position: int, delay: float = 0.0) -> None:
-        await asyncio.sleep(delay)
+    async def step(service, sid: str, position: int, after: int = 0) -> None:
+        # Decided by events, not a delay: the late member sends once ``after`` others wait.
+        while len(service.batcher._queue) < after:
+            await asyncio.sleep(0)
         await service.run_stage(stage, sid, position, token_ids=torch.tensor([[9]]),
                                 sample=False)  # fmt: skip
 
@@ -237,9 +239,11 @@ def test_a_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
         service = NodeService(stage, settings, model_id=settings.model_id)
         service.set_micro_batches(2)
         await asyncio.gather(*(step(service, sid, 3) for sid in sids))  # all in phase
-        service.batcher._pass_s = 0.1  # a cycle of 0.2 s: as a real pass would measure
+        # A cycle of 20 s: a pass that did not wait for the late member would stall here
+        # that long; one that waits ends as soon as it arrives.
+        service.batcher._pass_s = 10.0
         late = sids[2]  # slot 0 is r0 and r2
-        await asyncio.gather(*(step(service, s, 4, 0.05 if s == late else 0) for s in sids))
+        await asyncio.gather(*(step(service, s, 4, 3 if s == late else 0) for s in sids))
         await service.aclose()
 
     asyncio.run(run())

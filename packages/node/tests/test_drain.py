@@ -48,7 +48,8 @@ def test_a_drain_waits_for_held_sessions_then_exits_0(snapshot, monkeypatch):
         drain.start()  # a second request changes nothing
         assert runtime.state == NodeState.LEAVING and runtime.announcement().state == "leaving"
         assert runtime.heartbeat().state == "leaving" and busy(runtime) == 1
-        await asyncio.sleep(0.05)
+        while drain.checks < 3:  # it has looked three times and found the session held
+            await asyncio.sleep(0.01)
         assert exits == []  # a session is still held
         stage.close_session("held")
         await asyncio.wait_for(drain.task, 2.0)

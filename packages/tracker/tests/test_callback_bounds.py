@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 from answering_port import AnsweringPort, http_reply
 from fastapi.testclient import TestClient
+from swarm_harness import closed_port
 
-from meshnet_common.web.serve import free_port
 from meshnet_tracker.api import admission
 from meshnet_tracker.app import create_app
 from meshnet_tracker.settings import TrackerSettings
@@ -49,7 +49,7 @@ def tracker(monkeypatch) -> Iterator[TestClient]:
 
 
 def test_probes_of_closed_and_open_ports_get_one_answer(tracker, ports):
-    urls = {"closed": f"http://127.0.0.1:{free_port()}", **{k: s.url for k, s in ports.items()}}
+    urls = {"closed": f"http://127.0.0.1:{closed_port()}", **{k: s.url for k, s in ports.items()}}
     answers = {}
     for kind, url in urls.items():
         resp = tracker.post("/v1/nodes/register", json=announcement("probe", url), headers=TOKEN)

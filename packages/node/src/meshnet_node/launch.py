@@ -75,14 +75,14 @@ def launch(settings: NodeSettings) -> None:
     except (ValueError, InvalidRequest) as exc:
         fail(PROG, f"--tracker-key: {exc}" if isinstance(exc, InvalidRequest) else str(exc))
     tls.configure(settings.tls_ca)  # every swarm client verifies peers with it
-    from meshnet_common.web.serve import check_port, free_port, run
+    from meshnet_common.web.serve import announce_port, bind, run
 
     host = settings.host
     try:  # the cheap checks first: a typo should not wait for torch to import
-        port = settings.port or free_port(host)
-        check_port(host, port)
+        sock = bind(host, settings.port or 0)  # held from here: the port reported is ours
     except OSError as exc:
         fail(PROG, str(exc), code=1)
+    port = announce_port(PROG, sock)
     if settings.advertise_url is None and host in ("0.0.0.0", "::"):
         logger.info(
             "listening on every interface: the tracker tells which address it reaches this "
@@ -200,8 +200,7 @@ def launch(settings: NodeSettings) -> None:
     try:
         run(
             app,
-            host,
-            port,
+            sock,
             None if membership is not None else ready_line(),
             log_level="warning",
             on_started=runtime.serving,

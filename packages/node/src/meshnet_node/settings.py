@@ -54,7 +54,11 @@ class NodeSettings(ShardSettings):
         "127.0.0.1", "address to listen on (0.0.0.0: every interface, for a swarm across "
         "machines)", group=SWARM,
     )  # fmt: skip
-    port: int = knob(0, "port (0: pick a free one)", group=SWARM)
+    port: int = knob(
+        0,
+        "port (0: a free one, printed at once as `meshnet-node listening on port N`)",
+        group=SWARM,
+    )
     advertise_url: str | None = knob(
         None, "URL the tracker and other nodes reach this one at (default: the address the "
         "tracker sees this node's registration come from, with --port; the tracker calls it "

@@ -81,12 +81,13 @@ def _main(argv: Sequence[str] | None) -> None:
     except (MeshnetError, ValueError) as exc:
         fail(PROG, str(exc), code=1)
     tls.configure(settings.tls_ca)
-    from meshnet_common.web.serve import check_port, run
+    from meshnet_common.web.serve import announce_port, bind, run
 
     try:
-        check_port(settings.host, settings.port)
+        sock = bind(settings.host, settings.port)  # --port 0: the kernel picks, reported below
     except OSError as exc:
         fail(PROG, str(exc), code=1)
+    settings = settings.replace(port=announce_port(PROG, sock))
     from meshnet_tracker.app import create_app
 
     try:
@@ -106,7 +107,7 @@ def _main(argv: Sequence[str] | None) -> None:
         fail(PROG, str(exc), code=1)
     extra = "" if node is None else f" (tracker node: {settings.model_id} layers {node.layers})"
     run(
-        app, settings.host, settings.port,
+        app, sock,
         f"meshnet-tracker ready: {url}{extra}; dashboard: {url}/",
         log_level="warning", ws_max_size=None if node is None else node.ws_max_size(),
         tls=tls.server_options(settings.tls_cert, settings.tls_key),

@@ -35,7 +35,11 @@ class TrackerSettings(ShardSettings):
         "127.0.0.1", "address to listen on (0.0.0.0: every interface, for nodes on other "
         "machines)", group=TRACKER,
     )  # fmt: skip
-    port: int = knob(8080, "port", group=TRACKER)
+    port: int = knob(
+        8080,
+        "port (0: a free one, printed at once as `meshnet-tracker listening on port N`)",
+        group=TRACKER,
+    )
     advertise_url: str | None = knob(
         None, "URL nodes and clients reach the tracker at, given to joining nodes as a weight "
         "source and in routes through the tracker node (default: the address each caller "

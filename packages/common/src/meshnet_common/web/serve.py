@@ -21,26 +21,36 @@ LIMITS = {"h11_max_incomplete_event_size": 16 * 1024, "timeout_keep_alive": 5,
           "limit_concurrency": 1024}  # fmt: skip
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound at once (port 0: the kernel picks a free one), so that the
+    port a process reports is the port it holds; it listens once ``run`` serves. Raises
+    OSError with a clear message when the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sock
 
 
-def check_port(host: str, port: int) -> None:
-    """Raise OSError with a clear message when the port cannot be bound."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+def bound_port(sock: socket.socket) -> int:
+    return sock.getsockname()[1]
+
+
+def announce_port(prog: str, sock: socket.socket) -> int:
+    """Print the bound port as one early line (``PROG listening on port N``): a supervisor
+    or test that started the process with ``--port 0`` reads it back. Returns the port."""
+    port = bound_port(sock)
+    print(f"{prog} listening on port {port}", flush=True)
+    return port
 
 
 async def _serve(
     app: FastAPI,
-    host: str,
-    port: int,
+    sock: socket.socket,
     ready_line: str | None,
     log_level: str,
     on_started,
@@ -50,6 +60,7 @@ async def _serve(
     # log_config=None: uvicorn's own lines go through meshnet's one-line formatter.
     # No server/date headers: two fewer headers to build, check and parse on every
     # answer, which every hop of every decode step pays (docs/adr/0011).
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
         log_config=None, server_header=False, date_header=False,
@@ -85,7 +96,7 @@ async def _serve(
 
     loop = asyncio.get_running_loop()
     server.handle_exit = handle_exit
-    task = asyncio.ensure_future(server.serve())
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
@@ -111,18 +122,15 @@ def _loop_factory():
 
 def run(
     app: FastAPI,
-    host: str,
-    port: int,
+    sock: socket.socket,
     ready_line: str | None,
     log_level: str = "warning",
     on_started: Callable[[], None] | None = None,
     ws_max_size: int | None = None,
     tls: dict | None = None,
 ) -> None:
-    """Serve until stopped; once the socket listens, print ``ready_line`` (if any) and call
+    """Serve on ``sock`` (from ``bind``) until stopped; once the socket listens, print ``ready_line`` (if any) and call
     ``on_started``. ``ws_max_size``: the largest WebSocket message (a node's hop streams);
     ``tls``: uvicorn's certificate options (``meshnet_common.web.tls.server_options``)."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(
-            _serve(app, host, port, ready_line, log_level, on_started, ws_max_size, tls or {})
-        )
+        runner.run(_serve(app, sock, ready_line, log_level, on_started, ws_max_size, tls or {}))

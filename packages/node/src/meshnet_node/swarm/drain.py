@@ -39,6 +39,7 @@ class Drain:
         self.exit_with = exit_with
         self.task: asyncio.Task | None = None
         self.started_at: float | None = None
+        self.checks = 0  # times it found sessions still held (an event tests wait on)
 
     @property
     def draining(self) -> bool:
@@ -60,6 +61,7 @@ class Drain:
     async def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         while busy(self.runtime) and time.monotonic() < deadline:
+            self.checks += 1
             await asyncio.sleep(POLL_S)
         left = busy(self.runtime)
         seconds = time.monotonic() - self.started_at
