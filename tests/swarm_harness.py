@@ -43,9 +43,11 @@ class Proc:
             if found:
                 self.bound = int(found.group(1))
             elif self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{self.log()}")
+                raise RuntimeError(
+                    f"{self.name} exited ({self.popen.returncode}):\n{self.log_tail()}"
+                )
             elif time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} reported no port:\n{self.log()}")
+                raise TimeoutError(f"{self.name} reported no port:\n{self.log_tail()}")
             else:
                 time.sleep(0.02)
         return self.bound
@@ -70,7 +72,9 @@ class Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{self.log()}")
+                raise RuntimeError(
+                    f"{self.name} exited ({self.popen.returncode}):\n{self.log_tail()}"
+                )
             try:
                 if (
                     httpx.get(f"{self.url}/health", timeout=1.0, verify=self.verify).status_code
@@ -80,10 +84,14 @@ class Proc:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.log()}")
+        raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.log_tail()}")
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        """All the process wrote (tests look for a line anywhere in it)."""
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self) -> str:
+        return self.log()[-4000:]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.popen and self.popen.poll() is None:

@@ -16,9 +16,9 @@ from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_common.protocol import H_START_LAYER, OpenSpec
+from meshnet_common.protocol import H_START_LAYER
 from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, check_evidence, row_bytes, sign_row
-from meshnet_node.dataplane.steps import Step
+from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.engine.faults import noisy_outputs
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.sessions import InputRecord

@@ -34,10 +34,9 @@ from meshnet_common.protocol import (
     H_ROUTE,
     H_SESSION,
     H_SESSION_KEY,
-    OpenSpec,
     SamplingSpec,
 )
-from meshnet_node.dataplane.steps import Step
+from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app

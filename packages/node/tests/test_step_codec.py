@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_common.protocol import H_OPEN, OpenSpec, SamplingSpec
-from meshnet_node.dataplane.steps import Step
+from meshnet_common.protocol import H_OPEN, SamplingSpec
+from meshnet_node.dataplane.steps import OpenSpec, Step
 
 urls = st.sampled_from(["http://a.test:1", "http://b.test:2", "https://c.test"])
 openings = st.none() | st.builds(

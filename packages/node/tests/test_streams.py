@@ -38,7 +38,7 @@ from websockets.sync.client import connect as ws_connect
 from meshnet_common import wire
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_common.protocol import H_COMPUTE, H_SESSION_KEY, H_SWARM_TOKEN, OpenSpec
+from meshnet_common.protocol import H_COMPUTE, H_SESSION_KEY, H_SWARM_TOKEN
 from meshnet_node.dataplane.frames import (
     MAX_HEADER_BYTES,
     STREAM_PATH,
@@ -50,7 +50,7 @@ from meshnet_node.dataplane.frames import (
     encode_answer,
     encode_request,
 )
-from meshnet_node.dataplane.steps import Step
+from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.dataplane.stream_server import max_message_bytes
 from meshnet_node.dataplane.streams import HopUnreachable, StreamHops
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app

@@ -243,8 +243,8 @@ def test_audit_routes_hand_over_the_record_and_recompute_it(llama):
 
     from fastapi.testclient import TestClient
 
-    from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER, OpenSpec
-    from meshnet_node.dataplane.steps import Step
+    from meshnet_common.protocol import H_SESSION_KEY, H_START_LAYER
+    from meshnet_node.dataplane.steps import OpenSpec, Step
     from meshnet_node.runtime import build_runtime, create_app
     from meshnet_node.settings import NodeSettings
 

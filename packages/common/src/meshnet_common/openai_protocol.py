@@ -240,6 +240,8 @@ class _SamplingFields(Lenient):
     # tokens, e.g. gpt-oss's harmony channels, dropped otherwise)
     skip_special_tokens: bool | None = None
     user: str | None = None
+    # vLLM: requests with different salts never share cached prompt blocks (docs/adr/0035)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("max_tokens", "n", "seed", "top_k", mode="before")
     @classmethod
@@ -434,9 +436,14 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens that came from the prefix cache,
+    reported (``prompt_tokens_details``, as OpenAI and vLLM do) when there are any."""
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts

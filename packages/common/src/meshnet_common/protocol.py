@@ -17,8 +17,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
-    StrictInt,
     model_validator,
 )
 
@@ -425,30 +423,6 @@ class SamplingSpec(Strict):
             if not ok:  # not a ValueError: pydantic lets it through, param and all
                 raise InvalidRequest(f"invalid {param}: {getattr(self, param)!r}", param=param)
         return self
-
-
-class OpenSpec(SamplingSpec):
-    """The open header (``H_OPEN``), one flat JSON object: the session's sampling, the global
-    layer the receiving hop enters its shard at (None: its first), and whether every hop
-    keeps the session's inputs for audits (docs/adr/0026; on the wire only when true)."""
-
-    start_layer: StrictInt | None = Field(default=None, ge=0)
-    audit: StrictBool = False
-
-    @classmethod
-    def of(cls, sampling: SamplingSpec, *, start_layer: int, audit: bool = False) -> OpenSpec:
-        return cls(**sampling.model_dump(), start_layer=start_layer, audit=audit)
-
-    @property
-    def sampling(self) -> SamplingSpec:
-        return SamplingSpec.model_validate(self.model_dump(exclude={"start_layer", "audit"}))
-
-    def entering(self, start_layer: int) -> OpenSpec:
-        """The same opening for the next hop, which enters at ``start_layer``."""
-        return self.model_copy(update={"start_layer": start_layer})
-
-    def to_header(self) -> str:
-        return self.model_dump_json(exclude=None if self.audit else {"audit"})
 
 
 class StepResult(BaseModel):

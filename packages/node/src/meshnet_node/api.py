@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from meshnet_common.errors import InvalidRequest, ModelNotCovered, NotFound, Unauthorized
 from meshnet_common.protocol import H_OPERATOR_TOKEN, H_ROUTE
 from meshnet_common.web.auth import has_swarm_token, same_secret
+from meshnet_node.caching.api import prefix_router
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import parse_route
 from meshnet_node.head.routes import handle_chat, handle_completions
@@ -27,6 +28,7 @@ def node_router() -> APIRouter:
     """Routes every node serves (the tracker node mounts them too)."""
     router = APIRouter()
     router.include_router(audit_router())  # a replica's side of verification (ADR-0026)
+    router.include_router(prefix_router())  # a hop's side of the prefix cache (ADR-0035)
 
     @router.get("/v1/node")
     async def info(request: Request):

@@ -33,6 +33,7 @@ from meshnet_common.web.auth import install_auth
 from meshnet_common.web.http import install_error_handlers, install_observability
 from meshnet_common.web.shards import shards_router, watch_shard_server
 from meshnet_node.api import head_router, node_router
+from meshnet_node.caching.store import PrefixCache
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.gauges import watch_service
 from meshnet_node.dataplane.service import NodeService
@@ -203,6 +204,7 @@ def load_stage(settings: NodeSettings) -> Stage:
         shard, max_chunk_tokens=settings.chunk_tokens, kv_budget_tokens=settings.kv_budget_tokens,
         idle_timeout_s=settings.session_idle_timeout_s, max_sessions=settings.max_sessions,
         output_fault=noisy_outputs(settings.test_only_perturb),  # tests only; None: a real node
+        prefix_cache=PrefixCache() if settings.prefix_cache else None,
     )  # fmt: skip
 
 

@@ -25,7 +25,8 @@ INTERNAL_PREFIXES = (
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 # Node-to-node routes: once a node knows its tracker's key, a call here must be signed by a
 # node (docs/adr/0032). Shard downloads are not among them: a node fetches before it joins.
-NODE_PREFIXES = ("/v1/forward", "/v1/sessions", "/v1/answers", "/v1/stream", "/v1/node/audit")
+NODE_PREFIXES = ("/v1/forward", "/v1/sessions", "/v1/answers", "/v1/stream", "/v1/node/audit",
+                 "/v1/node/prefix")  # fmt: skip
 PEER_SCOPE_KEY = "meshnet.peer"  # the ASGI scope key of a signed call's node id
 NEEDS_IDENTITY = (
     "this route takes calls from swarm nodes only: sign them with the node's certificate "

@@ -42,3 +42,26 @@ def watch_service(service: NodeService) -> None:
         "shard_layers", "Layers this node serves, by model",
         lambda: [({"model": service.model_id}, len(service.stage.shard.layers))],
     )  # fmt: skip
+    watch_prefix_cache(metrics, stages)
+
+
+def watch_prefix_cache(metrics, stages) -> None:
+    """The prefix cache's use (docs/adr/0035), summed over the live stages."""
+
+    def caches():
+        return [s.sessions.prefix for s in stages() if s.sessions.prefix is not None]
+
+    def stat(name: str):
+        return lambda: sum(getattr(c.stats, name) for c in caches())
+
+    for name, what in (
+        ("lookups", "Sessions that asked for cached prompt blocks"),
+        ("hits", "Sessions that started after cached prompt blocks"),
+        ("tokens_saved", "Prompt positions not computed: they came from the prefix cache"),
+        ("evicted", "Cached prefixes dropped to make room"),
+    ):
+        metrics.watch(f"prefix_cache_{name}", what, stat(name), kind="counter")
+    metrics.watch(
+        "prefix_cache_blocks", "128-token blocks held in the prefix cache (in the KV budget)",
+        lambda: sum(c.blocks for c in caches()),
+    )  # fmt: skip

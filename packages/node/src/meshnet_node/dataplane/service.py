@@ -29,6 +29,7 @@ from meshnet_common.protocol import H_OPEN, H_ROUTE, StepResult, append_compute,
 from meshnet_common.trust.identity import Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
+from meshnet_node.caching.blocks import BLOCK_TOKENS, PrefixPlan
 from meshnet_node.dataplane.batching import DecodeBatcher
 from meshnet_node.dataplane.compute import ComputeThread
 from meshnet_node.dataplane.links import HopLinks
@@ -272,16 +273,27 @@ class NodeService:
         if req.open_spec is not None:
             if self.draining is not None:  # leaving: sessions it holds finish, no new ones
                 raise Draining(self.draining)
-            if req.position != 0:
-                raise InvalidRequest("a session opens at position 0", param=H_OPEN)
-            stage.open_session(
-                req.session_id,
-                sampling=req.open_spec.sampling if stage.shard.is_tail else None,
-                owner=req.session_key,
-                start_layer=req.start_layer,
-                record=(audits is not None and audits.chooses(stage, req)) or req.audit,
+            spec = req.open_spec
+            if req.position != len(spec.prefix) * BLOCK_TOKENS:
+                raise InvalidRequest(
+                    "a session opens at position 0, or after its cached blocks", param=H_OPEN
+                )
+            # A session restored from the prefix cache has no inputs to record for audits.
+            record = not spec.prefix and (
+                (audits is not None and audits.chooses(stage, req)) or req.audit
             )
+            session = stage.open_session(
+                req.session_id, sampling=spec.sampling if stage.shard.is_tail else None,
+                owner=req.session_key, start_layer=req.start_layer, record=record,
+                keep=PrefixPlan(spec.prefix_seed, spec.prompt_tokens) if spec.prefix_seed else None,
+            )  # fmt: skip
             opened = True
+            if spec.prefix:  # docs/adr/0035: the cached blocks, then the rest of the prompt
+                try:
+                    stage.sessions.restore(session, spec.prefix)
+                except MeshnetError:
+                    stage.close_session(req.session_id)
+                    raise
         if req.guess_from is not None and stage.shard.is_tail and stale_guess(stage, req):
             return StepAnswer(STALE_RESULT, format_compute(0.0))  # computes nothing
         if req.ids is not None and stage.shard.is_tail:  # before any later step samples
@@ -294,6 +306,10 @@ class NodeService:
             raise
         if audits is not None:  # beside the step: notes its ids, may start an audit
             audits.after_step(stage, req)
+        if req.ids is not None:  # what its blocks are named by in the prefix cache
+            session = stage.sessions.peek(req.session_id)
+            if session is not None:
+                stage.sessions.note_ids(session, req.position, req.ids)
         if req.replay_pass:
             stage.sessions.get(req.session_id, owner=req.session_key).replayed = req.replay_pass
             await self._advance(req.session_id)
@@ -417,7 +433,7 @@ class NodeService:
         session = stage.sessions.peek(session_id)
         if session is None or session.owner not in (None, session_key):  # not the caller's
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
-        stage.close_session(session_id)
+        stage.close_session(session_id, keep=True)  # finished: its prefix stays cached
         for member in self._waiting.pop(session_id, {}).values():
             if not member.future.done():  # its waiter wakes below and raises this
                 member.taken = True

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import torch
+from pydantic import Field, StrictBool, StrictInt
 
 from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
@@ -26,10 +27,43 @@ from meshnet_common.protocol import (
     H_SAMPLE,
     H_SESSION,
     H_SESSION_KEY,
-    OpenSpec,
+    SamplingSpec,
     StepResult,
     validate_session_id,
 )
+
+_HASH = r"^[0-9a-f]{32}$"  # a prefix block's hash (meshnet_node.caching.blocks)
+_OPENING = {"start_layer", "audit", "prefix_seed", "prefix"}  # OpenSpec's own fields
+
+
+class OpenSpec(SamplingSpec):
+    """The open header (``H_OPEN``), one flat JSON object: the session's sampling, the global
+    layer the receiving hop enters its shard at (None: its first), whether every hop keeps
+    the session's inputs for audits (docs/adr/0026; on the wire only when true), and the
+    prefix cache's (docs/adr/0035): the seed of the session's block hashes (None: it leaves
+    nothing cached) and the hashes of the cached blocks it starts after."""
+
+    start_layer: StrictInt | None = Field(default=None, ge=0)
+    audit: StrictBool = False
+    prefix_seed: str | None = Field(default=None, pattern=_HASH)
+    prefix: tuple[Annotated[str, Field(pattern=_HASH)], ...] = Field(default=(), max_length=4096)
+
+    @classmethod
+    def of(cls, sampling: SamplingSpec, *, start_layer: int, **opening) -> OpenSpec:
+        return cls(**sampling.model_dump(), start_layer=start_layer, **opening)
+
+    @property
+    def sampling(self) -> SamplingSpec:
+        return SamplingSpec.model_validate(self.model_dump(exclude=_OPENING))
+
+    def entering(self, start_layer: int) -> OpenSpec:
+        """The same opening for the next hop, which enters at ``start_layer``."""
+        return self.model_copy(update={"start_layer": start_layer})
+
+    def to_header(self) -> str:  # the opening's own fields on the wire only when set
+        unset = {"audit": not self.audit, "prefix_seed": self.prefix_seed is None,
+                 "prefix": not self.prefix}  # fmt: skip
+        return self.model_dump_json(exclude={k for k, v in unset.items() if v})
 
 
 class StepAnswer(NamedTuple):

@@ -13,6 +13,8 @@ from transformers import DynamicCache, PreTrainedConfig
 
 from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, NotFound
 from meshnet_common.protocol import SamplingSpec, validate_session_id
+from meshnet_node.caching.blocks import BLOCK_TOKENS, PrefixPlan, block_hashes
+from meshnet_node.caching.store import PrefixCache, copy_prefix, cut_to_blocks, reusable
 from meshnet_node.engine.sampling import Sampler
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,11 @@ class Session:
     # Tail: the position and input token of the step that follows the last one sampled
     # here; a guess step (ADR-0019) that does not start there is stale.
     expect: tuple[int, int] | None = None
+    # The prefix cache (docs/adr/0035): what the session leaves in it (None: nothing), the
+    # ids of its positions so far, and how many of them came from the cache.
+    keep: PrefixPlan | None = None
+    ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
 
     def expect_next(self, after: int, out) -> None:
         """After the tail sampled ``out`` (a StepOutput) for a step whose tokens (drafts
@@ -136,6 +143,7 @@ class SessionStore:
         max_sessions: int = 256,
         max_per_peer: int | None = None,
         constraints=None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self._stage_config = stage_config
         self._constraints = constraints  # GrammarSpec -> Constraint (tail stages)
@@ -145,6 +153,10 @@ class SessionStore:
         # Default: a quarter of the stage stays for other peers (all of it when tiny).
         self.max_per_peer = max_per_peer or max_sessions - max_sessions // 4
         self._sessions: dict[str, Session] = {}
+        # Finished sessions' prefixes (docs/adr/0035), where this stage's caches can be cut
+        # back to a block boundary; they count in the KV budget and give way to sessions.
+        empty = DynamicCache(config=stage_config)
+        self.prefix = prefix_cache if prefix_cache is not None and reusable(empty) else None
         self._reserved_tokens = 0  # tokens promised to steps in flight
         self._lock = threading.Lock()
 
@@ -164,9 +176,11 @@ class SessionStore:
         owner: str | None = None,
         first_layer: int = 0,
         record: bool = False,
+        keep: PrefixPlan | None = None,
     ) -> Session:
-        """Create a session (``record``: keep its inputs for audits); refuse (retryably)
-        when the stage is full."""
+        """Create a session (``record``: keep its inputs for audits; ``keep``: what it
+        leaves in the prefix cache when it closes); refuse (retryably) when the stage is
+        full."""
         check_session_id(session_id)
         self.expire_idle()
         constraint = None
@@ -191,7 +205,7 @@ class SessionStore:
                     "retry later",
                     code="too_many_sessions",
                 )
-            if self._used_tokens() >= self.kv_budget_tokens:
+            if not self._room(1):
                 raise CapacityExceeded(
                     f"KV budget of {self.kv_budget_tokens} tokens is full; retry later",
                     code="kv_budget_full",
@@ -204,6 +218,7 @@ class SessionStore:
                 peer=peer,
                 first_layer=first_layer,
                 record=InputRecord() if record else None,
+                keep=keep if self.prefix is not None else None,
             )
             self._sessions[session_id] = session
             return session
@@ -227,15 +242,81 @@ class SessionStore:
         if session.sampler is not None:
             session.sampler.observe(position, ids)
 
-    def close(self, session_id: str) -> bool:
+    def close(self, session_id: str, *, keep: bool = False) -> bool:
+        """Drop a session; ``keep``: it finished well, its prefix stays in the cache."""
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            session = self._sessions.pop(session_id, None)
+        if session is not None and keep:
+            self._keep(session)
+        return session is not None
+
+    # -- the prefix cache (docs/adr/0035) ---------------------------------------------------
+
+    def restore(self, session: Session, hashes: tuple[str, ...]) -> None:
+        """Start ``session``, just opened, after the cached blocks ``hashes``: a copy of
+        their keys and values, their ids in its sampler. Conflict ``prefix_miss`` when this
+        stage does not hold them all (any more)."""
+        entry = None
+        if self.prefix is not None:
+            entry = self.prefix.take(session.session_id, hashes, session.first_layer)
+        if entry is None:
+            raise Conflict(
+                f"this stage does not hold the {len(hashes)} cached blocks asked for",
+                param="prefix_blocks", code="prefix_miss",
+            )  # fmt: skip
+        tokens = len(hashes) * BLOCK_TOKENS
+        with self._lock:
+            if session.length or not self._room(tokens):
+                raise CapacityExceeded(
+                    f"KV budget of {self.kv_budget_tokens} tokens would be exceeded; retry "
+                    "later", code="kv_budget_full",
+                )  # fmt: skip
+            copy_prefix(entry, len(hashes), session.cache)
+            session.length = session.cached_tokens = tokens
+            session.ids = list(entry.ids[:tokens])
+        if session.sampler is not None:
+            session.sampler.observe(0, session.ids)
+
+    def note_ids(self, session: Session, position: int, ids) -> None:
+        """The token ids of a step that ran from ``position``: what the session's blocks
+        are named by when it leaves them in the cache."""
+        if session.keep is None or ids is None or position >= session.keep.tokens:
+            return
+        if position > len(session.ids):  # a gap: the prefix is not known, never kept
+            session.keep = None
+            return
+        del session.ids[position:]
+        session.ids.extend(int(i) for i in ids)
+
+    def _keep(self, session: Session) -> None:
+        if self.prefix is None or session.keep is None:
+            return
+        if not session.lock.acquire(blocking=False):  # a step still runs in it: not whole
+            return
+        try:
+            blocks = min(session.length, len(session.ids), session.keep.tokens) // BLOCK_TOKENS
+            if blocks:
+                ids = session.ids[: blocks * BLOCK_TOKENS]
+                cut_to_blocks(session.cache, session.length, blocks)
+                hashes = block_hashes(session.keep.seed, ids)
+                self.prefix.save(hashes, ids, session.cache, session.first_layer)
+        finally:
+            session.lock.release()
+
+    def _room(self, tokens: int) -> bool:
+        """Whether ``tokens`` more fit in the budget, evicting cached prefixes for them
+        (under the lock)."""
+        over = self._used_tokens() + tokens - self.kv_budget_tokens
+        if over > 0 and self.prefix is not None:
+            self.prefix.evict(over)
+        return self._used_tokens() + tokens <= self.kv_budget_tokens
 
     def _held_by(self, peer: str) -> int:
         return sum(1 for s in self._sessions.values() if s.peer == peer)
 
     def _used_tokens(self) -> int:
-        return sum(s.length for s in self._sessions.values()) + self._reserved_tokens
+        cached = self.prefix.tokens if self.prefix is not None else 0
+        return sum(s.length for s in self._sessions.values()) + self._reserved_tokens + cached
 
     def reserve(self, session: Session, position: int, num_tokens: int) -> None:
         """Check a step before it runs: right position, and room in the KV budget."""
@@ -247,7 +328,7 @@ class SessionStore:
                 code="wrong_position",
             )
         with self._lock:
-            if self._used_tokens() + num_tokens > self.kv_budget_tokens:
+            if not self._room(num_tokens):
                 raise CapacityExceeded(
                     f"KV budget of {self.kv_budget_tokens} tokens would be exceeded; retry later",
                     code="kv_budget_full",
@@ -269,6 +350,7 @@ class SessionStore:
         with self._lock:
             crop_cache(session.cache, session.length - position)
             session.length = position
+            del session.ids[position:]
             if session.record is not None:
                 session.record.truncate(position)
         # The sampler's history needs no rewind: the steps' ids overwrite it by position,

@@ -12,6 +12,8 @@ import torch
 from meshnet_common.config import defaults
 from meshnet_common.errors import InvalidRequest, MeshnetError
 from meshnet_common.protocol import SamplingSpec
+from meshnet_node.caching.blocks import PrefixPlan
+from meshnet_node.caching.store import PrefixCache
 from meshnet_node.engine.bf16_upcast import torch_products
 from meshnet_node.engine.constraints import ConstraintFactory
 from meshnet_node.engine.families import RowMasks, SessionContext, build_masks, final_logits
@@ -65,6 +67,7 @@ class Stage:
         idle_timeout_s: float = 300.0,
         max_sessions: int = 256,
         output_fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        prefix_cache: PrefixCache | None = None,  # finished sessions' prefixes (ADR-0035)
     ) -> None:
         self.shard = shard
         # Tests only (``engine.faults``): applied to every output this stage computes.
@@ -72,17 +75,17 @@ class Stage:
         self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
         # One compute pass: consecutive waiting prefill chunks run together (ADR 0010).
         self.max_merge_tokens = max(max_chunk_tokens, max_merge_tokens)
-        self.max_positions = int(
-            getattr(shard.config, "max_position_embeddings", 0)
-            or getattr(shard.config, "n_positions", 0)
-            or 1 << 20
-        )
+        positions = [
+            getattr(shard.config, n, 0) for n in ("max_position_embeddings", "n_positions")
+        ]
+        self.max_positions = int(positions[0] or positions[1] or 1 << 20)
         self.sessions = SessionStore(
             shard.stage_config,
             kv_budget_tokens=kv_budget_tokens,
             idle_timeout_s=idle_timeout_s,
             max_sessions=max_sessions,
             constraints=ConstraintFactory(shard.snapshot) if shard.is_tail else None,
+            prefix_cache=prefix_cache,
         )
 
     def open_session(
@@ -93,9 +96,10 @@ class Stage:
         owner: str | None = None,
         start_layer: int | None = None,
         record: bool = False,
+        keep: PrefixPlan | None = None,
     ) -> Session:
         """Open a session; ``start_layer`` (global) lets a chain enter mid-shard; ``record``
-        keeps its inputs for audits (docs/adr/0026)."""
+        keeps its inputs for audits (docs/adr/0026); ``keep``: docs/adr/0035."""
         layers = self.shard.layers
         start_layer = layers.start if start_layer is None else start_layer
         if not isinstance(start_layer, int) or start_layer not in layers:
@@ -113,10 +117,11 @@ class Stage:
             owner=owner,
             first_layer=start_layer - layers.start,
             record=record and not self.shard.is_head,  # a head's input is the head's own
+            keep=keep,
         )
 
-    def close_session(self, session_id: str) -> bool:
-        return self.sessions.close(session_id)
+    def close_session(self, session_id: str, *, keep: bool = False) -> bool:  # keep: ADR-0035
+        return self.sessions.close(session_id, keep=keep)
 
     # -- validation -------------------------------------------------------------------------
 
@@ -142,11 +147,8 @@ class Stage:
             if token_ids.dtype not in (torch.int64, torch.int32):
                 raise InvalidRequest(f"token ids must be integers, got {token_ids.dtype}")
             ids = token_ids.reshape(1, -1).to(torch.int64)  # (1, T)
-            if (
-                values
-                and ids.numel()
-                and (int(ids.min()) < 0 or int(ids.max()) >= shard.vocab_size)
-            ):
+            vocab = shard.vocab_size
+            if values and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
                 raise InvalidRequest(
                     f"token ids must lie in [0, {shard.vocab_size})", param="token_ids"
                 )

@@ -16,10 +16,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from meshnet_common.logs import bind_session
-from meshnet_common.protocol import OpenSpec, SamplingSpec, StepResult
+from meshnet_common.protocol import SamplingSpec, StepResult
+from meshnet_node.caching.api import PrefixClient
+from meshnet_node.caching.blocks import BLOCK_TOKENS
+from meshnet_node.caching.reuse import PrefixReuse
 from meshnet_node.dataplane.batching import micro_batches
 from meshnet_node.dataplane.service import NodeService
-from meshnet_node.dataplane.steps import Step
+from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.engine.stage import Stage, StepOutput
 from meshnet_node.retry import RetryBudget
 
@@ -41,6 +44,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # False: special tokens are text (harmony channels)
     client: str = "anonymous"  # who asked: the wait queue takes turns between clients
     user: str = ""  # the request's ``user`` field: turns within the client's share
+    cache_salt: str | None = None  # prompts share cached blocks only under one salt (ADR-0035)
 
 
 @dataclass
@@ -72,6 +76,11 @@ class HeadPasses:
         self.service = service
         self.audited = audited
         self.threads = service.settings.threads  # None: as many as torch runs
+        # The prefix cache (docs/adr/0035); sessions a verifier audits start from scratch.
+        self.prefixes = None
+        if service.settings.prefix_cache and not audited:
+            client = PrefixClient(service.settings.swarm_token, service.identity)
+            self.prefixes = PrefixReuse(service.model_id, client)
 
     def open(self, stage: Stage, chain: Chain, request: GenerationRequest) -> None:
         """A fresh session on ``stage`` for ``chain`` (the hops open theirs with its first
@@ -83,6 +92,7 @@ class HeadPasses:
             chain.session_id,
             sampling=request.sampling,
             owner=chain.key,
+            keep=self.prefixes.plan(request) if self.prefixes else None,
         )
 
     async def prefill(
@@ -105,16 +115,22 @@ class HeadPasses:
         """
         chunk_tokens = stage.max_chunk_tokens
         ids = request.prompt_ids
+        prefix: tuple[str, ...] = ()  # cached blocks every hop starts after (ADR-0035)
+        if self.prefixes is not None and sends is None and not request.sampling.prompt_logprobs:
+            prefix = await self.prefixes.restore(stage, session_id, ids, route)
+        begin = len(prefix) * BLOCK_TOKENS
         if route:
             piece = max(chunk_tokens, PREFILL_PIECE_TOKENS // chunk_tokens * chunk_tokens)
-            bounds = [0, *range(chunk_tokens, len(ids), piece), len(ids)]
+            bounds = [begin, *range(begin + chunk_tokens, len(ids), piece), len(ids)]
         else:
-            bounds = [*range(0, len(ids), stage.max_merge_tokens), len(ids)]
+            bounds = [*range(begin, len(ids), stage.max_merge_tokens), len(ids)]
         bounds = sorted(set(b for b in bounds if b <= len(ids)))
         # The first chunk opens the session on every hop (``audited``: each keeps its inputs).
+        head = stage.sessions.peek(session_id)
         opening = OpenSpec.of(
-            request.sampling, start_layer=stage.shard.layers.end, audit=self.audited
-        )
+            request.sampling, start_layer=stage.shard.layers.end, audit=self.audited,
+            prefix_seed=head.keep.seed if head is not None and head.keep else None, prefix=prefix,
+        )  # fmt: skip
         pending: list[asyncio.Future] = [] if sends is None else sends
         try:
             result = StepResult()
@@ -150,7 +166,7 @@ class HeadPasses:
         """One pass through the head's own layers (``sample``: a token comes out of it)."""
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
         self.service.count_served(int(sample))  # a sampled step: one more token through here
-        return await self.service.run_stage(
+        out = await self.service.run_stage(
             stage,
             session_id,
             position,
@@ -160,6 +176,9 @@ class HeadPasses:
             drafts=tuple(token_ids[len(token_ids) - drafts :]) if drafts else (),
             guess_from=guess_from,
         )
+        if (session := stage.sessions.peek(session_id)) is not None:
+            stage.sessions.note_ids(session, position, token_ids)  # names its cached blocks
+        return out
 
     async def send(self, hop: str, out: StepOutput, step: Step) -> StepResult:
         """``out`` of the head's layers on to ``hop``, the route's first (``step.route``: the
@@ -196,8 +215,8 @@ class HeadPasses:
         return result
 
     async def close(self, stage, session_id: str, key: str, route: tuple[str, ...]) -> None:
-        """Free the session here and on every hop of ``route``."""
-        stage.close_session(session_id)
+        """Free the session here and on every hop of ``route`` (its prefix stays cached)."""
+        stage.close_session(session_id, keep=True)
         if route:
             # Shielded: a client disconnect cancels us, but the hops must still be freed.
             await asyncio.shield(self.service.close_remote(route[0], session_id, key, route[1:]))

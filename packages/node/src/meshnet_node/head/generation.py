@@ -40,6 +40,7 @@ class GeneratedToken:
     # on the first token, when the request scores its prompt: the tail's entries, one per
     # prompt token after the first (log-probability, top alternatives)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cached_tokens: int | None = None  # on the first token: prompt tokens from the prefix cache
 
 
 def eos_ids(tokenizer, generation_config) -> set[int]:
@@ -165,6 +166,8 @@ class HeadGenerator:
             with metrics.timer(metrics.prefill_seconds):
                 result = await self.failover.advance(stage, chain, request, history, None, reroute)
             scored = result.prompt_logprobs  # a replay scores it again: the first one counts
+            head = stage.sessions.peek(chain.session_id)
+            cached = head.cached_tokens if head is not None else 0  # docs/adr/0035
             produced = 0
             while True:
                 outputs = _tokens_of(result)  # one, or the drafts the tail kept and one more
@@ -185,7 +188,7 @@ class HeadGenerator:
                     yield GeneratedToken(
                         token, delta, logprob, top, finish,
                         timings.summary() if finish is not None else None,
-                        scored if produced == 1 else None,
+                        scored if produced == 1 else None, cached if produced == 1 else None,
                     )  # fmt: skip
                     if finish is not None:
                         return

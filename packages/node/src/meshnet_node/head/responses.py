@@ -223,6 +223,7 @@ class ResponseShapes:
         started: set[int] = set()
         try:
             async for index, tok in tokens:
+                usage_of.saw(index, tok)
                 if request.echo and index not in started:
                     # the prompt first: its scores come with the first token
                     prompt = self.echoed(request, jobs[index].prompt_ids, tok)
@@ -275,6 +276,7 @@ class ResponseShapes:
             called = [False] * len(jobs)
             async for index, tok in tokens:
                 counts[index] += 1
+                usage_of.saw(index, tok)
                 logprobs = self.chat_logprobs([tok]) if request.logprobs else None
                 if streams[index] is not None:
                     deltas = streams[index].feed(tok.text)
@@ -325,11 +327,26 @@ class StreamUsage:
         self.continuous = bool(options and options.continuous_usage_stats)
         self.prompt = sum(len(p) for p in {tuple(j.prompt_ids) for j in jobs})
         self.counts = counts
+        self.prompts = [tuple(j.prompt_ids) for j in jobs]
+        self.cached: dict[int, int] = {}  # choice -> prompt tokens from the prefix cache
+
+    def saw(self, index: int, token) -> None:
+        if token.cached_tokens is not None:
+            self.cached[index] = token.cached_tokens
 
     def __call__(self, last: bool) -> dict:
         if last or self.continuous:
-            return {"usage": usage(self.prompt, sum(self.counts))}
+            cached = cached_once((self.prompts[i], n) for i, n in self.cached.items())
+            return {"usage": usage(self.prompt, sum(self.counts), cached)}
         return {"usage": None} if self.final else {}
+
+
+def cached_once(pairs) -> int:
+    """Cached prompt tokens, a prompt sampled n times counted once (as its tokens are)."""
+    best: dict[tuple, int] = {}
+    for prompt, cached in pairs:
+        best[prompt] = max(best.get(prompt, 0), cached)
+    return sum(best.values())
 
 
 def timing_field(choices: list) -> dict:
@@ -341,4 +358,7 @@ def timing_field(choices: list) -> dict:
 def choices_usage(choices: list, generated: int | None = None) -> dict:
     # Like OpenAI, a prompt sampled n times counts once.
     prompt = sum(len(ids) for ids in {c.prompt_ids for c in choices})
-    return usage(prompt, sum(len(c.tokens) for c in choices) if generated is None else generated)
+    cached = cached_once((c.prompt_ids, (c.tokens[0].cached_tokens or 0) if c.tokens else 0)
+                         for c in choices)  # fmt: skip
+    completion = sum(len(c.tokens) for c in choices) if generated is None else generated
+    return usage(prompt, completion, cached)

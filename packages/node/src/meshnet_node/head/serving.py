@@ -186,6 +186,7 @@ class OpenAIServing:
                 grammar=grammar,
             ),  # fmt: skip
             stop=tuple(request.stop_list),
+            cache_salt=request.cache_salt,
             stop_ids=stop_token_ids(request, vocab),
             ignore_eos=request.ignore_eos,
             skip_special_tokens=(
