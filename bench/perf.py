@@ -17,7 +17,10 @@ Sections (``--sections``, default all, in this order):
 - lowbit: low-bit weights (issue 34): shard RSS, prefill and decode tok/s (1 and 16
   sessions) in process and over 3 processes, and SmolLM2 perplexity, for bf16, int8, int4
   g32/g64/g128, and FP8 / MXFP4 tiny MoE checkpoints against their bf16 twins
-  (``lowbit_bench.py``).
+  (``lowbit_bench.py``);
+- prefix: the prefix cache (issue 38): TTFT of a four-turn chat after a 2048-token system
+  prompt and of agents sharing it, against the same prompts unseen, and token gaps of
+  running streams while a 4096-token prompt arrives (``prefix_bench.py``).
 
 Every process (this one, which runs HF, and every node) uses ``--threads`` torch threads
 (default 1). Each figure is the median of several runs with min and max; a ratio to the
@@ -77,6 +80,7 @@ SECTIONS = (
     "sampling",
     "network",
     "lowbit",
+    "prefix",
 )
 SMOL_LAYOUTS = {  # processes -> layer ranges, tracker node first
     3: [(0, 10), (10, 20), (20, 30)],
@@ -375,6 +379,10 @@ def print_all(results: dict) -> None:
         from lowbit_bench import print_lowbit
 
         print_lowbit(results["lowbit"])
+    if "prefix" in results:
+        from prefix_bench import print_prefix
+
+        print_prefix(results["prefix"])
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Plan, str]:
@@ -459,6 +467,14 @@ def main() -> None:
             )
     if "lowbit" in wanted:
         run_lowbit(plan, run)
+    if "prefix" in wanted:
+        from prefix_bench import print_prefix
+        from prefix_bench import run as prefix_run
+
+        with run.section("prefix", quiet=False):
+            import_smollm2(plan.smol_dir)
+            run.results["prefix"] = prefix_run(plan.smol_dir, plan.threads, plan.quick)
+            print_prefix(run.results["prefix"])
     path = run.save()
     print_all(run.results)
     print_summary(run.results, run.errors)

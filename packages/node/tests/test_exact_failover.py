@@ -349,3 +349,26 @@ def test_a_seeded_sampled_request_with_guess_steps_gives_the_text_without_them(s
     # How many wrong guesses reach the tail (and are answered stale there) rather than
     # being dropped on the head, known wrong before they left, depends on timing; in a run
     # of this test alone, 111 and 15 of them did.
+
+
+def test_a_session_started_after_cached_blocks_fails_over_exactly(swarm):
+    """The prefix cache (docs/adr/0035): a prompt that starts after blocks its chain holds
+    loses a hop mid-decode; the replay on the other replica (which holds none of them)
+    computes the whole prompt, and the text is the undisturbed run's."""
+    generator = swarm.head.openai.generator
+    generator.passes.prefixes.client.client = httpx.AsyncClient(transport=swarm.hops)
+    swarm.hops.dead.clear()
+    swarm.hops.die_after.clear()
+    generator.failover.bans.lift(A)
+    first = [(i * 53) % 190 + 5 for i in range(300)]
+    complete(swarm, first, 4)  # leaves its 2 blocks on the head, mid-a and the tail
+    prompt = first + [(i * 11) % 190 + 5 for i in range(100)]
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 30, **GREEDY}
+    calm = swarm.http.post("/v1/completions", json={**body, "cache_salt": "unseen"}).json()
+    assert "prompt_tokens_details" not in calm["usage"]  # another salt: nothing cached
+    swarm.hops.steps.clear()
+    swarm.hops.die_after["mid-a.test"] = 8  # the prompt's 2 chunks after the blocks + 6 passes
+    again = swarm.http.post("/v1/completions", json=body).json()
+    assert "mid-a.test" in swarm.hops.dead, swarm.hops.steps  # the failover happened
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+    assert again["choices"][0]["text"] == calm["choices"][0]["text"]

@@ -174,3 +174,20 @@ def test_promises_expire():
     assert cache.pin("s", ["0" * 32]) == 0
     clock[0] += PIN_S + 1
     assert cache.evict(1) == 0
+
+
+def test_chunks_noted_out_of_order_still_name_the_blocks(tiny_snapshot):
+    """Pipelined prefill chunks of one pass resume in any order: ids land by position."""
+    stage = stages_of(tiny_snapshot("llama"), Precision.FLOAT32)[0]
+    prompt = random_ids(200, 300, 9)
+    session = stage.open_session("ooo", keep=PrefixPlan(SEED, 300))
+    stage.step("ooo", 0, token_ids=torch.tensor([prompt]))
+    for lo in (256, 128, 0):  # the last chunk noted first
+        stage.sessions.note_ids(session, lo, prompt[lo : lo + 128])
+    stage.close_session("ooo", keep=True)
+    assert stage.sessions.prefix.held(block_hashes(SEED, prompt[:256])) == 2
+    gap = stage.open_session("gap", keep=PrefixPlan(SEED, 300))
+    stage.step("gap", 0, token_ids=torch.tensor([prompt]))
+    stage.sessions.note_ids(gap, 128, prompt[128:256])  # chunk 0 never noted
+    stage.close_session("gap", keep=True)
+    assert stage.sessions.prefix.stats.saved == 1  # nothing known from position 0: not kept

@@ -267,6 +267,11 @@ class Heartbeat(Strict):
     )
     # A head's measured decode steps per route it used lately (docs/adr/0032).
     route_times: tuple[RouteTime, ...] = Field(default=(), max_length=MAX_ROUTE_TIMES)
+    # The prefix cache (docs/adr/0035): blocks held, and sessions that asked for cached
+    # blocks and that got them, since the node started.
+    prefix_blocks: int = Field(ge=0, default=0)
+    prefix_lookups: int = Field(ge=0, default=0)
+    prefix_hits: int = Field(ge=0, default=0)
 
 
 class DirectiveKind(StrEnum):

@@ -160,7 +160,16 @@ class NodeRuntime:
             layer_ms=self.service.layer_ms,
             links={url: round(ms, 3) for url, ms in self.service.links.rtt_ms.items()},
             route_times=self.openai.generator.route_times.report() if self.openai else (),
+            **prefix_figures(stages),
         )
+
+
+def prefix_figures(stages) -> dict[str, int]:
+    """What the heartbeat says of the stages' prefix caches (docs/adr/0035)."""
+    caches = [s.sessions.prefix for s in stages if s.sessions.prefix is not None]
+    return {"prefix_blocks": sum(c.blocks for c in caches),
+            "prefix_lookups": sum(c.stats.lookups for c in caches),
+            "prefix_hits": sum(c.stats.hits for c in caches)}  # fmt: skip
 
 
 def bind_url(host: str, port: int, tls_cert=None) -> str:

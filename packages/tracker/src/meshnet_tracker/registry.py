@@ -61,6 +61,7 @@ class NodeRecord:
     # later call; it dies with the record (a node that lost it waits for the record to expire).
     secret: str = ""
     slowdown: float = 1.0  # its compute measured against its claim (docs/adr/0032)
+    prefix: tuple[int, int, int] = (0, 0, 0)  # prefix cache: blocks, lookups, hits (ADR-0035)
 
     @property
     def node_id(self) -> str:
@@ -195,6 +196,7 @@ class Registry:
             record.kv_tokens = beat.kv_tokens
             record.memory_free_bytes = beat.memory_free_bytes
             record.tokens_generated = beat.tokens_generated
+            record.prefix = (beat.prefix_blocks, beat.prefix_lookups, beat.prefix_hits)
             # Self-reported figures attract routes: kept within what hardware can do
             # (docs/adr/0032); routing cross-checks them against one another, and against
             # the step times heads measured (``coverage``).

@@ -153,6 +153,21 @@ def choose_route(
     raise ModelNotCovered(f"no chain of serving nodes covers {model.model_id}")
 
 
+def renew(model: ModelCoverage, chain, exclude=frozenset()) -> list[Hop] | None:
+    """Today's view of a chain, given as (node id, layers, start layer) per hop: None when
+    one of its nodes no longer serves the same layers, or is to be avoided."""
+    if not chain:
+        return None
+    current = {n.node_id: n for n in model.serving}
+    renewed = []
+    for node_id, layers, start in chain:
+        node = current.get(node_id)
+        if node is None or node.layers != layers or node_id in exclude:
+            return None
+        renewed.append(Hop(node, start))
+    return renewed
+
+
 def keep_or_switch(
     model: ModelCoverage, previous: list[Hop] | None, chosen: list[Hop]
 ) -> list[Hop]:
@@ -162,13 +177,9 @@ def keep_or_switch(
     over equally fast replicas)."""
     if not previous or [h.node.node_id for h in previous] == [h.node.node_id for h in chosen]:
         return chosen
-    current = {n.node_id: n for n in model.serving}
-    renewed = []
-    for hop in previous:  # today's view of the same nodes, if they still serve the same
-        node = current.get(hop.node.node_id)
-        if node is None or node.layers != hop.node.layers:
-            return chosen
-        renewed.append(Hop(node, hop.start_layer))
+    renewed = renew(model, tuple((h.node.node_id, h.node.layers, h.start_layer) for h in previous))
+    if renewed is None:
+        return chosen
     estimate = StepEstimate(model.serving)
     old_ms = estimate.route_ms(renewed, model.num_layers)
     new_ms = estimate.route_ms(chosen, model.num_layers)

@@ -22,11 +22,12 @@ from meshnet_common.models.models_dir import (
 from meshnet_common.protocol import MAX_PROBES
 from meshnet_common.trust.identity import issue
 from meshnet_common.trust.manifest_keys import ManifestSigner
+from meshnet_tracker.affinity import PrefixAffinity
 from meshnet_tracker.balancer import Balancer
 from meshnet_tracker.coverage import ModelCoverage
 from meshnet_tracker.heads import LocalNode
 from meshnet_tracker.registry import Registry
-from meshnet_tracker.routing import Hop, choose_route, keep_or_switch
+from meshnet_tracker.routing import Hop, choose_route, keep_or_switch, renew
 from meshnet_tracker.settings import TrackerSettings
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class TrackerState:
     # The route each (model, head) got last: kept unless a clearly better one appears.
     _last_routes: dict[tuple[str, str | None], list] = field(default_factory=dict)
     _asked: Counter = field(default_factory=Counter)  # route requests per (model, head)
+    # The chain each recent prompt prefix went down: its hops hold its blocks (ADR-0035).
+    affinity: PrefixAffinity = field(default_factory=PrefixAffinity)
 
     def __post_init__(self) -> None:
         self.balancer = Balancer(
@@ -154,9 +157,12 @@ class TrackerState:
         return coverage[model_id]
 
     def route(
-        self, model_id: str, *, head: str | None = None, exclude_urls: frozenset[str] = frozenset()
-    ) -> list[Hop]:
-        """A chain for ``model_id``; nodes at ``exclude_urls`` (failed hops) are avoided."""
+        self, model_id: str, *, head: str | None = None, exclude_urls: frozenset[str] = frozenset(),
+        prefix: str | None = None,
+    ) -> list[Hop]:  # fmt: skip
+        """A chain for ``model_id``; nodes at ``exclude_urls`` (failed hops) are avoided.
+        ``prefix`` (``affinity.prefix_key``): the chain that prefix went down last, while it
+        still serves, holds its blocks and is taken (docs/adr/0035)."""
         model = self.model(model_id)
         try:
             if not model.serving:
@@ -176,6 +182,9 @@ class TrackerState:
                     "loading or restarting)", code=COVERAGE_PENDING,
                 ) from exc  # fmt: skip
             raise
+        cached = renew(model, self.affinity.chain(prefix), exclude)
+        if cached is not None and (head is None or cached[0].node.node_id == head):
+            return cached
         key = (model_id, head)
         previous = self._last_routes.get(key)
         if previous is not None and not exclude & {h.node.node_id for h in previous}:

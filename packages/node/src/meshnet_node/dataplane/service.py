@@ -379,13 +379,16 @@ class NodeService:
         waiting = self._waiting.get(me.req.session_id, {})
         run, end = [me], me.req.position + me.tensor.shape[1]
         tokens = me.tensor.shape[1]
+        # While other sessions decode here, a prompt runs a wire chunk per pass: their steps
+        # take turns between its chunks instead of waiting behind one long pass (ADR-0035).
+        limit = stage.max_merge_tokens if len(stage.sessions) <= 1 else stage.max_chunk_tokens
         while not run[-1].req.sample:
             nxt = waiting.get(end)
             if (
                 nxt is None
                 or nxt.taken
                 or nxt.req.session_key != me.req.session_key
-                or tokens + nxt.tensor.shape[1] > stage.max_merge_tokens
+                or tokens + nxt.tensor.shape[1] > limit
             ):
                 break
             nxt.taken = True

@@ -279,14 +279,14 @@ class SessionStore:
 
     def note_ids(self, session: Session, position: int, ids) -> None:
         """The token ids of a step that ran from ``position``: what the session's blocks
-        are named by when it leaves them in the cache."""
+        are named by when it leaves them in the cache. Pipelined chunks may be noted out of
+        order: positions place them (-1: not known yet)."""
         if session.keep is None or ids is None or position >= session.keep.tokens:
             return
-        if position > len(session.ids):  # a gap: the prefix is not known, never kept
-            session.keep = None
-            return
-        del session.ids[position:]
-        session.ids.extend(int(i) for i in ids)
+        end = position + len(ids)
+        if len(session.ids) < end:
+            session.ids.extend([-1] * (end - len(session.ids)))
+        session.ids[position:end] = [int(i) for i in ids]
 
     def _keep(self, session: Session) -> None:
         if self.prefix is None or session.keep is None:
@@ -294,7 +294,8 @@ class SessionStore:
         if not session.lock.acquire(blocking=False):  # a step still runs in it: not whole
             return
         try:
-            blocks = min(session.length, len(session.ids), session.keep.tokens) // BLOCK_TOKENS
+            known = session.ids.index(-1) if -1 in session.ids else len(session.ids)
+            blocks = min(session.length, known, session.keep.tokens) // BLOCK_TOKENS
             if blocks:
                 ids = session.ids[: blocks * BLOCK_TOKENS]
                 cut_to_blocks(session.cache, session.length, blocks)

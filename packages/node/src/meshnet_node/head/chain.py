@@ -121,6 +121,8 @@ class HeadPasses:
         begin = len(prefix) * BLOCK_TOKENS
         if route:
             piece = max(chunk_tokens, PREFILL_PIECE_TOKENS // chunk_tokens * chunk_tokens)
+            if len(stage.sessions) > 1:  # others decode here: a chunk per pass (ADR-0035)
+                piece = chunk_tokens
             bounds = [begin, *range(begin + chunk_tokens, len(ids), piece), len(ids)]
         else:
             bounds = [*range(begin, len(ids), stage.max_merge_tokens), len(ids)]

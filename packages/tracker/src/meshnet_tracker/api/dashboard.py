@@ -54,6 +54,9 @@ def _node(record: NodeRecord, now: float) -> dict:
         "tokens_per_s": round(record.tokens_per_s, 2),
         "tokens_served": record.tokens_served or 0,
         "slowdown": round(record.slowdown, 2),  # compute measured against its claim (ADR-0032)
+        # the prefix cache (docs/adr/0035): blocks held, and of the sessions that asked for
+        # cached blocks, those that got them
+        "prefix_cache": dict(zip(("blocks", "lookups", "hits"), record.prefix, strict=True)),
         "last_heartbeat_s": round(max(0.0, now - record.last_heartbeat), 2),
         "local": record.local,
         "movable": announcement.movable,  # the tracker may move it (placed, or --allow-rebalance)

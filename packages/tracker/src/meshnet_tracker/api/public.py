@@ -15,6 +15,7 @@ from meshnet_common.logs import event
 from meshnet_common.trust.manifest_keys import ALGORITHM, KEY_PATH
 from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import check_content_type, json_limit, loads_object, read_body
+from meshnet_tracker.affinity import prefix_key
 from meshnet_tracker.heads import Head, RemoteHead
 from meshnet_tracker.state import TrackerState
 
@@ -90,9 +91,10 @@ async def _entry(request: Request, path: str) -> Response:
     if not isinstance(name, str):
         raise InvalidRequest("model is required", param="model")
     model_id = state.resolve_model(name)  # a served name, or the id itself
+    prefix = prefix_key(model_id, payload)  # its chain holds the prompt's blocks (ADR-0035)
 
     async def route():
-        return state.route(model_id)
+        return state.route(model_id, prefix=prefix)
 
     # A gap expected to heal (a node of the range loading or restarting) costs latency, not
     # the request: ask again for up to --coverage-wait (docs/adr/0023).
@@ -102,6 +104,8 @@ async def _entry(request: Request, path: str) -> Response:
     # Never the client's Host header: it would become a hop of the route (docs/adr/0032).
     own = state.settings.advertise_url or server_url(request.scope)
     rest = tuple(state.hop_url(h, own.rstrip("/")) for h in hops[1:])
+    state.affinity.remember(prefix, tuple((h.node.node_id, h.node.layers, h.start_layer)
+                                          for h in hops))  # fmt: skip
     head = hops[0].node
     event(
         logger, logging.INFO, "request routed", path=path, model=model_id, head=head.node_id,

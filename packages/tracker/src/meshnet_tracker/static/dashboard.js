@@ -84,6 +84,12 @@ function renderModel(model, nodes) {
   );
 }
 
+function prefixCache(cache) {
+  // Blocks of 128 tokens held, and hits over the sessions that asked (docs/adr/0035).
+  if (!cache || !cache.lookups) return cache && cache.blocks ? `${cache.blocks} blocks` : "–";
+  return `${cache.blocks} blocks · ${cache.hits}/${cache.lookups} hits`;
+}
+
 function renderNode(node, interval) {
   const stale = node.last_heartbeat_s > 2 * interval;
   const beat = node.local ? "local" : `${node.last_heartbeat_s.toFixed(1)} s ago`;
@@ -103,6 +109,7 @@ function renderNode(node, interval) {
     ),
     el("td", { class: "num" }, node.active_sessions),
     el("td", { class: "num" }, `${node.kv_tokens} / ${node.kv_budget_tokens}`),
+    el("td", { class: "num prefix" }, prefixCache(node.prefix_cache)),
     el("td", { class: "num" }, node.tokens_per_s.toFixed(1)),
     el("td", { class: "num heartbeat" }, beat),
   );
