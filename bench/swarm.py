@@ -40,7 +40,7 @@ class Swarm:
     models_dir: Path
     model_id: str
     ranges: list[tuple[int, int]]
-    threads: int
+    threads: int | None
     log_dir: Path = LOG_DIR
     procs: list[subprocess.Popen] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
@@ -66,8 +66,9 @@ class Swarm:
 
     def start(self) -> Swarm:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        common = ["--models-dir", str(self.models_dir), "--model-id", self.model_id,
-                  "--threads", str(self.threads)]  # fmt: skip
+        common = ["--models-dir", str(self.models_dir), "--model-id", self.model_id]
+        if self.threads:  # None: the nodes' own default (issue 39: they share the cores)
+            common += ["--threads", str(self.threads)]
         tag = self.model_id.rsplit("/", 1)[-1]
         for i, (start, end) in enumerate(self.ranges):
             port = self.ports[i] if self.ports else free_port()

@@ -76,11 +76,15 @@ def test_a_node_computing_wrong_is_caught_failed_over_and_quarantined(
     swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
     try:
         tracker = swarm.tracker("--model-id", model_id, "--shard-start", "0", "--shard-end",
-                                "2", "--verify-fraction", "1", "--operator-token", "op-1",
+                                "2", "--verify-fraction", "1", "--operator-token", "op-1", "--speculative", "off",
                                 *FP32).wait_healthy()  # fmt: skip
         swarm.node(tracker, model_id, 4, 6, "--node-id", "tail", *FP32).wait_healthy()
+        # Its passes take 40 ms more, one token each (no speculation): a 16-token stream
+        # through it lasts longer than an audit (~60 ms; ~450 ms with a replica's first
+        # pass), which must convict it while the stream still runs.
         bad = swarm.node(tracker, model_id, 2, 4, "--node-id", "mid-bad",
-                         "--test-only-perturb", "0.5", *FP32).wait_healthy()  # fmt: skip
+                         "--test-only-perturb", "0.5", "--step-delay-ms", "40",
+                         *FP32).wait_healthy()  # fmt: skip
         wait_for(lambda: covered(tracker, model_id), timeout=60)
         # Alone in its range, the faulty node serves (nothing to compare it with) and its
         # route is kept once the honest replica joins (routes do not flap).

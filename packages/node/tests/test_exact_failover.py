@@ -351,10 +351,19 @@ def test_a_seeded_sampled_request_with_guess_steps_gives_the_text_without_them(s
     # of this test alone, 111 and 15 of them did.
 
 
+def bf16_only(swarm) -> None:
+    """int4 prompts: a pass of many rows dequantizes for a GEMM, a short one runs the packed
+    kernel (ADR-0031), so a prompt's rows depend on how its chunks merged on a hop, which
+    depends on timing; the texts compared below may then part at a near-tie."""
+    if swarm.head.settings.quantization != Precision.BFLOAT16:
+        pytest.skip("exact only where a prompt's rows do not depend on its passes (bf16)")
+
+
 def test_a_session_started_after_cached_blocks_fails_over_exactly(swarm):
     """The prefix cache (docs/adr/0035): a prompt that starts after blocks its chain holds
     loses a hop mid-decode; the replay on the other replica (which holds none of them)
     computes the whole prompt, and the text is the undisturbed run's."""
+    bf16_only(swarm)
     generator = swarm.head.openai.generator
     generator.passes.prefixes.client.client = httpx.AsyncClient(transport=swarm.hops)
     swarm.hops.dead.clear()
@@ -372,3 +381,24 @@ def test_a_session_started_after_cached_blocks_fails_over_exactly(swarm):
     assert "mid-a.test" in swarm.hops.dead, swarm.hops.steps  # the failover happened
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
     assert again["choices"][0]["text"] == calm["choices"][0]["text"]
+
+
+def test_a_request_scoring_its_prompt_computes_it_all(swarm):
+    """``echo`` with ``logprobs`` needs every prompt row: no cached block is used."""
+    bf16_only(swarm)
+    generator = swarm.head.openai.generator
+    generator.passes.prefixes.client.client = httpx.AsyncClient(transport=swarm.hops)
+    swarm.hops.dead.clear()
+    swarm.hops.die_after.clear()
+    generator.failover.bans.lift(A)
+    prompt = [(i * 29) % 190 + 5 for i in range(300)]
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 2, **GREEDY}
+    swarm.http.post("/v1/completions", json=body)  # leaves its blocks
+    cached = swarm.http.post("/v1/completions", json=body).json()
+    assert cached["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+    scored = [swarm.http.post("/v1/completions", json={**body, "echo": True, "logprobs": 0})
+              .json() for _ in range(2)]  # fmt: skip
+    for answer in scored:
+        assert "prompt_tokens_details" not in answer["usage"]
+        assert len(answer["choices"][0]["logprobs"]["token_logprobs"]) == 302
+    assert scored[0]["choices"][0]["logprobs"] == scored[1]["choices"][0]["logprobs"]

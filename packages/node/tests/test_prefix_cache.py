@@ -191,3 +191,17 @@ def test_chunks_noted_out_of_order_still_name_the_blocks(tiny_snapshot):
     stage.sessions.note_ids(gap, 128, prompt[128:256])  # chunk 0 never noted
     stage.close_session("gap", keep=True)
     assert stage.sessions.prefix.stats.saved == 1  # nothing known from position 0: not kept
+
+
+def test_a_promise_taken_back_lets_its_entry_make_room(tiny_snapshot):
+    """A session whose opening never reached a hop (a failover upstream) takes its promise
+    back; the entry then gives way to the replay that needs the room."""
+    stages = stages_of(tiny_snapshot("llama"), Precision.FLOAT32, budget=1100)
+    prompt = random_ids(200, 700, 10)
+    cached_greedy(stages, "first", prompt, 1)
+    tail = stages[1].sessions
+    assert tail.prefix.blocks == 5
+    assert tail.prefix.pin("lost", block_hashes(SEED, prompt[:640])) == 5
+    tail.prefix.release("lost")
+    tokens, _ = split_greedy(stages, prompt, 2)  # 701 more tokens: the entry must go
+    assert len(tokens) == 2 and tail.prefix.blocks == 0

@@ -211,7 +211,7 @@ class FailingChain:
         service = SimpleNamespace(
             stage=SimpleNamespace(shard=SimpleNamespace(is_head=True)),
             metrics=SimpleNamespace(failovers=SimpleNamespace(inc=lambda: None)),
-            settings=SimpleNamespace(threads=1),
+            settings=SimpleNamespace(threads=1, prefix_cache=False),
         )
         tokenizer = SimpleNamespace(eos_token_id=None)
         self.gen = HeadGenerator(

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from meshnet_tracker.affinity import PrefixAffinity, prefix_key
 from meshnet_tracker.app import create_app
+from meshnet_tracker.routing import PrefixAffinity, prefix_key
 from meshnet_tracker.settings import TrackerSettings
 
 MODEL = "org/affinity"

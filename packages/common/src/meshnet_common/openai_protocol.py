@@ -80,7 +80,9 @@ class Lenient(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message; ``name``, ``tool_calls`` and ``tool_call_id`` are kept for the template."""
+    """One message; ``name``, ``tool_calls``, ``tool_call_id`` and the reasoning of an earlier
+    reply are kept for the template. The reasoning comes as ``reasoning`` (vLLM's current
+    name) or ``reasoning_content`` (the older one) and goes to the template under both."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -100,6 +102,17 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _one_reasoning(self):
+        both = self.reasoning is not None and self.reasoning_content is not None
+        if both and self.reasoning != self.reasoning_content:
+            raise InvalidRequest(
+                "a message's reasoning and reasoning_content differ: send one of them",
+                param="messages",
+            )
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -121,10 +134,13 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        for name in ("name", "tool_calls", "tool_call_id"):
             value = getattr(self, name)
             if value is not None:
                 message[name] = value
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # templates read either name (Qwen3: reasoning_content)
+            message["reasoning_content"] = message["reasoning"] = reasoning
         return message
 
 

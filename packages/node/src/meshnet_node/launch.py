@@ -14,10 +14,12 @@ from meshnet_common.errors import InvalidRequest, MeshnetError
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.hub.cache import split_model_ref
 from meshnet_common.precision import Precision, describe_precision, native_format_name
 from meshnet_common.protocol import NodeAnnouncement, NodeState
 from meshnet_common.trust.manifest_keys import ManifestKey
 from meshnet_common.web import tls
+from meshnet_common.web.auth import check_api_key_file
 from meshnet_common.web.hosts import require_https
 from meshnet_common.web.shards import ShardServer
 from meshnet_node.settings import NodeSettings
@@ -55,6 +57,12 @@ def expected_precision(
 def launch(settings: NodeSettings) -> None:
     """Start a node from its settings; one error line and a non-zero exit on failure."""
     setup_logging(settings.log_level, settings.log_format)
+    if settings.model_id is not None:  # ORG/NAME@REV: the id, and --revision
+        try:
+            model_id, revision = split_model_ref(settings.model_id, settings.revision)
+        except InvalidRequest as exc:
+            fail(PROG, f"--model-id: {exc}")
+        settings = settings.replace(model_id=model_id, revision=revision)
     explicit = (settings.model_id, settings.shard_start, settings.shard_end)
     if any(v is None for v in explicit) and any(v is not None for v in explicit):
         fail(PROG, "give all of --model-id, --shard-start, --shard-end, or none of them "
@@ -63,6 +71,7 @@ def launch(settings: NodeSettings) -> None:
         fail(PROG, "without --model-id the node needs --tracker to be assigned a shard")
     if settings.models_dir and not settings.models_dir.is_dir():
         fail(PROG, f"--models-dir {settings.models_dir}: no such directory", code=1)
+    check_api_key_file(PROG, settings.api_key_file)  # one line and exit 2 when it is no use
     try:
         check_advertise_url(settings.advertise_url)
         check_exposure(settings.host, settings.swarm_token, settings.insecure)
@@ -88,6 +97,9 @@ def launch(settings: NodeSettings) -> None:
             "listening on every interface: the tracker tells which address it reaches this "
             "node at (--advertise-url sets it)"
         )
+    import torch
+
+    from meshnet_node.cpu_threads import describe as describe_threads
     from meshnet_node.dataplane.stream_server import max_message_bytes
     from meshnet_node.runtime import bind_url, build_runtime, create_app
     from meshnet_node.swarm.drain import Drain
@@ -114,7 +126,7 @@ def launch(settings: NodeSettings) -> None:
             assigned = assignment.quantization
         else:
             start, end = settings.shard_start, settings.shard_end
-        local = local_snapshot(settings, model_id)
+        local = local_snapshot(settings, model_id, check_range(start, end, None))
         num_layers = model_layers(settings, model_id, local)
         layers = check_range(start, end, num_layers)
         index = CheckpointIndex.load(local) if local is not None else None
@@ -156,6 +168,7 @@ def launch(settings: NodeSettings) -> None:
         runtime = build_runtime(
             settings, metrics=metrics, membership=membership, memory_declared_bytes=declared
         )
+        logger.info("%s", describe_threads(torch.get_num_threads(), offer.others))
     except (MeshnetError, ValueError, OSError) as exc:
         if membership is not None:
             membership.stop(node_id=node_id)

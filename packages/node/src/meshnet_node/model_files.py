@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshnet_common.errors import ModelError
+from meshnet_common.errors import InvalidRequest, ModelError
 from meshnet_common.models.checkpoint import gguf_in
 from meshnet_common.models.gguf_index import pretrained_args
+from meshnet_common.models.hub.cache import split_model_ref
+from meshnet_common.models.hub.download import hub_snapshot
 from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_node.settings import NodeSettings
 
@@ -28,15 +30,19 @@ def snapshot_created(snapshot: Path | None) -> int:
 
 
 def draft_snapshot(settings: NodeSettings) -> Path:
-    """``--draft-model``: a snapshot folder, or a model id in ``--models-dir``."""
+    """``--draft-model``: a snapshot folder, or a model id ``ORG/NAME[@REV]`` in
+    ``--models-dir``, else in the standard HF cache (downloaded there when missing, unless
+    HF_HUB_OFFLINE is set)."""
     path = Path(settings.draft_model).expanduser()
     if path.is_dir():
         return path
     if settings.models_dir is not None:
         return resolve_snapshot(settings.models_dir, settings.draft_model)
-    raise ModelError(
-        f"--draft-model {settings.draft_model}: no such folder (a model id needs --models-dir)"
-    )
+    try:
+        model_id, revision = split_model_ref(settings.draft_model)
+    except InvalidRequest as exc:
+        raise ModelError(f"--draft-model {settings.draft_model}: no such folder ({exc})") from exc
+    return hub_snapshot(model_id, revision)
 
 
 def tokenizer_source(model_path: Path | str) -> tuple[Path, dict]:

@@ -29,11 +29,11 @@ from meshnet_common.protocol import (
     ShardSpec,
 )
 from meshnet_common.trust.identity import CallChecker, Identity
-from meshnet_common.web.auth import install_auth
+from meshnet_common.web.auth import install_access
 from meshnet_common.web.http import install_error_handlers, install_observability
 from meshnet_common.web.shards import shards_router, watch_shard_server
-from meshnet_node.api import head_router, node_router
-from meshnet_node.caching.store import PrefixCache
+from meshnet_node.api import Readiness, head_router, node_router, status_router
+from meshnet_node.caching.store import PrefixCache, heartbeat_figures
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.gauges import watch_service
 from meshnet_node.dataplane.service import NodeService
@@ -160,16 +160,8 @@ class NodeRuntime:
             layer_ms=self.service.layer_ms,
             links={url: round(ms, 3) for url, ms in self.service.links.rtt_ms.items()},
             route_times=self.openai.generator.route_times.report() if self.openai else (),
-            **prefix_figures(stages),
+            **heartbeat_figures([s.sessions.prefix for s in stages]),
         )
-
-
-def prefix_figures(stages) -> dict[str, int]:
-    """What the heartbeat says of the stages' prefix caches (docs/adr/0035)."""
-    caches = [s.sessions.prefix for s in stages if s.sessions.prefix is not None]
-    return {"prefix_blocks": sum(c.blocks for c in caches),
-            "prefix_lookups": sum(c.stats.lookups for c in caches),
-            "prefix_hits": sum(c.stats.hits for c in caches)}  # fmt: skip
 
 
 def bind_url(host: str, port: int, tls_cert=None) -> str:
@@ -405,10 +397,13 @@ async def stop_background(runtime: NodeRuntime) -> None:
 
 def create_app(runtime: NodeRuntime) -> FastAPI:
     """The node's FastAPI app (background work starts with the server)."""
+    readiness = Readiness(runtime)  # GET /ready: on the map (watches its registrations)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        readiness.watch()  # the membership that announced this node joining, if any
         await start_background(runtime)
+        readiness.watch()  # or the one started just now
         try:
             yield
         finally:
@@ -417,17 +412,14 @@ def create_app(runtime: NodeRuntime) -> FastAPI:
     app = FastAPI(title="meshnet node", lifespan=lifespan)
     install_error_handlers(app)
     install_forward_path(app)  # inside auth and observability
-    install_auth(
-        app,
-        swarm_token=runtime.settings.swarm_token,
-        api_key=runtime.settings.api_key,
-        peers=runtime.peers if runtime.settings.tracker_url else None,  # docs/adr/0032
-    )
+    peers = runtime.peers if runtime.settings.tracker_url else None  # docs/adr/0032
+    install_access(app, runtime.settings, peers=peers)  # keys, swarm token, CORS
     install_observability(app, runtime.service.metrics)  # outermost: sees the 401s too
     watch_shard_server(runtime.service.metrics, app)
     app.state.max_request_bytes = runtime.settings.max_request_bytes
     mount_node(app, runtime)
     app.include_router(shards_router())  # peers fetch this node's shard (app.state.shards)
+    app.include_router(status_router(readiness))  # /ready, /version
 
     @app.get("/health")
     async def health():

@@ -14,7 +14,7 @@ from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.trust.identity import CallChecker
 from meshnet_common.trust.manifest_keys import ManifestSigner
 from meshnet_common.web import tls
-from meshnet_common.web.auth import install_auth, swarm_headers
+from meshnet_common.web.auth import install_access, swarm_headers
 from meshnet_common.web.http import install_error_handlers, install_observability
 from meshnet_common.web.shards import ShardServer, shards_router, watch_shard_server
 from meshnet_tracker.api.dashboard import dashboard_router, watch_swarm
@@ -85,8 +85,8 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
     install_error_handlers(app)
     if node is not None:
         node.install_data_path(app)  # the tracker node's data path; inside auth and observability
-    install_auth(app, swarm_token=settings.swarm_token, api_key=settings.api_key,
-                 peers=CallChecker(signer.public(), serves_nodes=node is not None))  # fmt: skip
+    # keys, swarm token, nodes' identity; CORS outside them (preflights carry no key)
+    install_access(app, settings, peers=CallChecker(signer.public(), serves_nodes=node is not None))
     # A tracker node reports its own layers and the swarm's numbers in one registry.
     metrics = node.metrics if node is not None else Metrics()
     install_observability(app, metrics)  # outermost: sees the 401s too

@@ -17,7 +17,8 @@ from meshnet_common.protocol import H_CLIENT_ADDRESS, H_ROUTE, Heartbeat, NodeAn
 
 
 class Head(Protocol):
-    """Answers one OpenAI request along the route ``rest`` (the hops after the head)."""
+    """Answers one OpenAI request along the route ``rest`` (the hops after the head); or one
+    of vLLM's tokenizer requests (``/tokenize``, ``/detokenize``), which need no chain."""
 
     async def answer(
         self, path: str, request: Request, rest: tuple[str, ...], body: bytes

@@ -90,6 +90,11 @@ class TrackerSettings(ShardSettings):
         "another node or lifting a quarantine; without it nobody can (docs/adr/0032)",
         group=SECURITY, secret=True,
     )  # fmt: skip
+    revision: str | None = knob(
+        None, "without --models-dir: the revision of --model-id served from the standard HF "
+        "cache (branch, tag or commit; ORG/NAME@REV says the same; default: main), downloaded "
+        "when missing unless HF_HUB_OFFLINE is set", group=MODEL,
+    )  # fmt: skip
     fault_inject: str | None = knob(None, "", group=TRACKER, choices=FAULTS, hidden=True)
 
     @property

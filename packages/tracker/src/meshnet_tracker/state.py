@@ -22,12 +22,11 @@ from meshnet_common.models.models_dir import (
 from meshnet_common.protocol import MAX_PROBES
 from meshnet_common.trust.identity import issue
 from meshnet_common.trust.manifest_keys import ManifestSigner
-from meshnet_tracker.affinity import PrefixAffinity
 from meshnet_tracker.balancer import Balancer
 from meshnet_tracker.coverage import ModelCoverage
 from meshnet_tracker.heads import LocalNode
 from meshnet_tracker.registry import Registry
-from meshnet_tracker.routing import Hop, choose_route, keep_or_switch, renew
+from meshnet_tracker.routing import Hop, PrefixAffinity, choose_route, keep_or_switch, renew
 from meshnet_tracker.settings import TrackerSettings
 
 logger = logging.getLogger(__name__)
@@ -84,8 +83,14 @@ class TrackerState:
         return issue(self.signer, node_id, public_key)
 
     def index_models_dir(self) -> None:
-        """Make every model in the models dir known to the coverage map and to placement."""
+        """Make every model in the models dir (or, without one, the ``--model-id`` the CLI
+        pinned to a commit of the HF cache) known to the coverage map and to placement."""
         self.rescan_models_dir()
+
+    @property
+    def models_source(self) -> str:
+        """Where the known models come from, as the logs name it."""
+        return "models dir" if self.settings.models_dir is not None else "HF cache"
 
     def rescan_models_dir(self) -> None:
         """Index the models dir again: new snapshots become placeable, changed ones are
@@ -98,12 +103,8 @@ class TrackerState:
         the tracker runs it on a worker thread (it takes milliseconds per model, and the
         tracker node's event loop is on every decode step). ``indexed``: the fingerprints
         known so far; a snapshot whose files did not change is not re-indexed."""
-        if self.settings.models_dir is None:
-            return None
-        try:
-            scan = scan_models_dir(self.settings.models_dir)
-        except ModelError as exc:
-            logger.warning("models dir: %s", exc)
+        scan = self._scan()
+        if scan is None:
             return None
         changed: list[tuple[ModelEntry, tuple, ModelCosts]] = []
         for entry in scan.entries:
@@ -113,10 +114,25 @@ class TrackerState:
             try:
                 costs = ModelCosts.from_index(CheckpointIndex.load(entry.path))
             except ModelError as exc:
-                logger.warning("models dir: %s", exc)
+                logger.warning("%s: %s", self.models_source, exc)
                 continue
             changed.append((entry, fingerprint, costs))
         return ModelsScan(scan, changed)
+
+    def _scan(self) -> ModelScan | None:
+        """The models dir's snapshots; without one, the tracker's model in the HF cache at
+        the commit the CLI pinned (``settings.revision``: a moved branch changes nothing)."""
+        if self.settings.models_dir is not None:
+            try:
+                return scan_models_dir(self.settings.models_dir)
+            except ModelError as exc:
+                logger.warning("models dir: %s", exc)
+                return None
+        if self.settings.model_id is None:
+            return None
+        from meshnet_common.models.hub.cache import scan_hub_model  # huggingface_hub: lazily
+
+        return scan_hub_model(self.settings.model_id, self.settings.revision)
 
     def apply_scan(self, found: ModelsScan | None) -> None:
         """What a scan found, made known to the coverage map and to placement."""
@@ -130,20 +146,20 @@ class TrackerState:
             self.registry.note_model(entry.model_id, entry.num_layers)
             self.costs[entry.model_id] = costs
             logger.info(
-                "models dir: %s %s (%d layers) at %s",
-                change, entry.model_id, entry.num_layers, entry.path,
+                "%s: %s %s (%d layers) at %s",
+                self.models_source, change, entry.model_id, entry.num_layers, entry.path,
             )  # fmt: skip
         for model_id in sorted(set(self.indexed) - present):
             del self.indexed[model_id]
             self.costs.pop(model_id, None)
             forgotten = self.registry.forget_model(model_id)
             logger.info(
-                "models dir: %s removed%s", model_id,
+                "%s: %s removed%s", self.models_source, model_id,
                 "" if forgotten else " (still on the map: nodes serve it)",
             )  # fmt: skip
         problems = {p.message for p in scan.problems}
         for problem in sorted(problems - self._problems):
-            logger.warning("models dir: %s", problem)
+            logger.warning("%s: %s", self.models_source, problem)
         self._problems = problems
 
     def model(self, model_id: str) -> ModelCoverage:

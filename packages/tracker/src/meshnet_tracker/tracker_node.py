@@ -16,7 +16,7 @@ from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import Heartbeat, NodeAnnouncement, Verdict
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.stream_server import max_message_bytes
-from meshnet_node.head.routes import handle_chat, handle_completions
+from meshnet_node.head.routes import HANDLERS
 from meshnet_node.runtime import (
     NodeRuntime,
     build_runtime,
@@ -136,5 +136,4 @@ class TrackerNode:
     async def answer(
         self, path: str, request: Request, rest: tuple[str, ...], body: bytes
     ) -> Response:
-        handler = handle_completions if path == "/v1/completions" else handle_chat
-        return await handler(self.runtime.openai, request, rest, raw=body)
+        return await HANDLERS[path](self.runtime.openai, request, rest, raw=body)

@@ -234,6 +234,15 @@ class ShardSettings(ServiceSettings):
     api_key: str | None = knob(
         None, "clients must send it as 'Authorization: Bearer KEY'", group=SECURITY, secret=True
     )
+    api_key_file: Path | None = knob(
+        None, "a file of API keys, one a line (blank lines and # comments skipped): clients "
+        "may send any of them, as well as --api-key", group=SECURITY,
+    )  # fmt: skip
+    allowed_origins: Annotated[tuple[str, ...], NoDecode] = knob(
+        (), "browser origins (scheme://host[:port]; *: any) whose pages may call the API, "
+        "e.g. Open WebUI's (CORS; repeatable; env: comma-separated)", group=SECURITY,
+        action="append",
+    )  # fmt: skip
     insecure: bool = knob(
         False, "listen on an address other machines reach without --swarm-token: anyone who "
         "reaches it may join the swarm, register nodes and report verdicts (docs/adr/0032)",
@@ -300,6 +309,16 @@ class ShardSettings(ServiceSettings):
         if bad:
             raise ValueError(f"{bad[0]!r} is not a usable model name")
         return names
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origins(cls, value):
+        origins = value.split(",") if isinstance(value, str) else value
+        origins = tuple(o.strip().rstrip("/") for o in origins if o.strip())
+        bad = [o for o in origins if o != "*" and not re.fullmatch(r"https?://[^/\s,]+", o)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not an origin: scheme://host[:port], or *")
+        return origins
 
     @field_validator("verify_fraction")
     @classmethod

@@ -1,4 +1,4 @@
-"""``meshnet-models``: import, generate and list the models a node can serve.
+"""``meshnet-models``: import, generate, list and download the models a node can serve.
 
 Exit codes: 0 success; 1 ``list`` found broken snapshots (the good ones are still
 listed); 2 bad arguments or an error that stopped the command (one line on stderr).
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshnet_common.errors import MeshnetError
+from meshnet_common.layers import LayerRange
 from meshnet_common.models.models_dir import LAYOUTS, ModelEntry, load_entry, scan_models_dir
 from meshnet_common.tiny.snapshots import FAMILIES  # cheap: tiny imports torch only when building
 
@@ -82,6 +83,22 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_download(args: argparse.Namespace) -> int:
+    from meshnet_common.models.hub.cache import split_model_ref
+    from meshnet_common.models.hub.download import download
+
+    model_id, revision = split_model_ref(args.model, args.revision)
+    path = download(model_id, revision, args.layers)
+    files = [p for p in path.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    what = "all layers" if args.layers is None else f"the files of layers {args.layers}"
+    print(
+        f"{model_id}: {path} (revision {path.name}, {what}: {len(files)} files, "
+        f"{_human_bytes(size)})"
+    )
+    return EXIT_OK
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     entries, problems = scan_models_dir(args.models_dir)
     if args.json:
@@ -129,6 +146,16 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive: {value}")
     return value
+
+
+def _layer_range(text: str) -> LayerRange:
+    start, colon, end = text.partition(":")
+    try:
+        return LayerRange(int(start), int(end))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"expected A:B with 0 <= A < B (layers A..B-1), got {text!r}"
+        ) from None
 
 
 def _version() -> str:
@@ -185,6 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--force", action="store_true", help="rebuild even if present")
     tiny.set_defaults(handler=_cmd_make_tiny)
 
+    fetch = sub.add_parser(
+        "download", help="fetch a model from the HF hub into the standard HF cache (HF_HUB_CACHE)"
+    )
+    fetch.add_argument("model", metavar="ORG/NAME[@REV]", help="model id, and a revision")
+    fetch.add_argument("--revision", help="branch, tag or commit (default: main)")
+    fetch.add_argument(
+        "--layers", type=_layer_range, metavar="A:B",
+        help="only the weight files holding layers [A, B) (with the embeddings for A = 0, "
+        "the final norm and head for the last layer), chosen by the checkpoint index; "
+        "default: every weight file",
+    )  # fmt: skip
+    fetch.set_defaults(handler=_cmd_download, needs_models_dir=False)
+
     listing = sub.add_parser("list", parents=[common], help="list models and broken snapshots")
     listing.add_argument("--json", action="store_true", help="print full entries as JSON")
     listing.set_defaults(handler=_cmd_list)
@@ -195,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.models_dir is None:
+    if getattr(args, "needs_models_dir", True) and args.models_dir is None:
         parser.error(f"--models-dir is required (or set ${MODELS_DIR_ENV})")
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s")
     logging.getLogger("meshnet_common").setLevel(logging.INFO)
@@ -205,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc.message}", file=sys.stderr)
     except OSError as exc:
         # Anything the domain code did not already turn into a ModelError: name the path.
-        where = exc.filename or args.models_dir
+        where = exc.filename or getattr(args, "models_dir", None)
         print(f"{PROG}: error: {where}: {exc.strerror or exc}", file=sys.stderr)
     return EXIT_ERROR
 

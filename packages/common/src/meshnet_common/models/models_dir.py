@@ -7,6 +7,9 @@ Two layouts are understood, and a model id is always ``ORG/NAME``:
   leaves behind);
 * ``plain``: a folder ``ORG/NAME/`` holding ``config.json`` and the weights, or one GGUF file.
 
+A models dir serves the snapshot ``refs/main`` names; the standard HF cache itself, at any
+revision, is ``meshnet_common.models.hub``'s.
+
 Writers build a snapshot in a hidden staging folder inside the models directory and move
 it into place with one rename (``staged_snapshot``), so a failed write leaves nothing
 half-written for a scan to trip over.
@@ -261,7 +264,9 @@ def scan_models_dir(models_dir: Path | str) -> ModelScan:
             problems.append(ScanProblem(found.path, message))
         else:
             try:
-                entries.append(_entry(found.model_id, found.layout, found.path, found.revision))
+                entries.append(
+                    model_entry(found.model_id, found.layout, found.path, found.revision)
+                )
             except ModelError as exc:
                 problems.append(ScanProblem(found.path, _with_path(found.path, str(exc))))
                 continue
@@ -290,7 +295,8 @@ def _with_path(path: Path, message: str) -> str:
     return message if str(path) in message else f"{path}: {message}"
 
 
-def _entry(model_id: str, layout: Layout, path: Path, revision: str | None) -> ModelEntry:
+def model_entry(model_id: str, layout: Layout, path: Path, revision: str | None) -> ModelEntry:
+    """Index one located snapshot (its weight headers are read); ModelError if broken."""
     index = CheckpointIndex.load(path)
     return ModelEntry(
         model_id=model_id,
@@ -321,7 +327,7 @@ def load_entry(models_dir: Path | str, model_id: str, layout: Layout | None = No
         path = found
     revision = path.name if layout == "hub" else None
     try:
-        return _entry(model_id, layout, path, revision)
+        return model_entry(model_id, layout, path, revision)
     except ModelError as exc:
         raise ModelError(_with_path(path, str(exc))) from exc
 

@@ -1,28 +1,41 @@
-"""Optional shared secrets: a swarm token between services, API keys for clients.
+"""Optional shared secrets: a swarm token between services, API keys for clients; and which
+browser origins may call the API (CORS).
 
 With ``--swarm-token`` set, every internal route (forward steps, sessions, shard files,
 registration, heartbeats, assignment, routes) needs ``x-meshnet-swarm-token``; with
-``--api-key`` set, the OpenAI routes need ``Authorization: Bearer <key>`` (or the swarm
-token, which is how the tracker reaches a head). Comparisons are constant-time and the
-secrets are never logged. Without them the swarm is open (a trusted LAN or a laptop).
-Calls between nodes carry the calling node's signed identity too (``peers``: docs/adr/0032).
+``--api-key`` or ``--api-key-file`` set, the OpenAI routes need ``Authorization: Bearer
+<key>`` with any of the keys (or the swarm token, which is how the tracker reaches a head).
+Comparisons are constant-time and the secrets are never logged. Without them the swarm is
+open (a trusted LAN or a laptop). Calls between nodes carry the calling node's signed
+identity too (``peers``: docs/adr/0032). With ``--allowed-origins``, browser pages of those
+origins may call the API: their preflights are answered before any key is asked for.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
+from starlette.middleware.cors import CORSMiddleware
 
+from meshnet_common.config.cli import fail
+from meshnet_common.logs import H_REQUEST_ID
 from meshnet_common.protocol import H_SWARM_TOKEN
+from meshnet_common.tokenize_protocol import TOKENIZER_PATHS
 from meshnet_common.trust.identity import H_NODE_CALL, H_NODE_CERT, CallChecker, IdentityError
+
+if TYPE_CHECKING:
+    from meshnet_common.config.shard import ShardSettings
 
 INTERNAL_PREFIXES = (
     "/v1/forward", "/v1/sessions", "/v1/shards", "/v1/nodes", "/v1/route", "/v1/node",
     "/v1/answers", "/v1/stream",
 )  # fmt: skip
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKENIZER_PATHS)
 # Node-to-node routes: once a node knows its tracker's key, a call here must be signed by a
 # node (docs/adr/0032). Shard downloads are not among them: a node fetches before it joins.
 NODE_PREFIXES = ("/v1/forward", "/v1/sessions", "/v1/answers", "/v1/stream", "/v1/node/audit",
@@ -40,6 +53,15 @@ def _same(secret: str | None, offered: str | None) -> bool:
         and offered is not None
         and hmac.compare_digest(secret.encode(), offered.encode())
     )
+
+
+def _any_same(secrets: tuple[str, ...], offered: str | None) -> bool:
+    """Whether ``offered`` is one of ``secrets``: each compared in constant time, and all
+    of them always, so the time taken does not tell which key (if any) matched."""
+    found = False
+    for secret in secrets:
+        found |= _same(secret, offered)
+    return found
 
 
 def same_secret(secret: str | None, offered: str | None) -> bool:
@@ -95,11 +117,11 @@ class AuthMiddleware:
 
     def __init__(
         self, app, *, swarm_token: str | None, api_key: str | None,
-        peers: CallChecker | None = None,
+        peers: CallChecker | None = None, api_keys: Iterable[str] = (),
     ) -> None:  # fmt: skip
         self.app = app
         self.swarm_token = swarm_token
-        self.api_key = api_key
+        self.api_keys = tuple(key for key in (api_key, *api_keys) if key)  # any of them
         self.peers = peers
 
     async def __call__(self, scope, receive, send) -> None:
@@ -118,10 +140,10 @@ class AuthMiddleware:
         if self.swarm_token and internal and not swarm_ok:
             await _unauthorized(send, NEEDS_SWARM_TOKEN, scope, receive)
             return
-        if self.api_key and path in OPENAI_PATHS and not swarm_ok:
+        if self.api_keys and path in OPENAI_PATHS and not swarm_ok:
             auth = headers.get(_AUTHORIZATION, "")
             offered = auth[7:] if auth.lower().startswith("bearer ") else None
-            if not _same(self.api_key, offered):
+            if not _any_same(self.api_keys, offered):
                 await _unauthorized(send, "missing or wrong API key")
                 return
         if internal and self.peers is not None:
@@ -172,10 +194,91 @@ def _first_values(raw, names: tuple[bytes, ...]) -> dict[bytes, str]:
 
 def install_auth(
     app: FastAPI, *, swarm_token: str | None, api_key: str | None,
-    peers: CallChecker | None = None,
+    peers: CallChecker | None = None, api_keys: tuple[str, ...] = (),
 ) -> None:  # fmt: skip
     """Check secrets and calling nodes before any route runs; nothing to check without
-    secrets or a ``peers`` checker."""
+    secrets or a ``peers`` checker. ``api_keys``: more keys, each as good as ``api_key``."""
     app.state.swarm_token = swarm_token  # the data path's own front end checks it too
-    if swarm_token or api_key or peers is not None:
-        app.add_middleware(AuthMiddleware, swarm_token=swarm_token, api_key=api_key, peers=peers)
+    if swarm_token or api_key or api_keys or peers is not None:
+        app.add_middleware(
+            AuthMiddleware, swarm_token=swarm_token, api_key=api_key, peers=peers,
+            api_keys=api_keys,
+        )  # fmt: skip
+
+
+def install_access(app: FastAPI, settings: ShardSettings, *, peers: CallChecker | None) -> None:
+    """Who may call ``app``, as ``settings`` say: the swarm token, the API keys (--api-key
+    and those of --api-key-file) and calling nodes (``install_auth``), then the browser
+    origins allowed (``install_cors``, outside the key check: preflights carry no key)."""
+    install_auth(
+        app, swarm_token=settings.swarm_token, api_key=settings.api_key, peers=peers,
+        api_keys=read_api_keys(settings.api_key_file),
+    )  # fmt: skip
+    install_cors(app, settings.allowed_origins)
+
+
+# -- API key files ----------------------------------------------------------------------------
+
+
+def read_api_keys(path: Path | None) -> tuple[str, ...]:
+    """The keys of an --api-key-file: one a line, blank lines and ``#`` comments skipped.
+    ValueError, in one line that never shows the file's content, when the file is missing,
+    unreadable or holds no key."""
+    if path is None:
+        return ()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--api-key-file {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ValueError(f"--api-key-file {path}: cannot be read ({why})") from None
+    lines = (line.strip() for line in text.splitlines())
+    keys = tuple(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: holds no key (one a line; # starts a comment)")
+    return keys
+
+
+def check_api_key_file(prog: str, path: Path | None) -> None:
+    """The CLIs' check of --api-key-file: one error line and exit 2 when it is no use."""
+    try:
+        read_api_keys(path)
+    except ValueError as exc:
+        fail(prog, str(exc))
+
+
+# -- CORS ---------------------------------------------------------------------------------------
+
+
+def install_cors(app: FastAPI, origins: Iterable[str]) -> None:
+    """Let browser pages of ``origins`` (``*``: any) call ``app`` (Open WebUI and the like).
+    Install it after ``install_auth``: it must run first, since a preflight carries no key."""
+    origins = tuple(origins)
+    if origins:
+        app.add_middleware(CorsGate, origins=origins)
+
+
+class CorsGate:
+    """Pure ASGI: a request from an allowed origin goes through Starlette's
+    ``CORSMiddleware`` (a preflight answered there, any other answer given the CORS
+    headers); any other request goes straight on, so another origin gets no CORS header
+    and its preflight the app's own answer (an OpenAI-style error)."""
+
+    def __init__(self, app, *, origins: tuple[str, ...]) -> None:
+        self.app = app
+        self.cors = CORSMiddleware(
+            app, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+            expose_headers=[H_REQUEST_ID],
+        )  # fmt: skip
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            origin = next((v for k, v in scope["headers"] if k == _ORIGIN), None)
+            if origin is not None and self.cors.is_allowed_origin(origin.decode("latin-1")):
+                await self.cors(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+_ORIGIN = b"origin"

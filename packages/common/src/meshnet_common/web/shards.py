@@ -1,7 +1,7 @@
 """Serving layer subsets of model files (``GET /v1/shards/...``), on the tracker and on nodes.
 
-A joining node asks for the manifest of ``model`` + ``[start, end)``, then downloads each file
-it lists; the weights arrive as one safetensors file holding only that range's tensors.
+A joining node asks for the manifest of ``model`` + ``[start, end)`` (optionally at
+``revision``: a source holding another one answers 404), then downloads each file it lists; the weights arrive as one safetensors file holding only that range's tensors.
 Downloads stream from disk (no whole-file buffering), honour HTTP ranges (resume), and at
 most ``max_concurrent`` run at once per source: the rest wait their turn (``download_slots``:
 a bounded wait, then 503; a slot is held until a deadline at most). On the tracker, every
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import logging
 import re
 from collections import OrderedDict
@@ -36,7 +37,12 @@ from meshnet_common.models.byte_parts import Part, read_part
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_header import read_header
 from meshnet_common.models.models_dir import snapshot_fingerprint, validate_model_id
-from meshnet_common.models.shardfiles import SUBSET_FILE, ShardSource, canonical_json
+from meshnet_common.models.shardfiles import (
+    MANIFEST_FILE,
+    SUBSET_FILE,
+    ShardSource,
+    canonical_json,
+)
 from meshnet_common.trust.manifest_keys import H_MANIFEST_SIGNATURE, ManifestSigner
 from meshnet_common.web.download_slots import DownloadSlots
 
@@ -47,10 +53,15 @@ FAULTS = ("corrupt", "truncate")
 
 
 def snapshot_revision(index: CheckpointIndex) -> str:
-    """A cheap revision id: the hub revision folder name, else a digest of index + config
-    (of a GGUF: of its metadata, which a subset of it keeps byte for byte)."""
+    """A cheap revision id: the hub revision folder name (an HF cache's commit), else the
+    revision a fetched shard's manifest names (a peer serves it as the tracker's), else a
+    digest of index + config (of a GGUF: of its metadata, which a subset of it keeps byte
+    for byte)."""
     if index.root.parent.name == "snapshots":
         return index.root.name
+    fetched = _manifest_revision(index.root / MANIFEST_FILE)
+    if fetched is not None:
+        return fetched
     if index.gguf is not None:
         path = index.root / index.gguf.file
         stat = path.stat()
@@ -61,6 +72,26 @@ def snapshot_revision(index: CheckpointIndex) -> str:
         if path.exists():
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _manifest_revision(path: Path) -> str | None:
+    try:
+        revision = json.loads(path.read_text())["revision"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return revision if isinstance(revision, str) and revision else None
+
+
+def one_model(model_id: str, snapshot: Path) -> Resolver:
+    """A ``Resolver`` serving one model from one snapshot (the tracker's model from the HF
+    cache); NotFound for any other id."""
+
+    def resolve(asked: str) -> Path:
+        if asked != model_id:
+            raise NotFound(f"model {asked!r} not found; this tracker serves {model_id}")
+        return snapshot
+
+    return resolve
 
 
 @functools.lru_cache(maxsize=64)
@@ -91,7 +122,11 @@ class ShardServer:
         self.bytes_sent = 0
         self.downloads = 0  # file downloads started (resumed ones count again)
 
-    def source(self, model_id: str, start: int, end: int) -> ShardSource:
+    def source(
+        self, model_id: str, start: int, end: int, revision: str | None = None
+    ) -> ShardSource:
+        """The range's source; ``revision``: the one the caller wants (NotFound when the
+        snapshot here is another: two revisions never mix in one shard)."""
         validate_model_id(model_id)
         try:
             layers = LayerRange(start, end)
@@ -112,6 +147,11 @@ class ShardServer:
             raise NotFound(f"layers {missing[0]}.. of {model_id} are not held here", param="start")
         # The fingerprint: a snapshot whose files changed in place is hashed anew.
         key = (model_id, snapshot_revision(index), start, end, snapshot_fingerprint(index.root))
+        if revision is not None and revision != key[1]:
+            raise NotFound(
+                f"{model_id} is served here at revision {key[1]}, not {revision}",
+                param="revision",
+            )
         cached = self._sources.get(key)
         if cached is None:
             cached = self._sources[key] = ShardSource(index, model_id, layers, key[1])
@@ -188,10 +228,11 @@ def shards_router() -> APIRouter:
 
     @router.get("/v1/shards/manifest")
     async def manifest(
-        request: Request, model: str, start: int = Query(ge=0), end: int = Query(gt=0)
-    ):
+        request: Request, model: str, start: int = Query(ge=0), end: int = Query(gt=0),
+        revision: str | None = None,
+    ):  # fmt: skip
         shard_server = server(request)
-        src = shard_server.source(model, start, end)
+        src = shard_server.source(model, start, end, revision)
         body = canonical_json(await asyncio.to_thread(src.manifest))
         headers = {}
         if shard_server.signer is not None:
@@ -200,10 +241,11 @@ def shards_router() -> APIRouter:
 
     @router.get("/v1/shards/download")
     async def download(
-        request: Request, model: str, file: str, start: int = Query(ge=0), end: int = Query(gt=0)
-    ):
+        request: Request, model: str, file: str, start: int = Query(ge=0), end: int = Query(gt=0),
+        revision: str | None = None,
+    ):  # fmt: skip
         shard_server = server(request)
-        src = shard_server.source(model, start, end)
+        src = shard_server.source(model, start, end, revision)
         if file not in src.files():
             raise NotFound(f"{file!r} is not part of this shard", param="file")
         size = src.size_of(file)

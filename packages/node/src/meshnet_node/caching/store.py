@@ -24,7 +24,10 @@ from transformers.cache_utils import DynamicLayer
 
 from meshnet_node.caching.blocks import BLOCK_TOKENS
 
-PIN_S = 30.0  # how long a probe's promise holds the entry for the session that will open
+# How long a probe's promise holds an entry for the session about to open there: its opening
+# step comes once every hop before computed the first chunk; a session closed before it
+# arrived (a failover) takes the promise back at once.
+PIN_S = 30.0
 
 
 @dataclass
@@ -213,3 +216,11 @@ def cut_to_blocks(cache: DynamicCache, length: int, blocks: int) -> None:
         for layer in cache.layers:
             if layer.is_initialized and layer.keys is not None:
                 layer.crop(-drop)
+
+
+def heartbeat_figures(caches) -> dict[str, int]:
+    """What a heartbeat says of the stages' prefix caches (None: a stage without one)."""
+    caches = [c for c in caches if c is not None]
+    return {"prefix_blocks": sum(c.blocks for c in caches),
+            "prefix_lookups": sum(c.stats.lookups for c in caches),
+            "prefix_hits": sum(c.stats.hits for c in caches)}  # fmt: skip

@@ -294,6 +294,8 @@ class NodeService:
                 except MeshnetError:
                     stage.close_session(req.session_id)
                     raise
+            elif stage.sessions.prefix is not None:  # the chain agreed on none: no promise
+                stage.sessions.prefix.release(req.session_id)
         if req.guess_from is not None and stage.shard.is_tail and stale_guess(stage, req):
             return StepAnswer(STALE_RESULT, format_compute(0.0))  # computes nothing
         if req.ids is not None and stage.shard.is_tail:  # before any later step samples
@@ -434,6 +436,8 @@ class NodeService:
         """Free a session here and (best effort) on every later hop."""
         stage = self.stage_for(session_id)
         session = stage.sessions.peek(session_id)
+        if session is None and stage.sessions.prefix is not None:
+            stage.sessions.prefix.release(session_id)  # its opening never came (ADR-0035)
         if session is None or session.owner not in (None, session_key):  # not the caller's
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
         stage.close_session(session_id, keep=True)  # finished: its prefix stays cached

@@ -116,7 +116,8 @@ class HeadPasses:
         chunk_tokens = stage.max_chunk_tokens
         ids = request.prompt_ids
         prefix: tuple[str, ...] = ()  # cached blocks every hop starts after (ADR-0035)
-        if self.prefixes is not None and sends is None and not request.sampling.prompt_logprobs:
+        scored = request.sampling.prompt_logprobs is not None  # every prompt row is needed
+        if self.prefixes is not None and sends is None and not scored:
             prefix = await self.prefixes.restore(stage, session_id, ids, route)
         begin = len(prefix) * BLOCK_TOKENS
         if route:

@@ -65,6 +65,7 @@ class ResponseShapes:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.reasoning_parser = reasoning_parser
+        self.tool_format = tools.format_for(tokenizer)  # how the model writes calls (auto)
 
     def _stream_error(self, exc: MeshnetError) -> str:
         """A stream cannot change its status: the error goes in-band, and is counted."""
@@ -163,21 +164,38 @@ class ResponseShapes:
             **timing_field(choices),
         }
 
-    def _message(self, text: str) -> dict:
+    def splitter(self, request) -> ReasoningSplitter | None:
+        """The reasoning parser of a reply (None: no reasoning; a forced tool call is JSON
+        from its first token, the grammar leaves no room for any)."""
+        if self.reasoning_parser is None or tools.forced(request):
+            return None
+        return ReasoningSplitter(self.reasoning_parser)
+
+    def tool_text(self, request, token: GeneratedToken) -> str:
+        """A token's text, with the marker token the model's call format needs put back
+        when decoding dropped it as a special token (``auto`` tool calls only)."""
+        if tools.active(request) and not tools.forced(request):
+            return self.tool_format.text(token.token_id, token.text)
+        return token.text
+
+    def _message(self, request, text: str) -> dict:
         if self.reasoning_parser is None:
             return {"role": "assistant", "content": text}
-        reasoning, content = ReasoningSplitter(self.reasoning_parser).split(text)
-        return {"role": "assistant", "content": content or None, "reasoning_content": reasoning}
+        splitter = self.splitter(request)
+        reasoning, content = splitter.split(text) if splitter else (None, text)
+        # vLLM's current name (``reasoning``) beside the older one (``reasoning_content``)
+        return {"role": "assistant", "content": content or None,
+                "reasoning_content": reasoning, "reasoning": reasoning}  # fmt: skip
 
-    def _chat_choice(self, request, text: str, finish: str | None) -> dict:
+    def _chat_choice(self, request, tokens: list[GeneratedToken], finish: str | None) -> dict:
         """``message`` (content, reasoning, tool calls) and ``finish_reason`` of one choice."""
-        message = self._message(text)
+        message = self._message(request, "".join(self.tool_text(request, t) for t in tokens))
         if tools.active(request):
-            content, calls = tools.parse(request, message["content"] or "")
-            message["content"] = content
-            if calls:
-                message["tool_calls"] = calls
-                finish = "tool_calls" if finish == "stop" else finish
+            reply = tools.parse_reply(request, message["content"] or "", self.tool_format.name)
+            message["content"] = reply.content
+            if reply.calls:
+                message["tool_calls"] = reply.calls
+                finish = "tool_calls" if finish == "stop" or reply.complete else finish
         return {"message": message, "finish_reason": finish}
 
     def chat_response(self, request: ChatCompletionRequest, choices: list[Choice]) -> dict:
@@ -189,7 +207,7 @@ class ResponseShapes:
             "choices": [
                 {
                     "index": c.index,
-                    **self._chat_choice(request, c.text, c.finish_reason),
+                    **self._chat_choice(request, c.tokens, c.finish_reason),
                     "logprobs": self.chat_logprobs(c.tokens) if request.logprobs else None,
                 }
                 for c in choices
@@ -267,40 +285,24 @@ class ResponseShapes:
         try:
             for index in range(len(jobs)):
                 yield chunk(index, {"role": "assistant", "content": ""})
-            splitters = [
-                ReasoningSplitter(self.reasoning_parser) if self.reasoning_parser else None
-                for _ in jobs
-            ]
-            streams = [tools.ToolStream(request) if tools.active(request) else None
-                       for _ in jobs]  # fmt: skip
-            called = [False] * len(jobs)
+            replies = [ChatReply(self, request) for _ in jobs]
             async for index, tok in tokens:
                 counts[index] += 1
                 usage_of.saw(index, tok)
+                reply = replies[index]
+                if reply.ended:
+                    continue  # cut after its one call (parallel_tool_calls: false)
                 logprobs = self.chat_logprobs([tok]) if request.logprobs else None
-                if streams[index] is not None:
-                    deltas = streams[index].feed(tok.text)
-                    if tok.finish_reason is not None:
-                        deltas += streams[index].finish()
-                    called[index] |= any("tool_calls" in d for d in deltas)
-                    finish = tok.finish_reason
-                    if finish == "stop" and called[index]:
-                        finish = "tool_calls"
-                    for i, delta in enumerate(deltas):
-                        last = i == len(deltas) - 1
-                        yield chunk(index, delta, finish if last else None,
-                                    logprobs if last else None)  # fmt: skip
-                    if not deltas and (tok.finish_reason is not None or logprobs):
-                        yield chunk(index, {}, finish, logprobs)
-                    continue
-                delta: dict = {"content": tok.text}
-                if splitters[index] is not None:
-                    final = tok.finish_reason is not None
-                    reasoning, content = splitters[index].feed(tok.text, final=final)
-                    delta = {"content": content} if content else {}
-                    if reasoning:
-                        delta["reasoning_content"] = reasoning
-                yield chunk(index, delta, tok.finish_reason, logprobs)
+                deltas, finish = reply.feed(tok)
+                for i, delta in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    yield chunk(index, delta, finish if last else None, logprobs if last else None)
+                if not deltas and (finish is not None or logprobs):
+                    yield chunk(index, {}, finish, logprobs)
+                if all(r.ended for r in replies):
+                    break  # every reply is complete: the rest would be cut anyway
+            if (aclose := getattr(tokens, "aclose", None)) is not None:
+                await aclose()  # a reply cut early stops its generation
             if usage_of.final:
                 yield sse({
                     "id": rid, "object": "chat.completion.chunk", "created": created,
@@ -314,6 +316,46 @@ class ResponseShapes:
             yield sse({"error": {"message": str(exc), "type": "internal_error", "param": None,
                                  "code": None}})  # fmt: skip
         yield sse("[DONE]")
+
+
+class ChatReply:
+    """One streamed chat choice: its text through the reasoning parser, then through the
+    tool-call stream. ``feed`` returns the deltas a token completes and the finish reason
+    to send with the last; ``ended`` once the choice has nothing more to send (its last
+    token, or its one call with ``parallel_tool_calls: false``)."""
+
+    def __init__(self, shapes: ResponseShapes, request: ChatCompletionRequest) -> None:
+        self.shapes = shapes
+        self.request = request
+        self.splitter = shapes.splitter(request)
+        self.tools = (
+            tools.ToolStream(request, shapes.tool_format.name) if tools.active(request) else None
+        )
+        self.called = False  # a call was sent
+        self.ended = False
+
+    def feed(self, token: GeneratedToken) -> tuple[list[dict], str | None]:
+        final = token.finish_reason is not None
+        text = self.shapes.tool_text(self.request, token)
+        reasoning, content = "", text
+        if self.splitter is not None:
+            reasoning, content = self.splitter.feed(text, final=final)
+        said = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+        self.ended = final
+        if self.tools is None:  # a delta per token, as before
+            delta = {"content": content} if content or self.splitter is None else {}
+            return [{**delta, **said}], token.finish_reason
+        deltas = [said] if said else []
+        deltas += self.tools.feed(content)
+        if final:
+            deltas += self.tools.finish()
+        self.called |= any("tool_calls" in d for d in deltas)
+        finish = token.finish_reason
+        if self.tools.cut:  # its one call is out: the reply ends here
+            finish, self.ended = "tool_calls", True
+        elif finish == "stop" and self.called:
+            finish = "tool_calls"
+        return deltas, finish
 
 
 class StreamUsage:

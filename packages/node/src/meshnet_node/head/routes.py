@@ -1,4 +1,5 @@
-"""HTTP handlers for /v1/completions and /v1/chat/completions over an ``OpenAIServing``."""
+"""HTTP handlers for /v1/completions and /v1/chat/completions over an ``OpenAIServing``, and
+for vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -14,11 +15,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from meshnet_common.logs import event
 from meshnet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
 from meshnet_common.protocol import H_CLIENT_ADDRESS, H_SWARM_TOKEN
+from meshnet_common.tokenize_protocol import (
+    DETOKENIZE_PATH,
+    TOKENIZE_PATH,
+    DetokenizeRequest,
+    tokenize_request_type,
+)
 from meshnet_common.web.auth import same_secret
 from meshnet_common.web.http import (
     cancel_on_disconnect,
     check_content_type,
     json_limit,
+    loads_object,
     parse_json,
     read_body,
 )
@@ -54,9 +62,7 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
 
     ``raw``: the body when the caller already read it (the tracker peeks at ``model``).
     """
-    if raw is None:
-        check_content_type(request, "application/json")
-        raw = await read_body(request, json_limit(request))
+    raw = await _body(request, raw)
     if kind == "completions":
         body = parse_json(raw, CompletionRequest)
         stream, respond = serving.completion_stream, serving.completion_response
@@ -86,6 +92,14 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
         )  # fmt: skip
     choices = await cancel_on_disconnect(request, serving.run(jobs, route))
     return JSONResponse(respond(body, choices))
+
+
+async def _body(request: Request, raw: bytes | None) -> bytes:
+    """The JSON body: ``raw`` when the caller (the tracker) read it already."""
+    if raw is None:
+        check_content_type(request, "application/json")
+        raw = await read_body(request, json_limit(request))
+    return raw
 
 
 # A stream silent this long gets an SSE comment: proxies keep it open, and a client with a
@@ -133,3 +147,29 @@ async def handle_chat(
     serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
 ):
     return await _handle(serving, request, route, raw, "chat")
+
+
+async def handle_tokenize(
+    serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
+):
+    """vLLM's /tokenize: a text's or a chat's token ids (``route``: unused, no chain runs)."""
+    raw = await _body(request, raw)
+    body = parse_json(raw, tokenize_request_type(loads_object(raw)))
+    return JSONResponse(await serving.tokenize(body))
+
+
+async def handle_detokenize(
+    serving: OpenAIServing, request: Request, route=None, raw: bytes | None = None
+):
+    """vLLM's /detokenize: the text of token ids."""
+    body = parse_json(await _body(request, raw), DetokenizeRequest)
+    return JSONResponse(await serving.detokenize(body))
+
+
+# What a head answers, by path: the tracker node's in-process entry (``answer``).
+HANDLERS = {
+    "/v1/completions": handle_completions,
+    "/v1/chat/completions": handle_chat,
+    TOKENIZE_PATH: handle_tokenize,
+    DETOKENIZE_PATH: handle_detokenize,
+}

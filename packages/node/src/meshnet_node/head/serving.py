@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from meshnet_common.errors import CapacityExceeded, Draining, InvalidRequest, NotFound
 from meshnet_common.logs import event
@@ -14,6 +15,12 @@ from meshnet_common.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestBounds,
+)
+from meshnet_common.tokenize_protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    tokenize_response,
 )
 from meshnet_node.head import tools
 from meshnet_node.head.chain import GenerationRequest
@@ -30,6 +37,7 @@ RouteProvider = Callable[[str, frozenset[str]], Awaitable[tuple[str, ...]]]
 # Planning a request (tokenizing its prompts, its chat template, compiling its grammar) runs
 # on these threads, never on the event loop, and answers 400 beyond --prepare-timeout.
 PREPARE_THREADS = 2
+T = TypeVar("T")
 
 
 class OpenAIServing:
@@ -64,7 +72,8 @@ class OpenAIServing:
         settings = generator.settings
         # whether clients authenticate with an API key (``routes.client_of`` keys the queue
         # on it; None: as this node's settings say)
-        self.keyed_clients = bool(settings.api_key) if keyed_clients is None else keyed_clients
+        keyed = bool(settings.api_key or settings.api_key_file)
+        self.keyed_clients = keyed if keyed_clients is None else keyed_clients
         self.swarm_token = settings.swarm_token  # the tracker proxying
         self.bounds = RequestBounds(  # what one request may ask (issue #35)
             max_prompts=settings.max_prompts, max_choices=settings.max_choices,
@@ -138,7 +147,9 @@ class OpenAIServing:
             raise InvalidRequest("prompt is empty", param="prompt")
         return out
 
-    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, request: ChatCompletionRequest, *, special: bool = False) -> list[int]:
+        """The chat's token ids; ``special``: its rendered text tokenized with the special
+        tokens a plain prompt gets (vLLM's ``add_special_tokens`` on /tokenize)."""
         messages = [m.for_template() for m in request.messages]
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template", param="messages")
@@ -153,9 +164,11 @@ class OpenAIServing:
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message, tokenize=True,
+                continue_final_message=request.continue_final_message, tokenize=not special,
                 return_dict=False, **kwargs,
             )  # fmt: skip
+            if special:
+                ids = self.tokenizer(ids, add_special_tokens=True).input_ids
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"messages are not valid text: {exc}", param="messages") from exc
         except Exception as exc:  # the template's own checks (jinja raise_exception)
@@ -227,22 +240,77 @@ class OpenAIServing:
         """The generations of ``request``, planned on a thread (the event loop keeps serving
         while prompts are tokenized and a grammar compiles), within ``prepare_timeout_s``."""
         chat = isinstance(request, ChatCompletionRequest)
+        if getattr(request, "tools", None):
+            param = "tools"
+        elif request.response_format is not None:
+            param = "response_format"
+        else:
+            param = "messages" if chat else "prompt"
         plan = self.chat_jobs if chat else self.completion_jobs
-        work = asyncio.get_running_loop().run_in_executor(self._preparing, plan, request)
+        return await self.off_loop(plan, request, param=param)
+
+    async def off_loop(self, work: Callable[..., T], *args, param: str) -> T:
+        """``work(*args)`` on the preparing threads, never on the event loop, within
+        ``prepare_timeout_s`` (beyond: 400 ``request_too_complex`` naming ``param``)."""
+        running = asyncio.get_running_loop().run_in_executor(self._preparing, work, *args)
         try:
-            return await asyncio.wait_for(work, self.prepare_timeout_s)
+            return await asyncio.wait_for(running, self.prepare_timeout_s)
         except TimeoutError:
-            if getattr(request, "tools", None):
-                param = "tools"
-            elif request.response_format is not None:
-                param = "response_format"
-            else:
-                param = "messages" if chat else "prompt"
             raise InvalidRequest(
                 f"preparing the request (tokenizing, chat template, JSON schema) took over "
                 f"{self.prepare_timeout_s:g} s, the limit per request: send fewer or shorter "
                 "prompts or a simpler schema", param=param, code="request_too_complex",
             ) from None  # fmt: skip
+
+    # -- tokenizer endpoints (vLLM's /tokenize and /detokenize) ------------------------------
+
+    async def tokenize(self, request: TokenizeRequest) -> dict:
+        """The token ids a text or a chat becomes here, as vLLM answers /tokenize."""
+        if request.model is not None:
+            self.check_model(request.model)
+        param = "messages" if isinstance(request, TokenizeChatRequest) else "prompt"
+        ids, strs = await self.off_loop(self._tokenize, request, param=param)
+        return tokenize_response(ids, self.context_window, strs)
+
+    def _tokenize(self, request: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        """The ids, and their pieces when asked (on a preparing thread)."""
+        if isinstance(request, TokenizeChatRequest):
+            ids = self._tokenize_chat(request)
+        else:
+            try:
+                ids = self.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens)
+            except (TypeError, ValueError) as exc:  # e.g. lone surrogates from JSON escapes
+                raise InvalidRequest(f"prompt is not valid text: {exc}", param="prompt") from exc
+            ids = list(ids.input_ids)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return ids, strs
+
+    def _tokenize_chat(self, request: TokenizeChatRequest) -> list[int]:
+        chat = ChatCompletionRequest(
+            model=self.model_id, messages=request.messages, tools=request.tools,
+            chat_template_kwargs=request.chat_template_kwargs,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )  # fmt: skip
+        return self._chat_prompt(chat, special=request.add_special_tokens)
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        """The text of token ids, as vLLM answers /detokenize (special tokens included)."""
+        if request.model is not None:
+            self.check_model(request.model)
+        vocab = self.generator.vocab_size
+        bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} is out of vocabulary: ids lie in [0, {vocab})", param="tokens"
+            )
+        return {"prompt": await self.off_loop(self._decode, request.tokens, param="tokens")}
+
+    def _decode(self, ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(ids)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidRequest(f"tokens cannot be decoded: {exc}", param="tokens") from exc
 
     # -- running ---------------------------------------------------------------------------
 

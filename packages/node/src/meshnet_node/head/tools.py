@@ -4,10 +4,13 @@ how calls come back.
 - ``required`` / a named function: the tail's grammar (ADR-0017) forces the output to be the
   call(s) as JSON, ``[{"name": ..., "arguments": {...}}]`` (one object with the arguments for
   a named function), so every call parses and its arguments validate against the function's
-  schema, whatever the model's own tool format (as vLLM does).
-- ``auto``: the model answers freely; calls in the Hermes format most open models use
-  (Qwen2.5/Qwen3, Hermes, ...): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  are parsed out of the text, the rest is content.
+  schema, whatever the model's own tool format (as vLLM does). The schemas are made strict
+  first (``meshnet_node.toolcalls.strict``): no property a schema does not list.
+- ``auto``: the model answers freely; calls in the model's own format, chosen from its chat
+  template (``meshnet_node.toolcalls.formats``: Hermes ``<tool_call>`` blocks, Llama 3 JSON,
+  Mistral ``[TOOL_CALLS]``, gpt-oss harmony, DeepSeek V3), are parsed out of the text, the
+  rest is content.
+- ``parallel_tool_calls: false``: at most one call (``cut_after_call``).
 - ``none``: tools are still shown to the template (as OpenAI), no call is parsed.
 
 A chat template that cannot show tools (no ``tools`` in it, e.g. SmolLM2's) still serves
@@ -20,10 +23,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 
 from meshnet_common.errors import InvalidRequest
-
-HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+from meshnet_node.toolcalls import formats, strict
+from meshnet_node.toolcalls.common import Call, call_from_json, compact, json_end
 
 
 def active(request) -> bool:
@@ -97,29 +101,36 @@ def render(request, messages: list[dict], template: str | None) -> tuple[list[di
 
 
 def call_schema(request) -> dict | None:
-    """The JSON schema the output must follow (None: free output)."""
-    if not active(request):
+    """The JSON schema the output must follow (None: free output). The arguments' schemas
+    are made strict (``meshnet_node.toolcalls.strict``): no properties a schema does not
+    list, free values nested only so deep."""
+    if not forced(request):
         return None
     functions = {t.function.name: t.function for t in request.tools}
     name = forced_name(request)
     if name is not None:
-        return functions[name].parameters or {"type": "object"}
-    if request.tool_choice != "required":
-        return None
-    calls = [
-        {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-         "properties": {"name": {"const": fn.name},
-                        "arguments": fn.parameters or {"type": "object"}}}
-        for fn in functions.values()
-    ]  # fmt: skip
-    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    many = request.parallel_tool_calls is not False
-    return {"type": "array", "items": items, "minItems": 1, **({} if many else {"maxItems": 1})}
+        return strict.strict_arguments(functions[name].parameters)
+    return strict.strict_calls(
+        [(fn.name, fn.parameters) for fn in functions.values()],
+        many=request.parallel_tool_calls is not False,
+    )
 
 
-def compact(value) -> str:
-    """JSON as the grammar writes it (no spaces): streamed and whole replies agree."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+def forced(request) -> bool:
+    """Whether the grammar forces the call (``required`` or a named function)."""
+    return active(request) and (
+        forced_name(request) is not None or request.tool_choice == "required"
+    )
+
+
+def single(request) -> bool:
+    """``parallel_tool_calls: false``: at most one call in a reply."""
+    return request.parallel_tool_calls is False
+
+
+def format_for(tokenizer) -> formats.ToolFormat:
+    """The format ``tokenizer``'s model writes calls in, chosen from its chat template."""
+    return formats.format_for(tokenizer)
 
 
 def _call(name: str, arguments) -> dict:
@@ -128,29 +139,88 @@ def _call(name: str, arguments) -> dict:
             "function": {"name": name, "arguments": text}}  # fmt: skip
 
 
-def parse(request, text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a finished reply."""
+@dataclass(frozen=True)
+class Reply:
+    """A finished reply's content and calls; ``complete``: its calls are all there (the
+    model ended them, or the reply was cut after its last one), not cut by max_tokens."""
+
+    content: str | None
+    calls: list[dict]
+    complete: bool = True
+
+
+def parse(request, text: str, fmt: str = formats.DEFAULT) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a finished reply; ``fmt``: the parser of ``auto`` replies."""
+    reply = parse_reply(request, text, fmt)
+    return reply.content, reply.calls
+
+
+def parse_reply(request, text: str, fmt: str = formats.DEFAULT) -> Reply:
+    """A finished reply's content and calls, and whether they are complete (which makes
+    its finish reason ``tool_calls`` even when generation went on after them)."""
     if not active(request):
-        return text, []
+        return Reply(text, [])
     name = forced_name(request)
-    try:
-        if name is not None:
-            return None, [_call(name, compact(json.loads(text)))]
-        if request.tool_choice == "required":
-            return None, [_call(c["name"], c["arguments"]) for c in json.loads(text)]
-    except (ValueError, KeyError, TypeError):
-        return text, []  # cut by max_tokens: no complete call
-    calls = []
-    for match in HERMES.finditer(text):
+    if name is not None:
         try:
-            call = json.loads(match.group(1))
-            calls.append(_call(call["name"], call.get("arguments", {})))
-        except (ValueError, KeyError, TypeError):
-            continue
+            return Reply(None, [_call(name, compact(json.loads(text)))])
+        except ValueError:
+            return Reply(text, [], complete=False)  # cut by max_tokens: no complete call
+    if request.tool_choice == "required":
+        calls, complete = required_calls(text)
+        if not calls:
+            return Reply(text, [], complete=False)
+        return Reply(None, [_call(c.name, c.arguments) for c in calls], complete)
+    parser = formats.new_parser(fmt)
+    pieces = cut_after_call(request, [*parser.feed(text), *parser.finish()])
+    calls = [_call(p.name, p.arguments) for p in pieces if isinstance(p, Call)]
     if not calls:
-        return text, []
-    content = HERMES.sub("", text).strip()
-    return content or None, calls
+        return Reply(text, [])
+    content = "".join(p for p in pieces if isinstance(p, str)).strip()
+    return Reply(content or None, calls, complete=single(request))
+
+
+def required_calls(text: str) -> tuple[list[Call], bool]:
+    """The complete calls of a ``required`` reply, ``[{"name":...,"arguments":{...}},...]``,
+    and whether the list is complete.
+
+    A call that repeats an earlier one of the reply verbatim ends the list: the model is
+    looping (small models at temperature 0 write the same call until max_tokens, and the
+    grammar cannot forbid repeats: llguidance has no ``uniqueItems``), and the same call
+    twice brings the same answer. A list cut by max_tokens keeps its complete calls."""
+    calls: list[Call] = []
+    at = text.find("[") + 1
+    if not at:
+        return calls, False
+    while True:
+        while at < len(text) and text[at] in ", \n":
+            at += 1
+        if text.startswith("]", at):
+            return calls, True
+        end = json_end(text, at) if text.startswith("{", at) else None
+        call = call_from_json(text[at:end]) if end is not None else None
+        if call is None:
+            return calls, False
+        if call in calls:
+            return calls, True
+        calls.append(call)
+        at = end
+
+
+def cut_after_call(request, pieces: list) -> list:
+    """With ``parallel_tool_calls: false``, the reply ends at its first call.
+
+    ``auto`` output is free (no grammar: the model writes calls in its own format), so the
+    one-call rule is kept by cutting the answer, as vLLM does: the content before the first
+    call and that call are the reply; what the model wrote after it is dropped (a stream
+    ends there, and stops the generation; see ``ToolStream.cut``). ``required`` is held to
+    one call by its grammar (``maxItems: 1``), a named function always makes one."""
+    if not single(request):
+        return pieces
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, Call):
+            return pieces[: i + 1]
+    return pieces
 
 
 class ToolStream:
@@ -159,18 +229,28 @@ class ToolStream:
 
     The forced forms are compact JSON the grammar fixes (a named function's arguments object;
     for ``required``, ``[{"name":...,"arguments":{...}},...]``), so they are cut as they come.
-    ``auto``: text is content until a ``<tool_call>`` opens; each block is sent as one call
-    when it closes."""
+    ``auto``: the model's own format (``fmt``, ``meshnet_node.toolcalls``): text is content
+    until a call begins; each call is sent whole (id, name and arguments) when it is
+    complete. With ``parallel_tool_calls: false`` the reply ends at its first call: ``cut``
+    turns true, and nothing more is sent."""
 
-    def __init__(self, request) -> None:
+    def __init__(self, request, fmt: str = formats.DEFAULT) -> None:
         self.request = request
         self.name = forced_name(request)
         self.mode = "named" if self.name else request.tool_choice or "auto"
+        self.parser = formats.new_parser(fmt) if self.mode == "auto" else None
+        self.single = single(request)
+        # the reply ends here: its one call is out (parallel_tool_calls: false), or (required)
+        # the model began repeating a call
+        self.cut = False
         self.buffer = ""  # text not sent yet
         self.calls = 0  # tool calls started
         self.depth = 0  # brace depth inside an arguments object (required)
         self.in_string = self.escaped = False
         self.state = "start"
+        self.held: list[dict] = []  # deltas of a required call that may be a repeat
+        self.current = ""  # that call so far (name, NUL, arguments)
+        self.made: set[str] = set()  # the calls made, so
 
     def _start(self, name: str) -> dict:
         delta = {"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -194,7 +274,7 @@ class ToolStream:
     def _feed_required(self, text: str) -> list[dict]:
         out: list[dict] = []
         self.buffer += text
-        while self.buffer:
+        while self.buffer and not self.cut:
             if self.state in ("start", "between"):
                 if self.state == "between":  # the call object's own brace may come late
                     self.buffer = self.buffer.lstrip("}")
@@ -205,17 +285,34 @@ class ToolStream:
                     if self.buffer.startswith("]") or len(self.buffer) > 200:
                         self.buffer = ""
                     break  # wait for the rest of the call's head
-                out.append({"tool_calls": [self._start(match.group(1))]})
+                self.held = [{"tool_calls": [self._start(match.group(1))]}]
+                self.current = match.group(1) + "\0"
                 self.buffer = self.buffer[match.end() :]
                 self.state, self.depth = "args", 0
             elif self.state == "args":
                 piece, end = self._scan_args()
                 if piece:
-                    out.append({"tool_calls": [self._args(self.calls - 1, piece)]})
+                    self.held.append({"tool_calls": [self._args(self.calls - 1, piece)]})
+                    self.current += piece
                 if end is None:
+                    out += self._release()
                     break
                 self.buffer = self.buffer[end:]
                 self.state = "between"
+                if self.current in self.made:  # a verbatim repeat: the model loops
+                    self.held, self.cut = [], True  # (``required_calls``): the reply ends
+                    self.calls -= 1
+                    break
+                self.made.add(self.current)
+                out += self._release(done=True)
+        return out
+
+    def _release(self, done: bool = False) -> list[dict]:
+        """The held deltas of the call being written, once it differs from every earlier
+        call (until then it may turn out a repeat, which is never sent)."""
+        if not done and any(made.startswith(self.current) for made in self.made):
+            return []
+        out, self.held = self.held, []
         return out
 
     def _scan_args(self) -> tuple[str, int | None]:
@@ -241,42 +338,25 @@ class ToolStream:
         return piece, None
 
     def _feed_auto(self, text: str) -> list[dict]:
-        self.buffer += text
+        return self._deltas(self.parser.feed(text))
+
+    def _deltas(self, pieces: list) -> list[dict]:
         out: list[dict] = []
-        while True:
-            start = self.buffer.find("<tool_call>")
-            if start == -1:
-                keep = _open_prefix(self.buffer, "<tool_call>")
-                content = self.buffer[: len(self.buffer) - keep]
-                self.buffer = self.buffer[len(self.buffer) - keep :]
-                if content:
-                    out.append({"content": content})
-                return out
-            if start:
-                out.append({"content": self.buffer[:start]})
-                self.buffer = self.buffer[start:]
-            match = HERMES.match(self.buffer)
-            if match is None:
-                return out  # the block is still open
-            try:
-                call = json.loads(match.group(1))
-                first = self._start(call["name"])
-                first["function"]["arguments"] = compact(call.get("arguments", {}))
+        for piece in pieces:
+            if self.cut:
+                break
+            if isinstance(piece, Call):
+                first = self._start(piece.name)
+                first["function"]["arguments"] = piece.arguments
                 out.append({"tool_calls": [first]})
-            except (ValueError, KeyError, TypeError):
-                out.append({"content": match.group(0)})
-            self.buffer = self.buffer[match.end() :]
+                self.cut = self.single
+            elif piece:
+                out.append({"content": piece})
+        return out
 
     def finish(self) -> list[dict]:
-        """What is left when the reply ends (an unclosed block is content)."""
-        left, self.buffer = self.buffer, ""
-        if self.mode == "auto" and left:
-            return [{"content": left}]
-        return []
-
-
-def _open_prefix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+        """What is left when the reply ends (``auto``: an unfinished call is content)."""
+        self.buffer = ""
+        if self.parser is None or self.cut:
+            return []
+        return self._deltas(self.parser.finish())

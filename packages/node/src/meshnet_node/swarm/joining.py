@@ -4,6 +4,7 @@ announcement made while the shard loads."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -12,11 +13,17 @@ from pathlib import Path
 import httpx
 import psutil
 
-from meshnet_common.errors import NotFound
+from meshnet_common.errors import ModelError, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_index import is_gguf
+from meshnet_common.models.hub.cache import (
+    COMMIT,
+    cached_revisions,
+    cached_snapshot,
+    missing_files,
+)
 from meshnet_common.models.models_dir import resolve_snapshot, scan_models_dir
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
@@ -33,15 +40,22 @@ from meshnet_common.web.auth import swarm_headers
 from meshnet_node.engine.preflight import resolve_device
 from meshnet_node.retry import Clock, RetryPolicy
 from meshnet_node.settings import NodeSettings
-from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
+from meshnet_node.swarm import FetchError
+from meshnet_node.swarm.fetch import Trust, fetch_shard_counted, trusted_manifest
 from meshnet_node.swarm.host_memory import Offer
+from meshnet_node.swarm.hub import check_against, hub_view
 from meshnet_node.swarm.membership import Membership, RegistrationRefused, error_message
 
 logger = logging.getLogger(__name__)
 
+_SAFE_REVISION = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a revision as a folder name
 
-def local_snapshot(settings: NodeSettings, model_id: str) -> Path | None:
-    """The snapshot on this machine (--model-path, else --models-dir), or None."""
+
+def local_snapshot(
+    settings: NodeSettings, model_id: str, layers: LayerRange | None = None
+) -> Path | None:
+    """The snapshot on this machine (--model-path, else --models-dir, else, with neither
+    given, the standard HF cache's copy of ``layers`` at the swarm's revision), or None."""
     if settings.model_path:
         path = Path(settings.model_path)
         if is_gguf(path):
@@ -54,7 +68,86 @@ def local_snapshot(settings: NodeSettings, model_id: str) -> Path | None:
             return resolve_snapshot(settings.models_dir, model_id)
         except NotFound:
             return None
+    if layers is not None:
+        return hub_cache_shard(settings, model_id, layers)
     return None
+
+
+def hub_cache_shard(settings: NodeSettings, model_id: str, layers: LayerRange) -> Path | None:
+    """The HF cache's copy of ``layers`` (``hf download``, vLLM, ``meshnet-models
+    download``): its snapshot when it holds every file, else a view of the files it holds
+    when they cover the range; None when it holds no such revision or not the range's files.
+
+    The revision is the swarm's: ``--revision`` (default main), unless the tracker's signed
+    manifest names another commit, which wins (a ``--revision`` commit that differs is an
+    error); a tracker whose revision is no commit (a models dir) must see the same bytes:
+    the range's tensors are hashed against its manifest. Two revisions never mix."""
+    asked = settings.revision
+    try:
+        snapshot = cached_snapshot(model_id, asked)
+        if snapshot is None and (asked is not None or not cached_revisions(model_id)):
+            return None  # not here: fetched
+        expected = _tracker_manifest(settings, model_id, layers)
+        served = str((expected or {}).get("revision", ""))
+        if COMMIT.fullmatch(served) and (snapshot is None or snapshot.name != served):
+            if asked is not None:
+                raise ValueError(
+                    f"--revision {asked} of {model_id} is commit {snapshot.name} in the HF "
+                    f"cache, but the swarm serves commit {served}"
+                )
+            snapshot = cached_snapshot(model_id, served)  # e.g. downloaded by its commit
+        if snapshot is None:
+            logger.info("the HF cache holds no revision of %s the swarm serves", model_id)
+            return None
+        if not missing_files(snapshot):
+            path = snapshot
+        elif not missing_files(snapshot, layers):
+            path = hub_view(snapshot, settings.cache_dir, model_id, layers)
+        else:
+            logger.info("the HF cache's %s lacks files of layers %s", model_id, layers)
+            return None
+    except (ModelError, OSError) as exc:  # no huggingface_hub, an unreadable cache
+        logger.info("HF cache not used: %s", exc)
+        return None
+    if expected is not None and not COMMIT.fullmatch(served):
+        try:
+            check_against(path, model_id, layers, expected)
+        except FetchError as exc:
+            logger.info("HF cache not used: %s", exc)
+            return None
+    logger.info("%s layers %s from the HF cache: %s", model_id, layers, snapshot)
+    return path
+
+
+def _tracker_manifest(settings: NodeSettings, model_id: str, layers: LayerRange) -> dict | None:
+    """The tracker's signed manifest of the range; None without a tracker, or when it has
+    none (a model only nodes bring)."""
+    if not settings.tracker_url:
+        return None
+    try:
+        return trusted_manifest(model_id, layers, _trust(settings))
+    except FetchError as exc:
+        logger.info("no manifest of %s layers %s from the tracker (%s)", model_id, layers, exc)
+        return None
+
+
+def _trust(settings: NodeSettings, identity: Identity | None = None) -> Trust:
+    return Trust(
+        tracker=settings.tracker_url,
+        tracker_key=settings.tracker_key,
+        swarm_token=settings.swarm_token,
+        identity=identity,
+    )
+
+
+def revision_cache_dir(settings: NodeSettings, model_id: str, layers: LayerRange) -> Path:
+    """Where fetched shards of the tracker's revision are kept: ``--cache-dir/revisions/REV``
+    (the shards of each revision apart: one never replaces or mixes with another's);
+    ``--cache-dir`` itself when no tracker names the revision."""
+    revision = str((_tracker_manifest(settings, model_id, layers) or {}).get("revision", ""))
+    if not _SAFE_REVISION.fullmatch(revision) or revision.strip(".") == "":
+        return settings.cache_dir
+    return Path(settings.cache_dir) / "revisions" / revision
 
 
 def _holds_gguf(folder: Path) -> bool:
@@ -70,8 +163,10 @@ def resolve_model_path(
     local: Path | None = None,
     identity: Identity | None = None,
 ) -> Path:
-    """A local snapshot (--model-path / --models-dir), else the shard fetched from sources
-    (the downloads signed by ``identity`` once the tracker certified it: docs/adr/0032)."""
+    """A local snapshot (``local``: what ``local_snapshot`` found, the HF cache included;
+    else --model-path / --models-dir), else the shard fetched from sources into the
+    revision's folder of --cache-dir (the downloads signed by ``identity`` once the tracker
+    certified it: docs/adr/0032)."""
     local = local or local_snapshot(settings, model_id)
     if local is not None:
         return local
@@ -79,18 +174,12 @@ def resolve_model_path(
     sources = (*settings.shard_sources, *(sources or tracker))
     if not sources:
         raise ValueError(f"no local snapshot of {model_id} and no tracker to fetch it from")
-    trust = Trust(
-        tracker=settings.tracker_url,
-        tracker_key=settings.tracker_key,
-        swarm_token=settings.swarm_token,
-        identity=identity,
-    )
     return fetch_shard_counted(
         model_id,
         layers,
         sources,
-        settings.cache_dir,
-        trust=trust,
+        revision_cache_dir(settings, model_id, layers),
+        trust=_trust(settings, identity),
         metrics=metrics or Metrics(),
         revision=settings.revision,
     )

@@ -1,4 +1,5 @@
-"""Public tracker routes: health, coverage, models, and the OpenAI entry point."""
+"""Public tracker routes: health, readiness, version, coverage, models, and the OpenAI entry
+point (with vLLM's /tokenize and /detokenize, answered by a head)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,24 @@ import logging
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
+from meshnet_common.config.cli import package_version
 from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.logs import event
+from meshnet_common.tokenize_protocol import DETOKENIZE_PATH, TOKENIZE_PATH
 from meshnet_common.trust.manifest_keys import ALGORITHM, KEY_PATH
 from meshnet_common.web.hosts import server_url
-from meshnet_common.web.http import check_content_type, json_limit, loads_object, read_body
-from meshnet_tracker.affinity import prefix_key
+from meshnet_common.web.http import (
+    check_content_type,
+    error_body,
+    json_limit,
+    loads_object,
+    read_body,
+)
 from meshnet_tracker.heads import Head, RemoteHead
+from meshnet_tracker.routing import prefix_key
 from meshnet_tracker.state import TrackerState
 
 logger = logging.getLogger(__name__)
@@ -33,6 +42,21 @@ def public_router() -> APIRouter:
     async def health(request: Request):
         state = _state(request)
         return {"status": "ok", "nodes": len(state.registry.records())}
+
+    @router.get("/ready")
+    async def ready(request: Request):
+        """Readiness (``/health`` is liveness): some model is covered end to end."""
+        covered = _covered(_state(request))
+        if covered:
+            return {"ready": True, "models": covered}
+        request.state.error_code = "not_ready"  # for meshnet_errors_total
+        message = "no model is covered end to end yet: nodes are joining or loading"
+        body = error_body(message, "service_unavailable", code="not_ready")
+        return JSONResponse(body, status_code=503)
+
+    @router.get("/version")
+    async def version():
+        return {"version": package_version("meshnet-tracker")}
 
     @router.get(KEY_PATH)
     async def manifest_key(request: Request):
@@ -78,7 +102,36 @@ def public_router() -> APIRouter:
     async def chat(request: Request):
         return await _entry(request, "/v1/chat/completions")
 
+    @router.post(TOKENIZE_PATH)
+    async def tokenize(request: Request):
+        return await _entry(request, TOKENIZE_PATH)
+
+    @router.post(DETOKENIZE_PATH)
+    async def detokenize(request: Request):
+        return await _entry(request, DETOKENIZE_PATH)
+
     return router
+
+
+def _covered(state: TrackerState) -> list[str]:
+    """The models every layer of which a serving node holds."""
+    return [m.model_id for m in state.registry.coverage().values() if m.covered]
+
+
+def _model_of(state: TrackerState, payload: dict, generates: bool) -> str:
+    """The model id a request names; the tokenizer endpoints may name none (as in vLLM):
+    then the one model this tracker serves."""
+    name = payload.get("model")
+    if name is None and not generates:
+        known = list(state.registry.coverage())
+        served = _covered(state) or known
+        if len(served) == 1:
+            return served[0]
+        which = f"this tracker serves {', '.join(served)}" if served else "no model is served"
+        raise InvalidRequest(f"model is required: {which}", param="model")
+    if not isinstance(name, str):
+        raise InvalidRequest("model is required", param="model")
+    return state.resolve_model(name)  # a served name, or the id itself
 
 
 async def _entry(request: Request, path: str) -> Response:
@@ -87,11 +140,10 @@ async def _entry(request: Request, path: str) -> Response:
     check_content_type(request, "application/json")
     body = await read_body(request, json_limit(request))
     payload = loads_object(body)
-    name = payload.get("model")
-    if not isinstance(name, str):
-        raise InvalidRequest("model is required", param="model")
-    model_id = state.resolve_model(name)  # a served name, or the id itself
-    prefix = prefix_key(model_id, payload)  # its chain holds the prompt's blocks (ADR-0035)
+    generates = path.startswith("/v1/")  # not the tokenizer endpoints: no chain runs
+    model_id = _model_of(state, payload, generates)
+    # its chain holds the prompt's blocks (ADR-0035)
+    prefix = prefix_key(model_id, payload) if generates else None
 
     async def route():
         return state.route(model_id, prefix=prefix)
@@ -100,12 +152,13 @@ async def _entry(request: Request, path: str) -> Response:
     # the request: ask again for up to --coverage-wait (docs/adr/0023).
     hops = await wait_for_coverage(route, wait_s=state.settings.coverage_wait_s,
                                    clock=time.monotonic, sleep=asyncio.sleep)  # fmt: skip
-    state.demand[model_id] += 1
     # Never the client's Host header: it would become a hop of the route (docs/adr/0032).
     own = state.settings.advertise_url or server_url(request.scope)
     rest = tuple(state.hop_url(h, own.rstrip("/")) for h in hops[1:])
-    state.affinity.remember(prefix, tuple((h.node.node_id, h.node.layers, h.start_layer)
-                                          for h in hops))  # fmt: skip
+    if generates:
+        state.demand[model_id] += 1
+        state.affinity.remember(prefix, tuple((h.node.node_id, h.node.layers, h.start_layer)
+                                              for h in hops))  # fmt: skip
     head = hops[0].node
     event(
         logger, logging.INFO, "request routed", path=path, model=model_id, head=head.node_id,
