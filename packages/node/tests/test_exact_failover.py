@@ -351,6 +351,17 @@ def test_a_seeded_sampled_request_with_guess_steps_gives_the_text_without_them(s
     # of this test alone, 111 and 15 of them did.
 
 
+def probed_in_process(swarm) -> None:
+    """bf16 only, every hop alive, and the head's prefix probes (docs/adr/0035) routed to
+    the in-process hops."""
+    bf16_only(swarm)
+    generator = swarm.head.openai.generator
+    generator.passes.prefixes.client.client = httpx.AsyncClient(transport=swarm.hops)
+    swarm.hops.dead.clear()
+    swarm.hops.die_after.clear()
+    generator.failover.bans.lift(A)
+
+
 def bf16_only(swarm) -> None:
     """int4 prompts: a pass of many rows dequantizes for a GEMM, a short one runs the packed
     kernel (ADR-0031), so a prompt's rows depend on how its chunks merged on a hop, which
@@ -363,12 +374,7 @@ def test_a_session_started_after_cached_blocks_fails_over_exactly(swarm):
     """The prefix cache (docs/adr/0035): a prompt that starts after blocks its chain holds
     loses a hop mid-decode; the replay on the other replica (which holds none of them)
     computes the whole prompt, and the text is the undisturbed run's."""
-    bf16_only(swarm)
-    generator = swarm.head.openai.generator
-    generator.passes.prefixes.client.client = httpx.AsyncClient(transport=swarm.hops)
-    swarm.hops.dead.clear()
-    swarm.hops.die_after.clear()
-    generator.failover.bans.lift(A)
+    probed_in_process(swarm)
     first = [(i * 53) % 190 + 5 for i in range(300)]
     complete(swarm, first, 4)  # leaves its 2 blocks on the head, mid-a and the tail
     prompt = first + [(i * 11) % 190 + 5 for i in range(100)]
@@ -385,12 +391,7 @@ def test_a_session_started_after_cached_blocks_fails_over_exactly(swarm):
 
 def test_a_request_scoring_its_prompt_computes_it_all(swarm):
     """``echo`` with ``logprobs`` needs every prompt row: no cached block is used."""
-    bf16_only(swarm)
-    generator = swarm.head.openai.generator
-    generator.passes.prefixes.client.client = httpx.AsyncClient(transport=swarm.hops)
-    swarm.hops.dead.clear()
-    swarm.hops.die_after.clear()
-    generator.failover.bans.lift(A)
+    probed_in_process(swarm)
     prompt = [(i * 29) % 190 + 5 for i in range(300)]
     body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 2, **GREEDY}
     swarm.http.post("/v1/completions", json=body)  # leaves its blocks

@@ -22,14 +22,11 @@ from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import INDEX_FILE, CheckpointIndex
+from meshnet_common.models.hub.download import IGNORE_PATTERNS as HUB_IGNORE_PATTERNS
+from meshnet_common.models.hub.download import SNAPSHOT_PATTERNS as HUB_SNAPSHOT_PATTERNS
 from meshnet_node.swarm import FetchError
 from meshnet_node.swarm.fetch import fetch_shard, fetch_shard_counted
-from meshnet_node.swarm.hub import (
-    HUB_IGNORE_PATTERNS,
-    HUB_SNAPSHOT_PATTERNS,
-    check_against,
-    fetch_from_hub,
-)
+from meshnet_node.swarm.hub import check_against, fetch_from_hub
 
 MODEL = "acme/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

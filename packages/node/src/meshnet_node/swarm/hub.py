@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -26,25 +25,17 @@ from meshnet_common.models.checkpoint import (
     num_layers_of,
     read_config,
 )
+from meshnet_common.models.hub.cache import COMMIT
+from meshnet_common.models.hub.download import (
+    IGNORE_PATTERNS,
+    SMALL_FILE_PATTERNS,
+    SNAPSHOT_PATTERNS,
+)
 from meshnet_common.models.models_dir import validate_model_id
 from meshnet_common.models.shardfiles import ShardSource
 from meshnet_node.swarm import FetchError
 
 logger = logging.getLogger(__name__)
-
-# Hub files a node loads besides weights: config, tokenizer (incl. sentencepiece), template.
-HUB_SMALL_FILE_PATTERNS = ("*.json", "*.txt", "*.jinja", "tokenizer*", "*.model")
-# A full snapshot fetches the safetensors weights and those small files, nothing else.
-HUB_SNAPSHOT_PATTERNS = ("*.safetensors", *HUB_SMALL_FILE_PATTERNS)
-# Other formats and duplicate checkpoints (original/, consolidated.*) no node loads; ``*/*``
-# drops every subfolder (onnx/, original/, ...) since patterns' ``*`` also matches "/".
-HUB_IGNORE_PATTERNS = (
-    "original/*", "*.gguf", "*.bin", "*.pth", "*.pt", "*.onnx", "*.msgpack", "*.h5",
-    "consolidated*", "*/*",
-)  # fmt: skip
-
-
-COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub revision that cannot move
 
 
 def _hub_files_for(index_file: Path, config_file: Path, layers: LayerRange) -> list[str]:
@@ -123,20 +114,20 @@ def fetch_from_hub(
             return Path(
                 snapshot_download(
                     model_id,
-                    allow_patterns=list(HUB_SNAPSHOT_PATTERNS),
-                    ignore_patterns=list(HUB_IGNORE_PATTERNS),
+                    allow_patterns=list(SNAPSHOT_PATTERNS),
+                    ignore_patterns=list(IGNORE_PATTERNS),
                     **where,
                 )
             )
         except Exception as exc:  # noqa: BLE001
             raise FetchError(f"HF hub: {exc}") from exc
-    ignore = list(HUB_IGNORE_PATTERNS)
+    ignore = list(IGNORE_PATTERNS)
     if any("/" in name for name in wanted):  # weights in a subfolder: keep that folder
         ignore.remove("*/*")
     logger.info("fetching %s layers %s from the HF hub: %s", model_id, layers, ", ".join(wanted))
     try:
         snapshot = snapshot_download(
-            model_id, allow_patterns=[*wanted, *HUB_SMALL_FILE_PATTERNS], ignore_patterns=ignore,
+            model_id, allow_patterns=[*wanted, *SMALL_FILE_PATTERNS], ignore_patterns=ignore,
             **where,
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001
