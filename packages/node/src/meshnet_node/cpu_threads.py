@@ -5,8 +5,8 @@ others wait for the network. A node keeps torch's thread count (``--threads`` se
 says at start how many other meshnet nodes claim memory on its host (``HostClaims``), so
 that an operator sees the sharing. Measured on a 2-core AMD EPYC (Zen 4), SmolLM2 over 3
 processes: neither shortening OpenMP's active wait (``GOMP_SPINCOUNT``) nor one thread per
-node brought decode above ~0.6 of one process using both cores; a node's own decode
-compute is the larger gap there (docs/adr/0036).
+node brought decode above ~0.6 of one process using both cores: the nodes' compute is
+~40% slower in the swarm than the same layers in one process (docs/adr/0036).
 """
 
 from __future__ import annotations
