@@ -16,6 +16,8 @@ import httpx
 import pytest
 from swarm_harness import Swarm, covered, wait_for
 
+from meshnet_common.config.openmp import SPIN_ROUNDS
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LLAMA = "meshnet-tiny/llama"  # 6 layers
@@ -107,6 +109,9 @@ def test_the_tracker_node_busy_with_slow_steps_keeps_its_nodes(swarm):
         assert replica_id in nodes_of(tracker), "the tracker dropped a node while computing"
         time.sleep(0.1)
     assert "missed" not in tracker.log()
+    # what each process computes with (docs/adr/0036)
+    assert "tracker node: computing with" in tracker.log()
+    assert f"spin {SPIN_ROUNDS} rounds" in tracker.log() and "computing with" in replica.log()
 
 
 def test_a_node_bound_to_every_interface_advertises_a_reachable_address(swarm):

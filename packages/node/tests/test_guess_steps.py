@@ -15,10 +15,11 @@ from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_GUESS, H_IDS, H_POSITION, H_SAMPLE, H_SESSION
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_common.wire import encode_tensor
+from meshnet_node.dataplane.batching import micro_batches
 from meshnet_node.dataplane.steps import Step, parse_step, stale_guess
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
-from meshnet_node.speculation.guessing import GuessFlight
+from meshnet_node.speculation.guessing import GuessFlight, guess_depth
 
 
 def _stages(snapshot) -> list[Stage]:
@@ -139,3 +140,19 @@ def test_a_flight_counts_the_tokens_of_each_traversal_waited_for():
     done = [flight.traversal(fresh) for fresh in (True, False, False, True, True, False)]
     assert done == [0, 0, 0, 3, 1, 0]
     assert flight.finish() == 2 and flight.finish() == 0
+
+
+def test_steps_in_flight_leave_stages_that_share_the_cores_their_turns():
+    """Over fast links, stages on this host's cores get one step each that can compute at
+    once; stages elsewhere, or slow links, keep every step asked for (docs/adr/0036)."""
+    local = ("http://127.0.0.1:9001", "http://127.0.0.1:9002")
+    far = ("http://10.0.0.2:9001", "http://10.0.0.3:9002")
+
+    def depth(route, threads, cpus, slow=False):
+        return guess_depth(4, len(route) + 1, micro_batches(route, threads, cpus), slow)
+
+    assert depth(local, threads=2, cpus=2) == 1  # three stages take turns on two cores
+    assert depth(local, threads=1, cpus=2) == 2
+    assert depth(local, threads=2, cpus=2, slow=True) == 4  # stages wait for the network
+    assert depth(far, threads=2, cpus=2) == 4  # three machines: each stage computes apart
+    assert depth(local, threads=1, cpus=8) == 4

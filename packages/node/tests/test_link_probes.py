@@ -108,3 +108,19 @@ def test_an_unreachable_or_unnamed_hop_is_forgotten(probing_node):
     node.set_probe_urls(())
     probe(node, 1)
     assert node.rtt_ms == {} and node.rtt_samples == {}
+
+
+def test_a_link_never_probed_is_timed_once_for_steps_in_flight(probing_node):
+    # Guess steps ask before the first probe (a route that just formed): one round trip is
+    # timed then and kept, apart from the probes' figures that direct answers follow.
+    node = probing_node([2, 30])
+    assert asyncio.run(node.slow(HOP)) is False
+    assert asyncio.run(node.slow(HOP)) is False  # kept: no second request
+    assert node.first_ms == {HOP: pytest.approx(2)} and node.direct_pays(HOP)
+    probe(node, 1)  # then the probes decide
+    assert asyncio.run(node.slow(HOP)) is True and node.direct_pays(HOP)
+
+
+def test_an_unreachable_link_counts_as_slow(probing_node):
+    node = probing_node([None])
+    assert asyncio.run(node.slow(HOP)) is True and node.first_ms == {}

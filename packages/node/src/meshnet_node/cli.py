@@ -5,9 +5,11 @@ argument errors answer at once; the start-up itself is ``meshnet_node.launch``."
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from meshnet_common.config.cli import FlagParser, add_version_flag
+from meshnet_common.config.openmp import short_spin
 from meshnet_node.settings import NodeSettings
 
 PROG = "meshnet-node"
@@ -44,10 +46,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = NodeSettings.from_args(args)
     except ValueError as exc:  # a bad env value: one line, as a bad flag
         parser.error(str(exc))
+    spin = short_spin(os.environ)  # before torch loads (docs/adr/0036)
     try:
         from meshnet_node.launch import launch
 
-        launch(settings)
+        launch(settings, spin)
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
         raise SystemExit(130) from None
 

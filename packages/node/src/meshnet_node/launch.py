@@ -54,8 +54,9 @@ def expected_precision(
     return settings.precision_for(None)
 
 
-def launch(settings: NodeSettings) -> None:
-    """Start a node from its settings; one error line and a non-zero exit on failure."""
+def launch(settings: NodeSettings, spin: str = "") -> None:
+    """Start a node from its settings; one error line and a non-zero exit on failure.
+    ``spin``: how OpenMP waits in this process (``meshnet_common.config.openmp``), logged."""
     setup_logging(settings.log_level, settings.log_format)
     if settings.model_id is not None:  # ORG/NAME@REV: the id, and --revision
         try:
@@ -97,8 +98,7 @@ def launch(settings: NodeSettings) -> None:
             "listening on every interface: the tracker tells which address it reaches this "
             "node at (--advertise-url sets it)"
         )
-    import torch
-
+    from meshnet_node.cpu_threads import dedicate
     from meshnet_node.cpu_threads import describe as describe_threads
     from meshnet_node.dataplane.stream_server import max_message_bytes
     from meshnet_node.runtime import bind_url, build_runtime, create_app
@@ -168,7 +168,8 @@ def launch(settings: NodeSettings) -> None:
         runtime = build_runtime(
             settings, metrics=metrics, membership=membership, memory_declared_bytes=declared
         )
-        logger.info("%s", describe_threads(torch.get_num_threads(), offer.others))
+        threads = dedicate(runtime.service.compute_thread, settings.threads)
+        logger.info("%s", describe_threads(threads, offer.others, spin))
     except (MeshnetError, ValueError, OSError) as exc:
         if membership is not None:
             membership.stop(node_id=node_id)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from meshnet_common.config.cli import FlagParser, add_version_flag, fail, setup_logging
+from meshnet_common.config.openmp import short_spin
 from meshnet_common.config.shard import check_advertise_url, check_exposure, check_range
 from meshnet_common.errors import MeshnetError
 from meshnet_common.models.checkpoint import CheckpointIndex
@@ -60,6 +62,7 @@ def _main(argv: Sequence[str] | None) -> None:
     except ValueError as exc:  # a bad env value: one line, as a bad flag
         parser.error(str(exc))
     setup_logging(settings.log_level, settings.log_format)
+    spin = short_spin(os.environ)  # before torch loads (docs/adr/0036)
     check_api_key_file(PROG, settings.api_key_file)  # one line and exit 2 when it is no use
     models_dir = settings.models_dir
     if models_dir is not None and not models_dir.is_dir():  # before the slow imports
@@ -107,7 +110,7 @@ def _main(argv: Sequence[str] | None) -> None:
                     f"serving layers in the tracker needs the node package ({exc.name} is "
                     "missing): pip install 'meshnet-tracker[node]'"
                 ) from exc
-            node = TrackerNode.build(settings, snapshot, url)
+            node = TrackerNode.build(settings, snapshot, url, spin)
         app = create_app(settings, node)
         if snapshot is not None and models_dir is None:  # the model came from the HF cache
             from meshnet_common.web.shards import ShardServer, one_model

@@ -7,6 +7,7 @@ torch. It implements ``heads.LocalNode``: the tracker routes through its own cov
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from fastapi import Request
@@ -14,6 +15,7 @@ from fastapi.responses import Response
 
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import Heartbeat, NodeAnnouncement, Verdict
+from meshnet_node.cpu_threads import dedicate, describe
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.stream_server import max_message_bytes
 from meshnet_node.head.routes import HANDLERS
@@ -29,6 +31,7 @@ from meshnet_node.verification.verifier import Replica
 from meshnet_tracker.settings import TrackerSettings
 
 NODE_ID = "tracker-node"
+logger = logging.getLogger(__name__)
 
 
 class TrackerNode:
@@ -40,14 +43,20 @@ class TrackerNode:
         self._audits = 0  # verdicts its audits reported (each counts: ``report``)
 
     @classmethod
-    def build(cls, tracker: TrackerSettings, snapshot: Path, url: str) -> TrackerNode:
-        """Load ``[0, --shard-end)`` of the snapshot with the tracker's shard knobs."""
+    def build(
+        cls, tracker: TrackerSettings, snapshot: Path, url: str, spin: str = ""
+    ) -> TrackerNode:
+        """Load ``[0, --shard-end)`` of the snapshot with the tracker's shard knobs (once per
+        process: its compute thread gets the process's torch threads; ``spin``: how OpenMP
+        waits here, logged with them)."""
         node = cls()
         settings = NodeSettings.exactly(  # the tracker's env is not a node's (no --tracker)
             **tracker.shard_values(), model_path=snapshot, host=tracker.host,
             port=tracker.port, advertise_url=url, node_id=NODE_ID,
         )  # fmt: skip
         node.runtime = build_runtime(settings, route_provider=node._routes, view=node)
+        threads = dedicate(node.runtime.service.compute_thread, settings.threads)
+        logger.info("tracker node: %s", describe(threads, 0, spin))
         return node
 
     @classmethod

@@ -189,7 +189,8 @@ class ShardSettings(ServiceSettings):
     )  # fmt: skip
     inline_decode: bool = knob(
         True, "run a lone decode step on the event loop's thread (no thread hand-off) while "
-        "decode steps take under --inline-decode-max-ms", group=DATA, action="bool",
+        "decode steps take under --inline-decode-max-ms; only with --threads 1 (with more, "
+        "the compute thread alone computes with them)", group=DATA, action="bool",
     )  # fmt: skip
     inline_decode_max_ms: float = knob(
         250.0, "longest decode step run on the event loop's thread; slower shards always use "

@@ -33,7 +33,8 @@ class ComputeThread:
 
     A decode step runs on the loop's thread only while steps are known to be short
     (``inline_max_s``): a long one there would stall /health, heartbeats' I/O and every other
-    connection (``--inline-decode``, ``--inline-decode-max-ms``)."""
+    connection (``--inline-decode``, ``--inline-decode-max-ms``); and in a node process only
+    with one torch thread (``cpu_threads.dedicate``)."""
 
     def __init__(
         self, *, inline_decode: bool, inline_max_s: float,
@@ -41,6 +42,7 @@ class ComputeThread:
     ) -> None:  # fmt: skip
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.inline_decode = inline_decode
+        self.threads: int | None = None  # torch threads it computes with (None: torch's default)
         self.inline_max_s = inline_max_s
         self.before_pass = before_pass  # tests only: a fault composed at start-up, or None
         self.in_flight = 0  # passes computing now

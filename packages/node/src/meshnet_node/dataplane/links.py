@@ -84,6 +84,7 @@ class HopLinks:
         # round trip to each (ms: the least of its last probes, ``probe_links``).
         self.probe_urls: tuple[str, ...] = ()
         self.rtt_ms: dict[str, float] = {}
+        self.first_ms: dict[str, float] = {}  # one round trip per hop never probed (``slow``)
         self.rtt_samples: dict[str, deque[float]] = {}
 
     async def aclose(self) -> None:
@@ -170,31 +171,47 @@ class HopLinks:
         not exist) to each next hop the tracker named; what it reports in heartbeats.
 
         A link's round trip is the least of its last ``LINK_SAMPLES`` probes: a probe that
-        meets a loop busy computing (either end's: decode steps run on the loop) measures
-        the wait, not the link. A probe during which this node computed on its loop is not
-        counted at all."""
+        meets a loop busy computing (either end's: decode steps may run on the loop)
+        measures the wait, not the link."""
         urls = self.probe_urls
         for url in list(self.rtt_ms):
             if url not in urls:
                 del self.rtt_ms[url]
                 self.rtt_samples.pop(url, None)
         for url in urls:
-            busy, started = self._runs_on_loop(), time.perf_counter()
-            try:
-                await self.hops.request(
-                    "DELETE", f"{url.rstrip('/')}/v1/sessions/{LINK_PROBE_SESSION}",
-                    headers={}, body=None, timeout=LINK_PROBE_TIMEOUT_S,
-                )  # fmt: skip
-            except HopUnreachable:
+            reachable, ms = await self._time(url)
+            if not reachable:
                 self.rtt_ms.pop(url, None)
                 self.rtt_samples.pop(url, None)
-                continue
-            ms = (time.perf_counter() - started) * 1000
-            if self._runs_on_loop() != busy:
+            if ms is None:
                 continue
             samples = self.rtt_samples.setdefault(url, deque(maxlen=LINK_SAMPLES))
             samples.append(ms)
             self.rtt_ms[url] = min(samples)
+
+    async def _time(self, url: str) -> tuple[bool, float | None]:
+        """Whether ``url`` answers a probe, and its round trip in ms: None when it does not
+        answer, or when this node computed on its loop meanwhile (the probe measured that,
+        not the link)."""
+        busy, started = self._runs_on_loop(), time.perf_counter()
+        if not await self.reachable(url):
+            return False, None
+        ms = (time.perf_counter() - started) * 1000
+        return True, (ms if self._runs_on_loop() == busy else None)
+
+    async def slow(self, hop: str) -> bool:
+        """Whether the link to ``hop`` is slow (``--direct-min-rtt``) for steps in flight:
+        the probes' round trip, or before any probe (a route that formed since), one timed
+        now. That one is kept apart: direct answers are asked for until the probes say a
+        link is fast (``direct_pays``)."""
+        rtt = self.rtt_ms.get(hop)
+        if rtt is None:
+            rtt = self.first_ms.get(hop)
+        if rtt is None:
+            _, rtt = await self._time(hop)
+            if rtt is not None:
+                self.first_ms[hop] = rtt
+        return rtt is None or rtt >= self.direct_min_rtt_ms
 
     def direct_pays(self, hop: str) -> bool:
         """Whether a direct answer is worth asking for on a chain starting at ``hop``: unless

@@ -75,7 +75,6 @@ class HeadPasses:
     def __init__(self, service: NodeService, *, audited: bool = False) -> None:
         self.service = service
         self.audited = audited
-        self.threads = service.settings.threads  # None: as many as torch runs
         # The prefix cache (docs/adr/0035); sessions a verifier audits start from scratch.
         self.prefixes = None
         if service.settings.prefix_cache and not audited:
@@ -193,6 +192,11 @@ class HeadPasses:
             step = replace(step, answer_to=self.service.answer_url)
         return await self.service.send(hop, out.hidden, step)
 
+    def concurrent_stages(self, route: tuple[str, ...]) -> int:
+        """How many stages of a chain through ``route`` can compute at the same time."""
+        threads = self.service.compute_thread.threads or torch.get_num_threads()
+        return micro_batches(route, threads)
+
     async def step(
         self, stage, session_id, key, token_ids, position, route, drafts=0, guess_from=None,
     ) -> StepResult:  # fmt: skip
@@ -201,9 +205,7 @@ class HeadPasses:
         hop after this head audits it with them (docs/adr/0032)."""
         # The head splits concurrent sessions into one micro-batch per stage that can compute
         # at the same time as the others (stages sharing this machine: as many as its CPUs run).
-        self.service.set_micro_batches(
-            micro_batches(route, self.threads or torch.get_num_threads())
-        )
+        self.service.set_micro_batches(self.concurrent_stages(route))
         out = await self.local(
             stage, session_id, key, token_ids, position, True, drafts, guess_from
         )

@@ -24,7 +24,7 @@ from meshnet_node.speculation.drafting import (
     SpeculationSettings,
     speculates,
 )
-from meshnet_node.speculation.guessing import GuessFlight, GuessSteps
+from meshnet_node.speculation.guessing import GuessFlight, GuessSteps, guess_depth
 
 
 @dataclass
@@ -159,7 +159,11 @@ class HeadGenerator:
             speculation = Speculation(self.draft_policy, model.session() if model else None)
         flight = None  # guess steps in flight (ADR-0019): greedy n-gram speculation only
         if speculation is not None and speculation.model_session is None:
-            depth = self.speculation.guess_depth
+            links_slow = bool(chain.route) and await self.service.links.slow(chain.route[0])
+            depth = guess_depth(
+                self.speculation.guess_depth, len(chain.route) + 1,
+                self.passes.concurrent_stages(chain.route), links_slow,
+            )  # fmt: skip
             flight = GuessFlight(depth) if depth > 1 else None
         self.running += 1
         try:

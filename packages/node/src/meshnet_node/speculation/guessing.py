@@ -104,6 +104,19 @@ class GuessFlight:
         self.guessed += 1
 
 
+def guess_depth(configured: int, stages: int, concurrent: int, links_slow: bool) -> int:
+    """How many steps of one greedy generation to keep in flight (``--guess-steps``) over
+    a chain of ``stages``: guesses fill stages that would otherwise wait. Stages sharing
+    this host's cores (fewer compute at once than there are stages: ``concurrent``, from
+    ``micro_batches``) do not wait for each other's compute, they take turns on the cores:
+    over fast links a guess beyond ``concurrent`` only takes a core from the step it runs
+    ahead of (measured on a 2-core host with 3 local stages: a third of decode speed).
+    Over slow links every stage waits through the network time: ``configured``."""
+    if links_slow or concurrent >= stages:
+        return configured
+    return min(configured, concurrent)
+
+
 # One decode step along the chain: (stage, session id, key, token ids, position, route,
 # guess_from=...) -> the chain's answer (``HeadPasses.step``)
 StepSender = Callable[..., Awaitable[StepResult]]
