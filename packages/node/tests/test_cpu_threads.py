@@ -14,11 +14,17 @@ from meshnet_common.config.openmp import SPIN_ROUNDS, short_spin
 
 # Run apart: it sets the process's torch threads. Counts the OS threads OpenMP starts.
 DEDICATE = r"""
-import os, threading, torch
+import os, threading, time, torch
 from meshnet_node.cpu_threads import apart, dedicate
 from meshnet_node.dataplane.compute import ComputeThread
 
-def tasks():
+def tasks(settles_at=None):
+    # the process's OS threads, once they settle at settles_at (ending ones take a moment)
+    deadline = time.monotonic() + 10
+    while settles_at is not None and time.monotonic() < deadline:
+        if len(os.listdir("/proc/self/task")) == settles_at:
+            break
+        time.sleep(0.01)
     return len(os.listdir("/proc/self/task"))
 
 def parallel_op():
@@ -27,7 +33,8 @@ def parallel_op():
 
 torch.set_num_threads(2)
 before = tasks()
-assert apart(parallel_op) == 2 and tasks() == before  # the load's helpers end with it
+assert apart(parallel_op) == 2
+assert tasks(settles_at=before) == before  # the load's helpers ended with it
 try:
     apart(lambda: 1 / 0)
 except ZeroDivisionError:
@@ -44,7 +51,7 @@ box = []
 other = threading.Thread(target=lambda: box.append(parallel_op()))
 other.start(); other.join()
 assert box == [1]
-assert tasks() == settled, (settled, tasks())  # no other thread started helpers
+assert tasks(settles_at=settled) == settled  # no other thread started helpers
 one = ComputeThread(inline_decode=True, inline_max_s=0.25)
 assert dedicate(one, 1) == 1 and one.inline_decode  # one thread: the loop may compute
 print("ok")
