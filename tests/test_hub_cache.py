@@ -28,6 +28,7 @@ from meshnet_common.models.hub.cache import (
     split_model_ref,
 )
 from meshnet_common.models.hub.download import SMALL_FILE_PATTERNS, download, hub_snapshot
+from meshnet_common.protocol import ShardSpec
 
 MODEL = "meshnet-hub/llama"
 TINY = "meshnet-tiny/llama"  # the same weights, from the models dir
@@ -183,6 +184,36 @@ def test_a_node_takes_the_revision_the_tracker_serves(offline_hub, tiny, tmp_pat
     assert joining.local_snapshot(settings, MODEL, layers) == snapshots(offline_hub) / MAIN
     served["tensors"][0]["sha256"] = "0" * 64
     assert joining.local_snapshot(settings, MODEL, layers) is None
+
+
+def test_a_node_moved_to_another_range_finds_it_as_at_start_up(offline_hub, tmp_path, monkeypatch):
+    """LOAD_SHARD: layers the node's snapshot lacks come from the HF cache at the swarm's
+    revision, else are fetched into that revision's folder of --cache-dir."""
+    from types import SimpleNamespace
+
+    from meshnet_common.metrics import Metrics
+    from meshnet_node import runtime as runtime_module
+    from meshnet_node.settings import NodeSettings
+    from meshnet_node.swarm import joining
+
+    alone = NodeSettings.exactly(model_id=MODEL, revision=PART, cache_dir=tmp_path / "cache")
+    held = joining.local_snapshot(alone, MODEL, LayerRange(0, 2))  # a view of [0, 2)'s files
+    serving = alone.replace(model_path=held, layers=LayerRange(0, 2), revision=None,
+                            tracker_url="http://127.0.0.1:9")  # fmt: skip
+    node = SimpleNamespace(settings=serving, service=SimpleNamespace(metrics=Metrics()),
+                           identity=None)  # fmt: skip
+    served: dict = {"revision": V1}
+    monkeypatch.setattr(joining, "_tracker_manifest", lambda *_args: served)
+    move = ShardSpec(model_id=MODEL, shard_start=3, shard_end=6)
+    assert runtime_module._locate_shard(node, move) == snapshots(offline_hub) / V1
+    fetched = []
+    monkeypatch.setattr(joining, "fetch_shard_counted",
+                        lambda *args, **kwargs: fetched.append((args, kwargs)) or tmp_path)  # fmt: skip
+    served["revision"] = "f" * 40  # a commit this HF cache lacks
+    assert runtime_module._locate_shard(node, move) == tmp_path
+    [(args, kwargs)] = fetched
+    assert args[3] == tmp_path / "cache" / "revisions" / ("f" * 40)
+    assert args[:2] == (MODEL, LayerRange(3, 6)) and kwargs["revision"] is None
 
 
 # -- the tracker: the model is known, its files are served at its commit ----------------

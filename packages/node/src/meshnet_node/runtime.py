@@ -16,11 +16,10 @@ import torch
 from fastapi import FastAPI
 from transformers import AutoTokenizer, GenerationConfig
 
-from meshnet_common.errors import MeshnetError, ModelError, NotFound
+from meshnet_common.errors import MeshnetError, NotFound
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.models.models_dir import resolve_snapshot
 from meshnet_common.protocol import (
     DirectiveKind,
     Heartbeat,
@@ -50,7 +49,7 @@ from meshnet_node.settings import NodeSettings
 from meshnet_node.speculation.draft_model import DraftModel
 from meshnet_node.speculation.drafting import SpeculationSettings
 from meshnet_node.swarm.drain import Drain
-from meshnet_node.swarm.fetch import Trust, fetch_shard_counted
+from meshnet_node.swarm.joining import local_snapshot, resolve_model_path
 from meshnet_node.swarm.membership import Membership, TrackerClient
 from meshnet_node.verification.head_audit import build_head_auditor
 from meshnet_node.verification.verifier import SwarmView, build_verifier
@@ -474,24 +473,17 @@ async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
 
 
 def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
-    """A snapshot holding ``spec``: the current one, the models dir, or fetched."""
+    """A snapshot holding ``spec``: the current one, else found or fetched as at start-up
+    (the models dir, the HF cache, the revision's folder of --cache-dir)."""
     settings = runtime.settings
     index = CheckpointIndex.load(settings.model_path)
     held = {index.layer_of(n) for n in index.tensors}
     if spec.model_id == settings.model_id and all(layer in held for layer in spec.layers):
         return settings.model_path
-    if settings.models_dir is not None:
-        try:
-            return resolve_snapshot(settings.models_dir, spec.model_id)
-        except NotFound:
-            pass
-    if runtime.tracker is None:
-        raise ModelError(f"no local snapshot of {spec.model_id} and nowhere to fetch it from")
-    trust = Trust(
-        tracker=runtime.tracker.base, tracker_key=settings.tracker_key,
-        swarm_token=settings.swarm_token, identity=runtime.identity,
-    )  # fmt: skip
-    return fetch_shard_counted(
-        spec.model_id, spec.layers, (runtime.tracker.base,), settings.cache_dir,
-        trust=trust, metrics=runtime.service.metrics,
+    elsewhere = settings.replace(  # --revision names the first model's revision
+        model_path=None, revision=settings.revision if spec.model_id == settings.model_id else None
+    )
+    return resolve_model_path(
+        elsewhere, spec.model_id, spec.layers, metrics=runtime.service.metrics,
+        local=local_snapshot(elsewhere, spec.model_id, spec.layers), identity=runtime.identity,
     )  # fmt: skip

@@ -145,7 +145,19 @@ class HeadGenerator:
             raise ModelNotCovered("this node no longer serves the first layers", code="not_head")
         if not route and not stage.shard.is_tail:
             raise ValueError("a head that is not the tail needs a route")
-        chain = Chain(route=route)
+        speculation = None
+        if speculates(request.sampling, self.speculation.mode):
+            model = self.draft_model
+            speculation = Speculation(self.draft_policy, model.session() if model else None)
+        flight = None  # guess steps in flight (ADR-0019): greedy n-gram speculation only
+        if speculation is not None and speculation.model_session is None:
+            links_slow = bool(route) and await self.service.links.slow(route[0])
+            depth = guess_depth(
+                self.speculation.guess_depth, len(route) + 1,
+                self.passes.concurrent_stages(route), links_slow,
+            )  # fmt: skip
+            flight = GuessFlight(depth) if depth > 1 else None
+        chain = Chain(route=route)  # from here every exit frees its sessions
         self.passes.open(stage, chain, request)
         assembler = TextAssembler(
             self.tokenizer, request.stop, skip_special_tokens=request.skip_special_tokens
@@ -153,18 +165,6 @@ class HeadGenerator:
         history = list(request.prompt_ids)  # the tokens every hop's cache holds
         metrics = self.metrics
         timings = StepTimings()
-        speculation = None
-        if speculates(request.sampling, self.speculation.mode):
-            model = self.draft_model
-            speculation = Speculation(self.draft_policy, model.session() if model else None)
-        flight = None  # guess steps in flight (ADR-0019): greedy n-gram speculation only
-        if speculation is not None and speculation.model_session is None:
-            links_slow = bool(chain.route) and await self.service.links.slow(chain.route[0])
-            depth = guess_depth(
-                self.speculation.guess_depth, len(chain.route) + 1,
-                self.passes.concurrent_stages(chain.route), links_slow,
-            )  # fmt: skip
-            flight = GuessFlight(depth) if depth > 1 else None
         self.running += 1
         try:
             with metrics.timer(metrics.prefill_seconds):
