@@ -23,7 +23,8 @@ Sections (``--sections``, default all, in this order):
   running streams while a 4096-token prompt arrives (``prefix_bench.py``).
 
 Every process (this one, which runs HF, and every node) uses ``--threads`` torch threads
-(default 1). Each figure is the median of several runs with min and max; a ratio to the
+(default 1); ``--threads 0``: each its own default, as deployed (HF on every core, nodes
+as they choose: issue 39's comparison). Each figure is the median of several runs with min and max; a ratio to the
 single-process baseline is taken per back-to-back pair. Prints one table per section and a
 summary against the issue's targets; writes ``bench/results/perf.json``.
 
@@ -393,7 +394,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, str]:
                         help="1 run each, fewer tokens: a ~3-4 min smoke test")  # fmt: skip
     parser.add_argument("--runs", type=int, help="runs per figure (default 3; 1B decode: 2)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of HF and of every node process")  # fmt: skip
+                        help="torch threads of HF and of every node process (0: each "
+                        "process's default, as deployed)")  # fmt: skip
     parser.add_argument("--wait-idle", type=float, default=20.0,
                         help="max s to wait for a quiet machine before each section")  # fmt: skip
     parser.add_argument("--retries", type=int, default=2,
@@ -410,8 +412,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Plan, str]:
     unknown = set(sections) - set(SECTIONS)
     if unknown or not sections:
         parser.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    if args.threads < 1 or args.retries < 0 or (args.runs is not None and args.runs < 1):
-        parser.error("--threads and --runs must be >= 1, --retries >= 0")
+    if args.threads < 0 or args.retries < 0 or (args.runs is not None and args.runs < 1):
+        parser.error("--runs must be >= 1, --threads and --retries >= 0")
     size = dict(QUICK if args.quick else FULL)
     slack = args.slack if args.slack is not None else size.pop("slack")
     size.pop("slack", None)
@@ -436,10 +438,12 @@ def main() -> None:
     stop_on_sigterm()
     import torch
 
-    torch.set_num_threads(plan.threads)
+    if plan.threads:  # 0: torch's default, every core
+        torch.set_num_threads(plan.threads)
     run = Run(plan, json_name)
     wanted = set(plan.sections)
-    print(f"sections: {', '.join(plan.sections)}; {plan.threads} torch thread(s) per process; "
+    threads = plan.threads or f"default ({torch.get_num_threads()} here)"
+    print(f"sections: {', '.join(plan.sections)}; {threads} torch thread(s) per process; "
           f"{plan.repeat.runs} run(s) per figure{' (quick)' if plan.quick else ''}", flush=True)  # fmt: skip
     if "memory" in wanted:
         with run.section("memory"):
