@@ -194,6 +194,20 @@ def test_special_token_markers_dropped_by_decoding_are_put_back():
     assert content is None and calls[0]["function"]["arguments"] == '{"city":"Paris"}'
 
 
+def test_tool_call_parser_overrides_the_template():
+    """``--tool-call-parser`` (vLLM's names) wins over the chat template's markers."""
+    from meshnet_node.settings import NodeSettings
+
+    vocab = {"[TOOL_CALLS]": 5, "[ARGS]": 32}
+    shapes = ResponseShapes(FakeTokenizer(TEMPLATES["smollm2"], vocab), Metrics(),
+                            tool_call_parser="mistral")  # fmt: skip
+    assert shapes.tool_format == ToolFormat("mistral", {5: "[TOOL_CALLS]", 32: "[ARGS]"})
+    assert _shapes(TEMPLATES["smollm2"], vocab).tool_format.name == "hermes"  # the template's
+    assert NodeSettings.exactly(tool_call_parser="openai").tool_call_parser == "openai"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        NodeSettings.exactly(tool_call_parser="pythonic")
+
+
 def test_one_call_only_without_parallel_tool_calls():
     """``auto``: the answer is cut after its first call (vLLM keeps the first too)."""
     text = OUTPUTS[0][1] + " and more text"

@@ -131,6 +131,11 @@ class ShardSettings(ServiceSettings):
         "deepseek_r1 (reasoning until </think>) or qwen3 (only after a leading <think>)",
         group=MODEL, choices=("deepseek_r1", "qwen3"),
     )  # fmt: skip
+    tool_call_parser: str | None = knob(
+        None, "the format the model writes tool calls in, as vLLM names it (openai: gpt-oss "
+        "harmony; default: chosen from the chat template's markers)", group=MODEL,
+        choices=("hermes", "llama3_json", "mistral", "openai", "deepseek_v3"),
+    )  # fmt: skip
     served_model_name: Annotated[tuple[str, ...], NoDecode] = knob(
         (), "name clients may use for the model, listed by /v1/models (repeatable; env: "
         "comma-separated; default: --model-id)", group=MODEL, action="append",

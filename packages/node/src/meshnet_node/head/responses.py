@@ -58,14 +58,19 @@ class Choice:
 class ResponseShapes:
     """Writes the responses of both endpoints from generated tokens: whole (from finished
     ``Choice``s) or streamed (from the tokens as they come). ``tokenizer`` spells tokens in
-    log-probs; ``reasoning_parser`` splits reasoning from content; stream errors are
-    counted in ``metrics``."""
+    log-probs; ``reasoning_parser`` splits reasoning from content; ``tool_call_parser``
+    names the tool-call format (None: from the chat template); stream errors are counted
+    in ``metrics``."""
 
-    def __init__(self, tokenizer, metrics: Metrics, *, reasoning_parser: str | None = None):
+    def __init__(
+        self, tokenizer, metrics: Metrics, *, reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.reasoning_parser = reasoning_parser
-        self.tool_format = tools.format_for(tokenizer)  # how the model writes calls (auto)
+        # how the model writes calls (auto): --tool-call-parser, else from its chat template
+        self.tool_format = tools.format_for(tokenizer, tool_call_parser)
 
     def _stream_error(self, exc: MeshnetError) -> str:
         """A stream cannot change its status: the error goes in-band, and is counted."""

@@ -65,8 +65,9 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.created = created
         self.responses = ResponseShapes(
-            generator.tokenizer, generator.metrics, reasoning_parser=reasoning_parser
-        )
+            generator.tokenizer, generator.metrics, reasoning_parser=reasoning_parser,
+            tool_call_parser=generator.settings.tool_call_parser,
+        )  # fmt: skip
         self.metrics = generator.metrics
         self.queue = queue or RequestQueue()
         settings = generator.settings

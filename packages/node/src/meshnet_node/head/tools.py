@@ -128,9 +128,10 @@ def single(request) -> bool:
     return request.parallel_tool_calls is False
 
 
-def format_for(tokenizer) -> formats.ToolFormat:
-    """The format ``tokenizer``'s model writes calls in, chosen from its chat template."""
-    return formats.format_for(tokenizer)
+def format_for(tokenizer, name: str | None = None) -> formats.ToolFormat:
+    """The format ``tokenizer``'s model writes calls in: ``name`` (``--tool-call-parser``),
+    else chosen from its chat template."""
+    return formats.format_for(tokenizer, name)
 
 
 def _call(name: str, arguments) -> dict:
