@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -208,7 +209,9 @@ class HopLinks:
         if rtt is None:
             rtt = self.first_ms.get(hop)
         if rtt is None:
-            _, rtt = await self._time(hop)
+            reachable, rtt = await self._time(hop)
+            if not reachable:  # slow, and not asked again (the step itself fails over)
+                rtt = math.inf
             if rtt is not None:
                 self.first_ms[hop] = rtt
         return rtt is None or rtt >= self.direct_min_rtt_ms
