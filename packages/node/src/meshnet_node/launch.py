@@ -98,7 +98,7 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
             "listening on every interface: the tracker tells which address it reaches this "
             "node at (--advertise-url sets it)"
         )
-    from meshnet_node.cpu_threads import dedicate
+    from meshnet_node.cpu_threads import apart, dedicate
     from meshnet_node.cpu_threads import describe as describe_threads
     from meshnet_node.dataplane.stream_server import max_message_bytes
     from meshnet_node.runtime import bind_url, build_runtime, create_app
@@ -165,8 +165,10 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
         settings = settings.with_shard(model_id, layers, model_path).replace(
             port=port, node_id=node_id, movable=movable
         )
-        runtime = build_runtime(
-            settings, metrics=metrics, membership=membership, memory_declared_bytes=declared
+        runtime = apart(  # the load's OpenMP team ends with it (docs/adr/0036)
+            lambda: build_runtime(
+                settings, metrics=metrics, membership=membership, memory_declared_bytes=declared
+            )
         )
         threads = dedicate(runtime.service.compute_thread, settings.threads)
         logger.info("%s", describe_threads(threads, offer.others, spin))

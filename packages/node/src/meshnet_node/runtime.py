@@ -33,7 +33,6 @@ from meshnet_common.web.http import install_error_handlers, install_observabilit
 from meshnet_common.web.shards import shards_router, watch_shard_server
 from meshnet_node.api import Readiness, head_router, node_router, status_router
 from meshnet_node.caching.store import PrefixCache, heartbeat_figures
-from meshnet_node.cpu_threads import apart
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.gauges import watch_service
 from meshnet_node.dataplane.service import NodeService
@@ -226,7 +225,7 @@ def build_runtime(
     """
     if settings.device == "auto":
         settings = settings.replace(device=resolve_device(settings.device))
-    stage = apart(lambda: load_stage(settings))  # its OpenMP team ends with the load
+    stage = load_stage(settings)
     identity = membership.identity if membership is not None else Identity()
     peers = membership.peers if membership is not None else CallChecker.pinned(settings.tracker_key)
     service = NodeService(

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import Heartbeat, NodeAnnouncement, Verdict
-from meshnet_node.cpu_threads import dedicate, describe
+from meshnet_node.cpu_threads import apart, dedicate, describe
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.stream_server import max_message_bytes
 from meshnet_node.head.routes import HANDLERS
@@ -54,7 +54,9 @@ class TrackerNode:
             **tracker.shard_values(), model_path=snapshot, host=tracker.host,
             port=tracker.port, advertise_url=url, node_id=NODE_ID,
         )  # fmt: skip
-        node.runtime = build_runtime(settings, route_provider=node._routes, view=node)
+        node.runtime = apart(  # the load's OpenMP team ends with it (docs/adr/0036)
+            lambda: build_runtime(settings, route_provider=node._routes, view=node)
+        )
         threads = dedicate(node.runtime.service.compute_thread, settings.threads)
         logger.info("tracker node: %s", describe(threads, 0, spin))
         return node
