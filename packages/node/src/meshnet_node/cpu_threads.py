@@ -8,8 +8,8 @@ event loop's for lone decode steps, the compute thread for the rest), and its de
 took ~50% longer than the same layers computed from one thread (measured on a 2-core AMD
 EPYC, Zen 4: 30 SmolLM2 layers, 22 ms a step from one thread, 35-40 ms from two).
 
-So a node process computes from one thread only: the shard loads on a thread of its own
-that ends with the load (:func:`apart`), and :func:`dedicate` gives the compute thread the
+So a node process computes from one thread only: the node is built (its shard loaded) on a
+thread of its own that ends with it (:func:`apart`), and :func:`dedicate` gives the compute thread the
 node's torch threads and every other thread (the event loop's, and threads started later)
 one. Nodes sharing a host take turns in a single stream; each one logs how many other
 meshnet nodes claim memory on its host (``HostClaims``), and ``--threads`` sets the count.
