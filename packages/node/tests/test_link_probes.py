@@ -113,15 +113,15 @@ def test_an_unreachable_or_unnamed_hop_is_forgotten(probing_node):
 def test_a_link_never_probed_is_timed_once_for_steps_in_flight(probing_node):
     # Guess steps ask before the first probe (a route that just formed): one round trip is
     # timed then and kept, apart from the probes' figures that direct answers follow.
-    node = probing_node([2, 30])
+    node = probing_node([9, 2, 30])  # the first request also opened the connection
     assert asyncio.run(node.slow(HOP)) is False
-    assert asyncio.run(node.slow(HOP)) is False  # kept: no second request
+    assert asyncio.run(node.slow(HOP)) is False  # kept: no more requests
     assert node.first_ms == {HOP: pytest.approx(2)} and node.direct_pays(HOP)
     probe(node, 1)  # then the probes decide
     assert asyncio.run(node.slow(HOP)) is True and node.direct_pays(HOP)
 
 
 def test_an_unreachable_link_counts_as_slow_and_is_not_asked_again(probing_node):
-    node = probing_node([None])
+    node = probing_node([None, None])
     assert asyncio.run(node.slow(HOP)) is True
-    assert asyncio.run(node.slow(HOP)) is True  # no second request (the fake has one answer)
+    assert asyncio.run(node.slow(HOP)) is True  # not asked again (the fake has no answer left)

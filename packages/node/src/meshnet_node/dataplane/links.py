@@ -208,10 +208,12 @@ class HopLinks:
         rtt = self.rtt_ms.get(hop)
         if rtt is None:
             rtt = self.first_ms.get(hop)
-        if rtt is None:
-            reachable, rtt = await self._time(hop)
-            if not reachable:  # slow, and not asked again (the step itself fails over)
-                rtt = math.inf
+        if rtt is None:  # twice: the first also opens the connection
+            timed = [await self._time(hop) for _ in range(2)]
+            if not any(reachable for reachable, _ in timed):  # not asked again: the step
+                rtt = math.inf  # itself fails over
+            else:
+                rtt = min((ms for _, ms in timed if ms is not None), default=None)
             if rtt is not None:
                 self.first_ms[hop] = rtt
         return rtt is None or rtt >= self.direct_min_rtt_ms
