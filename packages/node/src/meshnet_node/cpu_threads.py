@@ -37,7 +37,8 @@ def apart(fn: Callable[[], T]) -> T:
         except BaseException as exc:  # handed to the caller, raised there
             box["error"] = exc
 
-    thread = threading.Thread(target=call, name="load")
+    # a daemon: Ctrl-C or SIGTERM during a long load ends the process without waiting for it
+    thread = threading.Thread(target=call, name="load", daemon=True)
     thread.start()
     thread.join()
     if "error" in box:
