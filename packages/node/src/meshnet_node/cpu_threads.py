@@ -8,11 +8,16 @@ event loop's for lone decode steps, the compute thread for the rest), and its de
 took ~50% longer than the same layers computed from one thread (measured on a 2-core AMD
 EPYC, Zen 4: 30 SmolLM2 layers, 22 ms a step from one thread, 35-40 ms from two).
 
-So a node process computes from one thread only: the node is built (its shard loaded) on a
-thread of its own that ends with it (:func:`apart`), and :func:`dedicate` gives the compute thread the
-node's torch threads and every other thread (the event loop's, and threads started later)
-one. Nodes sharing a host take turns in a single stream; each one logs how many other
-meshnet nodes claim memory on its host (``HostClaims``), and ``--threads`` sets the count.
+So a node process keeps one long-lived thread computing with the node's torch threads:
+the event loop's, where short passes run without a thread hand-off (two wake-ups per hop
+and step, ~0.2 ms each on a virtualized host). The node is built (its shard loaded) on a
+thread of its own that ends with it (:func:`apart`); :func:`dedicate` gives the loop's
+thread the node's torch threads and every other thread one; and a long pass runs from the
+compute thread on a thread of its own that ends with the pass (:func:`computing`), so its
+team goes too. With ``--no-inline-decode`` the compute thread keeps the torch threads
+instead and the loop's thread computes nothing. Nodes sharing a host take turns in a
+single stream; each one logs how many other meshnet nodes claim memory on its host
+(``HostClaims``), and ``--threads`` sets the count.
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ import torch
 T = TypeVar("T")
 
 
-def apart(fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread of its own, which ends with it: the OpenMP team a load starts
-    goes with that thread instead of staying beside the compute thread's."""
+def apart(
+    fn: Callable[[], T], name: str = "load", meanwhile: Callable[[], object] | None = None
+) -> T:
+    """``fn()`` on a thread of its own, which ends with it: the OpenMP team a load (or a
+    long pass) starts goes with that thread instead of staying beside the computing
+    thread's. ``meanwhile`` runs on the caller's thread once the new one started."""
     box: dict[str, object] = {}
 
     def call() -> None:
@@ -38,8 +46,10 @@ def apart(fn: Callable[[], T]) -> T:
             box["error"] = exc
 
     # a daemon: Ctrl-C or SIGTERM during a long load ends the process without waiting for it
-    thread = threading.Thread(target=call, name="load", daemon=True)
+    thread = threading.Thread(target=call, name=name, daemon=True)
     thread.start()
+    if meanwhile is not None:
+        meanwhile()
     thread.join()
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
@@ -47,24 +57,51 @@ def apart(fn: Callable[[], T]) -> T:
 
 
 def _own(threads: int) -> None:
-    """On the compute thread: compute with ``threads``, and settle that now (torch sets a
-    thread's count at its first parallel op from the process-wide one, which is about to
-    become 1)."""
-    torch.set_num_threads(threads)
+    """On the calling thread: compute with ``threads``, and settle that now (torch sets a
+    thread's count once, at its first parallel op or count query, from the process-wide
+    default, which another thread may change next)."""
+    torch.set_num_threads(threads)  # this thread's count, and the process-wide default
     torch.ones(1 << 16).add_(1)  # above torch's grain size: a parallel op
 
 
-def dedicate(compute, threads: int | None) -> int:
-    """Make ``compute`` (a ``ComputeThread``) the one thread computing with ``threads``
-    (None: torch's default) and every other thread compute with one; returns the count.
+def computing(fn: Callable[[], T], threads: int) -> T:
+    """``fn()`` on a thread of its own computing with ``threads`` torch threads: the thread
+    and its OpenMP team end with it. Call it from a thread that computes with one (the
+    compute thread): the process-wide default goes back to one as soon as the new thread
+    has settled its count, so threads started later still compute with one."""
+    settled = threading.Event()
 
-    Call once per process, after the shard loaded (:func:`apart`) and before the server
-    starts. Lone decode steps no longer run on the loop's thread: it has one thread now."""
+    def call() -> T:
+        torch.set_num_threads(threads)
+        torch.get_num_threads()  # settles this thread's count (torch reads it once)
+        settled.set()
+        return fn()
+
+    def back_to_one() -> None:
+        settled.wait()
+        torch.set_num_threads(1)  # the caller's count and the default again
+
+    return apart(call, name="pass", meanwhile=back_to_one)
+
+
+def dedicate(compute, threads: int | None) -> int:
+    """Give the calling thread (the event loop's, which runs short passes inline) the
+    node's torch threads (``threads``; None: torch's default) and every other thread one;
+    ``compute`` (a ``ComputeThread``) runs long passes on threads of their own with as many
+    (:func:`computing`). With inline passes off (``--no-inline-decode``), ``compute``'s own
+    thread computes with them instead and the caller with one. Returns the count.
+
+    Call once per process, after the shard loaded (:func:`apart`), on the thread that runs
+    the event loop, before the server starts."""
     threads = threads or torch.get_num_threads()
-    compute.executor.submit(_own, threads).result()
-    torch.set_num_threads(1)  # this thread, and the default of every thread to come
-    compute.threads = threads
-    compute.inline_decode = compute.inline_decode and threads == 1
+    if compute.inline_decode:
+        _own(threads)  # this thread: the loop's
+        compute.executor.submit(_own, 1).result()  # the default of every thread to come: 1
+        compute.own(threading.get_ident(), threads)
+    else:
+        compute.executor.submit(_own, threads).result()
+        _own(1)  # this thread, and the default of every thread to come
+        compute.threads = threads
     return threads
 
 

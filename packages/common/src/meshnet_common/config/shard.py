@@ -193,14 +193,14 @@ class ShardSettings(ServiceSettings):
         group=DATA,
     )  # fmt: skip
     inline_decode: bool = knob(
-        True, "run a lone decode step on the event loop's thread (no thread hand-off) while "
-        "decode steps take under --inline-decode-max-ms; only with --threads 1 (with more, "
-        "the compute thread alone computes with them)", group=DATA, action="bool",
+        True, "run short passes (decode steps, a one-chunk prompt) on the event loop's "
+        "thread, which then owns the torch threads (no thread hand-off), while they take "
+        "under --inline-decode-max-ms; off: the compute thread computes all", group=DATA,
+        action="bool",
     )  # fmt: skip
     inline_decode_max_ms: float = knob(
-        250.0, "longest decode step run on the event loop's thread; slower shards always use "
-        "the compute thread, so /health and the other connections never wait long",
-        group=DATA,
+        250.0, "longest pass run on the event loop's thread; slower ones use the compute "
+        "thread, so /health and the other connections never wait long", group=DATA,
     )  # fmt: skip
     # Tests only: a slow shard (every compute pass) and a slow load, as on a big model.
     step_delay_ms: float = knob(0.0, "", group=DATA, hidden=True)

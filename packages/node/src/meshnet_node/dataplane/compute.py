@@ -1,13 +1,16 @@
 """The node's compute thread: where a stage's passes run, how long they take, and whether a
-lone decode step may run on the event loop's thread instead."""
+short pass may run on the event loop's thread instead."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+from meshnet_node.cpu_threads import computing
 from meshnet_node.engine.stage import Stage, StepOutput
 
 
@@ -28,13 +31,15 @@ def _timed(fn, *args, before: Callable[[], None] | None = None, **kwargs):
 
 
 class ComputeThread:
-    """One compute thread (torch parallelizes inside an op; steps of sessions queue here),
-    the passes running now, and the last decode pass's time.
+    """One compute thread (torch parallelizes inside an op; passes of sessions queue here),
+    the passes running now, and the last passes' times.
 
-    A decode step runs on the loop's thread only while steps are known to be short
+    A pass runs on the loop's thread only while passes like it are known to be short
     (``inline_max_s``): a long one there would stall /health, heartbeats' I/O and every other
-    connection (``--inline-decode``, ``--inline-decode-max-ms``); and in a node process only
-    with one torch thread (``cpu_threads.dedicate``)."""
+    connection (``--inline-decode``, ``--inline-decode-max-ms``). In a node process the
+    loop's thread owns the node's torch threads (``cpu_threads.dedicate``): inline passes
+    run only there, and the compute thread runs each of its passes on a thread of its own
+    with as many (``cpu_threads.computing``), which ends with the pass."""
 
     def __init__(
         self, *, inline_decode: bool, inline_max_s: float,
@@ -42,39 +47,86 @@ class ComputeThread:
     ) -> None:  # fmt: skip
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.inline_decode = inline_decode
-        self.threads: int | None = None  # torch threads it computes with (None: torch's default)
+        self.threads: int | None = None  # torch threads passes use (None: torch's default)
+        self.owner: int | None = None  # the thread owning them, where inline passes run
         self.inline_max_s = inline_max_s
         self.before_pass = before_pass  # tests only: a fault composed at start-up, or None
         self.in_flight = 0  # passes computing now
         self.inline_runs = 0  # passes run on the loop's thread so far
         self.decode_s: float | None = None  # the last decode pass's compute time (None: unknown)
+        self.row_s: float | None = None  # the last pass of several rows: its time per row
+
+    def own(self, owner: int, threads: int) -> None:
+        """Thread ``owner`` (the loop's) computes with ``threads`` and runs the inline passes;
+        the compute thread computes with one and runs each pass on a thread of its own."""
+        self.owner, self.threads = owner, threads
 
     async def run(self, fn, *args, **kwargs):
         """Run ``fn`` on the compute thread; StepOutputs learn how long it took."""
+        call = functools.partial(_timed, fn, *args, before=self.before_pass, **kwargs)
+        if self.owner is not None and self.threads is not None and self.threads > 1:
+            call = functools.partial(computing, call, self.threads)  # its team ends with it
         self.in_flight += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: _timed(fn, *args, before=self.before_pass, **kwargs)
-            )
+            return await asyncio.get_running_loop().run_in_executor(self.executor, call)
         finally:
             self.in_flight -= 1
 
     async def run_decode(self, fn, *args, **kwargs):
-        """``run`` for a decode pass, whose time decides whether the next may run inline."""
+        """A decode pass (one step, or a batch of them): on the caller's thread while decode
+        passes are known to be short, else on the compute thread. Its time decides where the
+        next one runs."""
+        if self.may_inline(self.decode_s):
+            return self.run_inline(fn, *args, **kwargs)
         out = await self.run(fn, *args, **kwargs)
         self.note_decode(out if isinstance(out, list) else (out,))
         return out
 
     def run_inline(self, fn, *args, **kwargs):
         """Run a decode pass on the caller's (the loop's) thread."""
+        out = self._inline(fn, *args, **kwargs)
+        self.note_decode(out if isinstance(out, list) else (out,))
+        return out
+
+    async def run_rows(self, fn, *args, rows: int, inline: bool = True, **kwargs):
+        """Run a pass of ``rows`` rows (a prompt, drafts to verify): on the caller's thread
+        where allowed (``inline``) and passes of as many rows are known to be short, else on
+        the compute thread. Its time per row is remembered."""
+        if inline and self.may_inline(self.expected_s(rows)):
+            out = self._inline(fn, *args, **kwargs)
+        else:
+            out = await self.run(fn, *args, **kwargs)
+        if isinstance(out, StepOutput) and out.compute_s is not None and rows > 1:
+            self.row_s = out.compute_s / rows
+        return out
+
+    def _inline(self, fn, *args, **kwargs):
         self.in_flight += 1
         self.inline_runs += 1  # the loop is blocked meanwhile (a link probe's time is off)
         try:
-            out = _timed(fn, *args, before=self.before_pass, **kwargs)
+            return _timed(fn, *args, before=self.before_pass, **kwargs)
         finally:
             self.in_flight -= 1
-        self.note_decode((out,))
-        return out
+
+    def expected_s(self, rows: int) -> float | None:
+        """How long a pass of ``rows`` rows should take here (None: not known yet)."""
+        if rows <= 1:
+            return self.decode_s
+        if self.row_s is None:
+            return None
+        return max(self.decode_s or 0.0, rows * self.row_s)
+
+    def may_inline(self, expected_s: float | None) -> bool:
+        """Whether a pass expected to take ``expected_s`` may run on the caller's thread:
+        allowed by the settings, called from the thread owning the torch threads, nothing
+        else computing, and known to be short (``--inline-decode-max-ms``)."""
+        return (
+            self.inline_decode
+            and (self.owner is None or self.owner == threading.get_ident())
+            and expected_s is not None
+            and expected_s < self.inline_max_s
+            and self.in_flight == 0
+        )
 
     def note_decode(self, results: Iterable) -> None:
         """Remember how long a decode pass took."""
@@ -84,21 +136,15 @@ class ComputeThread:
                 return
 
     def forget_decode_time(self) -> None:
-        """Another shard: its step time is not known yet."""
-        self.decode_s = None
+        """Another shard: its pass times are not known yet."""
+        self.decode_s = self.row_s = None
 
     def inline_ok(self, stage: Stage) -> bool:
         """Whether a decode step of ``stage`` may run on the caller's thread: allowed by the
         settings, nothing else computing, no other session that could send a step to batch,
         and this stage's decode steps known to be short (``--inline-decode-max-ms``): the
         first step of a shard, and every step of a slow one, runs on the compute thread."""
-        return (
-            self.inline_decode
-            and self.decode_s is not None
-            and self.decode_s < self.inline_max_s
-            and self.in_flight == 0
-            and len(stage.sessions) <= 1
-        )
+        return self.may_inline(self.decode_s) and len(stage.sessions) <= 1
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -168,15 +168,20 @@ class NodeService:
         sample: bool = True,
         drafts: tuple[int, ...] = (),
         guess_from: int | None = None,
+        whole: bool = False,
     ) -> StepOutput:
-        """Run a step on the compute thread; single-token decode steps may be batched."""
+        """Run a step on the compute thread; single-token decode steps may be batched. A
+        short pass verifying drafts, or one holding a ``whole`` prompt (nothing else of it
+        to overlap), may run on the loop's thread (``ComputeThread.run_rows``)."""
         tensor = token_ids if token_ids is not None else hidden
         if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
             item = DecodeItem(session_id, position, token_ids, hidden, owner, sample, guess_from)
             return await self.batcher.submit(stage, item, alone=self.retiring is None)
-        return await self.compute_thread.run(
+        rows = tensor.shape[1] if tensor is not None and tensor.dim() >= 2 else 1
+        return await self.compute_thread.run_rows(
             stage.step, session_id, position, token_ids=token_ids, hidden=hidden,
-            owner=owner, sample=sample, drafts=drafts,
+            owner=owner, sample=sample, drafts=drafts, rows=rows,
+            inline=(bool(drafts) or whole) and len(stage.sessions) <= 1,
         )  # fmt: skip
 
     # -- ordering of pipelined chunks --------------------------------------------------------
@@ -402,11 +407,14 @@ class NodeService:
                 del waiting[member.req.position]
         is_head = stage.shard.is_head
         merged = me.tensor if len(run) == 1 else torch.cat([m.tensor for m in run], dim=1)
+        # A prompt of one wire chunk has nothing to overlap: short, it runs on the loop's thread.
+        whole = me.req.chunk == 0 and run[-1].req.sample and len(stage.sessions) <= 1
         try:
-            out = await self.compute_thread.run(
+            out = await self.compute_thread.run_rows(
                 stage.step, me.req.session_id, me.req.position,
                 token_ids=merged if is_head else None, hidden=None if is_head else merged,
-                owner=me.req.session_key, sample=run[-1].req.sample,
+                owner=me.req.session_key, sample=run[-1].req.sample, rows=merged.shape[1],
+                inline=whole,
             )  # fmt: skip
         except BaseException as exc:
             for member in run[1:]:

@@ -139,7 +139,9 @@ class HeadPasses:
             index = 0
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 last = hi == len(ids)
-                out = await self.local(stage, session_id, key, ids[lo:hi], lo, last)
+                out = await self.local(
+                    stage, session_id, key, ids[lo:hi], lo, last, whole=len(bounds) == 2
+                )  # fmt: skip
                 if not route:
                     result = as_result(out)
                     continue
@@ -163,9 +165,11 @@ class HeadPasses:
             raise
 
     async def local(
-        self, stage, session_id, key, token_ids, position, sample, drafts=0, guess_from=None
-    ) -> StepOutput:
-        """One pass through the head's own layers (``sample``: a token comes out of it)."""
+        self, stage, session_id, key, token_ids, position, sample, drafts=0, guess_from=None,
+        whole=False,
+    ) -> StepOutput:  # fmt: skip
+        """One pass through the head's own layers (``sample``: a token comes out of it;
+        ``whole``: it holds the whole prompt)."""
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
         self.service.count_served(int(sample))  # a sampled step: one more token through here
         out = await self.service.run_stage(
@@ -177,6 +181,7 @@ class HeadPasses:
             sample=sample,
             drafts=tuple(token_ids[len(token_ids) - drafts :]) if drafts else (),
             guess_from=guess_from,
+            whole=whole,
         )
         if (session := stage.sessions.peek(session_id)) is not None:
             stage.sessions.note_ids(session, position, token_ids)  # names its cached blocks
