@@ -30,6 +30,7 @@ from meshnet_common.protocol import (
 from meshnet_common.trust.identity import CallChecker, Identity
 from meshnet_common.web.auth import install_access
 from meshnet_common.web.http import install_error_handlers, install_observability
+from meshnet_common.web.serve import refreeze_heap
 from meshnet_common.web.shards import shards_router, watch_shard_server
 from meshnet_node.api import Readiness, head_router, node_router, status_router
 from meshnet_node.caching.store import PrefixCache, heartbeat_figures
@@ -468,6 +469,7 @@ async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
         retiring.sessions.expire_idle()
     if service.retiring is retiring:
         service.retiring = None  # DROP_SHARD: the old layers are freed
+        refreeze_heap()  # frozen at start-up: the collector may reach them again once
     logger.info("dropped the previous shard")
 
 
