@@ -72,9 +72,11 @@ def computing(fn: Callable[[], T], threads: int) -> T:
     settled = threading.Event()
 
     def call() -> T:
-        torch.set_num_threads(threads)
-        torch.get_num_threads()  # settles this thread's count (torch reads it once)
-        settled.set()
+        try:
+            torch.set_num_threads(threads)
+            torch.get_num_threads()  # settles this thread's count (torch reads it once)
+        finally:
+            settled.set()  # the caller never waits on a thread that failed here
         return fn()
 
     def back_to_one() -> None:
