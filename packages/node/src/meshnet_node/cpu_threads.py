@@ -10,7 +10,7 @@ EPYC, Zen 4: 30 SmolLM2 layers, 22 ms a step from one thread, 35-40 ms from two)
 
 So a node process keeps one long-lived thread computing with the node's torch threads:
 the event loop's, where short passes run without a thread hand-off (two wake-ups per hop
-and step, ~0.2 ms each on a virtualized host). The node is built (its shard loaded) on a
+and step, ~0.1 ms each on a virtualized host). The node is built (its shard loaded) on a
 thread of its own that ends with it (:func:`apart`); :func:`dedicate` gives the loop's
 thread the node's torch threads and every other thread one; and a long pass runs from the
 compute thread on a thread of its own that ends with the pass (:func:`computing`), so its
