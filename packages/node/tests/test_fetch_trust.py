@@ -7,6 +7,7 @@ peer's manifest, and hashes a cached shard again before using it.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -164,6 +165,34 @@ def test_a_cached_shard_of_another_revision_is_not_used(use, snapshot, tmp_path)
     assert cached_shard(tmp_path, MODEL, LAYERS) == path  # intact on its own terms
     assert fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=trust, hub=False) == path
     assert hosts.downloads[TRACKER] > 0 and (path / SUBSET_FILE).read_bytes() != old
+
+
+def test_a_peer_holding_another_revision_sends_no_byte(use, snapshot, tmp_path):
+    # The peer's copy has another config (another revision): each download names the
+    # tracker's revision, so the peer refuses it and the next source serves the shard.
+    other = tmp_path / "other"
+    shutil.copytree(snapshot, other)
+    config = other / "config.json"
+    config.write_text(config.read_text().replace("{", '{"meshnet_edit": 1,', 1))
+    hosts = use(tracker=shard_app(snapshot, ManifestSigner.generate()), peer=shard_app(other))
+    trust = Trust(tracker=TRACKER)
+    path = fetch_shard(MODEL, LAYERS, (PEER, TRACKER), tmp_path / "cache", trust=trust, hub=False)
+    assert hosts.downloads[PEER] == 1  # the first file's request, answered 404
+    assert hosts.downloads[TRACKER] > 0 and (path / MANIFEST_FILE).exists()
+
+
+def test_without_a_tracker_a_pinned_commit_is_asked_of_the_source(use, snapshot, tmp_path):
+    held, other = "a" * 40, "b" * 40
+    commit = tmp_path / "hub" / "snapshots" / held  # the HF cache's layout: a commit folder
+    shutil.copytree(snapshot, commit)
+    hosts = use(peer=shard_app(commit))
+    with pytest.raises(ModelError, match="no manifest"):
+        fetch_shard(MODEL, LAYERS, (PEER,), tmp_path / "c", trust=Trust(), hub=False,
+                    revision=other)  # fmt: skip
+    assert hosts.downloads[PEER] == 0
+    path = fetch_shard(MODEL, LAYERS, (PEER,), tmp_path / "c", trust=Trust(), hub=False,
+                       revision=held)  # fmt: skip
+    assert json.loads((path / MANIFEST_FILE).read_text())["revision"] == held
 
 
 def test_the_signing_key_file_persists_and_a_bad_pin_is_refused(tmp_path):

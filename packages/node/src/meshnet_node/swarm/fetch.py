@@ -235,13 +235,16 @@ def fetch_from(
     cache_dir: Path,
     trust: Trust = Trust(),
     manifest: dict | None = None,
+    revision: str | None = None,
 ) -> Path:
     """Fetch the shard's subset from one peer or tracker, checked against ``manifest`` (the
-    trusted one; without: the source's own, which only a tracker-less node accepts);
-    FetchError on any defect."""
+    trusted one; without: the source's own, which only a tracker-less node accepts, of
+    ``revision`` when that names a commit); FetchError on any defect."""
     target = shard_dir(cache_dir, model_id, layers)
     staging = target.parent / f".partial-{layers.start}-{layers.end}"
     params = {"model": model_id, "start": layers.start, "end": layers.end}
+    if manifest is None and revision is not None and COMMIT.fullmatch(revision):
+        params["revision"] = revision
     base = source.rstrip("/")
     with trust.client() as client:
         if manifest is None:
@@ -255,6 +258,9 @@ def fetch_from(
             staging.mkdir(parents=True)
         stamp.write_text(manifest["revision"])
         total = sum(f["size"] for f in manifest["files"])
+        # Each download names the revision: a source holding another one answers 404 and
+        # sends no byte (rather than bytes that fail the manifest's hashes).
+        params["revision"] = manifest["revision"]
         progress = Progress(f"{model_id} layers {layers} from {source}", total)
         for entry in manifest["files"]:
             name = entry["name"]
@@ -319,7 +325,8 @@ def _first_good(model_id, layers, sources, cache_dir, trust, hub, revision) -> t
     if expected is not None or not trust.tracker:  # without the tracker's, no peer is trusted
         for source in sources:
             try:
-                return fetch_from(source, model_id, layers, cache_dir, trust, expected), False
+                got = fetch_from(source, model_id, layers, cache_dir, trust, expected, revision)
+                return got, False
             except (FetchError, OSError, ValueError) as exc:
                 logger.warning("source %s failed: %s", source, exc)
                 failures.append(f"{source}: {exc}")
