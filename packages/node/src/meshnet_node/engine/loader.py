@@ -35,6 +35,7 @@ from meshnet_node.engine.quantization import quantize_linears
 from meshnet_node.engine.row_attention import enable_together, widen_attention
 from meshnet_node.kernels import bf16_dot
 from meshnet_node.kernels import packed as packed_kernels
+from meshnet_node.kernels.fused_linears import fuse_siblings
 from meshnet_node.lowbit.gguf_blocks import GROUP as GGUF_GROUP
 from meshnet_node.lowbit.gguf_blocks import GgufTensors
 from meshnet_node.lowbit.int4_checkpoints import Int4Linears
@@ -223,6 +224,7 @@ def load_shard(
     group_size: int = 64,
     widen_bf16: bool = False,
     bf16_kernel: bool = True,
+    fuse: bool = True,
 ) -> LoadedShard:
     """Materialize ``layers`` of the snapshot (plus head/tail extras) and nothing more.
 
@@ -234,7 +236,9 @@ def load_shard(
     ``widen_bf16``: multiply many-row calls in float32 where bf16 arithmetic is emulated
     (``bf16_upcast``); off, every product is torch's own, as in the unsplit model.
     ``bf16_kernel``: where torch multiplies bf16 one row at a time, do its sums several rows
-    at a time (``meshnet_node.kernels.bf16_dot``: the same numbers, ADR-0030)."""
+    at a time (``meshnet_node.kernels.bf16_dot``: the same numbers, ADR-0030).
+    ``fuse``: sibling projections (q/k/v, gate/up) as one product each where that gives the
+    same numbers (``meshnet_node.kernels.fused_linears``, ADR-0037)."""
     index = CheckpointIndex.load(snapshot)
     layers.check_within(index.num_layers)
     if index.gguf is not None:  # the config is the GGUF's metadata (``gguf_index``)
@@ -335,6 +339,8 @@ def load_shard(
     for layer in modules.layers:  # a batched step runs each attention module once (ADR-0028)
         enable_together(attention_module(layer))
     modules.to(device)
+    if fuse:  # q/k/v and gate/up as one product each, where that is bit for bit (ADR-0037)
+        fuse_siblings(modules.layers)
     if bf16_kernel and bf16_dot.start(device):
         bf16_dot.route_linears(modules)
     if widen_bf16 and widen_if_emulated(modules, device):

@@ -45,6 +45,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from meshnet_node.engine.bf16_upcast import upcast_min_rows
+from meshnet_node.kernels.fused_linears import FusedPart
 
 RowCall = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (module, row, b) -> output
 
@@ -114,7 +115,7 @@ def _learn(module: nn.Module, row: torch.Tensor, call: RowCall) -> tuple[_Plan, 
     watches = {
         name: _Watch(child, row)
         for name, child in module.named_children()
-        if isinstance(child, nn.Linear)
+        if isinstance(child, nn.Linear | FusedPart)
     }
     originals = _swapped(module, watches)
     try:

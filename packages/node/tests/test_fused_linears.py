@@ -1,0 +1,109 @@
+"""Sibling projections fused into one product (ADR-0037) give the unfused stage's numbers,
+bit for bit, in every family, and cost no memory; a shape whose fused product differs stays
+apart."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from baselines import split_greedy
+from torch import nn
+
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+from meshnet_common.tiny import snapshots as tiny
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.stage import Stage
+from meshnet_node.kernels import fused_linears
+from meshnet_node.kernels.fused_linears import FusedGroup, FusedPart, fuse_siblings
+
+FAMILIES = list(tiny.FAMILIES)
+
+
+def _stages(snapshot, precision: Precision, fuse: bool) -> list[Stage]:
+    return [
+        Stage(load_shard(snapshot, LayerRange(a, b), precision, fuse=fuse))
+        for a, b in ((0, 2), (2, 4), (4, 6))
+    ]
+
+
+def _parts(stages: list[Stage]) -> int:
+    return sum(isinstance(m, FusedPart) for s in stages for m in s.shard.modules.modules())
+
+
+def _weight_bytes(stages: list[Stage]) -> int:
+    return sum(p.numel() * p.element_size() for s in stages for p in s.shard.modules.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("precision", [Precision.BFLOAT16, Precision.FLOAT32])
+def test_fused_stages_give_the_unfused_numbers_bit_for_bit(tiny_snapshot, family, precision):
+    snapshot = tiny_snapshot(family)
+    prompt = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain, fused = _stages(snapshot, precision, False), _stages(snapshot, precision, True)
+    assert _parts(plain) == 0
+    assert _weight_bytes(fused) == _weight_bytes(plain)  # views, not copies
+    want_tokens, want_logits = split_greedy(plain, prompt, 8)  # a chunked prompt, then decode
+    tokens, logits = split_greedy(fused, prompt, 8)
+    assert tokens == want_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+
+
+def test_llama_fuses_qkv_and_gate_up_of_every_layer(tiny_snapshot):
+    stage = Stage(load_shard(tiny_snapshot("llama"), LayerRange(0, 6), Precision.BFLOAT16))
+    for layer in stage.shard.modules.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert [type(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")] == [FusedPart] * 3
+        assert [type(getattr(mlp, n)) for n in ("gate_proj", "up_proj")] == [FusedPart] * 2
+        assert type(attn.o_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear
+        # the members' weights are views of the fused weight: the same storage
+        fused = attn.fused_q_proj_k_proj_v_proj.weight
+        assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+
+
+def test_a_shape_whose_fused_product_differs_stays_apart(monkeypatch, caplog):
+    monkeypatch.setattr(fused_linears, "_verdicts", {})
+    monkeypatch.setattr(fused_linears, "bit_for_bit", lambda *a: False)
+    layer = nn.Module()
+    layer.q_proj, layer.k_proj, layer.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+    with caplog.at_level("INFO", logger=fused_linears.__name__):
+        assert fuse_siblings([layer]) == 0
+    assert type(layer.q_proj) is nn.Linear and "stay apart" in caplog.text
+
+
+def test_bit_for_bit_holds_for_common_shapes_here():
+    # The check itself: true on this machine for SmolLM2's shapes and a tiny float32 one with
+    # biases (a machine where it is false keeps the projections apart: the test above).
+    for sizes, width, dtype, bias in (((576, 192, 192), 576, torch.bfloat16, False),
+                                      ((64, 32, 32), 64, torch.float32, True)):  # fmt: skip
+        parts = [nn.Linear(width, n, bias=bias, dtype=dtype) for n in sizes]
+        assert fused_linears.bit_for_bit(parts, fused_linears._stacked(parts))
+    # and false for one that is not the parts stacked
+    parts = [nn.Linear(64, 32), nn.Linear(64, 32)]
+    assert not fused_linears.bit_for_bit(parts, nn.Linear(64, 64))
+
+
+def test_a_member_given_another_input_computes_it_and_threads_keep_their_own():
+    torch.manual_seed(0)
+    q, k = nn.Linear(64, 64), nn.Linear(64, 32)
+    layer = nn.Module()
+    layer.q_proj, layer.k_proj, layer.v_proj = q, k, nn.Linear(64, 32)
+    assert fuse_siblings([layer]) == 1
+    x, y = torch.randn(2, 64), torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(layer.q_proj(x), q(x))
+        assert torch.equal(layer.k_proj(y), k(y))  # not x: computed for y
+        assert torch.equal(layer.k_proj(x), k(x))
+        got: dict[str, torch.Tensor] = {}
+
+        def other_thread() -> None:
+            got["k"] = layer.k_proj(x)  # nothing kept on this thread: computed afresh
+
+        layer.q_proj(y)
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert torch.equal(got["k"], k(x)) and torch.equal(layer.k_proj(y), k(y))
+    assert isinstance(layer.k_proj.group, FusedGroup)
