@@ -30,7 +30,11 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Children of one module that read the same input, in the order families call them.
-GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek's MLA: both read the layer's input
+)
 CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64, 128)  # a decode step .. a prompt chunk
 
 _verdicts: dict[tuple, bool] = {}  # shape signature -> fused equals separate
