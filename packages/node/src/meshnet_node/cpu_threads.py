@@ -15,9 +15,10 @@ thread of its own that ends with it (:func:`apart`); :func:`dedicate` gives the 
 thread the node's torch threads and every other thread one; and a long pass runs from the
 compute thread on a thread of its own that ends with the pass (:func:`computing`), so its
 team goes too. With ``--no-inline-decode`` the compute thread keeps the torch threads
-instead and the loop's thread computes nothing. Nodes sharing a host take turns in a
-single stream; each one logs how many other meshnet nodes claim memory on its host
-(``HostClaims``), and ``--threads`` sets the count.
+instead and the loop's thread computes nothing. Nodes sharing a host take turns: in a
+single stream by its nature, with several by the host's compute turns their short passes
+take (``meshnet_node.swarm.host_turns``); each one logs how many other meshnet nodes claim
+memory on its host (``HostClaims``), and ``--threads`` sets the count.
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ def dedicate(compute, threads: int | None) -> int:
     return threads
 
 
-def describe(threads: int, others: int, spin: str = "") -> str:
-    """The log line of what the node computes with (``spin``: how OpenMP waits)."""
-    shared = f"; {others} other meshnet node(s) on this host take turns with it" if others else ""
+def describe(threads: int, others: int, spin: str = "", turns=None) -> str:
+    """The log line of what the node computes with (``spin``: how OpenMP waits; ``turns``:
+    the host's compute turns, ``HostTurns``, or None)."""
+    shared = f"; {others} other meshnet node(s) on this host" if others else ""
     spin = f"; {spin}" if spin else ""
-    return f"computing with {threads} torch thread(s) (--threads sets it){spin}{shared}"
+    taken = f"; {turns.describe()}" if turns is not None else ""
+    return f"computing with {threads} torch thread(s) (--threads sets it){spin}{shared}{taken}"

@@ -24,6 +24,7 @@ from meshnet_common.web.hosts import require_https
 from meshnet_common.web.shards import ShardServer
 from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm.host_memory import HostClaims
+from meshnet_node.swarm.host_turns import node_turns
 from meshnet_node.swarm.joining import (
     announce_joining,
     ask_assignment,
@@ -170,8 +171,11 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
                 settings, metrics=metrics, membership=membership, memory_declared_bytes=declared
             )
         )
-        threads = dedicate(runtime.service.compute_thread, settings.threads)
-        logger.info("%s", describe_threads(threads, offer.others, spin))
+        compute = runtime.service.compute_thread
+        threads = dedicate(compute, settings.threads)
+        turns = node_turns(settings, threads, runtime.service.stage.shard.device.type)
+        compute.turns = turns
+        logger.info("%s", describe_threads(threads, offer.others, spin, turns))
     except (MeshnetError, ValueError, OSError) as exc:
         if membership is not None:
             membership.stop(node_id=node_id)

@@ -27,6 +27,7 @@ from meshnet_node.runtime import (
     stop_background,
 )
 from meshnet_node.settings import NodeSettings
+from meshnet_node.swarm.host_turns import node_turns
 from meshnet_node.verification.verifier import Replica
 from meshnet_tracker.settings import TrackerSettings
 
@@ -57,8 +58,11 @@ class TrackerNode:
         node.runtime = apart(  # the load's OpenMP team ends with it (docs/adr/0036)
             lambda: build_runtime(settings, route_provider=node._routes, view=node)
         )
-        threads = dedicate(node.runtime.service.compute_thread, settings.threads)
-        logger.info("tracker node: %s", describe(threads, 0, spin))
+        compute = node.runtime.service.compute_thread
+        threads = dedicate(compute, settings.threads)
+        device = node.runtime.service.stage.shard.device.type
+        compute.turns = node_turns(settings, threads, device)  # shared with the host's nodes
+        logger.info("tracker node: %s", describe(threads, 0, spin, compute.turns))
         return node
 
     @classmethod

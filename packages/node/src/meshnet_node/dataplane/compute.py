@@ -9,20 +9,40 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from meshnet_node.cpu_threads import computing
 from meshnet_node.engine.stage import Stage, StepOutput
 
 
-def _timed(fn, *args, before: Callable[[], None] | None = None, **kwargs):
+class Turns(Protocol):
+    """The host's compute turns (``meshnet_node.swarm.host_turns.HostTurns``)."""
+
+    def take(self) -> bool: ...
+    def give(self) -> None: ...
+
+
+def _timed(
+    fn, *args, before: Callable[[], None] | None = None, turns: Turns | None = None, **kwargs
+):
     """Call ``fn``; StepOutputs it returns learn how long it took (a batch shares it).
 
     ``before`` runs first, inside the timed span, on the calling thread (a fault injected
-    at start-up: ``meshnet_node.engine.faults.SlowCompute``)."""
+    at start-up: ``meshnet_node.engine.faults.SlowCompute``). ``turns``: ``fn`` runs in one
+    of the host's compute turns (the wait for it is not counted)."""
     started = time.perf_counter()
     if before is not None:
         before()
-    result = fn(*args, **kwargs)
+    took = False
+    if turns is not None:
+        waiting = time.perf_counter()
+        took = turns.take()
+        started += time.perf_counter() - waiting
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        if took:
+            turns.give()  # type: ignore[union-attr]
     elapsed = time.perf_counter() - started
     for out in result if isinstance(result, list) else (result,):
         if isinstance(out, StepOutput):
@@ -39,7 +59,9 @@ class ComputeThread:
     connection (``--inline-decode``, ``--inline-decode-max-ms``). In a node process the
     loop's thread owns the node's torch threads (``cpu_threads.dedicate``): inline passes
     run only there, and the compute thread runs each of its passes on a thread of its own
-    with as many (``cpu_threads.computing``), which ends with the pass."""
+    with as many (``cpu_threads.computing``), which ends with the pass. An inline pass
+    first takes one of the host's compute turns (``turns``, when the node has them), so that
+    the short passes of the nodes sharing a host do not compute at once."""
 
     def __init__(
         self, *, inline_decode: bool, inline_max_s: float,
@@ -51,6 +73,7 @@ class ComputeThread:
         self.owner: int | None = None  # the thread owning them, where inline passes run
         self.inline_max_s = inline_max_s
         self.before_pass = before_pass  # tests only: a fault composed at start-up, or None
+        self.turns: Turns | None = None  # the host's compute turns, taken by inline passes
         self.in_flight = 0  # passes computing now
         self.inline_runs = 0  # passes run on the loop's thread so far
         self.decode_s: float | None = None  # the last decode pass's compute time (None: unknown)
@@ -104,7 +127,7 @@ class ComputeThread:
         self.in_flight += 1
         self.inline_runs += 1  # the loop is blocked meanwhile (a link probe's time is off)
         try:
-            return _timed(fn, *args, before=self.before_pass, **kwargs)
+            return _timed(fn, *args, before=self.before_pass, turns=self.turns, **kwargs)
         finally:
             self.in_flight -= 1
 
