@@ -80,6 +80,7 @@ def test_bit_for_bit_holds_for_common_shapes_here():
                                       ((64, 32, 32), 64, torch.float32, True)):  # fmt: skip
         parts = [nn.Linear(width, n, bias=bias, dtype=dtype) for n in sizes]
         assert fused_linears.bit_for_bit(parts, fused_linears._stacked(parts))
+        assert fused_linears.bit_for_bit(parts, fused_linears._stacked(parts), threads=1)
     # and false for one that is not the parts stacked
     parts = [nn.Linear(64, 32), nn.Linear(64, 32)]
     assert not fused_linears.bit_for_bit(parts, nn.Linear(64, 64))

@@ -197,7 +197,7 @@ def load_stage(settings: NodeSettings) -> Stage:
         dtype=getattr(torch, dtype),
         group_size=settings.quant_group_size,
         widen_bf16=settings.widen_bf16,
-        bf16_kernel=settings.bf16_kernel,
+        bf16_kernel=settings.bf16_kernel, threads=settings.threads,
     )  # fmt: skip
     return Stage(
         shard, max_chunk_tokens=settings.chunk_tokens, kv_budget_tokens=settings.kv_budget_tokens,

@@ -225,6 +225,7 @@ def load_shard(
     widen_bf16: bool = False,
     bf16_kernel: bool = True,
     fuse: bool = True,
+    threads: int | None = None,
 ) -> LoadedShard:
     """Materialize ``layers`` of the snapshot (plus head/tail extras) and nothing more.
 
@@ -238,7 +239,8 @@ def load_shard(
     ``bf16_kernel``: where torch multiplies bf16 one row at a time, do its sums several rows
     at a time (``meshnet_node.kernels.bf16_dot``: the same numbers, ADR-0030).
     ``fuse``: sibling projections (q/k/v, gate/up) as one product each where that gives the
-    same numbers (``meshnet_node.kernels.fused_linears``, ADR-0037)."""
+    same numbers with ``threads`` (the node's torch threads; None: this thread's count) as
+    separate products (``meshnet_node.kernels.fused_linears``, ADR-0037)."""
     index = CheckpointIndex.load(snapshot)
     layers.check_within(index.num_layers)
     if index.gguf is not None:  # the config is the GGUF's metadata (``gguf_index``)
@@ -340,7 +342,7 @@ def load_shard(
         enable_together(attention_module(layer))
     modules.to(device)
     if fuse:  # q/k/v and gate/up as one product each, where that is bit for bit (ADR-0037)
-        fuse_siblings(modules.layers)
+        fuse_siblings(modules.layers, threads)
     if bf16_kernel and bf16_dot.start(device):
         bf16_dot.route_linears(modules)
     if widen_bf16 and widen_if_emulated(modules, device):
