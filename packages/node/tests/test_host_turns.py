@@ -13,9 +13,9 @@ import sys
 import textwrap
 
 from meshnet_node.dataplane.compute import ComputeThread
+from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm import host_turns
 from meshnet_node.swarm.host_turns import SKIP_S, HostTurns, node_turns
-from meshnet_node.settings import NodeSettings
 
 
 class FakeClock:
