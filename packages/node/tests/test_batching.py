@@ -248,3 +248,32 @@ def test_a_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
 
     asyncio.run(run())
     assert {frozenset(p) for p in passes[-2:]} == {frozenset({"r0", "r2"}), frozenset({"r1", "r3"})}
+
+
+def test_one_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
+    """Where the stages take turns on shared cores (one micro-batch), a head of a chain
+    keeps every session in one slot and waits for a member still down the chain (up to the
+    chain's measured return time), so the whole batch moves down the chain as one."""
+    sids = [f"u{i}" for i in range(4)]
+    stage, settings, passes = _head_service(tiny_snapshot, sids)
+    assert not stage.shard.is_tail
+
+    async def step(service, sid: str, position: int, after: int = 0) -> None:
+        while len(service.batcher._queue) < after:  # the late member: once 3 wait, ...
+            await asyncio.sleep(0)
+        if after:
+            await asyncio.sleep(10 * service.batcher.gather_s)  # ... past the gather window
+        await service.run_stage(stage, sid, position, token_ids=torch.tensor([[9]]),
+                                sample=False)  # fmt: skip
+
+    async def run() -> None:
+        service = NodeService(stage, settings, model_id=settings.model_id)
+        assert service.batcher.depth == 1
+        await asyncio.gather(*(step(service, sid, 3) for sid in sids))  # all in phase
+        service.batcher._return_s = 10.0  # a pass that did not wait would stall 10 s
+        late = sids[1]
+        await asyncio.gather(*(step(service, s, 4, 3 if s == late else 0) for s in sids))
+        await service.aclose()
+
+    asyncio.run(run())
+    assert passes and all(frozenset(p) == frozenset(sids) for p in passes)

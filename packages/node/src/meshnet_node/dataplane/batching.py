@@ -56,7 +56,9 @@ class DecodeBatcher:
     A session keeps its micro-batch (*slot*) from its first decode step on, given the
     least filled one (as vLLM gives a request one virtual engine): a pass takes the steps
     of one slot, and waits up to ``gather_s`` for the slot's other sessions, up to a cycle
-    for those whose last step is still down the chain (docs/adr/0029). Batches
+    for those whose last step is still down the chain (docs/adr/0029); a head of a chain
+    keeps one slot when ``depth`` is 1 (its stages take turns on shared cores), waiting up
+    to the chain's measured return time for its members. Batches
     formed from whatever happened to be queued drift apart into uneven groups (8, 5 and 3
     steps where 16 sessions should run as 8 and 8), each pass paying its fixed cost.
     """
@@ -75,6 +77,7 @@ class DecodeBatcher:
         self._slots: dict[str, int] = {}  # head: a session's micro-batch, 0 .. depth - 1
         self._out: dict[str, float] = {}  # head: sessions whose step is down the chain, since
         self._pass_s = 0.0  # the last pass's wall time on this node
+        self._return_s = 0.0  # head, one micro-batch: how long a step takes down the chain
         self._arrived = asyncio.Event()
 
     async def submit(self, stage: Stage, item: DecodeItem, *, alone: bool = False) -> StepOutput:
@@ -100,7 +103,10 @@ class DecodeBatcher:
         future = asyncio.get_running_loop().create_future()
         if self._slotted(stage):
             self.slot(stage, item.session_id)
-            self._out.pop(item.session_id, None)
+            sent = self._out.pop(item.session_id, None)
+            if sent is not None:  # its last step went down the chain and came back
+                back = asyncio.get_running_loop().time() - sent
+                self._return_s = back if not self._return_s else 0.8 * self._return_s + 0.2 * back
         self._queue.append((stage, item, future))
         self._arrived.set()
         if self._worker is None or self._worker.done():
@@ -127,7 +133,7 @@ class DecodeBatcher:
         # On a head, members of the slot whose last step is still down the chain come back
         # within a cycle (a pass per micro-batch): waiting for them puts the slot back in
         # one phase, where a pass without them would split it for good.
-        late = deadline if slot is None else loop.time() + self._pass_s * self.depth
+        late = deadline if slot is None else loop.time() + self._cycle_s()
         while self._queued(stage, slot) < want:
             now = loop.time()
             until = deadline
@@ -141,14 +147,23 @@ class DecodeBatcher:
 
     def _coming(self, slot: int | None, now: float) -> bool:
         """Whether a session of ``slot`` has a step down the chain, sent within 2 cycles."""
-        window = 2 * self._pass_s * self.depth
+        window = 2 * self._cycle_s()
         return slot is not None and any(
             self._slots.get(sid) == slot and now - since < window
             for sid, since in self._out.items()
         )  # fmt: skip
 
+    def _cycle_s(self) -> float:
+        """How long a slot's step takes to come back: a pass per micro-batch; with one
+        micro-batch (stages taking turns on shared cores), the chain's measured return."""
+        if self.depth > 1:
+            return self._pass_s * self.depth
+        return max(self._pass_s, self._return_s)
+
     def _slotted(self, stage: Stage) -> bool:
-        return self.depth > 1 and stage.shard.is_head
+        # A head of a chain keeps its sessions in slots, one slot when its stages take
+        # turns (depth 1): the whole batch then moves down the chain as one.
+        return stage.shard.is_head and (self.depth > 1 or not stage.shard.is_tail)
 
     def slot(self, stage: Stage, session_id: str) -> int:
         """The micro-batch of ``session_id`` on head ``stage``: kept once given, else the
