@@ -12,7 +12,8 @@ from meshnet_common.errors import Conflict, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_common.tiny import snapshots as tiny
-from meshnet_node.dataplane.batching import micro_batches
+from meshnet_node.dataplane.batching import DecodeBatcher, micro_batches
+from meshnet_node.dataplane.compute import ComputeThread
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.families import attention_module
 from meshnet_node.engine.loader import load_shard
@@ -277,3 +278,11 @@ def test_one_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
 
     asyncio.run(run())
     assert passes and all(frozenset(p) == frozenset(sids) for p in passes)
+
+
+def test_one_slow_return_moves_the_chains_return_time_a_little():
+    batcher = DecodeBatcher(ComputeThread(inline_decode=False, inline_max_s=0.25))
+    batcher._note_return(0.030)
+    batcher._note_return(10.0)  # a failover's replay, a client that paused
+    assert batcher._return_s == pytest.approx(0.8 * 0.030 + 0.2 * 0.060)
+    batcher.compute.shutdown()

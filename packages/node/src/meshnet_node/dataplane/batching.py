@@ -105,8 +105,7 @@ class DecodeBatcher:
             self.slot(stage, item.session_id)
             sent = self._out.pop(item.session_id, None)
             if sent is not None:  # its last step went down the chain and came back
-                back = asyncio.get_running_loop().time() - sent
-                self._return_s = back if not self._return_s else 0.8 * self._return_s + 0.2 * back
+                self._note_return(asyncio.get_running_loop().time() - sent)
         self._queue.append((stage, item, future))
         self._arrived.set()
         if self._worker is None or self._worker.done():
@@ -152,6 +151,14 @@ class DecodeBatcher:
             self._slots.get(sid) == slot and now - since < window
             for sid, since in self._out.items()
         )  # fmt: skip
+
+    def _note_return(self, back: float) -> None:
+        """Average how long steps take down the chain and back; one slow return (a
+        failover, a client that paused) moves it at most 20%."""
+        if not self._return_s:
+            self._return_s = back
+        else:
+            self._return_s = 0.8 * self._return_s + 0.2 * min(back, 2 * self._return_s)
 
     def _cycle_s(self) -> float:
         """How long a slot's step takes to come back: a pass per micro-batch; with one
