@@ -16,7 +16,7 @@ from meshnet_common.precision import Precision
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
-from meshnet_node.kernels import fused_linears
+from meshnet_node.kernels import fused_linears, row_stable
 from meshnet_node.kernels.fused_linears import FusedGroup, FusedPart, fuse_siblings
 
 FAMILIES = list(tiny.FAMILIES)
@@ -64,8 +64,7 @@ def test_llama_fuses_qkv_and_gate_up_of_every_layer(tiny_snapshot):
 
 
 def test_a_shape_whose_fused_product_differs_stays_apart(monkeypatch, caplog):
-    monkeypatch.setattr(fused_linears, "_verdicts", {})
-    monkeypatch.setattr(fused_linears, "bit_for_bit", lambda *a: False)
+    monkeypatch.setattr(fused_linears, "row_limit", lambda *a, **k: 0)
     layer = nn.Module()
     layer.q_proj, layer.k_proj, layer.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
     with caplog.at_level("INFO", logger=fused_linears.__name__):
@@ -73,17 +72,20 @@ def test_a_shape_whose_fused_product_differs_stays_apart(monkeypatch, caplog):
     assert type(layer.q_proj) is nn.Linear and "stay apart" in caplog.text
 
 
-def test_bit_for_bit_holds_for_common_shapes_here():
-    # The check itself: true on this machine for SmolLM2's shapes and a tiny float32 one with
-    # biases (a machine where it is false keeps the projections apart: the test above).
+def test_fused_rows_equal_the_members_one_row_products_for_common_shapes_here():
+    # The check itself: SmolLM2's q/k/v and a tiny float32 one with biases fuse on this
+    # machine, with a row limit of at least one (a machine where the one-row product already
+    # differs keeps the projections apart: the test above).
     for sizes, width, dtype, bias in (((576, 192, 192), 576, torch.bfloat16, False),
                                       ((64, 32, 32), 64, torch.float32, True)):  # fmt: skip
         parts = [nn.Linear(width, n, bias=bias, dtype=dtype) for n in sizes]
-        assert fused_linears.bit_for_bit(parts, fused_linears._stacked(parts))
-        assert fused_linears.bit_for_bit(parts, fused_linears._stacked(parts), threads=1)
-    # and false for one that is not the parts stacked
+        fused = fused_linears._stacked(parts)
+        for threads in (None, 1):
+            assert row_stable.find_limit(fused.weight, fused.bias, parts, threads) >= 1
+    # and none for one that is not the parts stacked
     parts = [nn.Linear(64, 32), nn.Linear(64, 32)]
-    assert not fused_linears.bit_for_bit(parts, nn.Linear(64, 64))
+    other = nn.Linear(64, 64)
+    assert row_stable.find_limit(other.weight, other.bias, parts) == 0
 
 
 def test_a_member_given_another_input_computes_it_and_threads_keep_their_own():

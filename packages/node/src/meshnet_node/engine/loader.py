@@ -36,6 +36,7 @@ from meshnet_node.engine.row_attention import enable_together, widen_attention
 from meshnet_node.kernels import bf16_dot
 from meshnet_node.kernels import packed as packed_kernels
 from meshnet_node.kernels.fused_linears import fuse_siblings
+from meshnet_node.kernels.row_stable import route_rows
 from meshnet_node.lowbit.gguf_blocks import GROUP as GGUF_GROUP
 from meshnet_node.lowbit.gguf_blocks import GgufTensors
 from meshnet_node.lowbit.int4_checkpoints import Int4Linears
@@ -343,8 +344,10 @@ def load_shard(
     modules.to(device)
     if fuse:  # q/k/v and gate/up as one product each, where that is bit for bit (ADR-0037)
         fuse_siblings(modules.layers, threads)
-    if bf16_kernel and bf16_dot.start(device):
-        bf16_dot.route_linears(modules)
+    if bf16_kernel:
+        bf16_dot.start(device)
+    # every product in row groups that give each row its one-row product (ADR-0038)
+    route_rows(modules, threads, kernel=bf16_kernel)
     if widen_bf16 and widen_if_emulated(modules, device):
         for layer in modules.layers:  # and their many-row attention calls (ADR-0027)
             widen_attention(attention_module(layer))

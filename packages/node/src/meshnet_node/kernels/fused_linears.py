@@ -10,13 +10,13 @@ with an input computes the whole group's product, the others take their slice of
 2-core AMD EPYC (Zen 4) SmolLM2's 30 layers' projections took 15.7 ms a token as seven
 products per layer and 13.7 ms as four (bench/README.md, "Fused projections").
 
-A group is fused only where the fused product is the members' own, bit for bit: each
-output of a product is its own sum over the input, which no kernel here orders by the
-weight's height, but that is checked, not assumed. Before the first group of a shape is
-fused, ``bit_for_bit`` multiplies random inputs of 1 to 128 rows by its weights both ways,
-with the torch threads the node computes with (a kernel may split a small weight's sums
-between threads); groups of a shape that disagrees anywhere stay as they were, and the log
-says so once. Memory does not grow: the members' weights become views of the fused one.
+A group is fused only where the fused product gives each row the members' own one-row
+products, bit for bit: the first group of a shape is checked for every row count up to
+``row_stable.MAX_ROWS`` on order-revealing inputs, with the torch threads the node computes
+with, and the fused Linear carries the row limit found (ADR-0038); a shape whose one-row
+product already differs stays apart, and the log says so once. Memory does not grow: the
+members' weights become views of the fused one. A prompt chunk's rows (``in_prompt``) take
+each member's own product of all rows, as the unsplit model does: fusing serves decode.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from meshnet_node.kernels.row_stable import in_prompt, product, row_limit
+
 logger = logging.getLogger(__name__)
 
 # Children of one module that read the same input, in the order families call them.
@@ -36,12 +38,6 @@ GROUPS: tuple[tuple[str, ...], ...] = (
     ("gate_proj", "up_proj"),
     ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek's MLA: both read the layer's input
 )
-# A decode step, batched steps and verification passes .. a prompt chunk. Each row count
-# and shape checked leaves oneDNN ~0.4 MB of compiled kernels (measured): a few, not all.
-CHECK_ROWS = (1, 2, 3, 4, 8, 16, 32, 128)
-
-_verdicts: dict[tuple, bool] = {}  # shape signature -> fused equals separate
-_verdicts_lock = threading.Lock()
 
 
 class FusedGroup:
@@ -89,6 +85,8 @@ class FusedPart(nn.Module):
         self.in_features, self.out_features = group.fused.in_features, b - a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if in_prompt():  # a prompt chunk: the member's own product, as the unsplit model's
+            return product(x, self.weight, self.bias)
         return self.group.part(x, self.index)
 
     def extra_repr(self) -> str:
@@ -112,35 +110,6 @@ def _members(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | Non
     return found if same else None  # type: ignore[return-value]
 
 
-def _signature(members: Sequence[nn.Linear], threads: int) -> tuple:
-    first = members[0].weight
-    sizes = tuple(m.out_features for m in members)
-    bias = members[0].bias is not None
-    return (sizes, first.shape[1], first.dtype, first.device.type, bias, threads)
-
-
-def bit_for_bit(parts: Sequence[nn.Linear], fused: nn.Linear, threads: int | None = None) -> bool:
-    """Whether ``fused`` (the parts stacked) gives each part's own product, bit for bit, for
-    random inputs of every row count in ``CHECK_ROWS``, computed with ``threads`` torch
-    threads (None: this thread's count)."""
-    weight = fused.weight
-    gen = torch.Generator().manual_seed(0)
-    sizes = [p.out_features for p in parts]
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads or before)
-        for rows in CHECK_ROWS:
-            x = torch.randn(1, rows, weight.shape[1], generator=gen)
-            x = x.to(device=weight.device, dtype=weight.dtype)
-            together = nn.functional.linear(x, weight, fused.bias).split(sizes, dim=-1)
-            for part, got in zip(parts, together, strict=True):
-                if not torch.equal(nn.functional.linear(x, part.weight, part.bias), got):
-                    return False
-    finally:
-        torch.set_num_threads(before)
-    return True
-
-
 def _stacked(members: Sequence[nn.Linear]) -> nn.Linear:
     first = members[0]
     fused = nn.Linear(first.in_features, sum(m.out_features for m in members),
@@ -153,20 +122,17 @@ def _stacked(members: Sequence[nn.Linear]) -> nn.Linear:
 
 
 def _fused(members: Sequence[nn.Linear], threads: int) -> nn.Linear | None:
-    """The members stacked into one Linear, if that shape's fused product is theirs with
-    ``threads`` (checked on the first group of each shape, with its own weights)."""
-    key = _signature(members, threads)
-    with _verdicts_lock:
-        verdict = _verdicts.get(key)
-        if verdict is False:
-            return None
-        fused = _stacked(members)
-        if verdict is None:
-            verdict = _verdicts[key] = bit_for_bit(members, fused, threads)
-            if not verdict:
-                logger.info("projections %s x %d (%s) stay apart: a fused product differs",
-                            key[0], key[1], key[2])  # fmt: skip
-        return fused if verdict else None
+    """The members stacked into one Linear, if that shape's fused product gives each row the
+    members' own one-row products with ``threads`` (``row_stable.row_limit``: checked on the
+    first group of each shape, with its own weights). The Linear carries its row limit."""
+    fused = _stacked(members)
+    limit = row_limit(fused.weight, fused.bias, members, threads)
+    if limit == 0:
+        logger.info("projections %s x %d (%s) stay apart: a fused product differs",
+                    [m.out_features for m in members], fused.in_features, fused.weight.dtype)  # fmt: skip
+        return None
+    fused.row_limit = limit
+    return fused
 
 
 def _install(module: nn.Module, names: tuple[str, ...], fused: nn.Linear) -> None:

@@ -1,0 +1,221 @@
+"""Products whose every row is that row's product alone, whatever else the pass holds
+(docs/adr/0038).
+
+A node's passes hold any number of rows: one decode step, a batch of sessions' steps, drafts
+to verify, a prompt chunk, a replay. The unsplit model decodes one row at a time. For a
+split model to give the unsplit model's tokens under every schedule, each row of a product
+must come out as that row alone would: the same bits whatever the row count and whatever
+the other rows are. torch's products do not promise that. Measured with torch 2.13 on an
+AMX Xeon, a bf16 ``F.linear`` of 576 -> 1536 gives a row other bits in a call of 13 rows or
+more than alone (oneDNN switches kernels, and blocks the sums otherwise); with AVX-512 bf16
+and no AMX (AMD Zen 4) 1536 -> 576 does from 17 rows, and 2048 -> 8192 from 2.
+
+So every product of a stage's one-token rows (a decode step, batched steps, drafts to
+verify, the passes a replay repeats) runs in row groups no taller than its shape's **row limit**:
+the most rows (up to ``MAX_ROWS``) for which the product of every count from 1 to the limit
+was checked to give each row its one-row product, bit for bit, on a weight and inputs of
+that shape whose sums show any change of order (``probe_weight``), with the torch threads
+the node computes with. A call of more rows is cut into groups of at most the limit. The
+limit is found once per weight shape, kept per process, and logged; a shape whose one-row product itself
+differs from its parts' (a fused group, ``fused_linears``) stays apart.
+
+Then such a row's bits depend on its inputs only: batched decode equals one session at a
+time, a verification pass equals its rows one step at a time, a replay equals the passes it
+replaces, and every decode step equals the unsplit model's.
+
+A prompt chunk is the other kind of pass (``prompt_rows``): the unsplit model computes a
+prompt's rows in one call of all of them, and torch's products of L rows are its own; so a
+chunk's products are one call of all its rows, member by member for a fused group, as the
+unsplit model's (a prompt of one wire chunk, up to 128 tokens, is computed exactly as
+there). A chunk runs the same way every time (a replay repeats it), so it needs no limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+import types
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from meshnet_node.kernels import bf16_dot
+
+logger = logging.getLogger(__name__)
+
+# The most rows a product is checked for and called with: a batch of 32 sessions' steps.
+# Each row count checked compiles oneDNN kernels (~0.4 MB a count and shape), the same a
+# node would compile serving those counts anyway.
+MAX_ROWS = 32
+
+Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+_limits: dict[tuple, int] = {}  # shape signature -> row limit (0: not even one row)
+_lock = threading.Lock()
+_prompt: contextvars.ContextVar[bool] = contextvars.ContextVar("prompt_rows", default=False)
+
+
+@contextlib.contextmanager
+def prompt_rows(on: bool = True) -> Iterator[None]:
+    """Within (``on``): the rows are a prompt chunk's, multiplied in one call each, as the
+    unsplit model multiplies a prompt's."""
+    token = _prompt.set(on)
+    try:
+        yield
+    finally:
+        _prompt.reset(token)
+
+
+def in_prompt() -> bool:
+    """Whether the products now are a prompt chunk's (``prompt_rows``)."""
+    return _prompt.get()
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A stage's product: meshnet's bf16 kernel where it applies and is ready (torch's sums,
+    ADR-0030), else torch's."""
+    return bf16_dot.linear(x, weight, bias)
+
+
+def probe(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Inputs for ``probe_weight``: rows of ones, of random signs, of magnitudes spread over
+    many octaves, and plain normal ones."""
+    gen = torch.Generator().manual_seed(rows * 7919 + k)
+    x = torch.randn(rows, k, generator=gen)
+    spread = torch.randn(rows, k, generator=gen) * torch.exp(
+        3 * torch.randn(rows, k, generator=gen)
+    )
+    signs = torch.randint(0, 2, (rows, k), generator=gen).float() * 2 - 1
+    x[1::4], x[2::4], x[3::4] = signs[1::4], spread[2::4], 1.0
+    return x.to(device=device, dtype=dtype)
+
+
+def probe_weight(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A weight of ``shape`` on which a sum in any other order gives other bits (ADR-0030's
+    probes): every row holds +2^25, -2^25, 1, +2^24, -2^24 and two smaller powers of two at
+    random places over small noise, so big terms cancel and a small one is lost or kept
+    depending on when it is added. Built 4096 rows at a time (no float32 copy of it all)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    out = torch.empty(n, k, dtype=dtype, device=device)
+    big = torch.tensor([2.0**25, -(2.0**25), 1.0, 2.0**24, -(2.0**24)])
+    for start in range(0, n, 4096):
+        rows = min(4096, n - start)
+        w = 0.01 * torch.randn(rows, k, generator=gen)
+        small = torch.randint(0, 25, (rows, 2), generator=gen).float().exp2()
+        small[:, 1] *= -1
+        places = torch.randint(0, k, (rows, 7), generator=gen)
+        w.scatter_(1, places, torch.cat([big.expand(rows, 5), small], dim=1))
+        out[start : start + rows] = w.to(dtype)
+    return out
+
+
+def alone(x: torch.Tensor, parts: Sequence[nn.Module], fn: Product = product) -> torch.Tensor:
+    """Each row of ``x`` multiplied alone by each part (their outputs side by side)."""
+    rows = []
+    for i in range(x.shape[0]):
+        row = x[i : i + 1]
+        rows.append(torch.cat([fn(row, p.weight, p.bias) for p in parts], dim=-1))
+    return torch.cat(rows)
+
+
+def find_limit(
+    weight: torch.Tensor, bias: torch.Tensor | None, parts: Sequence[nn.Module],
+    threads: int | None = None, fn: Product = product,
+) -> int:  # fmt: skip
+    """The most rows (0 to ``MAX_ROWS``) for which ``fn(x, weight, bias)`` gives every row
+    the parts' one-row products, for every row count up to it, with ``threads`` torch
+    threads (None: this thread's count)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads or before)
+        with torch.inference_mode():
+            x = probe(MAX_ROWS, weight.shape[1], weight.dtype, weight.device)
+            expected = alone(x, parts, fn)
+            for rows in range(1, MAX_ROWS + 1):
+                if not torch.equal(fn(x[:rows], weight, bias), expected[:rows]):
+                    return rows - 1
+    finally:
+        torch.set_num_threads(before)
+    return MAX_ROWS
+
+
+def _signature(weight: torch.Tensor, bias, sizes: tuple[int, ...], threads: int) -> tuple:
+    return (sizes, weight.shape[1], weight.dtype, weight.device.type, bias is not None, threads)
+
+
+def row_limit(
+    weight: torch.Tensor, bias: torch.Tensor | None, parts: Sequence[nn.Module] | None = None,
+    threads: int | None = None,
+) -> int:  # fmt: skip
+    """The row limit of products of ``weight``'s shape (whose outputs are ``parts``' side by
+    side, or its own), found on an order-revealing weight of that shape (``probe_weight``),
+    once per shape and thread count, then remembered."""
+    threads = threads or torch.get_num_threads()
+    sizes = tuple(int(p.weight.shape[0]) for p in parts) if parts else (int(weight.shape[0]),)
+    key = _signature(weight, bias, sizes, threads)
+    with _lock:
+        limit = _limits.get(key)
+        if limit is None:
+            limit = _limits[key] = _probed_limit(weight, bias, sizes, threads)
+            logger.info("products %s x %d (%s, %d thread(s)): rows in groups of at most %d",
+                        sizes, key[1], key[2], threads, limit)  # fmt: skip
+    return limit
+
+
+def _probed_limit(weight: torch.Tensor, bias, sizes: tuple[int, ...], threads: int) -> int:
+    with torch.inference_mode():
+        probed = probe_weight(tuple(weight.shape), weight.dtype, weight.device)
+        probed_bias = None
+        if bias is not None:
+            gen = torch.Generator().manual_seed(len(bias))
+            probed_bias = (torch.randn(len(bias), generator=gen) * 4).to(bias.dtype)
+        parts, start = [], 0
+        for size in sizes:
+            part_bias = None if probed_bias is None else probed_bias[start : start + size]
+            parts.append(types.SimpleNamespace(weight=probed[start : start + size], bias=part_bias))
+            start += size
+        return find_limit(probed, probed_bias, parts, threads)
+
+
+def grouped(
+    x: torch.Tensor, weight: torch.Tensor, bias, limit: int, fn: Product = product
+) -> torch.Tensor:
+    """``fn(x, weight, bias)`` computed in groups of at most ``limit`` rows."""
+    rows = x.reshape(-1, x.shape[-1])  # (R, in)
+    if rows.shape[0] <= limit:
+        return fn(x, weight, bias)
+    out = torch.cat([fn(rows[i : i + limit], weight, bias)
+                     for i in range(0, rows.shape[0], limit)])  # fmt: skip
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class RowGroups:
+    """A Linear's forward in row groups of at most its shape's row limit."""
+
+    def __init__(self, linear: nn.Linear, limit: int, fn: Product = product) -> None:
+        self.linear, self.limit, self.fn = linear, limit, fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        limit = x.numel() if _prompt.get() else self.limit  # a prompt chunk: one call
+        return grouped(x, self.linear.weight, self.linear.bias, limit, self.fn)
+
+
+def route_rows(module: nn.Module, threads: int | None = None, *, kernel: bool = True) -> int:
+    """Run every ``nn.Linear`` under ``module`` in row groups of its row limit, checked with
+    ``threads`` torch threads (a fused group's Linear carries its limit against its members
+    already: ``row_limit`` set by ``fused_linears``); ``kernel``: through meshnet's bf16
+    kernel where it applies (``product``), else torch's own. Returns how many were routed."""
+    count = 0
+    for sub in module.modules():
+        if type(sub) is not nn.Linear or sub.weight.device.type == "meta":
+            continue
+        limit = getattr(sub, "row_limit", None)
+        if limit is None:
+            limit = row_limit(sub.weight, sub.bias, threads=threads)
+        sub.forward = RowGroups(sub, max(limit, 1), product if kernel else nn.functional.linear)
+        count += 1
+    return count

@@ -1,0 +1,82 @@
+"""Row groups (ADR-0038): every row of a stage's product is that row's one-row product, bit
+for bit, whatever the row count and the other rows, at real shapes and with the node's
+threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshnet_node.kernels import row_stable
+from meshnet_node.kernels.row_stable import RowGroups, find_limit, grouped, route_rows
+
+# SmolLM2-135M's products: q/k/v fused, o, gate/up fused, down, the tied LM head.
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+def _one_row_each(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([nn.functional.linear(x[i : i + 1], linear.weight, linear.bias)
+                      for i in range(x.shape[0])])  # fmt: skip
+
+
+def test_a_product_that_changes_with_the_row_count_is_cut_below_the_change():
+    # A stand-in for a library kernel that switches (and sums otherwise) from 4 rows on.
+    def switching(x, weight, bias):
+        out = torch.cat([nn.functional.linear(row[None], weight, bias) for row in x])
+        return out + 1e-3 if x.shape[0] >= 4 else out
+
+    linear = nn.Linear(64, 16, dtype=torch.float32)
+    assert find_limit(linear.weight, linear.bias, [linear], fn=switching) == 3
+    x = torch.randn(11, 64)
+    got = grouped(x, linear.weight, linear.bias, 3, switching)
+    assert torch.equal(got, _one_row_each(linear, x))
+
+
+@pytest.mark.parametrize("threads", [1, None])
+@pytest.mark.parametrize(("out_features", "in_features"), SMOLLM2_SHAPES)
+def test_every_row_count_gives_each_row_its_one_row_product_at_real_shapes(
+    out_features, in_features, threads
+):
+    torch.manual_seed(out_features + in_features)
+    linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+    linear.requires_grad_(False)
+    before = torch.get_num_threads()
+    assert route_rows(linear, threads) == 1
+    assert isinstance(linear.forward, RowGroups) and linear.forward.limit >= 1
+    try:
+        torch.set_num_threads(threads or before)
+        x = (torch.randn(130, in_features) * torch.exp(2 * torch.randn(130, 1))).bfloat16()
+        alone = _one_row_each(linear, x)
+        for rows in [*range(1, 34), 64, 100, 127, 128, 130]:  # decode .. a wire chunk
+            assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+            assert torch.equal(linear(x[-rows:]), alone[-rows:]), rows  # other neighbours
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_shapes_limit_is_found_once_and_logged(monkeypatch, caplog):
+    monkeypatch.setattr(row_stable, "_limits", {})
+    calls = []
+    real = row_stable.find_limit
+    monkeypatch.setattr(row_stable, "find_limit", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layers = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 32), nn.Linear(32, 64))
+    with caplog.at_level("INFO", logger=row_stable.__name__):
+        assert route_rows(layers.requires_grad_(False), 1) == 3
+    assert len(calls) == 2  # (32 x 64) once, (64 x 32) once
+    assert "rows in groups of at most" in caplog.text
+
+
+def test_a_prompt_chunk_is_one_call_of_all_its_rows_as_the_unsplit_models():
+    torch.manual_seed(1)
+    linear = nn.Linear(1536, 576, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+    plain = nn.Linear(1536, 576, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+    plain.weight.copy_(linear.weight)
+    route_rows(linear)
+    linear.forward.limit = 1  # as on a CPU whose products change from two rows on
+    x = torch.randn(1, 100, 1536).bfloat16()
+    with row_stable.prompt_rows():
+        assert row_stable.in_prompt()
+        assert torch.equal(linear(x), plain(x))  # torch's call of 100 rows, as HF's prefill
+    assert not row_stable.in_prompt()
+    assert torch.equal(linear(x)[0], _one_row_each(plain, x[0]))
