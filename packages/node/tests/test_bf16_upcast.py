@@ -17,7 +17,8 @@ from meshnet_node.engine import bf16_upcast
 from meshnet_node.engine.bf16_upcast import upcast_min_rows, widen_linears, widened_linear
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
-from meshnet_node.kernels import bf16_dot
+from meshnet_node.kernels import row_stable
+from meshnet_node.kernels.row_stable import RowGroups
 
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values
 
@@ -64,15 +65,16 @@ def test_float32_linears_are_left_alone():
 
 
 def test_by_default_a_shard_keeps_torchs_products(tiny_snapshot):
-    """Never widened by default: a linear is torch's own, or, where torch multiplies bf16
-    one row at a time, the kernel that sums as it does (ADR-0030)."""
+    """Never widened by default: every linear runs in row groups (ADR-0038) of torch's own
+    product, or, where torch multiplies bf16 one row at a time, of the kernel that sums as
+    it does (ADR-0030); ``bf16_kernel=False`` keeps torch's."""
     shard = load_shard(tiny_snapshot("llama"), LayerRange(0, 6))
     linears = [m for m in shard.modules.modules() if isinstance(m, nn.Linear)]
-    forwards = {vars(m)["forward"].__func__ for m in linears if "forward" in vars(m)}
-    assert linears and forwards <= {bf16_dot._forward}
-    assert bool(forwards) == bf16_dot.applies("cpu")
+    assert linears and all(isinstance(vars(m).get("forward"), RowGroups) for m in linears)
+    assert {vars(m)["forward"].fn for m in linears} == {row_stable.product}
     plain = load_shard(tiny_snapshot("llama"), LayerRange(0, 6), bf16_kernel=False)
-    assert not any("forward" in vars(m) for m in plain.modules.modules())
+    routed = [vars(m)["forward"] for m in plain.modules.modules() if "forward" in vars(m)]
+    assert routed and {r.fn for r in routed} == {nn.functional.linear}
 
 
 def test_the_flag_reaches_the_settings():
