@@ -71,7 +71,7 @@ def _complete(tracker, prompt: str) -> str:
     return resp.json()["choices"][0]["text"]
 
 
-def test_six_prompts_twice_under_eight_streams_equal_hf_and_each_other(swarm, reference):
+def test_six_prompts_twice_under_eight_streams_equal_hf_and_each_other(reference, swarm):
     alone = {prompt: _complete(swarm, prompt) for prompt in PROMPTS}  # nothing else running
     assert alone == reference
 

@@ -144,15 +144,24 @@ def test_a_flight_counts_the_tokens_of_each_traversal_waited_for():
 
 def test_steps_in_flight_leave_stages_that_share_the_cores_their_turns():
     """Over fast links, stages on this host's cores get one step each that can compute at
-    once; stages elsewhere, or slow links, keep every step asked for (docs/adr/0036)."""
+    once; stages elsewhere keep every step asked for, and links that make stages wait get
+    as many more as fill the waits, measured (docs/adr/0036)."""
     local = ("http://127.0.0.1:9001", "http://127.0.0.1:9002")
     far = ("http://10.0.0.2:9001", "http://10.0.0.3:9002")
 
-    def depth(route, threads, cpus, slow=False):
-        return guess_depth(4, len(route) + 1, micro_batches(route, threads, cpus), slow)
+    def depth(route, threads, cpus, rtt_ms=0.3, pass_ms=8.0):
+        return guess_depth(4, len(route) + 1, micro_batches(route, threads, cpus), rtt_ms, pass_ms)
 
     assert depth(local, threads=2, cpus=2) == 1  # three stages take turns on two cores
     assert depth(local, threads=1, cpus=2) == 2
-    assert depth(local, threads=2, cpus=2, slow=True) == 4  # stages wait for the network
     assert depth(far, threads=2, cpus=2) == 4  # three machines: each stage computes apart
     assert depth(local, threads=1, cpus=8) == 4
+    # links that hold each step: the waits are filled with guesses, up to --guess-steps
+    assert depth(local, threads=2, cpus=2, rtt_ms=10.0) == 2  # 5 ms each way, 8 ms passes
+    assert depth(local, threads=2, cpus=2, rtt_ms=50.0) == 4  # 25 ms each way
+    assert depth(local, threads=2, cpus=2, rtt_ms=50.0, pass_ms=40.0) == 2  # slow passes
+    # not measured yet: a link never timed keeps the steps asked for; no pass time yet
+    assert depth(local, threads=2, cpus=2, rtt_ms=None) == 4
+    assert depth(local, threads=2, cpus=2, rtt_ms=50.0, pass_ms=None) == 4
+    assert depth(local, threads=2, cpus=2, rtt_ms=0.3, pass_ms=None) == 1
+    assert depth(local, threads=2, cpus=2, rtt_ms=float("inf")) == 4

@@ -16,15 +16,17 @@ SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)
 
 
 def _one_row_each(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([nn.functional.linear(x[i : i + 1], linear.weight, linear.bias)
+    """Each row of ``x`` (rows, in) as a one-token step of the unsplit model calls it."""
+    return torch.cat([nn.functional.linear(x[None, i : i + 1], linear.weight, linear.bias)[0]
                       for i in range(x.shape[0])])  # fmt: skip
 
 
 def test_a_product_that_changes_with_the_row_count_is_cut_below_the_change():
     # A stand-in for a library kernel that switches (and sums otherwise) from 4 rows on.
-    def switching(x, weight, bias):
-        out = torch.cat([nn.functional.linear(row[None], weight, bias) for row in x])
-        return out + 1e-3 if x.shape[0] >= 4 else out
+    def switching(x, weight, bias):  # x: (1, rows, in)
+        out = torch.cat([nn.functional.linear(x[:, i : i + 1], weight, bias)
+                         for i in range(x.shape[1])], dim=1)  # fmt: skip
+        return out + 1e-3 if x.shape[1] >= 4 else out
 
     linear = nn.Linear(64, 16, dtype=torch.float32)
     assert find_limit(linear.weight, linear.bias, [linear], fn=switching) == 3
@@ -75,8 +77,13 @@ def test_a_prompt_chunk_is_one_call_of_all_its_rows_as_the_unsplit_models():
     route_rows(linear)
     linear.forward.limit = 1  # as on a CPU whose products change from two rows on
     x = torch.randn(1, 100, 1536).bfloat16()
-    with row_stable.prompt_rows():
-        assert row_stable.in_prompt()
+    with row_stable.prompt_rows(128):
+        assert row_stable.in_prompt() == 128
         assert torch.equal(linear(x), plain(x))  # torch's call of 100 rows, as HF's prefill
+        # a pass that merged two chunks (128 rows, then 60): each chunk its own call
+        full = torch.randn(1, 128, 1536).bfloat16()
+        part = x[0, :60].clone().unsqueeze(0)  # a plain layout, as a chunk arrives
+        merged = torch.cat([full, part], dim=1)
+        assert torch.equal(linear(merged), torch.cat([plain(full), plain(part)], dim=1))
     assert not row_stable.in_prompt()
     assert torch.equal(linear(x)[0], _one_row_each(plain, x[0]))

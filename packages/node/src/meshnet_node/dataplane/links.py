@@ -200,15 +200,15 @@ class HopLinks:
         ms = (time.perf_counter() - started) * 1000
         return True, (ms if self._runs_on_loop() == busy else None)
 
-    async def slow(self, hop: str) -> bool:
-        """Whether the link to ``hop`` is slow (``--direct-min-rtt``) for steps in flight:
-        the probes' round trip, or before any probe (a route that formed since), one timed
-        now. That one is kept apart: direct answers are asked for until the probes say a
-        link is fast (``direct_pays``)."""
+    async def round_trip_ms(self, hop: str) -> float | None:
+        """The round trip to ``hop`` in ms: the probes', or before any probe (a route that
+        formed since), one timed now (twice: the first also opens the connection). That one
+        is kept apart: direct answers are asked for until the probes say a link is fast
+        (``direct_pays``). None: not measured (a busy loop); inf: unreachable."""
         rtt = self.rtt_ms.get(hop)
         if rtt is None:
             rtt = self.first_ms.get(hop)
-        if rtt is None:  # twice: the first also opens the connection
+        if rtt is None:
             timed = [await self._time(hop) for _ in range(2)]
             if not any(reachable for reachable, _ in timed):  # not asked again: the step
                 rtt = math.inf  # itself fails over
@@ -216,6 +216,12 @@ class HopLinks:
                 rtt = min((ms for _, ms in timed if ms is not None), default=None)
             if rtt is not None:
                 self.first_ms[hop] = rtt
+        return rtt
+
+    async def slow(self, hop: str) -> bool:
+        """Whether the link to ``hop`` is slow (``--direct-min-rtt``): its round trip
+        (``round_trip_ms``), or not measured."""
+        rtt = await self.round_trip_ms(hop)
         return rtt is None or rtt >= self.direct_min_rtt_ms
 
     def direct_pays(self, hop: str) -> bool:

@@ -237,7 +237,8 @@ class Stage:
             # one session's chunk: a long one may unpack low-bit weights (ADR-0031); a prompt
             # chunk's products are one call of all its rows, drafts' one-row products (0038)
             try:
-                with prompt_calls(), prompt_rows(not drafts and num_tokens > 1):
+                prompt = self.max_chunk_tokens if not drafts and num_tokens > 1 else 0
+                with prompt_calls(), prompt_rows(prompt):
                     out = self._forward(session, position, tensor, rows, defer_logits=deferred)
                 ok = True
                 if session.record is not None:

@@ -151,10 +151,12 @@ class HeadGenerator:
             speculation = Speculation(self.draft_policy, model.session() if model else None)
         flight = None  # guess steps in flight (ADR-0019): greedy n-gram speculation only
         if speculation is not None and speculation.model_session is None:
-            links_slow = bool(route) and await self.service.links.slow(route[0])
+            rtt_ms = await self.service.links.round_trip_ms(route[0]) if route else 0.0
+            decode_s = self.service.compute_thread.decode_s  # this stage's last decode pass
             depth = guess_depth(
                 self.speculation.guess_depth, len(route) + 1,
-                self.passes.concurrent_stages(route), links_slow,
+                self.passes.concurrent_stages(route), rtt_ms,
+                None if decode_s is None else decode_s * 1000,
             )  # fmt: skip
             flight = GuessFlight(depth) if depth > 1 else None
         chain = Chain(route=route)  # from here every exit frees its sessions

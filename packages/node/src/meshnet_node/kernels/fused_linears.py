@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from meshnet_node.kernels.row_stable import in_prompt, product, row_limit
+from meshnet_node.kernels.row_stable import grouped, in_prompt, row_limit
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,9 @@ class FusedPart(nn.Module):
         self.in_features, self.out_features = group.fused.in_features, b - a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if in_prompt():  # a prompt chunk: the member's own product, as the unsplit model's
-            return product(x, self.weight, self.bias)
+        chunk = in_prompt()
+        if chunk:  # a prompt: the member's own product per chunk, as the unsplit model's
+            return grouped(x, self.weight, self.bias, chunk)
         return self.group.part(x, self.index)
 
     def extra_repr(self) -> str:

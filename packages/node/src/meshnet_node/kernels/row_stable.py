@@ -27,7 +27,9 @@ A prompt chunk is the other kind of pass (``prompt_rows``): the unsplit model co
 prompt's rows in one call of all of them, and torch's products of L rows are its own; so a
 chunk's products are one call of all its rows, member by member for a fused group, as the
 unsplit model's (a prompt of one wire chunk, up to 128 tokens, is computed exactly as
-there). A chunk runs the same way every time (a replay repeats it), so it needs no limit.
+there). A pass that merged several chunks of a prompt computes each chunk as its own call,
+so a chunk is computed the same way however its pass was formed (a replay, the prefix
+cache's 128-token blocks).
 """
 
 from __future__ import annotations
@@ -55,22 +57,24 @@ Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tens
 
 _limits: dict[tuple, int] = {}  # shape signature -> row limit (0: not even one row)
 _lock = threading.Lock()
-_prompt: contextvars.ContextVar[bool] = contextvars.ContextVar("prompt_rows", default=False)
+# A prompt chunk's rows: how many rows one call takes (the wire chunk), 0 outside one.
+_prompt: contextvars.ContextVar[int] = contextvars.ContextVar("prompt_rows", default=0)
 
 
 @contextlib.contextmanager
-def prompt_rows(on: bool = True) -> Iterator[None]:
-    """Within (``on``): the rows are a prompt chunk's, multiplied in one call each, as the
-    unsplit model multiplies a prompt's."""
-    token = _prompt.set(on)
+def prompt_rows(chunk: int) -> Iterator[None]:
+    """Within (``chunk`` > 0): the rows are a prompt's, multiplied one wire chunk of
+    ``chunk`` rows per call, as the unsplit model multiplies a prompt of one chunk (a pass
+    that merged several chunks of a prompt computes each as its own call). 0: off."""
+    token = _prompt.set(max(0, chunk))
     try:
         yield
     finally:
         _prompt.reset(token)
 
 
-def in_prompt() -> bool:
-    """Whether the products now are a prompt chunk's (``prompt_rows``)."""
+def in_prompt() -> int:
+    """The rows a prompt chunk's call takes now (``prompt_rows``); 0 outside one."""
     return _prompt.get()
 
 
@@ -114,11 +118,12 @@ def probe_weight(shape: tuple[int, int], dtype: torch.dtype, device: torch.devic
 
 
 def alone(x: torch.Tensor, parts: Sequence[nn.Module], fn: Product = product) -> torch.Tensor:
-    """Each row of ``x`` multiplied alone by each part (their outputs side by side)."""
+    """Each row of ``x`` (rows, in) multiplied alone by each part, as a one-token step calls
+    it, ``(1, 1, in)`` (their outputs side by side)."""
     rows = []
     for i in range(x.shape[0]):
-        row = x[i : i + 1]
-        rows.append(torch.cat([fn(row, p.weight, p.bias) for p in parts], dim=-1))
+        row = x[i : i + 1].unsqueeze(0)  # (1, 1, in)
+        rows.append(torch.cat([fn(row, p.weight, p.bias) for p in parts], dim=-1)[0])
     return torch.cat(rows)
 
 
@@ -136,7 +141,7 @@ def find_limit(
             x = probe(MAX_ROWS, weight.shape[1], weight.dtype, weight.device)
             expected = alone(x, parts, fn)
             for rows in range(1, MAX_ROWS + 1):
-                if not torch.equal(fn(x[:rows], weight, bias), expected[:rows]):
+                if not torch.equal(fn(x[:rows].unsqueeze(0), weight, bias)[0], expected[:rows]):
                     return rows - 1
     finally:
         torch.set_num_threads(before)
@@ -184,12 +189,17 @@ def _probed_limit(weight: torch.Tensor, bias, sizes: tuple[int, ...], threads: i
 def grouped(
     x: torch.Tensor, weight: torch.Tensor, bias, limit: int, fn: Product = product
 ) -> torch.Tensor:
-    """``fn(x, weight, bias)`` computed in groups of at most ``limit`` rows."""
-    rows = x.reshape(-1, x.shape[-1])  # (R, in)
-    if rows.shape[0] <= limit:
-        return fn(x, weight, bias)
-    out = torch.cat([fn(rows[i : i + limit], weight, bias)
-                     for i in range(0, rows.shape[0], limit)])  # fmt: skip
+    """``fn(x, weight, bias)`` computed in groups of at most ``limit`` rows, each called as
+    one sequence ``(1, rows, in)`` with a plain layout: the shape the unsplit model calls its
+    products with (torch hands a 3-D input, and one whose strides differ, to other kernels
+    than a plain 3-D one, with other bits: measured with oneDNN on AMX)."""
+    flat = x.reshape(-1, x.shape[-1])  # (R, in)
+    count = flat.shape[0]
+    if count <= limit:
+        out = fn(flat.unsqueeze(0), weight, bias)  # (1, R, in): strides (R*in, in, 1)
+    else:
+        out = torch.cat([fn(flat[i : i + limit].unsqueeze(0), weight, bias)
+                         for i in range(0, count, limit)], dim=1)  # fmt: skip
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -200,7 +210,7 @@ class RowGroups:
         self.linear, self.limit, self.fn = linear, limit, fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        limit = x.numel() if _prompt.get() else self.limit  # a prompt chunk: one call
+        limit = _prompt.get() or self.limit  # a prompt: one call per wire chunk
         return grouped(x, self.linear.weight, self.linear.bias, limit, self.fn)
 
 

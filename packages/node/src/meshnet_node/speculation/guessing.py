@@ -21,6 +21,7 @@ so the text is exactly that of one-at-a-time decoding (bit for bit, in bfloat16 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -104,17 +105,33 @@ class GuessFlight:
         self.guessed += 1
 
 
-def guess_depth(configured: int, stages: int, concurrent: int, links_slow: bool) -> int:
+SLOW_LINK_MS = 5.0  # a round trip this long keeps the steps asked for while passes are unknown
+
+
+def guess_depth(
+    configured: int, stages: int, concurrent: int, rtt_ms: float | None, pass_ms: float | None
+) -> int:
     """How many steps of one greedy generation to keep in flight (``--guess-steps``) over
-    a chain of ``stages``: guesses fill stages that would otherwise wait. Stages sharing
-    this host's cores (fewer compute at once than there are stages: ``concurrent``, from
-    ``micro_batches``) do not wait for each other's compute, they take turns on the cores:
-    over fast links a guess beyond ``concurrent`` only takes a core from the step it runs
-    ahead of (measured on a 2-core host with 3 local stages: a third of decode speed).
-    Over slow links every stage waits through the network time: ``configured``."""
-    if links_slow or concurrent >= stages:
+    a chain of ``stages``: guesses fill stages that would otherwise wait.
+
+    Stages sharing this host's cores (fewer compute at once than there are stages:
+    ``concurrent``, from ``micro_batches``) do not wait for each other's compute, they take
+    turns on the cores: a guess beyond ``concurrent`` only takes a core from the step it
+    runs ahead of (measured on a 2-core host with 3 local stages over loopback: a third of
+    decode speed). But while a step crosses a link no stage computes it, and a guess can
+    use that time: a traversal spends ``stages`` one-way link delays (about ``rtt_ms / 2``
+    each, the measured round trip to the first hop) beside ``stages`` passes of about
+    ``pass_ms`` (this stage's last decode pass), so ``round(rtt / (2 * pass))`` more steps
+    keep the stages busy. Unknown times: the round trip alone decides (a link not yet
+    measured, unreachable, or slower than ``SLOW_LINK_MS`` keeps ``configured``)."""
+    if concurrent >= stages:
         return configured
-    return min(configured, concurrent)
+    if rtt_ms is None or math.isinf(rtt_ms):
+        return configured
+    if pass_ms is None or pass_ms <= 0:
+        return configured if rtt_ms >= SLOW_LINK_MS else min(configured, concurrent)
+    fill = 1 + round(rtt_ms / (2 * pass_ms))
+    return max(1, min(configured, max(concurrent, fill)))
 
 
 # One decode step along the chain: (stage, session id, key, token ids, position, route,
