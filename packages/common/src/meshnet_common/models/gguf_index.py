@@ -1,7 +1,7 @@
 """A GGUF file as a checkpoint: its tensors under the names of the HF family, by layer.
 
-llama.cpp's GGUF holds config, tokenizer and every tensor in one file (llama.cpp's split
-files are not read yet), tensors named ``blk.N.attn_q.weight`` and stored in ggml's block formats. The index
+llama.cpp's GGUF holds config, tokenizer and every tensor in one file (or a split set of
+files), tensors named ``blk.N.attn_q.weight`` and stored in ggml's block formats. The index
 maps each to the HF name of the same weight (``model.layers.N.self_attn.q_proj.weight``) with
 its HF shape ``[out, in]``, its ggml type as the dtype (``Q4_1``, ``F32``, ...), and where its
 bytes lie in the file, so everything that selects tensors by layer range (the loader, memory
@@ -69,10 +69,10 @@ _IN_LAYER = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Gemma 2/3's four norms per layer: llama.cpp's ffn_norm is the pre-MLP norm there, and the
-# norms after attention and after the MLP are their own tensors.
+# norms after attention and after the MLP are their own tensors (llama.cpp's names).
 _GEMMA = {"gemma2", "gemma3"}
 _GEMMA_LAYER = {
-    "attn_post_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
@@ -163,8 +163,12 @@ def gguf_names(num_layers: int = 1024, arch: str = "llama") -> dict[str, str]:
     return names
 
 
-def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
-    """The HF config of a GGUF from its metadata (``_CONFIG_KEYS``, as transformers' table)."""
+def gguf_config(
+    meta: dict, path: Path, tensor_names: set[str], vocab_rows: int | None = None
+) -> dict:
+    """The HF config of a GGUF from its metadata (``_CONFIG_KEYS``, as transformers' table);
+    ``vocab_rows``: the token embedding's rows, the vocabulary the model computes (llama.cpp's
+    Gemma 3 converter cuts the embedding to the tokenizer's tokens and writes no vocab size)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelError(
@@ -176,7 +180,9 @@ def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
         value = meta.get(f"{arch}.{suffix}")
         if value is not None:
             config[key] = value
-    if "vocab_size" not in config and isinstance(meta.get("tokenizer.ggml.tokens"), ArrayInfo):
+    if vocab_rows is not None:
+        config["vocab_size"] = vocab_rows
+    elif "vocab_size" not in config and isinstance(meta.get("tokenizer.ggml.tokens"), ArrayInfo):
         config["vocab_size"] = meta["tokenizer.ggml.tokens"].count
     for token in ("bos", "eos", "padding"):
         value = meta.get(f"tokenizer.ggml.{token}_token_id")
@@ -188,7 +194,7 @@ def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
     if "num_hidden_layers" not in config:
         raise ModelError(f"{path}: GGUF metadata lacks {arch}.block_count")
     if arch in _GEMMA:
-        _gemma_config(config, meta, arch)
+        _gemma_config(config, meta, arch, path)
     if arch in _NORM_TOP_K:  # a layer without routed experts is dense (by its tensors)
         sparse = {int(m["layer"]) for n in tensor_names
                   if (m := _LAYER_TENSOR.match(n)) and m["part"] in _EXPERTS}  # fmt: skip
@@ -198,14 +204,19 @@ def gguf_config(meta: dict, path: Path, tensor_names: set[str]) -> dict:
     return config
 
 
-def _gemma_config(config: dict, meta: dict, arch: str) -> None:
+def _gemma_config(config: dict, meta: dict, arch: str, path: Path) -> None:
     """What llama.cpp computes for Gemma 2/3 rather than reading it from the file: which
     layers are local (every ``n``-th global: the file's ``attention.sliding_window_pattern``
     or llama.cpp's 2 / 6; no window, all global), the query scale (``head_dim``; 27B:
     hidden / heads), the soft-caps (Gemma 2: 50 / 30 when absent; Gemma 3: none) and Gemma 3's
     local rope base (10000) and linear rope scaling of its global layers."""
     layers, window = config["num_hidden_layers"], config.get("sliding_window")
-    n = int(meta.get(f"{arch}.attention.sliding_window_pattern") or _SWA_PATTERN[arch])
+    n = meta.get(f"{arch}.attention.sliding_window_pattern") or _SWA_PATTERN[arch]
+    if isinstance(n, ArrayInfo):  # (newer converters write a flag per layer for other models)
+        raise ModelError(
+            f"{path}: a per-layer {arch}.attention.sliding_window_pattern is not read yet"
+        )
+    n = int(n)
     config["layer_types"] = [
         "sliding_attention" if window and i % n < n - 1 else "full_attention"
         for i in range(layers)
@@ -304,7 +315,8 @@ def read_gguf_index(path: Path | str) -> GgufIndex:
     if split_count is not None and len(files) > 1 and int(split_count) != len(files):
         raise ModelError(f"{path}: split.count {split_count}, but {len(files)} file(s) found")
     placed = [(f.name, t) for f, h in zip(files, headers, strict=True) for t in h.tensors]
-    config = gguf_config(meta, path, {t.name for _, t in placed})
+    embedding = [t.dims[-1] for _, t in placed if t.name == "token_embd.weight"]
+    config = gguf_config(meta, path, {t.name for _, t in placed}, next(iter(embedding), None))
     arch = meta["general.architecture"]
     source = GgufSource(file=path.name)
     tensors: dict[str, GgufTensor] = {}
@@ -319,8 +331,8 @@ def read_gguf_index(path: Path | str) -> GgufIndex:
                 continue
             raise ModelError(f"{path}: GGUF tensor {t.name!r} has no place in {arch}")
         shape = tuple(reversed(t.dims))  # ggml lists the innermost dimension first
-        if name.endswith("shared_expert_gate.weight"):
-            shape = (1, *shape)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as a vector
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, *shape)  # Qwen2-MoE's [1, hidden] gate, written as a vector
         tensors[name] = GgufTensor(name, file, t.type_name, shape, t.nbytes, t.offset)
         source.names[name] = t.name
         if arch in _GEMMA and t.name.endswith("norm.weight"):
