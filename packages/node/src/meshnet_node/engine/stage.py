@@ -20,7 +20,6 @@ from meshnet_node.engine.families import RowMasks, SessionContext, build_masks, 
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.sampling import DeferredRows, SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
-from meshnet_node.kernels.row_stable import prompt_rows
 from meshnet_node.lowbit.packed import prompt_calls
 
 logger = logging.getLogger(__name__)
@@ -234,11 +233,9 @@ class Stage:
             # draft it rejects: later rows need no lm_head (unless audited: the record).
             deferred = bool(drafts) and session.sampler is not None and session.record is None
             rows = len(drafts) + 1
-            # one session's chunk: a long one may unpack low-bit weights (ADR-0031); a prompt
-            # chunk's products are one call of all its rows, drafts' one-row products (0038)
+            prompt = self.max_chunk_tokens if not drafts and num_tokens > 1 else 0  # a chunk
             try:
-                prompt = self.max_chunk_tokens if not drafts and num_tokens > 1 else 0
-                with prompt_calls(), prompt_rows(prompt):
+                with prompt_calls(prompt):
                     out = self._forward(session, position, tensor, rows, defer_logits=deferred)
                 ok = True
                 if session.record is not None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from meshnet_common.precision import int4_group
 from meshnet_node.kernels import intpack
+from meshnet_node.kernels.row_stable import prompt_rows
 
 # Above this many rows a prompt chunk dequantizes and uses the GEMM, per format. Measured on
 # a Zen 4 EPYC (AVX-512 BF16, 2 threads, bf16, 8192x2048 and 1536x576): meshnet's int4 tile
@@ -43,11 +44,14 @@ _scratch = threading.local()
 
 
 @contextlib.contextmanager
-def prompt_calls() -> Iterator[None]:
-    """Within: calls of more than ``WIDE_ROWS`` rows may take the dequantize + GEMM path."""
+def prompt_calls(chunk: int = 0) -> Iterator[None]:
+    """Within: one session's pass, whose calls of more than ``WIDE_ROWS`` rows may take the
+    dequantize + GEMM path; ``chunk`` > 0: a prompt's, whose dense products are one call
+    per wire chunk of ``chunk`` rows (``row_stable.prompt_rows``, ADR-0038)."""
     token = _wide_ok.set(True)
     try:
-        yield
+        with prompt_rows(chunk):
+            yield
     finally:
         _wide_ok.reset(token)
 
