@@ -346,8 +346,10 @@ def load_shard(
         fuse_siblings(modules.layers, threads)
     if bf16_kernel:
         bf16_dot.start(device)
-    # every product in row groups that give each row its one-row product (ADR-0038)
+    # every product in row groups that give each row its one-row product (ADR-0038); the
+    # checks' probe weights go back to the OS
     route_rows(modules, threads, kernel=bf16_kernel)
+    release_freed_memory()
     if widen_bf16 and widen_if_emulated(modules, device):
         for layer in modules.layers:  # and their many-row attention calls (ADR-0027)
             widen_attention(attention_module(layer))
