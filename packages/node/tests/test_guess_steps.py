@@ -157,9 +157,10 @@ def test_steps_in_flight_leave_stages_that_share_the_cores_their_turns():
     assert depth(far, threads=2, cpus=2) == 4  # three machines: each stage computes apart
     assert depth(local, threads=1, cpus=8) == 4
     # links that hold each step: the waits are filled with guesses, up to --guess-steps
-    assert depth(local, threads=2, cpus=2, rtt_ms=10.0) == 2  # 5 ms each way, 8 ms passes
+    assert depth(local, threads=2, cpus=2, rtt_ms=10.0) == 3  # 5 ms each way, 8 ms passes
+    assert depth(local, threads=2, cpus=2, rtt_ms=10.0, pass_ms=20.0) == 2
     assert depth(local, threads=2, cpus=2, rtt_ms=50.0) == 4  # 25 ms each way
-    assert depth(local, threads=2, cpus=2, rtt_ms=50.0, pass_ms=40.0) == 2  # slow passes
+    assert depth(local, threads=2, cpus=2, rtt_ms=50.0, pass_ms=40.0) == 3  # slow passes
     # not measured yet: a link never timed keeps the steps asked for; no pass time yet
     assert depth(local, threads=2, cpus=2, rtt_ms=None) == 4
     assert depth(local, threads=2, cpus=2, rtt_ms=50.0, pass_ms=None) == 4

@@ -121,16 +121,19 @@ def guess_depth(
     decode speed). But while a step crosses a link no stage computes it, and a guess can
     use that time: a traversal spends ``stages`` one-way link delays (about ``rtt_ms / 2``
     each, the measured round trip to the first hop) beside ``stages`` passes of about
-    ``pass_ms`` (this stage's last decode pass), so ``round(rtt / (2 * pass))`` more steps
-    keep the stages busy. Unknown times: the round trip alone decides (a link not yet
-    measured, unreachable, or slower than ``SLOW_LINK_MS`` keeps ``configured``)."""
+    ``pass_ms`` (this stage's last decode pass), so a pipeline of right guesses needs
+    ``1 + rtt / (2 x pass)`` steps in flight; a guess is right about half the time (n-gram
+    lookup: 1.1-1.7 tokens a pass), so twice the extra: ``1 + ceil(rtt / pass)``, less a
+    fifth for a loopback's fraction of a pass. Unknown times: the round trip alone decides
+    (a link not yet measured, unreachable, or slower than ``SLOW_LINK_MS`` keeps
+    ``configured``)."""
     if concurrent >= stages:
         return configured
     if rtt_ms is None or math.isinf(rtt_ms):
         return configured
     if pass_ms is None or pass_ms <= 0:
         return configured if rtt_ms >= SLOW_LINK_MS else min(configured, concurrent)
-    fill = 1 + round(rtt_ms / (2 * pass_ms))
+    fill = 1 + math.ceil(rtt_ms / pass_ms - 0.2)
     return max(1, min(configured, max(concurrent, fill)))
 
 
