@@ -95,6 +95,8 @@ def probe(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.
     )
     signs = torch.randint(0, 2, (rows, k), generator=gen).float() * 2 - 1
     x[1::4], x[2::4], x[3::4] = signs[1::4], spread[2::4], 1.0
+    if dtype is torch.float16:  # its range ends at 65504: sums of probes must stay finite
+        x = x.clamp(-8.0, 8.0)
     return x.to(device=device, dtype=dtype)
 
 
@@ -102,18 +104,20 @@ def probe_weight(shape: tuple[int, int], dtype: torch.dtype, device: torch.devic
     """A weight of ``shape`` on which a sum in any other order gives other bits (ADR-0030's
     probes): every row holds +2^25, -2^25, 1, +2^24, -2^24 and two smaller powers of two at
     random places over small noise, so big terms cancel and a small one is lost or kept
-    depending on when it is added. Built 4096 rows at a time (no float32 copy of it all)."""
+    depending on when it is added (scaled down for float16, whose range ends at 65504).
+    Built 4096 rows at a time (no float32 copy of it all)."""
     n, k = shape
     gen = torch.Generator().manual_seed(n * 31 + k)
     out = torch.empty(n, k, dtype=dtype, device=device)
     big = torch.tensor([2.0**25, -(2.0**25), 1.0, 2.0**24, -(2.0**24)])
+    scale = 2.0**-16 if dtype is torch.float16 else 1.0
     for start in range(0, n, 4096):
         rows = min(4096, n - start)
         w = 0.01 * torch.randn(rows, k, generator=gen)
         small = torch.randint(0, 25, (rows, 2), generator=gen).float().exp2()
         small[:, 1] *= -1
         places = torch.randint(0, k, (rows, 7), generator=gen)
-        w.scatter_(1, places, torch.cat([big.expand(rows, 5), small], dim=1))
+        w.scatter_(1, places, torch.cat([big.expand(rows, 5), small], dim=1) * scale)
         out[start : start + rows] = w.to(dtype)
     return out
 
