@@ -84,6 +84,7 @@ def test_smollm2_shapes_fuse_here():
 
 def test_a_shape_whose_fused_product_differs_stays_apart(monkeypatch, caplog):
     monkeypatch.setattr(fused_linears, "row_limit", lambda *a, **k: 0)
+    monkeypatch.setattr(fused_linears, "_apart", set())  # said once per shape: not yet
     layer = nn.Module()
     layer.q_proj, layer.k_proj, layer.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
     with caplog.at_level("INFO", logger=fused_linears.__name__):

@@ -31,6 +31,7 @@ from torch import nn
 from meshnet_node.kernels.row_stable import grouped, in_prompt, row_limit
 
 logger = logging.getLogger(__name__)
+_apart: set[tuple] = set()  # shapes whose fused product differs (logged once each)
 
 # Children of one module that read the same input, in the order families call them.
 GROUPS: tuple[tuple[str, ...], ...] = (
@@ -124,13 +125,15 @@ def _stacked(members: Sequence[nn.Linear]) -> nn.Linear:
 
 def _fused(members: Sequence[nn.Linear], threads: int) -> nn.Linear | None:
     """The members stacked into one Linear, if that shape's fused product gives each row the
-    members' own one-row products with ``threads`` (``row_stable.row_limit``: checked on the
-    first group of each shape, with its own weights). The Linear carries its row limit."""
+    members' own one-row products with ``threads`` (``row_stable.row_limit``: checked once
+    per shape, on an order-revealing probe of it). The Linear carries its row limit."""
     fused = _stacked(members)
     limit = row_limit(fused.weight, fused.bias, members, threads)
     if limit == 0:
-        logger.info("projections %s x %d (%s) stay apart: a fused product differs",
-                    [m.out_features for m in members], fused.in_features, fused.weight.dtype)  # fmt: skip
+        shape = (tuple(m.out_features for m in members), fused.in_features, fused.weight.dtype)
+        if shape not in _apart:  # said once per shape
+            _apart.add(shape)
+            logger.info("projections %s x %d (%s) stay apart: a fused product differs", *shape)
         return None
     fused.row_limit = limit
     return fused
