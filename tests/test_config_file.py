@@ -55,7 +55,7 @@ def test_node_flag_over_env_over_file_over_default(tmp_path, monkeypatch, fmt):
         "tracker": "http://127.0.0.1:9",     # beaten by the env
         "max_sessions": 7,                   # beaten by the flag (and the env)
         "shard_source": ["http://127.0.0.1:1", "http://127.0.0.1:2"],
-        "inline_decode": False,
+        "turn_max_ms": 40,
     })  # fmt: skip
     monkeypatch.setenv("MESHNET_TRACKER", "http://127.0.0.1:10")
     monkeypatch.setenv("MESHNET_MAX_SESSIONS", "8")
@@ -64,7 +64,7 @@ def test_node_flag_over_env_over_file_over_default(tmp_path, monkeypatch, fmt):
     assert got.tracker_url == "http://127.0.0.1:10"  # env over file
     assert got.max_sessions == 9  # flag over env over file
     assert got.shard_sources == ("http://127.0.0.1:1", "http://127.0.0.1:2")
-    assert got.inline_decode is False
+    assert got.turn_max_ms == 40
     assert got.tracker_wait_s == 60.0  # nothing set it: the default
     plain = node("--max-sessions", "9")  # without --config the file is not read
     assert plain.port == 0 and plain.heartbeat_interval_s == 2.0

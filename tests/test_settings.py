@@ -33,11 +33,11 @@ def test_flags_win_over_env_and_env_over_defaults(monkeypatch):
     assert node().heartbeat_interval_s == 2.0
     monkeypatch.setenv("MESHNET_HEARTBEAT_INTERVAL", "3.5")  # env name follows the flag
     monkeypatch.setenv("MESHNET_KV_BUDGET_TOKENS", "1024")
-    monkeypatch.setenv("MESHNET_INLINE_DECODE", "false")
+    monkeypatch.setenv("MESHNET_DIRECT_ANSWERS", "false")
     got = node("--heartbeat-interval", "1.25")
     assert got.heartbeat_interval_s == 1.25 and got.kv_budget_tokens == 1024
-    assert got.inline_decode is False
-    assert node("--inline-decode").inline_decode is True
+    assert got.direct_answers is False
+    assert node("--direct-answers").direct_answers is True
 
 
 def test_every_knob_is_reachable_by_flag_and_env(monkeypatch):

@@ -12,12 +12,12 @@ from meshnet_common.errors import Conflict, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_common.tiny import snapshots as tiny
-from meshnet_node.dataplane.batching import DecodeBatcher, micro_batches
-from meshnet_node.dataplane.compute import ComputeThread
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.families import attention_module
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import DecodeItem, Stage
+from meshnet_node.scheduling.micro_batches import micro_batches
+from meshnet_node.scheduling.policy import PassQueue
 from meshnet_node.settings import NodeSettings
 
 FAMILIES = list(tiny.FAMILIES)
@@ -70,7 +70,7 @@ def test_concurrent_decode_steps_are_merged(tiny_snapshot):
         return outs, service
 
     outs, service = asyncio.run(run())
-    assert service.batcher.batches >= 1 and service.batcher.batched_steps >= 2
+    assert service.scheduler.queue.batches >= 1 and service.scheduler.queue.batched_steps >= 2
     assert len({o.token.token_id for o in outs}) == 1  # same history, same next token
     assert all(stage.sessions.peek(sid).length == 4 for sid in sids)
 
@@ -231,7 +231,7 @@ def test_a_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
 
     async def step(service, sid: str, position: int, after: int = 0) -> None:
         # Decided by events, not a delay: the late member sends once ``after`` others wait.
-        while len(service.batcher._queue) < after:
+        while len(service.scheduler.queue.entries) < after:
             await asyncio.sleep(0)
         await service.run_stage(stage, sid, position, token_ids=torch.tensor([[9]]),
                                 sample=False)  # fmt: skip
@@ -242,7 +242,7 @@ def test_a_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
         await asyncio.gather(*(step(service, sid, 3) for sid in sids))  # all in phase
         # A cycle of 20 s: a pass that did not wait for the late member would stall here
         # that long; one that waits ends as soon as it arrives.
-        service.batcher._pass_s = 10.0
+        service.scheduler.queue.pass_s = 10.0
         late = sids[2]  # slot 0 is r0 and r2
         await asyncio.gather(*(step(service, s, 4, 3 if s == late else 0) for s in sids))
         await service.aclose()
@@ -260,18 +260,18 @@ def test_one_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
     assert not stage.shard.is_tail
 
     async def step(service, sid: str, position: int, after: int = 0) -> None:
-        while len(service.batcher._queue) < after:  # the late member: once 3 wait, ...
+        while len(service.scheduler.queue.entries) < after:  # the late member: once 3 wait, ...
             await asyncio.sleep(0)
         if after:
-            await asyncio.sleep(10 * service.batcher.gather_s)  # ... past the gather window
+            await asyncio.sleep(10 * service.scheduler.queue.gather_s)  # ... past the gather window
         await service.run_stage(stage, sid, position, token_ids=torch.tensor([[9]]),
                                 sample=False)  # fmt: skip
 
     async def run() -> None:
         service = NodeService(stage, settings, model_id=settings.model_id)
-        assert service.batcher.depth == 1
+        assert service.scheduler.queue.depth == 1
         await asyncio.gather(*(step(service, sid, 3) for sid in sids))  # all in phase
-        service.batcher._return_s = 10.0  # a pass that did not wait would stall 10 s
+        service.scheduler.queue.return_s = 10.0  # a pass that did not wait would stall 10 s
         late = sids[1]
         await asyncio.gather(*(step(service, s, 4, 3 if s == late else 0) for s in sids))
         await service.aclose()
@@ -281,8 +281,7 @@ def test_one_micro_batch_waits_for_a_member_still_down_the_chain(tiny_snapshot):
 
 
 def test_one_slow_return_moves_the_chains_return_time_a_little():
-    batcher = DecodeBatcher(ComputeThread(inline_decode=False, inline_max_s=0.25))
-    batcher._note_return(0.030)
-    batcher._note_return(10.0)  # a failover's replay, a client that paused
-    assert batcher._return_s == pytest.approx(0.8 * 0.030 + 0.2 * 0.060)
-    batcher.compute.shutdown()
+    queue = PassQueue()
+    queue._note_return(0.030)
+    queue._note_return(10.0)  # a failover's replay, a client that paused
+    assert queue.return_s == pytest.approx(0.8 * 0.030 + 0.2 * 0.060)

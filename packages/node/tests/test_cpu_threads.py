@@ -1,8 +1,8 @@
-"""How a node process spends its CPU threads (docs/adr/0036): the shard loads on a thread
-that ends with it, the loop's thread keeps the node's torch threads (runs short passes
-inline) and every other thread computes with one, a long pass runs on a thread that ends
-with it, so OpenMP never keeps more helper threads than the node asked for; and the OpenMP
-wait a process sets before torch loads, unless the operator chose one."""
+"""How a node process spends its CPU threads (docs/adr/0036, 0039): the shard loads on a
+thread that ends with it, the scheduler's compute thread keeps the node's torch threads and
+runs every pass, and every other thread computes with one, so OpenMP never keeps more
+helper threads than the node asked for; and the OpenMP wait a process sets before torch
+loads, unless the operator chose one."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from meshnet_common.config.openmp import SPIN_ROUNDS, short_spin
 # Run apart: it sets the process's torch threads. Counts the OS threads OpenMP starts.
 COUNTING = r"""
 import asyncio, os, threading, time, torch
-from meshnet_node.cpu_threads import apart, computing, dedicate
-from meshnet_node.dataplane.compute import ComputeThread
+from meshnet_node.cpu_threads import apart, dedicate
+from meshnet_node.scheduling.scheduler import ComputeScheduler
 
 def tasks(settles_at=None):
     # the process's OS threads, once they settle at settles_at (ending ones take a moment)
@@ -50,65 +50,38 @@ else:
     raise AssertionError("apart must raise what the call raised")
 """
 
-INLINE = (
+ONE_COMPUTING_THREAD = (
     COUNTING
     + r"""
-compute = ComputeThread(inline_decode=True, inline_max_s=0.25)
-assert dedicate(compute, None) == 2 and compute.threads == 2
-assert compute.owner == threading.get_ident() and compute.inline_decode
-assert parallel_op() == 2  # this thread (the loop's) computes with the node's threads
-assert compute.executor.submit(parallel_op).result() == 1  # the compute thread with one
-assert elsewhere() == 1
-settled = before + 2  # the compute thread, and this thread's one helper
+scheduler = ComputeScheduler()
+assert dedicate(scheduler, None) == 2 and scheduler.threads == 2
+assert scheduler.executor.submit(parallel_op).result() == 2  # the compute thread: two
+assert parallel_op() == 1 and elsewhere() == 1  # this thread (the loop's) and any other: one
+settled = before + 2  # the compute thread and its one helper
 assert tasks(settles_at=settled) == settled
-# A pass handed to the compute thread runs on a thread of its own with two; it and its
-# helper end with the pass.
-assert compute.executor.submit(computing, parallel_op, 2).result() == 2
-assert tasks(settles_at=settled) == settled
-assert elsewhere() == 1  # the default is one again
 
 async def passes():
     name = lambda: (threading.current_thread().name, torch.get_num_threads())
-    assert await compute.run(name) == ("pass", 2)
-    assert await compute.run_decode(name) == ("pass", 2)  # decode time unknown yet
-    compute.decode_s = 0.01  # short: decode passes run here, on the loop's thread
-    assert await compute.run_decode(name) == ("MainThread", 2)
-    assert await compute.run_rows(name, rows=16) == ("pass", 2)  # rows' time unknown
-    compute.row_s = 0.001
-    assert await compute.run_rows(name, rows=16) == ("MainThread", 2)
-    assert await compute.run_rows(name, rows=16, inline=False) == ("pass", 2)
-    assert await compute.run_rows(name, rows=1000) == ("pass", 2)  # 1 s: too long here
-    compute.decode_s = 1.0  # a slow shard: every pass on the compute thread
-    assert await compute.run_decode(name) == ("pass", 2)
+    ran = [await scheduler.run(name), await scheduler.rows(name, rows=200)]
+    scheduler.queue.times.decode_s = 0.001  # short or long, every pass runs there
+    ran.append(await scheduler.rows(name, rows=2))
+    return ran
 
-asyncio.run(passes())
-assert tasks(settles_at=settled) == settled  # no other thread kept helpers
-one = ComputeThread(inline_decode=True, inline_max_s=0.25)
-assert dedicate(one, 1) == 1 and one.inline_decode and parallel_op() == 1
-print("ok")
-"""
-)
-
-NOT_INLINE = (
-    COUNTING
-    + r"""
-compute = ComputeThread(inline_decode=False, inline_max_s=0.25)
-assert dedicate(compute, None) == 2 and compute.threads == 2 and compute.owner is None
-assert compute.executor.submit(parallel_op).result() == 2
-settled = before + 2  # the compute thread and its one helper
-assert parallel_op() == 1 and elsewhere() == 1
+ran = asyncio.run(passes())
+assert len(set(ran)) == 1 and ran[0][0].startswith("compute") and ran[0][1] == 2, ran
 assert tasks(settles_at=settled) == settled  # no other thread started helpers
 print("ok")
 """
 )
 
 
-@pytest.mark.parametrize("script", [INLINE, NOT_INLINE], ids=["inline", "no-inline-decode"])
-def test_one_long_lived_thread_computes_with_the_nodes_threads(script):
+def test_one_long_lived_thread_computes_with_the_nodes_threads():
+    """Every pass runs on the scheduler's compute thread with the node's threads, set once;
+    every other thread computes with one, so OpenMP keeps no other team."""
     if sys.platform != "linux":
         pytest.skip("counts threads in /proc")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", ONE_COMPUTING_THREAD], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 

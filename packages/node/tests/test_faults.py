@@ -11,7 +11,7 @@ import torch
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_node.dataplane.compute import ComputeThread
+from meshnet_node.scheduling.scheduler import ComputeScheduler
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.faults import NoisyOutputs, SlowCompute, noisy_outputs, slow_compute
 from meshnet_node.runtime import load_stage
@@ -30,7 +30,7 @@ def test_a_real_node_has_no_fault(settings):
     stage = load_stage(settings)
     assert stage.output_fault is None
     service = NodeService(stage, settings, model_id=settings.model_id)
-    assert service.compute_thread.before_pass is None
+    assert service.scheduler.before_pass is None
     asyncio.run(service.aclose())
 
 
@@ -54,10 +54,10 @@ def test_a_perturbed_stage_sends_noisy_rows_and_records_them(settings):
 def test_slow_compute_holds_the_compute_thread_and_counts_in_the_pass(settings):
     stage = load_stage(settings)
     stage.open_session("s")
-    compute = ComputeThread(inline_decode=False, inline_max_s=0.0, before_pass=SlowCompute(0.2))
+    compute = ComputeScheduler(before_pass=SlowCompute(0.2))
 
     async def run():
-        return await compute.run(stage.step, "s", 0, token_ids=torch.tensor([[5]]))
+        return await compute.rows(stage.step, "s", 0, token_ids=torch.tensor([[5]]), rows=1)
 
     out = asyncio.run(run())
     compute.shutdown()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from meshnet_node.dataplane.compute import ComputeThread
+from meshnet_node.scheduling.scheduler import ComputeScheduler
 from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm import host_turns
 from meshnet_node.swarm.host_turns import SKIP_S, HostTurns, node_turns
@@ -105,28 +105,36 @@ def test_a_dead_holders_turn_is_free(tmp_path):
         proc.kill()
 
 
-def test_an_inline_pass_computes_in_a_turn_and_gives_it_back(tmp_path):
-    compute = ComputeThread(inline_decode=True, inline_max_s=0.25)
+def test_a_short_pass_computes_in_a_turn_and_gives_it_back(tmp_path):
+    compute = ComputeScheduler(turn_max_s=0.25)
     compute.turns = turns(tmp_path)
     other = turns(tmp_path)
     seen: list[bool] = []
 
     def step() -> str:
         seen.append(other._try())  # another node cannot take the turn meanwhile
+        other.give()
         return "done"
 
-    compute.decode_s = 0.001  # decode passes known to be short: inline
-    assert asyncio.run(compute.run_decode(step)) == "done"
-    assert seen == [False] and compute.inline_runs == 1
+    async def passes() -> list[str]:
+        unknown = await compute.rows(step, rows=8)  # its length unknown: no turn
+        compute.queue.times.row_s = 0.001  # 8 rows: 8 ms, short
+        short = await compute.rows(step, rows=8)
+        compute.queue.times.row_s = 1.0  # 8 s: too long to keep the host's nodes waiting
+        long = await compute.rows(step, rows=8)
+        return [unknown, short, long]
+
+    assert asyncio.run(passes()) == ["done"] * 3
+    assert seen == [True, False, True]  # the other node could take it, but not in a turn
     assert other.take()  # given back after the pass
     compute.shutdown()
 
 
-def test_turns_are_for_cpu_nodes_computing_inline(tmp_path, monkeypatch):
+def test_turns_are_for_cpu_nodes(tmp_path, monkeypatch):
     monkeypatch.setattr(host_turns, "default_claims_dir", lambda: tmp_path)
     monkeypatch.setattr(host_turns, "host_cpus", lambda: 4)
     made = node_turns(NodeSettings(), 2, "cpu")
     assert made is not None and made.slots == 2 and made.patience_s == 0.25
     assert node_turns(NodeSettings(), 1, "cuda") is None
-    assert node_turns(NodeSettings(inline_decode=False), 2, "cpu") is None
+    assert node_turns(NodeSettings(turn_max_ms=40), 2, "cpu").patience_s == 0.04
     assert os.path.exists(tmp_path / "turn-1.lock")

@@ -36,18 +36,14 @@ class FakeClock:
 
 
 class TimedHops:
-    """Answers each probe after the next of ``delays_ms`` on ``clock``; None: unreachable.
-    With ``busy``, the prober's loop computes during that probe."""
+    """Answers each probe after the next of ``delays_ms`` on ``clock``; None: unreachable."""
 
-    def __init__(self, clock: FakeClock, delays_ms: list[float | None], busy: set[int]):
-        self.clock, self.delays, self.busy, self.calls = clock, list(delays_ms), busy, 0
-        self.inline_runs = 0  # the prober's passes run on its loop
+    def __init__(self, clock: FakeClock, delays_ms: list[float | None]):
+        self.clock, self.delays, self.calls = clock, list(delays_ms), 0
 
     async def request(self, method, url, *, headers, body, timeout):
         assert method == "DELETE" and url.startswith(HOP) and "/v1/sessions/" in url
         delay, self.calls = self.delays[self.calls], self.calls + 1
-        if self.calls - 1 in self.busy:
-            self.inline_runs += 1
         if delay is None:
             raise HopUnreachable("connection refused")
         await asyncio.sleep(0)  # an answer comes later, never within the call
@@ -61,12 +57,12 @@ def probing_node(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(links_module, "time", clock)
 
-    def make(delays_ms, busy=frozenset()) -> HopLinks:
-        hops = TimedHops(clock, delays_ms, busy)
+    def make(delays_ms) -> HopLinks:
+        hops = TimedHops(clock, delays_ms)
         links = HopLinks(
             hops, metrics=Metrics(), wire_options=wire.WireOptions(),
             timeouts=HopTimeouts(connect=1.0, prefill_chunk=1.0, decode_step=1.0),
-            direct_min_rtt_ms=5.0, runs_on_loop=lambda: hops.inline_runs,
+            direct_min_rtt_ms=5.0,
         )  # fmt: skip
         links.set_probe_urls((HOP,))
         return links
@@ -89,13 +85,6 @@ def test_a_link_is_the_least_of_its_last_probes(probing_node):
     seen = probe(node, 10)
     assert seen[: 3 + LINK_SAMPLES] == [pytest.approx(2)] * (3 + LINK_SAMPLES)
     assert seen[-1] == pytest.approx(30)
-
-
-def test_a_probe_while_the_prober_computed_is_not_counted(probing_node):
-    node = probing_node([40, 3, 40], busy={0, 2})
-    seen = probe(node, 3)
-    assert seen[0] is None  # nothing measured yet: the only probe met its own compute
-    assert seen[1] == pytest.approx(3) and seen[2] == seen[1]
 
 
 def test_an_unreachable_or_unnamed_hop_is_forgotten(probing_node):

@@ -1474,7 +1474,7 @@ def test_direct_answers_are_asked_for_only_over_slow_links():
 
     links = HopLinks(
         HttpxHops(httpx.AsyncClient()), metrics=Metrics(), wire_options=wire.WireOptions(),
-        timeouts=HopTimeouts(1.0, 1.0, 1.0), direct_min_rtt_ms=5.0, runs_on_loop=lambda: 0,
+        timeouts=HopTimeouts(1.0, 1.0, 1.0), direct_min_rtt_ms=5.0,
     )  # fmt: skip
     links.rtt_ms.update({"http://lan.test": 0.8, "http://wan.test": 42.0})
     assert not links.direct_pays("http://lan.test")

@@ -492,11 +492,10 @@ class HeldPasses:
 @contextmanager
 def held_passes(node: Served) -> Iterator[HeldPasses]:
     """Hold every compute pass of ``node`` from now on until ``release`` (set on leaving,
-    so that the node can always shut down). Serve it with ``inline_decode=False``: a pass
-    held on the loop's thread would hold the node's loop too."""
+    so that the node can always shut down). Passes run on the node's compute thread: the
+    node's loop goes on meanwhile."""
     held = HeldPasses(threading.Event(), threading.Event())
-    compute = node.runtime.service.compute_thread
-    assert not compute.inline_decode
+    compute = node.runtime.service.scheduler
 
     def gate() -> None:
         held.entered.set()
@@ -512,7 +511,7 @@ def held_passes(node: Served) -> Iterator[HeldPasses]:
 def test_a_dead_stream_fails_its_requests_and_the_next_one_reconnects(snapshot, expected):
     async def main():
         hops = make_hops()
-        with serving(snapshot, inline_decode=False) as node:
+        with serving(snapshot) as node:
             assert_token(await step(hops, node, "dead", 0), expected[0])
             with held_passes(node) as held:
                 in_flight = asyncio.ensure_future(step(hops, node, "dead", 3))
@@ -536,7 +535,7 @@ def test_a_dead_stream_fails_its_requests_and_the_next_one_reconnects(snapshot, 
 def test_a_step_that_times_out_leaves_the_stream_usable(snapshot, expected):
     async def main():
         hops = make_hops()
-        with serving(snapshot, inline_decode=False) as node, held_passes(node) as held:
+        with serving(snapshot) as node, held_passes(node) as held:
             # The pass is held until after the wait ended: only the timeout can end it.
             with pytest.raises(HopUnreachable, match="TimeoutError"):
                 await step(hops, node, "slow", 0, timeout=0.2)

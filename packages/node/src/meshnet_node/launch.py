@@ -171,10 +171,10 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
                 settings, metrics=metrics, membership=membership, memory_declared_bytes=declared
             )
         )
-        compute = runtime.service.compute_thread
-        threads = dedicate(compute, settings.threads)
+        scheduler = runtime.service.scheduler
+        threads = dedicate(scheduler, settings.threads)
         turns = node_turns(settings, threads, runtime.service.stage.shard.device.type)
-        compute.turns = turns
+        scheduler.turns = turns
         logger.info("%s", describe_threads(threads, offer.others, spin, turns))
     except (MeshnetError, ValueError, OSError) as exc:
         if membership is not None:

@@ -58,11 +58,11 @@ class TrackerNode:
         node.runtime = apart(  # the load's OpenMP team ends with it (docs/adr/0036)
             lambda: build_runtime(settings, route_provider=node._routes, view=node)
         )
-        compute = node.runtime.service.compute_thread
-        threads = dedicate(compute, settings.threads)
+        scheduler = node.runtime.service.scheduler
+        threads = dedicate(scheduler, settings.threads)
         device = node.runtime.service.stage.shard.device.type
-        compute.turns = node_turns(settings, threads, device)  # shared with the host's nodes
-        logger.info("tracker node: %s", describe(threads, 0, spin, compute.turns))
+        scheduler.turns = node_turns(settings, threads, device)  # shared with the host's nodes
+        logger.info("tracker node: %s", describe(threads, 0, spin, scheduler.turns))
         return node
 
     @classmethod

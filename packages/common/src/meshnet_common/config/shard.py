@@ -192,15 +192,10 @@ class ShardSettings(ServiceSettings):
         32, "decode steps of concurrent sessions merged into one pass (1: no batching)",
         group=DATA,
     )  # fmt: skip
-    inline_decode: bool = knob(
-        True, "run short passes (decode steps, a one-chunk prompt) on the event loop's "
-        "thread, which then owns the torch threads (no thread hand-off), while they take "
-        "under --inline-decode-max-ms; off: the compute thread computes all", group=DATA,
-        action="bool",
-    )  # fmt: skip
-    inline_decode_max_ms: float = knob(
-        250.0, "longest pass run on the event loop's thread; slower ones use the compute "
-        "thread, so /health and the other connections never wait long", group=DATA,
+    turn_max_ms: float = knob(
+        250.0, "passes known to take less than this take one of the host's compute turns "
+        "(nodes on one host then compute one after another), longer ones compute without; "
+        "also the longest a node waits for a turn", group=DATA,
     )  # fmt: skip
     # Tests only: a slow shard (every compute pass) and a slow load, as on a big model.
     step_delay_ms: float = knob(0.0, "", group=DATA, hidden=True)

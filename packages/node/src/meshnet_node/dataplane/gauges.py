@@ -32,7 +32,7 @@ def watch_service(service: NodeService) -> None:
     )  # fmt: skip
     metrics.watch(
         "decode_batches", "Decode passes that merged steps of several sessions",
-        lambda: service.batcher.batches, kind="counter",
+        lambda: service.scheduler.queue.batches, kind="counter",
     )  # fmt: skip
     metrics.watch(
         "quarantined", "1 while the tracker quarantines this node (docs/adr/0026)",

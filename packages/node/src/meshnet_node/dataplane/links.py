@@ -11,7 +11,6 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
@@ -62,20 +61,17 @@ class HopLinks:
     links to the next hops the tracker names.
 
     ``hops``: the transport (hop streams; tests put an in-process one here); ``timeouts``:
-    per hop; ``direct_min_rtt_ms``: the link round trip from which direct answers pay;
-    ``runs_on_loop``: how many passes the node has run on its event loop's thread so far (a
-    probe during one measures the node's own compute, not the link)."""
+    per hop; ``direct_min_rtt_ms``: the link round trip from which direct answers pay."""
 
     def __init__(
         self, hops: HopTransport, *, metrics: Metrics, wire_options: wire.WireOptions,
-        timeouts: HopTimeouts, direct_min_rtt_ms: float, runs_on_loop: Callable[[], int],
+        timeouts: HopTimeouts, direct_min_rtt_ms: float,
     ) -> None:  # fmt: skip
         self.hops = hops
         self.metrics = metrics
         self.wire_options = wire_options
         self.timeouts = timeouts
         self.direct_min_rtt_ms = direct_min_rtt_ms
-        self._runs_on_loop = runs_on_loop
         # Direct answers (ADR-0020): steps whose answer this head awaits from the tail, by
         # (session, position); and heads this tail could not reach lately (URL -> when).
         self._answers: dict[tuple[str, int], tuple[asyncio.Future, str]] = {}
@@ -191,14 +187,12 @@ class HopLinks:
             self.rtt_ms[url] = min(samples)
 
     async def _time(self, url: str) -> tuple[bool, float | None]:
-        """Whether ``url`` answers a probe, and its round trip in ms: None when it does not
-        answer, or when this node computed on its loop meanwhile (the probe measured that,
-        not the link)."""
-        busy, started = self._runs_on_loop(), time.perf_counter()
+        """Whether ``url`` answers a probe, and its round trip in ms (None when it does not
+        answer)."""
+        started = time.perf_counter()
         if not await self.reachable(url):
             return False, None
-        ms = (time.perf_counter() - started) * 1000
-        return True, (ms if self._runs_on_loop() == busy else None)
+        return True, (time.perf_counter() - started) * 1000
 
     async def round_trip_ms(self, hop: str) -> float | None:
         """The round trip to ``hop`` in ms: the probes', or before any probe (a route that

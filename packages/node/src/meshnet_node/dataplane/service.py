@@ -1,9 +1,9 @@
 """The node's data path: run a forward step on the local stage and relay it down the chain;
 pipelined prefill chunks taken in order (and merged into one pass when they wait).
 
-``NodeService`` holds its parts by reference, each owning its data: the compute thread
-(``compute_thread``), the decode batcher (``batcher``) and the links to other nodes
-(``links``)."""
+``NodeService`` receives, submits and relays: it holds its parts by reference, each owning
+its data: the compute scheduler (``scheduler``: where and when every pass runs, docs/adr/0039)
+and the links to other nodes (``links``)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ from meshnet_common.trust.identity import Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.caching.blocks import BLOCK_TOKENS, PrefixPlan
-from meshnet_node.dataplane.batching import DecodeBatcher
-from meshnet_node.dataplane.compute import ComputeThread
 from meshnet_node.dataplane.links import HopLinks
 from meshnet_node.dataplane.steps import (
     _EMPTY_RESULT,
@@ -43,6 +41,7 @@ from meshnet_node.dataplane.steps import (
 )  # fmt: skip
 from meshnet_node.dataplane.streams import StreamHops
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
+from meshnet_node.scheduling.scheduler import ComputeScheduler
 from meshnet_node.settings import NodeSettings
 
 
@@ -57,7 +56,7 @@ class _Waiting:
 
 
 class NodeService:
-    """Owns the stage, its compute thread, its decode batcher and its links to the next hops.
+    """Owns the stage, its compute scheduler and its links to the next hops.
 
     ``before_pass``: a fault composed at start-up for tests (``engine.faults.SlowCompute``,
     ``--step-delay-ms``), run before every compute pass; None in a real node."""
@@ -74,12 +73,10 @@ class NodeService:
         self.wire_options = wire.WireOptions(zstd_level=settings.zstd_level)
         self.metrics = metrics or Metrics()
         self.identity = identity  # signs this node's calls to peers (docs/adr/0032)
-        self.compute_thread = ComputeThread(
-            inline_decode=settings.inline_decode,
-            inline_max_s=settings.inline_decode_max_ms / 1000.0,
+        self.scheduler = ComputeScheduler(
+            max_batch=settings.max_decode_batch, turn_max_s=settings.turn_max_ms / 1000.0,
             before_pass=before_pass,
-        )
-        self.batcher = DecodeBatcher(self.compute_thread, max_batch=settings.max_decode_batch)
+        )  # fmt: skip
         t = settings.timeouts
         hops = StreamHops(
             headers=swarm_headers(settings.swarm_token), connect_timeout=t.connect,
@@ -88,7 +85,6 @@ class NodeService:
         self.links = HopLinks(
             hops, metrics=self.metrics, wire_options=self.wire_options, timeouts=t,
             direct_min_rtt_ms=settings.direct_min_rtt_ms,
-            runs_on_loop=lambda: self.compute_thread.inline_runs,
         )  # fmt: skip
         self._turns: dict[str, asyncio.Condition] = {}
         # Prefill chunks waiting for their turn, per session and position: the chunk whose
@@ -104,10 +100,8 @@ class NodeService:
     # -- what the head and the heartbeat use -------------------------------------------------
 
     def set_micro_batches(self, depth: int) -> None:
-        """How many micro-batches a head keeps in flight (``batching.micro_batches``)."""
-        if depth < 1:
-            raise ValueError(f"micro-batches: at least 1, not {depth}")
-        self.batcher.depth = depth
+        """How many micro-batches a head keeps in flight (``micro_batches``)."""
+        self.scheduler.set_depth(depth)
 
     def count_served(self, tokens: int) -> None:
         """``tokens`` more generated through this stage (sampled steps, kept drafts)."""
@@ -116,14 +110,14 @@ class NodeService:
     @property
     def layer_ms(self) -> float | None:
         """The last decode pass's compute per layer of this stage, in ms (None: unknown)."""
-        decode_s = self.compute_thread.decode_s
+        decode_s = self.scheduler.decode_s
         if decode_s is None:
             return None
         return decode_s * 1000 / max(1, len(self.stage.shard.layers))
 
     def compute(self, fn, *args, **kwargs) -> Awaitable:
-        """Run ``fn`` on the compute thread; StepOutputs learn how long it took."""
-        return self.compute_thread.run(fn, *args, **kwargs)
+        """Run ``fn`` on the compute thread, in its turn."""
+        return self.scheduler.run(fn, *args, **kwargs)
 
     # The head's calls to the next hops, handed to ``links`` as they are (no coroutine of
     # their own: a decode step pays per call on the path, docs/adr/0011).
@@ -150,11 +144,11 @@ class NodeService:
     def swap(self, stage: Stage) -> None:
         """Serve new sessions from ``stage``; the old one drains its sessions."""
         self.retiring, self.stage = self.stage, stage
-        self.compute_thread.forget_decode_time()
+        self.scheduler.queue.forget_times()
 
     async def aclose(self) -> None:
         await self.links.aclose()
-        self.compute_thread.shutdown()
+        self.scheduler.shutdown()
 
     async def run_stage(
         self,
@@ -168,20 +162,16 @@ class NodeService:
         sample: bool = True,
         drafts: tuple[int, ...] = (),
         guess_from: int | None = None,
-        whole: bool = False,
     ) -> StepOutput:
-        """Run a step on the compute thread; single-token decode steps may be batched. A
-        short pass verifying drafts, or one holding a ``whole`` prompt (nothing else of it
-        to overlap), may run on the loop's thread (``ComputeThread.run_rows``)."""
+        """Submit a step to the scheduler; single-token decode steps may be batched."""
         tensor = token_ids if token_ids is not None else hidden
         if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
             item = DecodeItem(session_id, position, token_ids, hidden, owner, sample, guess_from)
-            return await self.batcher.submit(stage, item, alone=self.retiring is None)
+            return await self.scheduler.decode(stage, item)
         rows = tensor.shape[1] if tensor is not None and tensor.dim() >= 2 else 1
-        return await self.compute_thread.run_rows(
+        return await self.scheduler.rows(
             stage.step, session_id, position, token_ids=token_ids, hidden=hidden,
             owner=owner, sample=sample, drafts=drafts, rows=rows,
-            inline=(bool(drafts) or whole) and len(stage.sessions) <= 1,
         )  # fmt: skip
 
     # -- ordering of pipelined chunks --------------------------------------------------------
@@ -386,9 +376,7 @@ class NodeService:
         waiting = self._waiting.get(me.req.session_id, {})
         run, end = [me], me.req.position + me.tensor.shape[1]
         tokens = me.tensor.shape[1]
-        # While other sessions decode here, a prompt runs a wire chunk per pass: their steps
-        # take turns between its chunks instead of waiting behind one long pass (ADR-0035).
-        limit = stage.max_merge_tokens if len(stage.sessions) <= 1 else stage.max_chunk_tokens
+        limit = self.scheduler.queue.prompt_tokens(stage)  # ADR-0035: a chunk, others open
         while not run[-1].req.sample:
             nxt = waiting.get(end)
             if (
@@ -407,14 +395,11 @@ class NodeService:
                 del waiting[member.req.position]
         is_head = stage.shard.is_head
         merged = me.tensor if len(run) == 1 else torch.cat([m.tensor for m in run], dim=1)
-        # A prompt of one wire chunk has nothing to overlap: short, it runs on the loop's thread.
-        whole = me.req.chunk == 0 and run[-1].req.sample and len(stage.sessions) <= 1
         try:
-            out = await self.compute_thread.run_rows(
+            out = await self.scheduler.rows(
                 stage.step, me.req.session_id, me.req.position,
                 token_ids=merged if is_head else None, hidden=None if is_head else merged,
                 owner=me.req.session_key, sample=run[-1].req.sample, rows=merged.shape[1],
-                inline=whole,
             )  # fmt: skip
         except BaseException as exc:
             for member in run[1:]:

@@ -20,11 +20,11 @@ from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.caching.api import PrefixClient
 from meshnet_node.caching.blocks import BLOCK_TOKENS
 from meshnet_node.caching.reuse import PrefixReuse
-from meshnet_node.dataplane.batching import micro_batches
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.engine.stage import Stage, StepOutput
 from meshnet_node.retry import RetryBudget
+from meshnet_node.scheduling.micro_batches import micro_batches
 
 # Prefill: tokens the head runs through its layers per pass before sending them on in wire
 # chunks (ADR 0010). Larger passes cost less per token; smaller ones start the next hop sooner.
@@ -119,13 +119,13 @@ class HeadPasses:
         if self.prefixes is not None and sends is None and not scored:
             prefix = await self.prefixes.restore(stage, session_id, ids, route)
         begin = len(prefix) * BLOCK_TOKENS
+        most = self.service.scheduler.queue.prompt_tokens(stage)  # a chunk, others open
         if route:
             piece = max(chunk_tokens, PREFILL_PIECE_TOKENS // chunk_tokens * chunk_tokens)
-            if len(stage.sessions) > 1:  # others decode here: a chunk per pass (ADR-0035)
-                piece = chunk_tokens
+            piece = min(piece, most)
             bounds = [begin, *range(begin + chunk_tokens, len(ids), piece), len(ids)]
         else:
-            bounds = [*range(begin, len(ids), stage.max_merge_tokens), len(ids)]
+            bounds = [*range(begin, len(ids), most), len(ids)]
         bounds = sorted(set(b for b in bounds if b <= len(ids)))
         # The first chunk opens the session on every hop (``audited``: each keeps its inputs).
         head = stage.sessions.peek(session_id)
@@ -139,9 +139,7 @@ class HeadPasses:
             index = 0
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 last = hi == len(ids)
-                out = await self.local(
-                    stage, session_id, key, ids[lo:hi], lo, last, whole=len(bounds) == 2
-                )  # fmt: skip
+                out = await self.local(stage, session_id, key, ids[lo:hi], lo, last)
                 if not route:
                     result = as_result(out)
                     continue
@@ -166,10 +164,8 @@ class HeadPasses:
 
     async def local(
         self, stage, session_id, key, token_ids, position, sample, drafts=0, guess_from=None,
-        whole=False,
     ) -> StepOutput:  # fmt: skip
-        """One pass through the head's own layers (``sample``: a token comes out of it;
-        ``whole``: it holds the whole prompt)."""
+        """One pass through the head's own layers (``sample``: a token comes out of it)."""
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
         self.service.count_served(int(sample))  # a sampled step: one more token through here
         out = await self.service.run_stage(
@@ -181,7 +177,6 @@ class HeadPasses:
             sample=sample,
             drafts=tuple(token_ids[len(token_ids) - drafts :]) if drafts else (),
             guess_from=guess_from,
-            whole=whole,
         )
         if (session := stage.sessions.peek(session_id)) is not None:
             stage.sessions.note_ids(session, position, token_ids)  # names its cached blocks
@@ -199,7 +194,7 @@ class HeadPasses:
 
     def concurrent_stages(self, route: tuple[str, ...]) -> int:
         """How many stages of a chain through ``route`` can compute at the same time."""
-        threads = self.service.compute_thread.threads or torch.get_num_threads()
+        threads = self.service.scheduler.threads or torch.get_num_threads()
         return micro_batches(route, threads)
 
     async def step(

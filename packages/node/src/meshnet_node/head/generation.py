@@ -152,7 +152,7 @@ class HeadGenerator:
         flight = None  # guess steps in flight (ADR-0019): greedy n-gram speculation only
         if speculation is not None and speculation.model_session is None:
             rtt_ms = await self.service.links.round_trip_ms(route[0]) if route else 0.0
-            decode_s = self.service.compute_thread.decode_s  # this stage's last decode pass
+            decode_s = self.service.scheduler.decode_s  # this stage's last decode pass
             depth = guess_depth(
                 self.speculation.guess_depth, len(route) + 1,
                 self.passes.concurrent_stages(route), rtt_ms,

@@ -5,13 +5,15 @@ stream only one stage computes at a time, but with several sessions the stages o
 used to compute at once: three passes of two OpenMP threads each on two cores took 50-65 ms
 instead of 8-10, and four sessions together got no more tokens a second than one.
 
-So a node's short passes (those run on its event loop's thread) take a turn first: an
+So a node's short passes (``meshnet_node.scheduling``: those known to take under
+``--turn-max-ms``) take a turn first: an
 exclusive ``flock`` on one of ``cpus // threads`` slot files in the folder the host's
 memory claims live in. One stream never waits (its stages compute one after another); with
 several, the passes of the host's nodes follow each other at full speed instead of sharing
 the cores badly. The kernel drops a dead holder's lock; a holder that stops without dying
 (SIGSTOP, a debugger) is waited for ``patience_s`` at most (the longest a short pass may
-take), after which this node computes without turns for ``SKIP_S``.
+take), after which this node computes without turns for ``SKIP_S``. Long passes take none:
+no node waits long behind another's prompt.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class HostTurns:
 
 def node_turns(settings, threads: int, device: str) -> HostTurns | None:
     """The host's compute turns for a node (``NodeSettings``) computing on the CPU with
-    ``threads`` and running short passes on its loop's thread; None otherwise."""
-    if device != "cpu" or not settings.inline_decode:
+    ``threads``; None on another device."""
+    if device != "cpu":
         return None
-    return HostTurns.for_threads(threads, patience_s=settings.inline_decode_max_ms / 1000)
+    return HostTurns.for_threads(threads, patience_s=settings.turn_max_ms / 1000)

@@ -1,0 +1,266 @@
+"""What a node's compute thread runs next, decided in one place on a clock it is given
+(docs/adr/0039).
+
+Passes run one at a time, in the order they arrived. A decode step at the front waits a
+moment for other sessions' steps, which then share its pass (``Stage.step_batch``: weights
+read once for the whole batch):
+
+- up to ``gather_s`` from when the compute thread came free (or the step arrived, if later),
+  less once every open session of its stage (on a head with micro-batches: of its slot)
+  has a step queued. Sessions decode in lockstep along a chain: when one session's step
+  reaches a node, the others' are usually a few milliseconds behind it;
+- on a head, longer for members of its micro-batch whose last step is still down the
+  chain (up to a cycle: a pass per micro-batch, or the chain's measured return time when
+  its stages take turns on shared cores): a pass without them would split the micro-batch
+  for good (docs/adr/0029).
+
+A head splits its sessions into ``depth`` micro-batches, ``depth`` being the stages of its
+chains that can compute at once (``micro_batches``): one batch of every session would move
+down the chain in lockstep, one stage computing while the others wait. A session keeps its
+micro-batch (*slot*) from its first decode step on, given the least filled one (as vLLM
+gives a request one virtual engine); a pass takes the steps of one slot.
+
+A prompt pass takes at most one wire chunk while other sessions are open on its stage (their
+decode steps take turns between its chunks, ADR-0035), else up to ``max_merge_tokens``.
+A pass known to be short takes one of the host's compute turns (``turn_max_s``), so that the
+nodes sharing a host do not compute at once; a long one, or one of unknown length, takes
+none: no node waits long behind another's prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshnet_node.engine.stage import DecodeItem, Stage
+
+DECODE = "decode"  # one session's single-token step: may share a pass with other sessions'
+ROWS = "rows"  # a pass of several rows (a prompt's chunks, drafts to verify)
+WORK = "work"  # anything else run on the compute thread (audits, a draft model's guesses)
+
+
+@dataclass(eq=False)
+class Pass:
+    """A pass waiting for the compute thread: ``item`` (decode steps) or ``call``."""
+
+    kind: str
+    arrived: float
+    stage: Stage | None = None
+    item: DecodeItem | None = None
+    call: Callable[[], object] | None = None
+    rows: int = 1
+    future: asyncio.Future | None = None  # the scheduler's: where its result goes
+
+
+@dataclass
+class Run:
+    """Run ``passes`` now as one pass of the compute thread (several: decode steps batched);
+    ``turn``: in one of the host's compute turns."""
+
+    passes: list[Pass]
+    turn: bool = False
+
+
+@dataclass
+class Wait:
+    """Nothing to run before ``until`` (the clock's time), unless another pass arrives."""
+
+    until: float
+
+
+@dataclass
+class PassTimes:
+    """How long this node's last passes took (compute only, not waits for a turn)."""
+
+    decode_s: float | None = None  # the last decode pass (None: unknown)
+    row_s: float | None = None  # the last pass of several rows: its time per row
+
+    def note(self, kind: str, rows: int, compute_s: float) -> None:
+        if kind == DECODE:
+            self.decode_s = compute_s
+        elif kind == ROWS and rows > 1:
+            self.row_s = compute_s / rows
+
+    def expected_s(self, kind: str, rows: int) -> float | None:
+        """How long such a pass should take here (None: not known yet)."""
+        if kind == WORK:
+            return None
+        if kind == DECODE or rows <= 1:
+            return self.decode_s
+        if self.row_s is None:
+            return None
+        return max(self.decode_s or 0.0, rows * self.row_s)
+
+    def forget(self) -> None:
+        """Another shard: its pass times are not known yet."""
+        self.decode_s = self.row_s = None
+
+
+@dataclass
+class PassQueue:
+    """The passes waiting for the compute thread and every decision about them."""
+
+    max_batch: int = 32
+    gather_s: float = 0.005
+    turn_max_s: float = 0.25
+    depth: int = 1  # stages of the head's chains that compute at once: micro-batches
+    entries: list[Pass] = field(default_factory=list)
+    times: PassTimes = field(default_factory=PassTimes)
+    pass_s: float = 0.0  # the last decode pass's wall time on this node
+    return_s: float = 0.0  # head, one micro-batch: how long a step takes down the chain
+    free_since: float = 0.0  # when the compute thread last came free
+    batches: int = 0  # decode passes that merged steps of several sessions
+    batched_steps: int = 0
+    _slots: dict[str, int] = field(default_factory=dict)  # head: a session's micro-batch
+    _out: dict[str, float] = field(default_factory=dict)  # head: steps down the chain, since
+
+    # -- arrivals ----------------------------------------------------------------------------
+
+    def add(self, entry: Pass) -> None:
+        """Queue ``entry`` (``entry.arrived``: now, by the queue's clock)."""
+        if entry.kind == DECODE and self._slotted(entry.stage):
+            sid = entry.item.session_id  # type: ignore[union-attr]
+            self.slot(entry.stage, sid)  # type: ignore[arg-type]
+            sent = self._out.pop(sid, None)
+            if sent is not None:  # its last step went down the chain and came back
+                self._note_return(entry.arrived - sent)
+        self.entries.append(entry)
+
+    # -- what runs next ----------------------------------------------------------------------
+
+    def next(self, now: float) -> Run | Wait | None:
+        """What the compute thread runs now (taken off the queue), how long to wait for
+        more steps to batch, or None when nothing waits."""
+        if not self.entries:
+            return None
+        first = self.entries[0]
+        if first.kind != DECODE:
+            self.entries.pop(0)
+            return Run([first], self._turn(first))
+        stage = first.stage
+        slot = self.slot(stage, first.item.session_id) if self._slotted(stage) else None
+        if slot is None:
+            want = min(len(stage.sessions), self.max_batch)  # type: ignore[union-attr]
+        else:
+            want = min(self._members(stage, slot), self.max_batch)
+        if self._queued(stage, slot) < want:
+            start = max(first.arrived, self.free_since)
+            if now < start + self.gather_s:
+                return Wait(start + self.gather_s)
+            late = start + self._cycle_s()
+            if slot is not None and now < late and self._coming(slot, now):
+                return Wait(late)
+        taken = self._take(stage, slot)
+        return Run(taken, self._turn(taken[0]))
+
+    def ran(self, run: Run, started: float, ended: float, compute_s: float | None) -> None:
+        """``run`` took from ``started`` to ``ended`` (the clock's), ``compute_s`` of it
+        computing (None: it failed before)."""
+        self.free_since = ended
+        first = run.passes[0]
+        if compute_s is not None:
+            self.times.note(first.kind, first.rows, compute_s)
+        if first.kind != DECODE:
+            return
+        self.pass_s = ended - started
+        if len(run.passes) > 1:
+            self.batches += 1
+            self.batched_steps += len(run.passes)
+        if self._slotted(first.stage):
+            self._out.update((p.item.session_id, ended) for p in run.passes)  # type: ignore[union-attr]
+
+    def prompt_tokens(self, stage: Stage) -> int:
+        """The most prompt tokens one pass of ``stage`` takes: a wire chunk while other
+        sessions are open there (their steps take turns between its chunks, ADR-0035)."""
+        return stage.max_merge_tokens if len(stage.sessions) <= 1 else stage.max_chunk_tokens
+
+    def forget_times(self) -> None:
+        """Another shard: its pass times are not known yet."""
+        self.times.forget()
+
+    # -- decisions' parts --------------------------------------------------------------------
+
+    def _turn(self, entry: Pass) -> bool:
+        expected = self.times.expected_s(entry.kind, entry.rows)
+        return expected is not None and expected < self.turn_max_s
+
+    def _take(self, stage, slot: int | None) -> list[Pass]:
+        """The first entry (a decode step of ``stage``) and the steps that join it: of other
+        sessions, of ``stage`` and of ``slot`` (the first's session may have closed since:
+        its step fails in the pass, as it would alone)."""
+        taken, rest, sessions = [], [], set()
+        for entry in self.entries:
+            sid = entry.item.session_id if entry.item is not None else None
+            if not taken or (
+                entry.kind == DECODE and entry.stage is stage and sid not in sessions
+                and len(taken) < self.max_batch
+                and (slot is None or self._slots.get(sid) == slot)  # type: ignore[arg-type]
+            ):  # fmt: skip
+                sessions.add(sid)
+                taken.append(entry)
+            else:
+                rest.append(entry)
+        self.entries = rest
+        return taken
+
+    def _coming(self, slot: int, now: float) -> bool:
+        """Whether a session of ``slot`` has a step down the chain, sent within 2 cycles."""
+        window = 2 * self._cycle_s()
+        return any(
+            self._slots.get(sid) == slot and now - since < window
+            for sid, since in self._out.items()
+        )  # fmt: skip
+
+    def _note_return(self, back: float) -> None:
+        """Average how long steps take down the chain and back; one slow return (a
+        failover, a client that paused) moves it at most 20%."""
+        if not self.return_s:
+            self.return_s = back
+        else:
+            self.return_s = 0.8 * self.return_s + 0.2 * min(back, 2 * self.return_s)
+
+    def _cycle_s(self) -> float:
+        """How long a slot's step takes to come back: a pass per micro-batch; with one
+        micro-batch (stages taking turns on shared cores), the chain's measured return."""
+        if self.depth > 1:
+            return self.pass_s * self.depth
+        return max(self.pass_s, self.return_s)
+
+    def _slotted(self, stage) -> bool:
+        # A head of a chain keeps its sessions in slots, one slot when its stages take
+        # turns (depth 1): the whole batch then moves down the chain as one.
+        return stage.shard.is_head and (self.depth > 1 or not stage.shard.is_tail)
+
+    def slot(self, stage, session_id: str) -> int:
+        """The micro-batch of ``session_id`` on head ``stage``: kept once given, else the
+        least filled of ``depth`` (sessions closed since are forgotten first)."""
+        slot = self._slots.get(session_id)
+        if slot is not None and slot < self.depth:
+            return slot
+        self._forget_closed(stage)
+        counts = [0] * self.depth
+        for s in self._slots.values():
+            if s < self.depth:
+                counts[s] += 1
+        slot = counts.index(min(counts))
+        self._slots[session_id] = slot
+        return slot
+
+    def _forget_closed(self, stage) -> None:
+        self._slots = {
+            sid: s for sid, s in self._slots.items() if stage.sessions.peek(sid) is not None
+        }  # fmt: skip
+        self._out = {sid: t for sid, t in self._out.items() if sid in self._slots}
+
+    def _members(self, stage, slot: int) -> int:
+        """Open sessions of micro-batch ``slot``."""
+        self._forget_closed(stage)
+        return sum(1 for s in self._slots.values() if s == slot)
+
+    def _queued(self, stage, slot: int | None) -> int:
+        return sum(
+            1 for e in self.entries
+            if e.kind == DECODE and e.stage is stage
+            and (slot is None or self._slots.get(e.item.session_id) == slot)  # type: ignore[union-attr]
+        )  # fmt: skip
