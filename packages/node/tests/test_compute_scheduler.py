@@ -208,3 +208,26 @@ def test_a_step_of_a_session_closed_meanwhile_still_runs_and_fails_there():
     head.sessions.open.discard("a")
     assert sids(queue.next(1.0 + GATHER)) == ["a"]
     assert sids(queue.next(1.0 + GATHER)) == ["b"]
+
+
+def test_a_step_never_overtakes_a_pass_queued_before_it():
+    """Guess steps: a session's pass verifying drafts, then its next step. A pass of
+    another session's steps must not take that next step along ahead of the drafts."""
+    queue, middle = PassQueue(gather_s=GATHER), stage("a", "b")
+    queue.add(step(middle, "b", 1.0))
+    queue.add(Pass(ROWS, 1.0, call=lambda: None, rows=3))  # "a" at 67, with drafts
+    queue.add(step(middle, "a", 1.0))  # "a" at 70
+    first = queue.next(1.0)  # no wait for "a": it is behind a pass that runs first
+    assert sids(first) == ["b"]
+    assert queue.next(1.0).passes[0].kind == ROWS
+    assert sids(queue.next(1.0 + GATHER)) == ["a"]
+
+
+def test_a_sessions_later_step_waits_for_its_earlier_one():
+    queue, middle = PassQueue(gather_s=GATHER), stage("a", "b", "c")
+    queue.add(step(middle, "a", 1.0))
+    queue.add(step(middle, "b", 1.0))
+    queue.add(step(middle, "b", 1.0))  # b's next (a guess step)
+    queue.add(step(middle, "c", 1.0))
+    assert sids(queue.next(1.0)) == ["a", "b", "c"]
+    assert sids(queue.next(1.0 + GATHER)) == ["b"]

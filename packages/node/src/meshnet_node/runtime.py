@@ -34,6 +34,7 @@ from meshnet_common.web.serve import refreeze_heap
 from meshnet_common.web.shards import shards_router, watch_shard_server
 from meshnet_node.api import Readiness, head_router, node_router, status_router
 from meshnet_node.caching.store import PrefixCache, heartbeat_figures
+from meshnet_node.cpu_threads import apart
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.gauges import watch_service
 from meshnet_node.dataplane.service import NodeService
@@ -449,7 +450,8 @@ async def reshard(runtime: NodeRuntime, spec: ShardSpec) -> None:
         model_path = await asyncio.to_thread(_locate_shard, runtime, spec)
         new_settings = settings.with_shard(spec.model_id, spec.layers, model_path)
         logger.info("resharding to %s layers %s", spec.model_id, spec.layers)
-        stage = await asyncio.to_thread(load_stage, new_settings)
+        # on a thread that ends with the load, its OpenMP team too (docs/adr/0036, 0039)
+        stage = await asyncio.to_thread(apart, lambda: load_stage(new_settings))
     except (MeshnetError, ValueError, OSError) as exc:
         logger.error("cannot load %s layers %s: %s", spec.model_id, spec.layers, exc)
         return

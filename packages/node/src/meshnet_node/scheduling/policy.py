@@ -144,15 +144,18 @@ class PassQueue:
             want = min(len(stage.sessions), self.max_batch)  # type: ignore[union-attr]
         else:
             want = min(self._members(stage, slot), self.max_batch)
-        if self._queued(stage, slot) < want:
+        joining = self._joining(stage, slot)
+        waiting_too = any(e.kind != DECODE for e in self.entries)  # runs next: no wait
+        if len(joining) < want and not waiting_too:
             start = max(first.arrived, self.free_since)
             if now < start + self.gather_s:
                 return Wait(start + self.gather_s)
             late = start + self._cycle_s()
             if slot is not None and now < late and self._coming(slot, now):
                 return Wait(late)
-        taken = self._take(stage, slot)
-        return Run(taken, self._turn(taken[0]))
+        taken = set(joining)
+        self.entries = [e for e in self.entries if e not in taken]
+        return Run(joining, self._turn(first))
 
     def ran(self, run: Run, started: float, ended: float, compute_s: float | None) -> None:
         """``run`` took from ``started`` to ``ended`` (the clock's), ``compute_s`` of it
@@ -185,24 +188,24 @@ class PassQueue:
         expected = self.times.expected_s(entry.kind, entry.rows)
         return expected is not None and expected < self.turn_max_s
 
-    def _take(self, stage, slot: int | None) -> list[Pass]:
-        """The first entry (a decode step of ``stage``) and the steps that join it: of other
-        sessions, of ``stage`` and of ``slot`` (the first's session may have closed since:
-        its step fails in the pass, as it would alone)."""
-        taken, rest, sessions = [], [], set()
+    def _joining(self, stage, slot: int | None) -> list[Pass]:
+        """The first entry (a decode step of ``stage``) and the steps that would join its
+        pass: of other sessions, of ``stage``, of ``slot``, queued before any pass of
+        another kind (which runs first: a session's steps never overtake each other; the
+        first's session may have closed since, and its step then fails in the pass)."""
+        joining: list[Pass] = []
+        sessions: set[str] = set()
         for entry in self.entries:
-            sid = entry.item.session_id if entry.item is not None else None
-            if not taken or (
-                entry.kind == DECODE and entry.stage is stage and sid not in sessions
-                and len(taken) < self.max_batch
-                and (slot is None or self._slots.get(sid) == slot)  # type: ignore[arg-type]
+            if entry.kind != DECODE:
+                break
+            sid = entry.item.session_id  # type: ignore[union-attr]
+            if not joining or (
+                entry.stage is stage and sid not in sessions and len(joining) < self.max_batch
+                and (slot is None or self._slots.get(sid) == slot)
             ):  # fmt: skip
-                sessions.add(sid)
-                taken.append(entry)
-            else:
-                rest.append(entry)
-        self.entries = rest
-        return taken
+                joining.append(entry)
+            sessions.add(sid)  # taken, or left: its later steps wait for this one
+        return joining
 
     def _coming(self, slot: int, now: float) -> bool:
         """Whether a session of ``slot`` has a step down the chain, sent within 2 cycles."""
@@ -257,10 +260,3 @@ class PassQueue:
         """Open sessions of micro-batch ``slot``."""
         self._forget_closed(stage)
         return sum(1 for s in self._slots.values() if s == slot)
-
-    def _queued(self, stage, slot: int | None) -> int:
-        return sum(
-            1 for e in self.entries
-            if e.kind == DECODE and e.stage is stage
-            and (slot is None or self._slots.get(e.item.session_id) == slot)  # type: ignore[union-attr]
-        )  # fmt: skip
