@@ -11,10 +11,10 @@ import torch
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_node.scheduling.scheduler import ComputeScheduler
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.faults import NoisyOutputs, SlowCompute, noisy_outputs, slow_compute
 from meshnet_node.runtime import load_stage
+from meshnet_node.scheduling.scheduler import ComputeScheduler
 from meshnet_node.settings import NodeSettings
 
 

@@ -15,10 +15,10 @@ from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_GUESS, H_IDS, H_POSITION, H_SAMPLE, H_SESSION
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_common.wire import encode_tensor
-from meshnet_node.scheduling.micro_batches import micro_batches
 from meshnet_node.dataplane.steps import Step, parse_step, stale_guess
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
+from meshnet_node.scheduling.micro_batches import micro_batches
 from meshnet_node.speculation.guessing import GuessFlight, guess_depth
 
 
