@@ -4,6 +4,7 @@ how many prompt tokens a pass takes. No thread, no model: the queue is given the
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -231,3 +232,19 @@ def test_a_sessions_later_step_waits_for_its_earlier_one():
     queue.add(step(middle, "c", 1.0))
     assert sids(queue.next(1.0)) == ["a", "b", "c"]
     assert sids(queue.next(1.0 + GATHER)) == ["b"]
+
+
+def test_a_pass_its_caller_stopped_waiting_for_never_runs():
+    """The head drops its guess steps when a guess was wrong: one still queued must not
+    run (its session would advance past where the head's next step starts)."""
+    loop = asyncio.new_event_loop()
+    try:
+        queue, middle = PassQueue(gather_s=GATHER), stage("a", "b")
+        dropped, kept = step(middle, "a", 1.0), step(middle, "b", 1.0)
+        dropped.future, kept.future = loop.create_future(), loop.create_future()
+        queue.add(dropped)
+        queue.add(kept)
+        dropped.future.cancel()
+        assert sids(queue.next(1.0 + GATHER)) == ["b"] and queue.next(2.0) is None
+    finally:
+        loop.close()

@@ -5,6 +5,9 @@ header is validated."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -15,10 +18,13 @@ from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_GUESS, H_IDS, H_POSITION, H_SAMPLE, H_SESSION
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_common.wire import encode_tensor
-from meshnet_node.dataplane.steps import Step, parse_step, stale_guess
+from meshnet_node.dataplane.service import NodeService
+from meshnet_node.dataplane.steps import STALE_RESULT, Step, parse_step, stale_guess
+from meshnet_node.engine.faults import SlowCompute
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.scheduling.micro_batches import micro_batches
+from meshnet_node.settings import NodeSettings
 from meshnet_node.speculation.guessing import GuessFlight, guess_depth
 
 
@@ -111,6 +117,42 @@ def test_the_tail_answers_stale_a_guess_it_did_not_sample(tiny_snapshot):
     assert not stale_guess(stage, _request(3, [sampled], 3))
     assert stale_guess(stage, _request(3, [sampled + 1], 3))  # a wrong guess
     assert stale_guess(stage, _request(4, [sampled], 3))  # one after a guess not yet sampled
+
+
+def test_a_tail_judges_a_guess_after_the_steps_before_it_computed(tiny_snapshot):
+    """A guess step reaches the tail right behind the step it guesses the answer of, while
+    that step still waits for (or runs on) the compute thread: the guess is judged against
+    what that step samples, not against what the tail knew when the guess arrived."""
+    snapshot = tiny_snapshot("llama")
+    layers = LayerRange(3, AutoConfig.from_pretrained(snapshot).num_hidden_layers)
+    width = AutoConfig.from_pretrained(snapshot).hidden_size
+    rows = torch.randn(1, 5, width, generator=torch.Generator().manual_seed(0))
+
+    def opened() -> Stage:
+        stage = Stage(load_shard(snapshot, layers, Precision.FLOAT32))
+        stage.open_session("s1", sampling=None, start_layer=3)
+        first = stage.step("s1", 0, hidden=rows[:, :3])
+        return stage, first.token.token_id
+
+    twin, sampled = opened()  # what the tail samples at 3 and 4, computed apart
+    at4 = twin.step("s1", 3, hidden=rows[:, 3:4]).token.token_id
+    stage, _ = opened()
+    settings = NodeSettings(model_id="meshnet-tiny/llama", model_path=snapshot, layers=layers)
+
+    async def run() -> list[bytes]:
+        service = NodeService(stage, settings, model_id=settings.model_id,
+                              before_pass=SlowCompute(0.05))  # fmt: skip
+        steps = [
+            (Step("s1", None, 3, sample=True, ids=(sampled,)), rows[:, 3:4]),
+            (Step("s1", None, 4, sample=True, ids=(at4,), guess_from=4), rows[:, 4:5]),
+        ]
+        answers = await asyncio.gather(*(service.handle_step(r, t) for r, t in steps))
+        await service.aclose()
+        return [a.body for a in answers]
+
+    answers = asyncio.run(run())
+    assert STALE_RESULT not in answers
+    assert json.loads(answers[0])["token_id"] == at4
 
 
 def test_a_flight_confirms_a_right_guess_and_drops_the_rest_on_a_wrong_one():

@@ -90,6 +90,9 @@ class NodeService:
         # Prefill chunks waiting for their turn, per session and position: the chunk whose
         # turn comes takes its waiting successors along into one compute pass.
         self._waiting: dict[str, dict[int, _Waiting]] = {}
+        # Tail: each session's latest step, done once it computed (or was found stale): a
+        # guess step is judged only after the session's earlier steps ran here.
+        self._tail_steps: dict[str, asyncio.Future] = {}
         self.tokens_generated = 0  # sampled here (tail)
         self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
         self.answer_url: str | None = None  # where tails answer this head (set when it is one)
@@ -291,16 +294,24 @@ class NodeService:
                     raise
             elif stage.sessions.prefix is not None:  # the chain agreed on none: no promise
                 stage.sessions.prefix.release(req.session_id)
-        if req.guess_from is not None and stage.shard.is_tail and stale_guess(stage, req):
-            return StepAnswer(STALE_RESULT, format_compute(0.0))  # computes nothing
-        if req.ids is not None and stage.shard.is_tail:  # before any later step samples
-            stage.sessions.observe(req.session_id, req.position, req.ids, owner=req.session_key)
+        mine = await self._after_earlier_steps(stage, req) if stage.shard.is_tail else None
         try:
+            if req.guess_from is not None and mine is not None and stale_guess(stage, req):
+                return StepAnswer(STALE_RESULT, format_compute(0.0))  # computes nothing
+            if req.ids is not None and stage.shard.is_tail:  # before any later step samples
+                stage.sessions.observe(
+                    req.session_id, req.position, req.ids, owner=req.session_key
+                )  # fmt: skip
             out = await self._run_step(stage, req, tensor)
         except MeshnetError:
             if opened:  # an opening step that failed leaves no session behind
                 stage.close_session(req.session_id)
             raise
+        finally:
+            if mine is not None:
+                mine.set_result(None)
+                if self._tail_steps.get(req.session_id) is mine:
+                    del self._tail_steps[req.session_id]
         if audits is not None:  # beside the step: notes its ids, may start an audit
             audits.after_step(stage, req)
         if req.ids is not None:  # what its blocks are named by in the prefix cache
@@ -335,6 +346,24 @@ class NodeService:
                 self.count_served(len(json.loads(resp.body).get("more") or ()))
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
+
+    async def _after_earlier_steps(self, stage: Stage, req: Step) -> asyncio.Future:
+        """On a tail: note ``req`` as its session's latest step and, for a guess step, wait
+        until the session's earlier steps computed here (they arrived first, but may still
+        be queued for the compute thread): whether its guess is stale depends on what they
+        sampled. Returns the future to set once ``req`` computed (or was found stale)."""
+        mine = asyncio.get_running_loop().create_future()
+        before = self._tail_steps.get(req.session_id)
+        self._tail_steps[req.session_id] = mine
+        if req.guess_from is not None and before is not None and not before.done():
+            try:
+                await before  # set once that step is done, whatever its outcome
+            except BaseException:  # cancelled: the steps after this one wait no longer
+                mine.set_result(None)
+                if self._tail_steps.get(req.session_id) is mine:
+                    del self._tail_steps[req.session_id]
+                raise
+        return mine
 
     async def _run_step(self, stage: Stage, req: Step, tensor: torch.Tensor) -> StepOutput:
         is_head = stage.shard.is_head
@@ -440,5 +469,6 @@ class NodeService:
                 member.future.set_exception(NotFound(f"session {session_id!r} was closed"))
         await self._advance(session_id)
         self._turns.pop(session_id, None)
+        self._tail_steps.pop(session_id, None)
         if route:
             await self.links.close_remote(route[0], session_id, session_key or "", route[1:])

@@ -52,6 +52,12 @@ class Pass:
     rows: int = 1
     future: asyncio.Future | None = None  # the scheduler's: where its result goes
 
+    @property
+    def dropped(self) -> bool:
+        """Its caller stopped waiting before it ran (a guess step the head dropped, a
+        client that left): it never runs, as a call never made."""
+        return self.future is not None and self.future.cancelled()
+
 
 @dataclass
 class Run:
@@ -132,6 +138,7 @@ class PassQueue:
     def next(self, now: float) -> Run | Wait | None:
         """What the compute thread runs now (taken off the queue), how long to wait for
         more steps to batch, or None when nothing waits."""
+        self.entries = [e for e in self.entries if not e.dropped]
         if not self.entries:
             return None
         first = self.entries[0]
