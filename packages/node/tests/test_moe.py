@@ -3,6 +3,10 @@ layout of latent attention, and quantization refused rather than pretended."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -14,6 +18,7 @@ from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.preflight import preflight
 from meshnet_node.engine.stage import Stage
+from meshnet_node.kernels.row_stable import TokensAlone
 from meshnet_tracker.placement import ModelView, NodeRequest, place
 
 
@@ -80,3 +85,59 @@ def test_nf4_on_an_moe_is_refused_not_pretended(tiny_snapshot):
     for allowed in (Precision.BFLOAT16, Precision.INT8, Precision.INT4):
         ok = place([view], NodeRequest(memory_bytes=2**30, precision=allowed))
         assert ok.layers == LayerRange(0, index.num_layers)
+
+
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_every_moe_block_computes_a_token_at_a_time_outside_prompts(tiny_snapshot, family):
+    """Routers and experts are torch's own calls on the tokens a block holds: every MoE
+    block of a stage runs them token by token in passes of one-token rows (ADR-0038)."""
+    stage = Stage(load_shard(tiny_snapshot(family), LayerRange(0, 6), Precision.BFLOAT16))
+    blocks = [m for m in stage.shard.modules.modules() if isinstance(m.forward, TokensAlone)]
+    moe = [m for m in stage.shard.modules.modules()
+           if any(type(c).__name__.endswith("Experts") for c in m.children())]  # fmt: skip
+    assert blocks and blocks == moe
+
+
+BLOCK_ALONE = r"""
+import torch
+import transformers
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from meshnet_node.kernels.row_stable import TokensAlone, prompt_rows, route_alone
+
+transformers.logging.set_verbosity_error()
+config = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=8,
+                        num_experts_per_tok=2, norm_topk_prob=True)
+torch.manual_seed(0)
+block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+for p in block.parameters():
+    torch.nn.init.normal_(p, std=0.02)
+x = torch.randn(1, 16, 2048, dtype=torch.bfloat16)
+with torch.inference_mode():
+    alone = torch.cat([block(x[:, i : i + 1]) for i in range(16)], dim=1)
+    plain = torch.equal(block(x), alone)
+    assert route_alone(torch.nn.ModuleList([block])) == 1
+    assert isinstance(block.forward, TokensAlone)
+    together = block(x)
+    with prompt_rows(128):
+        prompt = block(x)
+assert torch.equal(together, alone) and prompt.shape == alone.shape
+print("ok", "batched-equal-before" if plain else "batched-differed-before")
+"""
+
+
+@pytest.mark.parametrize("isa", [None, "AVX512_CORE_BF16"], ids=["default", "zen4-kernels"])
+def test_a_real_sized_moe_block_gives_each_token_its_own_bits_in_any_batch(isa):
+    """A Qwen3-MoE block at a real width (2048): a batch of 16 tokens, cut into the
+    block's one-token calls, gives every token the bits it gets alone; a prompt chunk stays
+    one call. Also with oneDNN held to the kernels of a CPU with AVX-512 bf16 and no AMX
+    (AMD Zen 4), where the block's own batched products give a token other bits."""
+    env = dict(os.environ)
+    if isa is not None:
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    out = subprocess.run([sys.executable, "-c", BLOCK_ALONE], capture_output=True, text=True,
+                         env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]

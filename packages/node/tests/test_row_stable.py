@@ -8,8 +8,18 @@ import pytest
 import torch
 from torch import nn
 
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import row_stable
-from meshnet_node.kernels.row_stable import RowGroups, find_limit, grouped, route_rows
+from meshnet_node.kernels.row_stable import (
+    RowGroups,
+    TokensAlone,
+    find_limit,
+    grouped,
+    route_rows,
+)
 
 # SmolLM2-135M's products: q/k/v fused, o, gate/up fused, down, the tied LM head.
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -87,3 +97,10 @@ def test_a_prompt_chunk_is_one_call_of_all_its_rows_as_the_unsplit_models():
         assert torch.equal(linear(merged), torch.cat([plain(full), plain(part)], dim=1))
     assert not row_stable.in_prompt()
     assert torch.equal(linear(x)[0], _one_row_each(plain, x[0]))
+
+
+def test_gpt2_conv1d_computes_a_token_at_a_time_outside_prompts(tiny_snapshot):
+    """GPT-2's ``Conv1D`` is an ``addmm`` on the tokens it holds: routed like MoE blocks."""
+    stage = Stage(load_shard(tiny_snapshot("gpt2"), LayerRange(0, 6), Precision.BFLOAT16))
+    convs = [m for m in stage.shard.modules.modules() if type(m).__name__ == "Conv1D"]
+    assert convs and all(isinstance(m.forward, TokensAlone) for m in convs)

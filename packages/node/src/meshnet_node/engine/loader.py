@@ -36,7 +36,7 @@ from meshnet_node.engine.row_attention import enable_together, widen_attention
 from meshnet_node.kernels import bf16_dot
 from meshnet_node.kernels import packed as packed_kernels
 from meshnet_node.kernels.fused_linears import fuse_siblings
-from meshnet_node.kernels.row_stable import route_rows
+from meshnet_node.kernels.row_stable import route_alone, route_rows
 from meshnet_node.lowbit.gguf_blocks import GROUP as GGUF_GROUP
 from meshnet_node.lowbit.gguf_blocks import GgufTensors
 from meshnet_node.lowbit.int4_checkpoints import Int4Linears
@@ -349,6 +349,7 @@ def load_shard(
     # every product in row groups that give each row its one-row product (ADR-0038); the
     # checks' probe weights go back to the OS
     route_rows(modules, threads, kernel=bf16_kernel)
+    route_alone(modules)  # MoE blocks and Conv1D: a token at a time outside prompts
     release_freed_memory()
     if widen_bf16 and widen_if_emulated(modules, device):
         for layer in modules.layers:  # and their many-row attention calls (ADR-0027)

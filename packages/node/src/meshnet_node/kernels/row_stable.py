@@ -242,3 +242,53 @@ def route_rows(module: nn.Module, threads: int | None = None, *, kernel: bool = 
         sub.forward = RowGroups(sub, max(limit, 1), product if kernel else nn.functional.linear)
         count += 1
     return count
+
+
+class TokensAlone:
+    """A module's forward, one token at a time outside prompts: a mixture-of-experts block
+    or GPT-2's ``Conv1D``.
+
+    Their products are torch's own calls on the tokens the module holds (a router's raw
+    ``F.linear`` on 2-D rows, an expert's on however many tokens chose it, ``Conv1D``'s
+    ``addmm``), so their bits depend on the other tokens of the pass. Called once per token,
+    the module computes each as a one-token step does. A prompt chunk is one call, as the
+    unsplit model's."""
+
+    def __init__(self, forward: Callable) -> None:
+        self.forward = forward
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs):
+        shape = hidden_states.shape
+        rows = hidden_states.reshape(-1, shape[-1])
+        if rows.shape[0] <= 1 or _prompt.get():
+            return self.forward(hidden_states, *args, **kwargs)
+        outs = [self.forward(rows[i : i + 1].view(1, 1, -1), *args, **kwargs)
+                for i in range(rows.shape[0])]  # fmt: skip
+        if isinstance(outs[0], tuple):  # (hidden, router logits): each joined by token
+            return tuple(_joined(list(parts), shape) for parts in zip(*outs, strict=True))
+        return _joined(outs, shape)
+
+
+def _joined(parts: list, shape: torch.Size):
+    """Per-token outputs as one: a hidden state in the input's shape, a per-token tensor
+    (router logits) stacked by token, anything else as the first token's."""
+    first = parts[0]
+    if not isinstance(first, torch.Tensor):
+        return first
+    if first.dim() == 3:
+        return torch.cat(parts, dim=0).view(*shape[:-1], first.shape[-1])
+    return torch.cat(parts, dim=0)
+
+
+def route_alone(module: nn.Module) -> int:
+    """Run every mixture-of-experts block under ``module`` (a module with a child whose class
+    name ends in ``Experts``: transformers' routed experts, or ``PackedExperts``) and every
+    GPT-2 ``Conv1D`` a token at a time outside prompts (``TokensAlone``). Returns how many
+    were routed."""
+    count = 0
+    for sub in module.modules():
+        moe = any(type(c).__name__.endswith("Experts") for c in sub.children())
+        if moe or type(sub).__name__ == "Conv1D":
+            sub.forward = TokensAlone(sub.forward)
+            count += 1
+    return count
