@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/tracker/pyproject.toml requirements-dev.txt Makefile packages/node/src/meshnet_node/kernels/bf16_dot.cpp packages/node/src/meshnet_node/kernels/packed.cpp
+$(STAMP): packages/common/pyproject.toml packages/node/pyproject.toml packages/tracker/pyproject.toml requirements-dev.txt Makefile packages/node/src/meshnet_node/kernels/bf16_dot.cpp packages/node/src/meshnet_node/kernels/packed.cpp packages/node/src/meshnet_node/kernels/omp_for.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)

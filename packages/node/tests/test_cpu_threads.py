@@ -85,6 +85,43 @@ def test_one_long_lived_thread_computes_with_the_nodes_threads():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+# The packed kernels' library (int4 / int8 / FP8 / MXFP4) run on the compute thread after
+# dedicate: torch's lazy per-thread count set-up, inlined into an extension, used to re-set
+# that thread to the process default (one) at its first kernel call.
+KERNEL_KEEPS_THE_COUNT = r"""
+import torch
+from meshnet_node.cpu_threads import dedicate
+from meshnet_node.kernels import intpack, packed
+from meshnet_node.lowbit.packed import Int4Weight
+from meshnet_node.scheduling.scheduler import ComputeScheduler
+
+torch.set_num_threads(2)
+packed.start()
+packed.wait()
+if not intpack.ready():
+    print("skip: " + str(intpack.unavailable_reason() or packed.unavailable_reason()))
+    raise SystemExit
+weight = Int4Weight.quantize(torch.randn(1024, 512), 32, torch.float32)
+scheduler = ComputeScheduler()
+dedicate(scheduler, 2)
+
+def product_then_count():
+    weight.matmul(torch.randn(1, 512))
+    return torch.get_num_threads()
+
+assert [scheduler.executor.submit(product_then_count).result() for _ in range(2)] == [2, 2]
+print("ok")
+"""
+
+
+def test_the_packed_kernels_leave_the_compute_thread_its_count():
+    out = subprocess.run([sys.executable, "-c", KERNEL_KEEPS_THE_COUNT], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    if out.stdout.startswith("skip: "):
+        pytest.skip(out.stdout.strip())
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_a_process_spins_briefly_unless_the_operator_chose(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)  # as before torch loads
     env: dict[str, str] = {}

@@ -15,7 +15,7 @@
 // its results against torch's on adversarial inputs before using it (docs/adr/0030).
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
+#include "omp_for.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -136,7 +136,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
       reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
       x.size(0), x.size(1), w.size(0)};
   const int64_t tiles = (p.n + kWeights - 1) / kWeights;
-  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+  meshnet::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kWeights;
       switch (std::min<int64_t>(kWeights, p.n - n0)) {

@@ -38,6 +38,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_dot.cpp")
+HEADER = Path(__file__).with_name("omp_for.h")  # included by the source: part of its build key
 NAME = "meshnet_bf16_dot"
 BLOCK = 64  # the kernel handles inner dimensions that are a multiple of this
 
@@ -63,7 +64,7 @@ def build_path() -> Path:
     """Where the built module lies: one folder per source, flags, torch and Python, under
     torch's extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(),
+    for part in (SOURCE.read_bytes(), HEADER.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(),
                  torch.__version__.encode(), sys.version.encode()):  # fmt: skip
         key.update(part)
     name = f"{NAME}_{key.hexdigest()[:16]}"

@@ -17,7 +17,7 @@
 // AVX2 + FMA + F16C (every x86 server of the last decade).
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
+#include "omp_for.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -359,7 +359,7 @@ torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& w,
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+  meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
     auto direct = [&](int64_t j, auto nb) {
       constexpr int NB = decltype(nb)::value;
       const float* srows[NB];
@@ -387,7 +387,7 @@ void fp8_dequantize(const torch::Tensor& w, const torch::Tensor& scale, int64_t 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   void* op = out.data_ptr();
-  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+  meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t j = n0; j < n1; ++j) {
       const float* sr = sp + (j / bn) * kblocks;
       if (bf16) {
@@ -439,7 +439,7 @@ torch::Tensor mxfp4_linear(const torch::Tensor& x, const torch::Tensor& blocks,
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const uint8_t* ep = scales.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+  meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
     auto direct = [&](int64_t j, auto nb) {
       constexpr int NB = decltype(nb)::value;
       for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
@@ -465,7 +465,7 @@ void mxfp4_dequantize(const torch::Tensor& blocks, const torch::Tensor& scales,
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const uint8_t* ep = scales.data_ptr<uint8_t>();
   void* op = out.data_ptr();
-  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+  meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t j = n0; j < n1; ++j) {
       if (bf16) {
         fp4_row(bp + j * (k / 2), ep + j * groups, k, static_cast<uint16_t*>(op) + j * k);
@@ -585,7 +585,7 @@ torch::Tensor int8_linear_t(const torch::Tensor& x, const torch::Tensor& q,
   if (x.scalar_type() == torch::kBFloat16) {
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
     constexpr int NB = kInt8Bf16NB;
-    at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+    meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
       auto direct = [&](int64_t j, auto nb) {
         constexpr int C = decltype(nb)::value;
         for (int64_t r0 = 0; r0 < rows; r0 += kInt8Bf16Rows) {
@@ -607,7 +607,7 @@ torch::Tensor int8_linear_t(const torch::Tensor& x, const torch::Tensor& q,
               "x must be float32 or bf16");
   const auto xf = x.to(torch::kFloat32);  // bf16 without AVX-512 BF16: float32 products
   const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+  meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
     auto direct = [&](int64_t j, auto nb) {
       constexpr int NB = decltype(nb)::value;
       for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
@@ -807,7 +807,7 @@ void int4_bf16_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t 
   constexpr int64_t B = 64;
   const int64_t groups = k / group;
   const Bf16Codes codes;
-  at::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
+  meshnet::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t r0 = 0; r0 < rows; r0 += kBf16Rows) {
         const int64_t tile = std::min<int64_t>(kBf16Rows, rows - r0);
@@ -833,7 +833,7 @@ void int4_linear_blocks(const float* xp, const float* xsum, float* yp, int64_t r
                         int64_t n, int64_t group, const uint8_t* pp, const S* sp) {
   constexpr int64_t B = 2 * NV * W;
   const int64_t groups = k / group;
-  at::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
+  meshnet::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
         const int64_t tile = std::min<int64_t>(kDirectRows, rows - r0);
@@ -1008,7 +1008,7 @@ void int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   void* op = out.data_ptr();
   auto run = [&](auto* sp) {
-    at::parallel_for(0, n / block_n, 1, [&](int64_t b0, int64_t b1) {
+    meshnet::parallel_for(0, n / block_n, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* blk = pp + b * block_n * (k / 2);
         const auto* s = sp + b * block_n * 2;

@@ -53,6 +53,7 @@ from meshnet_node.kernels.tolerance import close
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed.cpp")
+HEADER = Path(__file__).with_name("omp_for.h")  # included by the source: part of its build key
 NAME = "meshnet_packed"
 # -march=native: the build runs on the machine that uses it (AVX-512 where present, else
 # AVX2); the CPU's flags are part of the cache key, so a copied cache cannot mismatch.
@@ -104,7 +105,7 @@ def build_path() -> Path:
     under torch's extension cache (``TORCH_EXTENSIONS_DIR``, else
     ``~/.cache/torch_extensions``)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(), _cpu_flags(),
+    for part in (SOURCE.read_bytes(), HEADER.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(), _cpu_flags(),
                  torch.__version__.encode(), sys.version.encode()):  # fmt: skip
         key.update(part)
     name = f"{NAME}_{key.hexdigest()[:16]}"
