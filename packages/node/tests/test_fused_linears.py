@@ -18,6 +18,8 @@ from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import fused_linears, row_stable
 from meshnet_node.kernels.fused_linears import FusedGroup, FusedPart, fuse_siblings
+from meshnet_node.lowbit.modules import PackedLinear
+from meshnet_node.lowbit.packed import Int4Weight, Int8Weight, prompt_calls
 
 FAMILIES = list(tiny.FAMILIES)
 
@@ -34,11 +36,11 @@ def _parts(stages: list[Stage]) -> int:
 
 
 def _weight_bytes(stages: list[Stage]) -> int:
-    return sum(p.numel() * p.element_size() for s in stages for p in s.shard.modules.parameters())
+    return sum(s.shard.parameter_bytes() for s in stages)  # packed weights are buffers
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("precision", [Precision.BFLOAT16, Precision.FLOAT32])
+@pytest.mark.parametrize("precision", [Precision.BFLOAT16, Precision.FLOAT32, Precision.INT4])
 def test_fused_stages_give_the_unfused_numbers_bit_for_bit(tiny_snapshot, family, precision):
     snapshot = tiny_snapshot(family)
     prompt = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -80,6 +82,38 @@ def test_smollm2_shapes_fuse_here():
         for name, n in zip(names, sizes, strict=True):
             setattr(layer, name, nn.Linear(576, n, bias=False, dtype=torch.bfloat16))
         assert fuse_siblings([layer.requires_grad_(False)]) == 1
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_siblings_fuse_into_one_product_bit_for_bit(fmt, dtype):
+    """SmolLM2's q/k/v and gate/up at int4 / int8 (a GGUF's runtime): one stacked product
+    for decode rows, each member's own product in a prompt chunk, the same bytes held."""
+    gen = torch.Generator().manual_seed(5)
+    for sizes in ((576, 192, 192), (1536, 1536)):
+        layer = nn.Module()
+        names = ("q_proj", "k_proj", "v_proj") if len(sizes) == 3 else ("gate_proj", "up_proj")
+        members = []
+        for name, n in zip(names, sizes, strict=True):
+            w = torch.randn(n, 576, generator=gen) * 0.05
+            packed = Int4Weight.quantize(w, 32, dtype) if fmt == "int4" else Int8Weight.quantize(w, dtype)  # fmt: skip
+            members.append(PackedLinear(packed, None))
+            setattr(layer, name, members[-1])
+        held = sum(b.numel() * b.element_size() for b in layer.buffers())
+        assert fuse_siblings([layer]) == 1
+        assert sum(b.numel() * b.element_size() for b in layer.buffers()) == held
+        parts = [getattr(layer, name) for name in names]
+        assert all(type(p) is FusedPart for p in parts)
+        with torch.no_grad():  # no inference tensors: the per-thread scratch outlives the test
+            for rows in (1, 2, 7):  # decode: a session, batches
+                x = torch.randn(rows, 576, generator=gen).to(dtype)
+                assert all(torch.equal(p(x), m(x)) for p, m in zip(parts, members, strict=True))
+            x = torch.randn(1, 200, 576, generator=gen).to(dtype)  # a prompt chunk
+            with prompt_calls(128):
+                got = [p(x) for p in parts]
+            with prompt_calls(128):
+                want = [m(x) for m in members]
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_a_shape_whose_fused_product_differs_stays_apart(monkeypatch, caplog):

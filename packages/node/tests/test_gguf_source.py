@@ -19,6 +19,7 @@ from meshnet_common.models.gguf_import import smollm2_gguf_path
 from meshnet_common.precision import Precision, native_format_name, resolve_precision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
+from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.lowbit.modules import PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight
 
@@ -106,8 +107,10 @@ def test_split_int4_from_the_blocks_gives_transformers_tokens(gguf_path):
         Stage(load_shard(gguf_path, LayerRange(a, b), Precision.INT4, dtype=torch.float32))
         for a, b in [(0, 10), (10, 20), (20, 30)]
     ]
-    q_proj = stages[1].shard.modules.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, PackedLinear) and isinstance(q_proj.packed, Int4Weight)
+    attention = stages[1].shard.modules.layers[0].self_attn
+    assert isinstance(attention.fused_q_proj_k_proj_v_proj, PackedLinear)  # one product
+    q_proj = attention.q_proj  # its rows of it
+    assert isinstance(q_proj, FusedPart) and isinstance(q_proj.packed, Int4Weight)
     assert q_proj.packed.group == 32 and stages[1].shard.group_size == 32
     tokens, logits = split_greedy(stages, PROMPT, 8)
 

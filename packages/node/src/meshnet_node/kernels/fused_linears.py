@@ -74,39 +74,51 @@ class FusedPart(nn.Module):
     """Stands in for one member of a ``FusedGroup``: its slice of the group's product.
 
     ``weight`` and ``bias`` are views of the fused ones (plain attributes: the parameters
-    are the fused module's, counted once)."""
+    are the fused module's, counted once). A packed group's part keeps ``own`` instead, the
+    member over its rows of the fused weight (a plain attribute too), and its ``packed``."""
 
-    def __init__(self, group: FusedGroup, index: int) -> None:
+    def __init__(self, group: FusedGroup, index: int, own: nn.Module | None = None) -> None:
         super().__init__()
         a, b = group.bounds[index]
         self.group, self.index = group, index
+        self.in_features, self.out_features = group.fused.in_features, b - a
+        self.__dict__["own"] = own  # not a child: its tensors are the fused module's
+        if own is not None:
+            self.packed = own.packed
+            return
         self.weight = group.fused.weight.detach()[a:b]
         bias = group.fused.bias
         self.bias = None if bias is None else bias.detach()[a:b]
-        self.in_features, self.out_features = group.fused.in_features, b - a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chunk = in_prompt()
         if chunk:  # a prompt: the member's own product per chunk, as the unsplit model's
-            return grouped(x, self.weight, self.bias, chunk)
+            own = self.__dict__["own"]
+            return own(x) if own is not None else grouped(x, self.weight, self.bias, chunk)
         return self.group.part(x, self.index)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fused"
 
 
-def _members(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
+def _members(module: nn.Module, names: tuple[str, ...]) -> list[nn.Module] | None:
+    """The group's children if they can be one product: ``nn.Linear`` modules alike, or
+    packed ones of one type (a ``stack`` classmethod: ``PackedLinear``)."""
     children = module._modules
     found = [children.get(name) for name in names]
-    if not all(type(child) is nn.Linear for child in found):
-        return None
     first = found[0]
+    if first is None or any(type(child) is not type(first) for child in found):
+        return None
+    if any(c._forward_hooks or c._forward_pre_hooks for c in found):
+        return None
+    if type(first) is not nn.Linear:
+        packed = callable(getattr(type(first), "stack", None))
+        return found if packed and all(c.in_features == first.in_features for c in found) else None  # type: ignore[return-value]  # fmt: skip
     same = all(
         c.in_features == first.in_features
         and c.weight.dtype is first.weight.dtype
         and c.weight.device == first.weight.device
         and (c.bias is None) == (first.bias is None)
-        and not c._forward_hooks and not c._forward_pre_hooks
         for c in found
     )  # fmt: skip
     return found if same else None  # type: ignore[return-value]
@@ -130,36 +142,66 @@ def _fused(members: Sequence[nn.Linear], threads: int) -> nn.Linear | None:
     fused = _stacked(members)
     limit = row_limit(fused.weight, fused.bias, members, threads)
     if limit == 0:
-        shape = (tuple(m.out_features for m in members), fused.in_features, fused.weight.dtype)
-        if shape not in _apart:  # said once per shape
-            _apart.add(shape)
-            logger.info("projections %s x %d (%s) stay apart: a fused product differs", *shape)
+        _stays_apart(members, fused.weight.dtype)
         return None
     fused.row_limit = limit
     return fused
 
 
-def _install(module: nn.Module, names: tuple[str, ...], fused: nn.Linear) -> None:
+def _fused_packed(members: Sequence[nn.Module]) -> tuple[nn.Module, list[nn.Module]] | None:
+    """Packed members stacked into one (``PackedLinear.stack``) and each over its rows of it,
+    if the stacked product gives every member's outputs bit for bit on a probe of 1 and 3
+    rows (the packed kernels sum each output on its own, whatever the rows: ADR-0031)."""
+    made = type(members[0]).stack(members)
+    if made is None:
+        return None
+    fused, parts = made
+    dtype = next(t.dtype for t in fused.buffers() if t.is_floating_point())
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(rows, fused.in_features, generator=gen).to(dtype)
+            if not torch.equal(fused(x), torch.cat([m(x) for m in members], dim=-1)):
+                _stays_apart(members, dtype)
+                return None
+    return fused, parts
+
+
+def _stays_apart(members: Sequence[nn.Module], dtype: torch.dtype) -> None:
+    shape = (tuple(m.out_features for m in members), members[0].in_features, dtype)
+    if shape not in _apart:  # said once per shape
+        _apart.add(shape)
+        logger.info("projections %s x %d (%s) stay apart: a fused product differs", *shape)
+
+
+def _install(module: nn.Module, names: tuple[str, ...], fused: nn.Module,
+             parts: Sequence[nn.Module] | None = None) -> None:  # fmt: skip
     sizes = [module._modules[name].out_features for name in names]
     group = FusedGroup(fused, sizes)
     module.add_module("fused_" + "_".join(names), fused)
     for index, name in enumerate(names):
-        module._modules[name] = FusedPart(group, index)
+        module._modules[name] = FusedPart(group, index, None if parts is None else parts[index])
 
 
 def fuse_siblings(layers: Iterable[nn.Module], threads: int | None = None) -> int:
-    """Fuse every group of ``GROUPS`` found among one module's ``nn.Linear`` children under
-    ``layers``, where the fused product is checked to be the members' own with the torch
-    threads the node computes with (``threads``; None: this thread's count). Returns how
-    many groups were fused."""
+    """Fuse every group of ``GROUPS`` found among one module's ``nn.Linear`` (or packed)
+    children under ``layers``, where the fused product is checked to be the members' own
+    with the torch threads the node computes with (``threads``; None: this thread's count).
+    Returns how many groups were fused."""
     threads = threads or torch.get_num_threads()
     count = 0
     for layer in layers:
         for module in list(layer.modules()):
             for names in GROUPS:
                 members = _members(module, names)
-                fused = None if members is None else _fused(members, threads)
-                if fused is not None:
-                    _install(module, names, fused)
+                if members is None:
+                    continue
+                if type(members[0]) is nn.Linear:
+                    fused = _fused(members, threads)
+                    made = None if fused is None else (fused, None)
+                else:
+                    made = _fused_packed(members)
+                if made is not None:
+                    _install(module, names, *made)
                     count += 1
     return count

@@ -138,7 +138,8 @@ def int4_linear(
     else:
         # bf16 rows go in as they are (products of bf16 pairs, exact, summed in float32)
         xin = rows.contiguous() if rows.dtype is torch.bfloat16 else rows.float().contiguous()
-        y = impl.int4_linear(xin, packed, scale_zero, group, block_n).to(x.dtype)
+        sz = scale_zero.contiguous()  # a stacked weight's part: a strided view
+        y = impl.int4_linear(xin, packed, sz, group, block_n).to(x.dtype)
     return y.view(*x.shape[:-1], n)
 
 

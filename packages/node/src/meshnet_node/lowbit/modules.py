@@ -6,10 +6,12 @@ see them) and hand the arithmetic to ``PackedWeight.matmul``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from meshnet_node.lowbit.packed import PackedWeight
+from meshnet_node.lowbit.packed import PackedWeight, rows_of, stacked
 
 
 def _hold(module: nn.Module, prefix: str, weight: PackedWeight) -> None:
@@ -36,6 +38,27 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         _hold(self, "packed_", weight)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def stack(
+        cls, members: Sequence[PackedLinear]
+    ) -> tuple[PackedLinear, list[PackedLinear]] | None:
+        """Sibling projections of one input as one ``PackedLinear`` (``fused_linears``), and
+        each member again over its rows of it (its own product, for prompt chunks). None:
+        their weights do not stack."""
+        if len({m.bias is None for m in members}) > 1:
+            return None
+        weight = stacked([m.packed for m in members])
+        if weight is None:
+            return None
+        bias = None if members[0].bias is None else torch.cat([m.bias for m in members])
+        fused, parts, start = cls(weight, bias), [], 0
+        for member in members:
+            end = start + member.out_features
+            part_bias = None if bias is None else fused.bias.detach()[start:end]
+            parts.append(cls(rows_of(weight, start, end), part_bias))
+            start = end
+        return fused, parts
 
     def _weights(self) -> dict[str, PackedWeight]:
         return {"packed_": self.packed}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -233,6 +233,43 @@ class Int4Weight:
         if block is None:  # a layout no one reads: torch's kernel on the identity (CPU)
             return out.copy_(self.dequantize(out.dtype))
         return intpack.int4_dequantize(self.packed, self.scale_zero, self.group, block, out)
+
+
+def stacked(weights: Sequence[PackedWeight]) -> PackedWeight | None:
+    """Sibling weights that read one input as one matrix, their rows one after another
+    (docs/adr/0037): int8 always; int4 where each part is whole blocks of torch's packing
+    of the stack (the stacked bytes are then that packing). None: formats that do not
+    stack. Each output of the products is summed on its own, so the stack's product gives
+    every part's outputs bit for bit; ``fused_linears`` checks that once per group."""
+    first = weights[0]
+    if any(type(w) is not type(first) for w in weights):
+        return None
+    if isinstance(first, Int8Weight):
+        return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))  # fmt: skip
+    if not isinstance(first, Int4Weight):
+        return None
+    n = sum(w.out_features for w in weights)
+    block = intpack.int4_block_n(n)
+    if block is None or any(
+        w.group != first.group or w.scale_zero.dtype != first.scale_zero.dtype
+        or w.out_features % block or intpack.int4_block_n(w.out_features) != block
+        for w in weights
+    ):  # fmt: skip
+        return None
+    return Int4Weight(
+        torch.cat([w.packed for w in weights]), torch.cat([w.scale_zero for w in weights], 1),
+        first.group, (n, first.in_features),
+    )  # fmt: skip
+
+
+def rows_of(weight: PackedWeight, start: int, end: int) -> PackedWeight:
+    """Rows ``[start, end)`` of a ``stacked`` weight, over its memory (a part's own product
+    in prompt chunks)."""
+    if isinstance(weight, Int8Weight):
+        return Int8Weight(weight.q[start:end], weight.scale[start:end])
+    assert isinstance(weight, Int4Weight)
+    return Int4Weight(weight.packed[start:end], weight.scale_zero[:, start:end], weight.group,
+                      (end - start, weight.in_features))  # fmt: skip
 
 
 def quantized_chunks(weight: Rows, group: int, dtype: torch.dtype) -> Iterator[Codes]:
