@@ -67,6 +67,32 @@ def test_every_row_count_gives_each_row_its_one_row_product_at_real_shapes(
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_row_alone_is_a_matrix_vector_product_only_where_that_gives_its_bits(monkeypatch, bias):
+    """One row (a lone decode step, an LM head) skips the GEMM's set-up where torch's
+    matrix-vector product was checked to give the one-token step's bits for the shape; a
+    product that differs keeps the GEMM."""
+    linear = nn.Linear(576, 960, bias=bias, dtype=torch.bfloat16).requires_grad_(False)
+    route_rows(linear)
+    x = torch.randn(5, 576).bfloat16()
+    assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(5)]), _one_row_each(linear, x))  # fmt: skip
+    used = []
+    real = row_stable.gemv
+    monkeypatch.setattr(row_stable, "gemv", lambda *a: used.append(1) or real(*a))
+    linear(x[:1])
+    assert bool(used) == linear.forward.one_row  # the product taken is the one checked
+
+    def off_by_a_bit(row, weight, b):  # a stand-in whose sums differ
+        return real(row, weight, b) * (1 + 2**-7)
+
+    monkeypatch.setattr(row_stable, "gemv", off_by_a_bit)
+    monkeypatch.setattr(row_stable, "_gemv_ok", {})
+    other = nn.Linear(576, 960, bias=bias, dtype=torch.bfloat16).requires_grad_(False)
+    route_rows(other)
+    assert not other.forward.one_row
+    assert torch.equal(other(x[:1]), _one_row_each(other, x[:1]))
+
+
 def test_a_shapes_limit_is_found_once_and_logged(monkeypatch, caplog):
     monkeypatch.setattr(row_stable, "_limits", {})
     calls = []
