@@ -19,7 +19,8 @@ from meshnet_common.protocol import H_GUESS, H_IDS, H_POSITION, H_SAMPLE, H_SESS
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_common.wire import encode_tensor
 from meshnet_node.dataplane.service import NodeService
-from meshnet_node.dataplane.steps import STALE_RESULT, Step, parse_step, stale_guess
+from meshnet_node.dataplane.step_bytes import parse_step
+from meshnet_node.dataplane.steps import STALE_RESULT, Step, stale_guess
 from meshnet_node.engine.faults import SlowCompute
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage

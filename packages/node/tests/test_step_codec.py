@@ -1,5 +1,6 @@
-"""The step message's one codec: ``Step.to_headers`` and ``Step.from_headers`` are inverse,
-and a relay's ``dataclasses.replace`` keeps every field it does not change (docs/adr/0011)."""
+"""The step message's codecs: ``Step.to_headers`` / ``Step.from_headers`` (HTTP clients) and
+``step_bytes`` (what nodes send) are inverse and agree, and a relay's ``dataclasses.replace``
+keeps every field it does not change (docs/adr/0011, 0040)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import json
 from dataclasses import fields, replace
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
+from meshnet_common.logs import request_id_var
 from meshnet_common.protocol import H_OPEN, SamplingSpec
+from meshnet_node.dataplane import step_bytes
+from meshnet_node.dataplane.frames import Kind, decode_request, encode_request
 from meshnet_node.dataplane.steps import OpenSpec, Step
 
 urls = st.sampled_from(["http://a.test:1", "http://b.test:2", "https://c.test"])
@@ -81,3 +87,58 @@ def test_an_open_header_is_strict(raw_open):
     headers = Step("s", "k", 0).to_headers() | {H_OPEN: raw_open}
     with pytest.raises(InvalidRequest):
         Step.from_headers(headers)
+
+
+# -- the step as bytes: what nodes send each other (docs/adr/0040) ---------------------------
+
+
+@given(steps(), st.none() | st.from_regex(r"[A-Za-z0-9_-]{1,40}", fullmatch=True))
+def test_a_step_survives_its_bytes_and_both_forms_agree(step, request_id):
+    body = step_bytes.encode(step, request_id) + b"FRAME"
+    decoded, rid, start = step_bytes.decode(body)
+    assert decoded == step == Step.from_headers(step.to_headers())
+    assert rid == request_id and body[start:] == b"FRAME"
+
+
+def test_a_node_step_is_its_bytes_then_its_frame_and_no_header():
+    step = Step("s-1", "k", 9, route=("http://a.test:1",), sample=True, ids=(42,))
+    hidden = torch.randn(1, 1, 8).bfloat16()
+    body = step_bytes.encode(step, "req-1") + wire.encode_tensor(hidden)
+    got, tensor = step_bytes.parse_step({}, body, max_bytes=1 << 20)
+    assert got == step and torch.equal(tensor, hidden)
+    assert request_id_var.get() == "req-1"
+    # a bare frame still takes its step from the HTTP headers (clients that are not nodes)
+    got, _ = step_bytes.parse_step(step.to_headers(), wire.encode_tensor(hidden), max_bytes=1 << 20)
+    assert got == step
+    message = encode_request(Kind.STEP, 3, {}, body)  # on a hop stream: no JSON header at all
+    assert decode_request(message) == (Kind.STEP, 3, {}, body)
+    assert len(message) == 9 + len(body)
+
+
+def _broken(cut) -> bytes:
+    good = step_bytes.encode(Step("s", "k", 5, route=("http://a.test",), sample=True, ids=(7,)))
+    return cut(good)
+
+
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [
+        (lambda b: b[:10], "does not start with a step"),
+        (lambda b: b"XXXX" + b[4:], "does not start with a step"),
+        (lambda b: b[:-3], "runs past the end"),
+        (lambda b: b.replace(b"http://a.test", b"ftp://aa.test"), "bad hop URL"),
+        (lambda b: b.replace(b"http://a.test", b"http://\xff.test"), "ASCII"),
+    ],
+    ids=["short", "magic", "truncated", "route", "ascii"],
+)
+def test_bytes_that_are_not_a_step_are_refused_with_a_400(cut, message):
+    with pytest.raises(InvalidRequest, match=message):
+        step_bytes.decode(_broken(cut))
+
+
+def test_the_bytes_obey_the_rules_between_fields():
+    guess = Step("s", "k", 5, sample=True, ids=(7,), guess_from=5)
+    body = bytearray(step_bytes.encode(guess))
+    body[4] &= ~1  # a guess that is not sampled
+    with pytest.raises(InvalidRequest, match="guess"):
+        step_bytes.decode(bytes(body))

@@ -153,10 +153,12 @@ class Metrics:
             ["hop"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.wire_sent = Counter(
-            "meshnet_wire_sent_bytes", "Activation frame bytes sent to next hops", registry=r
+            "meshnet_wire_sent_bytes",
+            "Step bytes sent to next hops (the step and its activation frame)",
+            registry=r,
         )
         self.wire_received = Counter(
-            "meshnet_wire_received_bytes", "Activation frame bytes received from previous hops",
+            "meshnet_wire_received_bytes", "Step bytes received from previous hops (step and frame)",
             registry=r,
         )  # fmt: skip
         self.failovers = Counter(

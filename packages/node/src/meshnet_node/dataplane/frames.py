@@ -9,9 +9,10 @@ and an answer to it::
 
     ANSWER (u8) | id (u32, the request's) | status (u16) | header length (u32) | header | body
 
-The header is the step's HTTP-style headers (``meshnet_node.dataplane.steps``) as they were
-on the per-step request this replaces; the body is the tensor frame unchanged (raw bf16,
-split-plane zstd: ``meshnet_common.wire``) or an answer's JSON. Big-endian, as network
+A step's header is empty (length 0): its body is the step as bytes followed by its tensor
+frame (``meshnet_node.dataplane.step_bytes``; raw bf16, split-plane zstd:
+``meshnet_common.wire``). Other requests and the answers carry HTTP-style headers as a JSON
+object (length 0: none), and an answer's body is its JSON. Big-endian, as network
 order. Anything that does not parse is a ``FrameError``: the receiver closes the stream with
 an error code, it never guesses.
 """
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 from meshnet_common.protocol import H_COMPUTE
 
-SUBPROTOCOL = "meshnet.hop.v1"  # Sec-WebSocket-Protocol: the version of these messages
+SUBPROTOCOL = "meshnet.hop.v2"  # Sec-WebSocket-Protocol: the version of these messages
 STREAM_PATH = "/v1/stream"
 H_MAX_MESSAGE = "x-meshnet-max-message"  # the handshake answer: the largest message accepted
 MAX_HEADER_BYTES = 1 << 20  # a header longer than this is malformed (ids lists stay far below)
@@ -64,6 +65,8 @@ class Answer(NamedTuple):
 
 
 def _header_bytes(headers: dict[str, str]) -> bytes:
+    if not headers:  # a step's message: its body is the binary step (``step_bytes``)
+        return b""
     raw = json.dumps(headers, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise FrameError(f"a header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -87,6 +90,8 @@ def _headers(data: bytes, start: int, length: int) -> dict[str, str]:
         raise FrameError(f"a header of {length} bytes exceeds {MAX_HEADER_BYTES}")
     if start + length > len(data):
         raise FrameError("the header runs past the end of the message")
+    if not length:
+        return {}
     try:
         headers = json.loads(data[start : start + length])
     except (ValueError, UnicodeDecodeError) as exc:

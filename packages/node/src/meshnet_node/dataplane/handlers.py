@@ -38,8 +38,10 @@ from meshnet_common.protocol import (
 )
 from meshnet_common.web.auth import PEER_SCOPE_KEY
 from meshnet_common.web.http import error_body
+from meshnet_node.dataplane import step_bytes
 from meshnet_node.dataplane.service import NodeService
-from meshnet_node.dataplane.steps import parse_route, parse_step
+from meshnet_node.dataplane.step_bytes import parse_step
+from meshnet_node.dataplane.steps import parse_route
 from meshnet_node.engine.sessions import opening_peer
 
 logger = logging.getLogger(__name__)
@@ -80,13 +82,16 @@ def method_not_allowed(path: str, allowed: str) -> Answer:
     )
 
 
+_FORWARD_TYPES = (wire.CONTENT_TYPE, step_bytes.CONTENT_TYPE)
+
+
 def check_forward_head(headers: Mapping[str, str], limit: int) -> None:
     """What can be refused before the body is read: media type (415) and declared size (413)."""
     declared = headers.get("content-type")
-    if declared and declared.split(";")[0].strip().lower() != wire.CONTENT_TYPE:
+    if declared and declared.split(";")[0].strip().lower() not in _FORWARD_TYPES:
         raise UnsupportedMediaType(
             f"content-type {declared.split(';')[0]!r} is not accepted here; "
-            f"send {wire.CONTENT_TYPE}",
+            f"send {wire.CONTENT_TYPE} (a step in the headers) or {step_bytes.CONTENT_TYPE}",
             param="content-type",
         )
     length = headers.get("content-length")

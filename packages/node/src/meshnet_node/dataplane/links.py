@@ -16,7 +16,7 @@ import torch
 
 from meshnet_common import wire
 from meshnet_common.errors import HopError
-from meshnet_common.logs import H_REQUEST_ID, request_id_var
+from meshnet_common.logs import request_id_var
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import (
     H_COMPUTE,
@@ -26,11 +26,13 @@ from meshnet_common.protocol import (
     StepResult,
     parse_compute,
 )
+from meshnet_node.dataplane import step_bytes
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
 from meshnet_node.settings import HopTimeouts
 
 logger = logging.getLogger(__name__)
+_STEP_HEADERS: dict[str, str] = {}  # a step's body says it all (``step_bytes``)
 
 UNREACHABLE_HEAD_S = 30.0  # a head the tail could not answer directly: through the chain
 LINK_PROBE_SESSION = "link-probe"  # never opened: closing it costs the next hop nothing
@@ -258,21 +260,20 @@ class HopLinks:
             frame = await asyncio.to_thread(wire.encode_tensor, hidden, self.wire_options)
         else:
             frame = wire.encode_tensor(hidden, self.wire_options)
-        headers = step.to_headers()
-        request_id = request_id_var.get()
-        if request_id is not None:  # every hop's log lines of this step carry the same id
-            headers[H_REQUEST_ID] = request_id
+        # The step as bytes before its frame, in one body (docs/adr/0040); the request id
+        # rides in it: every hop's log lines of this step carry the same id.
+        body = step_bytes.encode(step, request_id_var.get()) + frame
         t = self.timeouts
         timeout = t.prefill_chunk if prefill else t.decode_step
         # Metrics are recorded off the step's critical path: once the frame is on its way
         # (a callback runs while this task waits for the answer), and after the answer
         # has been relayed. Cold library code costs tens of microseconds per call here.
         loop = asyncio.get_running_loop()
-        loop.call_soon(self.metrics.wire_sent.inc, len(frame))
+        loop.call_soon(self.metrics.wire_sent.inc, len(body))
         started = time.perf_counter()
         try:
             resp = await self.hops.request(
-                "POST", f"{hop.rstrip('/')}/v1/forward", headers=headers, body=frame,
+                "POST", f"{hop.rstrip('/')}/v1/forward", headers=_STEP_HEADERS, body=body,
                 timeout=timeout,
             )  # fmt: skip
         except HopUnreachable as exc:

@@ -1,5 +1,6 @@
 """The step message: one forward step as it crosses a hop (``Step``, written to and read
-from HTTP headers; its tensor travels as the body, ``parse_step``) — and its answer."""
+from HTTP headers, or as bytes: ``step_bytes``; its tensor travels as the body) — and its
+answer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, NamedTuple
 
-import torch
 from pydantic import Field, StrictBool, StrictInt
 
 from meshnet_common import wire
@@ -209,18 +209,22 @@ class Step:
             replay_pass=_int_header(headers, H_REPLAY_PASS, 0),
             guess_from=_int_header(headers, H_GUESS) if H_GUESS in headers else None,
         )
-        if step.guess_from is not None and (
-            step.guess_from > step.position or step.ids is None or len(step.ids) != 1
-            or not step.sample or step.drafts or step.chunk or step.open_spec is not None
+        step.check()
+        return step
+
+    def check(self) -> None:
+        """The rules between fields, whichever form the step came in (InvalidRequest)."""
+        if self.guess_from is not None and (
+            self.guess_from > self.position or self.ids is None or len(self.ids) != 1
+            or not self.sample or self.drafts or self.chunk or self.open_spec is not None
         ):  # fmt: skip
             raise InvalidRequest(
                 f"a step with {H_GUESS} is one sampled decode token, with its id ({H_IDS}), "
                 "that may go back no further than its own position",
                 param=H_GUESS,
             )
-        if step.drafts and (step.ids is None or not step.sample or step.chunk):
+        if self.drafts and (self.ids is None or not self.sample or self.chunk):
             raise _bad_drafts()
-        return step
 
     def check_tokens(self, tokens: int) -> None:
         """The headers that count the tokens of the step's tensor agree with it."""
@@ -266,14 +270,6 @@ def parse_route(raw: str | None) -> tuple[str, ...]:
     if len(hops) > 64:
         raise InvalidRequest("route too long", param=H_ROUTE)
     return hops
-
-
-def parse_step(headers, body: bytes, *, max_bytes: int) -> tuple[Step, torch.Tensor]:
-    """A step and its tensor frame (decoded, bounded), checked against each other."""
-    step = Step.from_headers(headers)
-    tensor = wire.decode_tensor(body, max_bytes=max_bytes)
-    step.check_tokens(tensor.shape[1] if tensor.dim() >= 2 else tensor.numel())
-    return step, tensor
 
 
 def parse_answer_to(raw: str | None) -> str | None:
