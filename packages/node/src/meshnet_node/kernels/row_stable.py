@@ -122,6 +122,14 @@ def probe_weight(shape: tuple[int, int], dtype: torch.dtype, device: torch.devic
     return out
 
 
+def probe_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias for ``probe_weight``'s products, in ``bias``'s dtype (None: no bias)."""
+    if bias is None:
+        return None
+    gen = torch.Generator().manual_seed(len(bias))
+    return (torch.randn(len(bias), generator=gen) * 4).to(bias.dtype)
+
+
 def alone(x: torch.Tensor, parts: Sequence[nn.Module], fn: Product = product) -> torch.Tensor:
     """Each row of ``x`` (rows, in) multiplied alone by each part, as a one-token step calls
     it, ``(1, 1, in)`` (their outputs side by side)."""
@@ -186,10 +194,7 @@ def _probed_gemv(weight: torch.Tensor, bias, threads: int, fn: Product) -> bool:
         torch.set_num_threads(threads)
         with torch.inference_mode():
             probed = probe_weight(tuple(weight.shape), weight.dtype, weight.device)
-            probed_bias = None
-            if bias is not None:
-                gen = torch.Generator().manual_seed(len(bias))
-                probed_bias = (torch.randn(len(bias), generator=gen) * 4).to(bias.dtype)
+            probed_bias = probe_bias(bias)
             x = probe(MAX_ROWS, weight.shape[1], weight.dtype, weight.device)
             return all(
                 torch.equal(gemv(row, probed, probed_bias),
@@ -226,10 +231,7 @@ def row_limit(
 def _probed_limit(weight: torch.Tensor, bias, sizes: tuple[int, ...], threads: int) -> int:
     with torch.inference_mode():
         probed = probe_weight(tuple(weight.shape), weight.dtype, weight.device)
-        probed_bias = None
-        if bias is not None:
-            gen = torch.Generator().manual_seed(len(bias))
-            probed_bias = (torch.randn(len(bias), generator=gen) * 4).to(bias.dtype)
+        probed_bias = probe_bias(bias)
         parts, start = [], 0
         for size in sizes:
             part_bias = None if probed_bias is None else probed_bias[start : start + size]
