@@ -142,3 +142,10 @@ def test_the_bytes_obey_the_rules_between_fields():
     body[4] &= ~1  # a guess that is not sampled
     with pytest.raises(InvalidRequest, match="guess"):
         step_bytes.decode(bytes(body))
+
+
+def test_a_field_past_its_width_is_a_400_not_a_crash():
+    with pytest.raises(InvalidRequest, match="width"):
+        step_bytes.encode(Step("s", "k" * 300, 0))  # a client's session key, relayed
+    with pytest.raises(InvalidRequest, match="width"):
+        step_bytes.encode(Step("s", "k", 0, ids=(1 << 33,), sample=True))

@@ -77,17 +77,22 @@ def encode(step: Step, request_id: str | None = None) -> bytes:
         | (_KEY if step.session_key is not None else 0)
     )  # fmt: skip
     route = [hop.encode() for hop in step.route]
-    parts = [
-        _FIXED.pack(
-            MAGIC, flags, len(route), step.position, step.chunk, step.drafts,
-            step.replay_pass, _NONE if step.guess_from is None else step.guess_from, len(ids),
-            len(sid), len(key), len(rid), len(opening), len(answer_to), len(compute),
-        ),
-        sid, key, rid,
-    ]  # fmt: skip
-    for hop in route:
-        parts += (len(hop).to_bytes(2, "big"), hop)
-    parts += (struct.pack(f"!{len(ids)}I", *ids), opening, answer_to, compute)
+    try:
+        parts = [
+            _FIXED.pack(
+                MAGIC, flags, len(route), step.position, step.chunk, step.drafts,
+                step.replay_pass, _NONE if step.guess_from is None else step.guess_from,
+                len(ids), len(sid), len(key), len(rid), len(opening), len(answer_to),
+                len(compute),
+            ),
+            sid, key, rid,
+        ]  # fmt: skip
+        for hop in route:
+            parts += (len(hop).to_bytes(2, "big"), hop)
+        parts.append(struct.pack(f"!{len(ids)}I", *ids))
+    except (struct.error, OverflowError) as exc:  # a field past its width (a client's key)
+        raise InvalidRequest(f"a step field does not fit its width: {exc}") from exc
+    parts += (opening, answer_to, compute)
     return b"".join(parts)
 
 
