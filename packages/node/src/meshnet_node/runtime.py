@@ -204,7 +204,7 @@ def load_stage(settings: NodeSettings) -> Stage:
         shard, max_chunk_tokens=settings.chunk_tokens, kv_budget_tokens=settings.kv_budget_tokens,
         idle_timeout_s=settings.session_idle_timeout_s, max_sessions=settings.max_sessions,
         output_fault=noisy_outputs(settings.test_only_perturb),  # tests only; None: a real node
-        prefix_cache=PrefixCache() if settings.prefix_cache else None,
+        prefix_cache=PrefixCache() if settings.prefix_cache else None, engine=settings.engine,
     )  # fmt: skip
 
 

@@ -84,6 +84,11 @@ class ShardSettings(ServiceSettings):
         "numbers, 2-5x faster for batched steps and prompts; built once with g++, checked "
         "against torch before use, ADR-0030)", group=MODEL, action="bool",
     )  # fmt: skip
+    engine: str = knob(
+        "program", "one-token steps of Llama/Mistral/Qwen2/Qwen3 layers as flat programs (same "
+        "numbers, ~15% faster) or transformers' modules (the reference; ADR-0041)",
+        group=MODEL, choices=("program", "modules"),
+    )  # fmt: skip
     widen_bf16: bool = knob(
         False, "on a CPU without bfloat16 arithmetic (no AVX-512), multiply calls of many rows "
         "(prompts, batched steps, drafts) in float32 on the bf16 weights: 2-4.6x faster there, "

@@ -21,6 +21,7 @@ from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.sampling import DeferredRows, SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
 from meshnet_node.lowbit.packed import prompt_calls
+from meshnet_node.programs import StageLayers
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,12 @@ class Stage:
         max_sessions: int = 256,
         output_fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
         prefix_cache: PrefixCache | None = None,  # finished sessions' prefixes (ADR-0035)
+        engine: str = "program",  # one-token steps through decode programs (ADR-0041)
     ) -> None:
         self.shard = shard
+        self.layers = StageLayers(
+            shard.modules.layers, shard.layer_types, shard.adapter.call_layer, engine
+        )
         # Tests only (``engine.faults``): applied to every output this stage computes.
         self.output_fault = output_fault
         self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
@@ -440,16 +445,10 @@ class Stage:
         rotary = shard.adapter.position_embeddings(
             mods.rotary, hidden, position_ids, shard.layer_types[first:]
         )
-        call = shard.adapter.call_layer
-        for layer, layer_type in zip(mods.layers[first:], shard.layer_types[first:], strict=True):
-            hidden = call(
-                layer,
-                hidden,
-                mask=masks[layer_type],
-                position_ids=position_ids,
-                cache=cache,
-                position_embeddings=rotary[layer_type],
-            )
+        hidden = self.layers.run(
+            hidden, first=first, masks=masks, rotary=rotary, position_ids=position_ids,
+            cache=cache,
+        )  # fmt: skip
         if not shard.is_tail:
             return StepOutput(hidden=self._emit(hidden.to(shard.activation_dtype)))
         scores = None if session.sampler is None else session.sampler.prompt

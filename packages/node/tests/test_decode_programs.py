@@ -1,0 +1,84 @@
+"""Decode programs (ADR-0041): a one-token step through a layer's program gives the module
+path's numbers bit for bit, at SmolLM2's real shapes and in every family and precision
+that has one; the other families keep the module path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baselines import split_greedy
+
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.stage import Stage
+from meshnet_node.programs import DecodeProgram, StageLayers, decode_programs
+
+PROGRAM_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+PRECISIONS = [Precision.BFLOAT16, Precision.FLOAT32, Precision.INT8, Precision.INT4]
+
+
+def _engines(snapshot, bounds, precision) -> tuple[list[Stage], list[Stage]]:
+    """The same loaded shards run by both engines (the programs call the same modules)."""
+    shards = [load_shard(snapshot, LayerRange(a, b), precision) for a, b in bounds]
+    return [Stage(s, engine="modules") for s in shards], [Stage(s) for s in shards]
+
+
+def _same_run(reference: list[Stage], programs: list[Stage], prompt, steps: int) -> None:
+    """Both engines give the same tokens and logits; every decode step's layers ran as
+    programs (none of these steps has an attention mask)."""
+    assert all(s.layers.engine == "modules" for s in reference)
+    assert all(s.layers.engine == "program" for s in programs)
+    calls = []
+    original = DecodeProgram.__call__
+
+    def counted(self, *args):
+        calls.append(self)
+        return original(self, *args)
+
+    want_tokens, want_logits = split_greedy(reference, prompt, steps)
+    assert not calls
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeProgram, "__call__", counted)
+        tokens, logits = split_greedy(programs, prompt, steps)
+    layers = sum(len(s.layers.layers) for s in programs)
+    assert len(calls) == (steps - 1) * layers
+    assert tokens == want_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+
+
+@pytest.mark.parametrize("family", PROGRAM_FAMILIES)
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.value)
+def test_programs_give_the_module_path_bit_for_bit(tiny_snapshot, family, precision):
+    # a 150-token prompt (chunked, past the tiny sliding window of 48), then decode steps
+    prompt = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    reference, programs = _engines(tiny_snapshot(family), ((0, 3), (3, 6)), precision)
+    _same_run(reference, programs, prompt, 10)
+
+
+@pytest.mark.parametrize("precision", [Precision.BFLOAT16, Precision.FLOAT32])
+def test_programs_at_smollm2_shapes(smollm2_snapshot, precision):
+    """The real shapes, split where the determinism test splits them, torch's threads."""
+    prompt = [1, 504, 3575, 282, 4649, 314, 260, 1345, 282, 4649, 314]
+    bounds = ((0, 10), (10, 20), (20, 30))
+    reference, programs = _engines(smollm2_snapshot, bounds, precision)
+    _same_run(reference, programs, prompt, 24)
+
+
+def test_families_without_a_program_take_the_module_path(tiny_snapshot):
+    for family in ("gemma2", "gpt2", "phi3", "mixtral"):
+        stage = Stage(load_shard(tiny_snapshot(family), LayerRange(0, 2), Precision.FLOAT32))
+        assert stage.layers.engine == "modules", family
+        assert decode_programs(stage.shard.modules.layers) is None
+
+
+def test_a_hooked_layer_keeps_the_module_path(tiny_snapshot):
+    shard = load_shard(tiny_snapshot("llama"), LayerRange(0, 2), Precision.FLOAT32)
+    shard.modules.layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert Stage(shard).layers.engine == "modules"
+
+
+def test_an_unknown_engine_is_refused(tiny_snapshot):
+    shard = load_shard(tiny_snapshot("llama"), LayerRange(0, 2), Precision.FLOAT32)
+    with pytest.raises(ValueError, match="engine must be one of program, modules"):
+        StageLayers(shard.modules.layers, shard.layer_types, shard.adapter.call_layer, "fast")
