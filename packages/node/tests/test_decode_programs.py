@@ -11,7 +11,7 @@ from baselines import split_greedy
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.stage import Stage
+from meshnet_node.engine.stage import DecodeItem, Stage
 from meshnet_node.programs import DecodeProgram, StageLayers, decode_programs
 
 PROGRAM_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -65,6 +65,75 @@ def test_programs_at_smollm2_shapes(smollm2_snapshot, precision):
     _same_run(reference, programs, prompt, 24)
 
 
+def _batched_run(stages: list[Stage], prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Each session's prompt alone, then ``steps`` batched decode steps of all of them."""
+    sids = [f"b{i}" for i in range(len(prompts))]
+    position, last, logits = {}, {}, []
+    for sid, prompt in zip(sids, prompts, strict=True):
+        for stage in stages:
+            stage.open_session(sid)
+        out = stages[0].step(sid, 0, token_ids=torch.tensor([prompt]))
+        for stage in stages[1:]:
+            out = stage.step(sid, 0, hidden=out.hidden)
+        position[sid], last[sid] = len(prompt), out.token.token_id
+    for _ in range(steps):
+        outs = stages[0].step_batch(
+            [DecodeItem(s, position[s], token_ids=torch.tensor([[last[s]]])) for s in sids]
+        )
+        for stage in stages[1:]:
+            outs = stage.step_batch(
+                [
+                    DecodeItem(s, position[s], hidden=o.hidden)
+                    for s, o in zip(sids, outs, strict=True)
+                ]  # fmt: skip
+            )
+        for sid, out in zip(sids, outs, strict=True):
+            logits.append(out.logits)
+            position[sid], last[sid] = position[sid] + 1, out.token.token_id
+    for stage in stages:
+        for sid in sids:
+            stage.close_session(sid)
+    return logits
+
+
+@pytest.mark.parametrize(
+    ("family", "precision"),
+    [
+        ("llama", Precision.BFLOAT16),
+        ("mistral", Precision.BFLOAT16),
+        ("qwen3", Precision.INT4),
+        ("qwen2", Precision.INT8),
+    ],  # fmt: skip
+)
+def test_batched_steps_through_programs_give_the_module_path_bit_for_bit(
+    tiny_snapshot, family, precision
+):
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 60, 17)]
+    reference, programs = _engines(tiny_snapshot(family), ((0, 3), (3, 6)), precision)
+    calls = []
+    original = DecodeProgram.rows
+
+    def counted(self, hidden, contexts):
+        calls.append(len(contexts))
+        return original(self, hidden, contexts)
+
+    want = _batched_run(reference, prompts, 6)
+    assert not calls
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeProgram, "rows", counted)
+        got = _batched_run(programs, prompts, 6)
+    assert calls == [3] * (6 * 6)  # every layer of every batched step, all three rows
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_batched_steps_at_smollm2_shapes(smollm2_snapshot):
+    prompts = [[1, 504, 3575, 282, 4649, 314], [1, 2683, 314, 3575, 28], [1, 77, 88]]
+    reference, programs = _engines(smollm2_snapshot, ((0, 15), (15, 30)), Precision.BFLOAT16)
+    got, want = _batched_run(programs, prompts, 12), _batched_run(reference, prompts, 12)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_families_without_a_program_take_the_module_path(tiny_snapshot):
     for family in ("gemma2", "gpt2", "phi3", "mixtral"):
         stage = Stage(load_shard(tiny_snapshot(family), LayerRange(0, 2), Precision.FLOAT32))
@@ -81,4 +150,5 @@ def test_a_hooked_layer_keeps_the_module_path(tiny_snapshot):
 def test_an_unknown_engine_is_refused(tiny_snapshot):
     shard = load_shard(tiny_snapshot("llama"), LayerRange(0, 2), Precision.FLOAT32)
     with pytest.raises(ValueError, match="engine must be one of program, modules"):
-        StageLayers(shard.modules.layers, shard.layer_types, shard.adapter.call_layer, "fast")
+        StageLayers(shard.modules.layers, shard.layer_types, shard.adapter.call_layer,
+                    shard.adapter.call_layer_batched, "fast")  # fmt: skip

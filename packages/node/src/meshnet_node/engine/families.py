@@ -107,6 +107,27 @@ class SessionContext:
         return self._masks.get(self._layer_type)
 
 
+def row_contexts(
+    adapter: FamilyAdapter, rotary: nn.Module | None, stage_config, layer_types: list[str],
+    caches: list[Cache], hidden: torch.Tensor, position_ids: list[torch.Tensor], first: int,
+) -> Callable[[str], list[SessionContext]]:  # fmt: skip
+    """For a batched pass of one-token rows ``hidden`` (B, 1, H), row ``b`` of session cache
+    ``caches[b]`` at ``position_ids[b]`` (1, 1): each row's ``SessionContext`` for a layer
+    of a given attention type (masks built when a layer first needs them: ``RowMasks``)."""
+    rows = []
+    for b, cache in enumerate(caches):
+        one = hidden[b : b + 1]
+        masks = RowMasks(stage_config, layer_types, one, cache, position_ids[b], first)
+        embeddings = adapter.position_embeddings(rotary, one, position_ids[b], layer_types[first:])
+        rows.append((cache, masks, embeddings))
+
+    def rows_for(layer_type: str) -> list[SessionContext]:
+        return [SessionContext(cache, masks, layer_type, position_ids[b], embeddings[layer_type])
+                for b, (cache, masks, embeddings) in enumerate(rows)]  # fmt: skip
+
+    return rows_for
+
+
 def _together(attn: nn.Module, hidden: torch.Tensor, sessions: list[SessionContext], **kwargs):
     """``attn`` run once for all rows (B, 1, H), each row attending to its own session's
     cache with the mask and rotary embeddings a one-token step gives it

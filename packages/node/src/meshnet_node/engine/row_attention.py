@@ -295,6 +295,13 @@ def together_ok(module: nn.Module, caches: Sequence[Cache]) -> bool:
     )
 
 
+def together_plain(module: nn.Module, caches: Sequence[Cache]) -> bool:
+    """``together_ok``, and the rows' attention calls are the module's function as it is
+    (not widened to float32, ``widen_attention``): what a decode program's batched step
+    reproduces (docs/adr/0041)."""
+    return together_ok(module, caches) and not module.__dict__.get("_meshnet_widen", False)
+
+
 def attend_together(
     module: nn.Module,
     caches: Sequence[Cache],

@@ -16,8 +16,9 @@ from meshnet_node.caching.blocks import PrefixPlan
 from meshnet_node.caching.store import PrefixCache
 from meshnet_node.engine.bf16_upcast import torch_products
 from meshnet_node.engine.constraints import ConstraintFactory
-from meshnet_node.engine.families import RowMasks, SessionContext, build_masks, final_logits
+from meshnet_node.engine.families import attention_module, build_masks, final_logits, row_contexts
 from meshnet_node.engine.loader import LoadedShard
+from meshnet_node.engine.row_attention import together_plain
 from meshnet_node.engine.sampling import DeferredRows, SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
 from meshnet_node.lowbit.packed import prompt_calls
@@ -72,9 +73,11 @@ class Stage:
         engine: str = "program",  # one-token steps through decode programs (ADR-0041)
     ) -> None:
         self.shard = shard
+        adapter = shard.adapter
         self.layers = StageLayers(
-            shard.modules.layers, shard.layer_types, shard.adapter.call_layer, engine
-        )
+            shard.modules.layers, shard.layer_types, adapter.call_layer, adapter.call_layer_batched,
+            engine,
+        )  # fmt: skip
         # Tests only (``engine.faults``): applied to every output this stage computes.
         self.output_fault = output_fault
         self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
@@ -358,26 +361,11 @@ class Stage:
         else:
             hidden = torch.cat(inputs).to(device=device, dtype=shard.activation_dtype)
         first = sessions[0].first_layer
-        contexts = []
-        for b, session in enumerate(sessions):
-            one = hidden[b : b + 1]
-            masks = RowMasks(
-                shard.stage_config, shard.layer_types, one, session.cache, position_ids[b], first
-            )
-            rotary = shard.adapter.position_embeddings(
-                mods.rotary, one, position_ids[b], shard.layer_types[first:]
-            )
-            contexts.append((masks, rotary))
-        batched = shard.adapter.call_layer_batched
-        for offset, layer in enumerate(mods.layers[first:]):
-            layer_type = shard.layer_types[first + offset]
-            per_row = [
-                SessionContext(
-                    session.cache, masks, layer_type, position_ids[b], rotary[layer_type]
-                )
-                for b, (session, (masks, rotary)) in enumerate(zip(sessions, contexts, strict=True))
-            ]
-            hidden = batched(layer, hidden, per_row)  # (B, 1, H)
+        caches = [session.cache for session in sessions]
+        rows_for = row_contexts(shard.adapter, mods.rotary, shard.stage_config, shard.layer_types,
+                                caches, hidden, position_ids, first)  # fmt: skip
+        together = all(together_plain(attention_module(lay), caches) for lay in mods.layers[first:])  # fmt: skip
+        hidden = self.layers.run_batch(hidden, first=first, rows_for=rows_for, together=together)
         if not shard.is_tail:
             out = self._emit(hidden.to(shard.activation_dtype))
             return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]

@@ -122,26 +122,49 @@ class DecodeProgram:
         """``hidden`` (1, 1, H) -> the layer's output; appends the step to ``cache``;
         ``mask``: the layer's attention mask (None where the attention needs none)."""
         residual = hidden
-        x = self.norm1(hidden)
+        q, k, v = self._projected(self.norm1(hidden), *position_embeddings)
+        k, v = cache.update(k, v, self.layer_idx)
+        out, _ = self._attention()(self.attn, q, k, v, mask, dropout=0.0, scaling=self.scaling, **self.extra)  # fmt: skip
+        return self._finish(residual, out)
+
+    def rows(self, hidden: torch.Tensor, contexts: Sequence) -> torch.Tensor:
+        """One-token steps of B distinct sessions (B, 1, H), as a batched step runs the
+        layer with its attention module once for all rows (``attend_together``, ADR-0028):
+        products, norms and rotary over all rows; each row's cache update and attention
+        its own, with its mask built before any row's cache grows. ``contexts``: each
+        row's ``SessionContext`` (cache, mask, rotary)."""
+        residual = hidden
+        cos = torch.cat([c.position_embeddings[0] for c in contexts])
+        sin = torch.cat([c.position_embeddings[1] for c in contexts])
+        q, k, v = self._projected(self.norm1(hidden), cos, sin)
+        masks = [c.mask for c in contexts]
+        attention, outs = self._attention(), []
+        for b, context in enumerate(contexts):
+            kb, vb = context.cache.update(k[b : b + 1], v[b : b + 1], self.layer_idx)
+            outs.append(attention(self.attn, q[b : b + 1], kb, vb, masks[b], dropout=0.0,
+                                  scaling=self.scaling, **self.extra)[0])  # fmt: skip
+        return self._finish(residual, torch.cat(outs))
+
+    def _projected(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries and keys (rotated; Qwen3: normed first) and values, (B, heads, 1, D)."""
         q, k, v = self.qkv(x)
-        shape = (*hidden.shape[:-1], -1, self.head_dim)
+        shape = (*x.shape[:-1], -1, self.head_dim)
         if self.q_norm is None:
             q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
         else:
             q, k = self.q_norm(q.view(shape)).transpose(1, 2), self.k_norm(k.view(shape)).transpose(1, 2)  # fmt: skip
-        v = v.view(shape).transpose(1, 2)
-        cos, sin = position_embeddings
         q, k = self.rotary(q, k, cos, sin)
-        k, v = cache.update(k, v, self.layer_idx)
-        attn = self.attn
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
-            attn.config._attn_implementation, self.eager
-        )
-        out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=self.scaling, **self.extra)
-        hidden = residual + self.o(out.reshape(*hidden.shape[:-1], -1).contiguous())
-        residual = hidden
+        return q, k, v.view(shape).transpose(1, 2)
+
+    def _attention(self) -> Callable:
+        """The attention function transformers picks for the module now."""
+        return ALL_ATTENTION_FUNCTIONS.get_interface(self.attn.config._attn_implementation, self.eager)  # fmt: skip
+
+    def _finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The output projection, the residuals and the MLP."""
+        hidden = residual + self.o(attended.reshape(*residual.shape[:-1], -1).contiguous())
         gate, up = self.gate_up(self.norm2(hidden))
-        return residual + self.down(self.act(gate) * up)
+        return hidden + self.down(self.act(gate) * up)
 
 
 def decode_programs(layers: Sequence[nn.Module]) -> list[DecodeProgram] | None:
