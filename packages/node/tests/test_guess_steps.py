@@ -6,7 +6,6 @@ header is validated."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
@@ -18,9 +17,11 @@ from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_GUESS, H_IDS, H_POSITION, H_SAMPLE, H_SESSION
 from meshnet_common.tiny import snapshots as tiny
 from meshnet_common.wire import encode_tensor
+from meshnet_node.dataplane import answer_bytes
+from meshnet_node.dataplane.answer_bytes import STALE as STALE_RESULT
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.step_bytes import parse_step
-from meshnet_node.dataplane.steps import STALE_RESULT, Step, stale_guess
+from meshnet_node.dataplane.steps import Step, stale_guess
 from meshnet_node.engine.faults import SlowCompute
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
@@ -153,7 +154,7 @@ def test_a_tail_judges_a_guess_after_the_steps_before_it_computed(tiny_snapshot)
 
     answers = asyncio.run(run())
     assert STALE_RESULT not in answers
-    assert json.loads(answers[0])["token_id"] == at4
+    assert answer_bytes.decode(answers[0]).token_id == at4
 
 
 def test_a_flight_confirms_a_right_guess_and_drops_the_rest_on_a_wrong_one():

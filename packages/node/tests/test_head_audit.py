@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_START_LAYER
 from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, check_evidence, row_bytes, sign_row
+from meshnet_node.dataplane import answer_bytes
 from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.engine.faults import noisy_outputs
 from meshnet_node.engine.loader import load_shard
@@ -212,7 +212,7 @@ async def generate(
         audits = service.head_audit._tasks
         await asyncio.gather(*list(audits))
         position += len(inputs)
-        inputs = [json.loads(answer.body)["token_id"]]
+        inputs = [answer_bytes.decode(answer.body).token_id]
         out = head.step(session_id, position, token_ids=torch.tensor([inputs]), owner=key,
                         sample=False)  # fmt: skip
     head.close_session(session_id)

@@ -1,4 +1,5 @@
-"""The tail's hand-formatted step answer is the JSON of the StepResult it stands for."""
+"""The tail's step answer bytes (``answer_bytes``) are the StepResult they stand for; a
+broken answer is refused; a client that is not a node gets the JSON."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshnet_common.protocol import StepResult, format_compute, parse_compute
-from meshnet_node.dataplane.steps import LOGPROB_FLOOR, _token_json, wire_logprob
+from meshnet_node.dataplane import answer_bytes
+from meshnet_node.dataplane.steps import LOGPROB_FLOOR, wire_logprob
 from meshnet_node.engine.sampling import SampledToken
 
 logprobs = st.floats(max_value=0.0) | st.sampled_from([math.nan, -math.inf])
@@ -23,9 +25,9 @@ logprobs = st.floats(max_value=0.0) | st.sampled_from([math.nan, -math.inf])
     prompt=st.none() | st.lists(st.tuples(logprobs, st.lists(
         st.tuples(st.integers(0, 1 << 20), logprobs), max_size=3)), max_size=4),
 )  # fmt: skip
-def test_token_json_equals_the_models_serialization(token_id, logprob, tops, prompt):
-    body = _token_json(SampledToken(token_id, logprob, tops, prompt))
-    parsed = StepResult.model_validate_json(body)  # what the head does with it
+def test_answer_bytes_give_the_step_result(token_id, logprob, tops, prompt):
+    body = answer_bytes.encode(SampledToken(token_id, logprob, tops, prompt))
+    parsed = answer_bytes.decode(body)  # what the head does with it
     # -inf and NaN travel as a finite floor (JSON has neither); the rest bit for bit.
     expected = StepResult(
         token_id=token_id,
@@ -36,8 +38,9 @@ def test_token_json_equals_the_models_serialization(token_id, logprob, tops, pro
         ],
     )  # fmt: skip
     assert parsed == expected and parsed.compute_ms == []
+    assert StepResult.model_validate(parsed.model_dump()) == parsed  # valid as the model
     dumped = expected.model_dump_json(exclude={"compute_ms"}, exclude_none=True)
-    assert json.loads(body) == json.loads(dumped)  # (prompt scores: only when there are)
+    assert json.loads(answer_bytes.to_json(body)) == json.loads(dumped)  # a client's form
     if not math.isfinite(logprob):
         assert parsed.logprob == LOGPROB_FLOOR
 
@@ -56,19 +59,43 @@ def test_compute_header_round_trip_and_bounds():
 
 
 @pytest.mark.parametrize("tops", [[], [(5, -0.5), (7, -1.25)]])
-def test_token_json_is_compact_json(tops):
-    body = _token_json(SampledToken(3, -0.25, tops))
-    assert json.loads(body) == {
-        "token_id": 3,
-        "logprob": -0.25,
-        "top_logprobs": [list(t) for t in tops],
-    }
+def test_an_answer_is_a_few_bytes(tops):
+    body = answer_bytes.encode(SampledToken(3, -0.25, tops))
+    assert len(body) == 5 + 12 + 2 + 12 * len(tops)
+    assert json.loads(answer_bytes.to_json(body)) == {
+        "token_id": 3, "logprob": -0.25, "top_logprobs": [list(t) for t in tops],
+    }  # fmt: skip
 
 
 def test_a_step_with_drafts_always_says_what_it_kept():
     first, kept = SampledToken(3, -0.25), SampledToken(4, -0.5, [(4, -0.5)])
-    parsed = StepResult.model_validate_json(_token_json(first, [kept]))
+    parsed = answer_bytes.decode(answer_bytes.encode(first, [kept]))
     assert parsed.more == [(4, -0.5, [(4, -0.5)])]
-    none_kept = StepResult.model_validate_json(_token_json(first, []))
+    assert answer_bytes.kept(answer_bytes.encode(first, [kept, kept])) == 2
+    none_kept = answer_bytes.decode(answer_bytes.encode(first, []))
     assert none_kept.more == []  # not None: the tail verified, and kept no draft
-    assert StepResult.model_validate_json(_token_json(first)).more is None
+    assert answer_bytes.decode(answer_bytes.encode(first)).more is None
+
+
+def test_empty_and_stale_answers():
+    assert answer_bytes.decode(answer_bytes.EMPTY) == StepResult()
+    assert answer_bytes.decode(answer_bytes.STALE) == StepResult(stale=True)
+    assert json.loads(answer_bytes.to_json(answer_bytes.EMPTY))["token_id"] is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"MSA1",
+        b"MSA2\x01",
+        b"MSA1\x10",
+        b"MSA1\x01\x00\x00",
+        b"{}",
+        answer_bytes.encode(SampledToken(3, -0.25, [(5, -0.5)])) + b"x",
+        answer_bytes.encode(SampledToken(3, -0.25, [(5, -0.5)]))[:-1],
+    ],  # fmt: skip
+)
+def test_a_broken_answer_is_refused(body):
+    with pytest.raises(ValueError):
+        answer_bytes.decode(body)

@@ -8,6 +8,7 @@ It sits inside the auth and observability middlewares. The answers themselves ar
 from __future__ import annotations
 
 from meshnet_common.errors import InvalidRequest, MeshnetError, PayloadTooLarge
+from meshnet_node.dataplane import answer_bytes
 from meshnet_node.dataplane.frames import STREAM_PATH
 from meshnet_node.dataplane.handlers import (
     ANSWERS_PREFIX,
@@ -29,6 +30,7 @@ from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.stream_server import serve_stream
 
 _JSON = (b"content-type", b"application/json")
+_ANSWER = (b"content-type", answer_bytes.CONTENT_TYPE.encode())  # a node's step answer
 
 
 def first_values(raw) -> dict[str, str]:
@@ -95,7 +97,8 @@ class ForwardPath:
             return
         if answer.error_code is not None:
             scope.setdefault("state", {})["error_code"] = answer.error_code
-        headers = [_JSON, (b"content-length", str(len(answer.body)).encode()), *answer.headers]
+        kind = _ANSWER if answer.body[:4] == answer_bytes.MAGIC else _JSON
+        headers = [kind, (b"content-length", str(len(answer.body)).encode()), *answer.headers]
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         await send({"type": "http.response.body", "body": answer.body})
 

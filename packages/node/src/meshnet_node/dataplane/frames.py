@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from meshnet_common.protocol import H_COMPUTE
 
-SUBPROTOCOL = "meshnet.hop.v2"  # Sec-WebSocket-Protocol: the version of these messages
+SUBPROTOCOL = "meshnet.hop.v3"  # Sec-WebSocket-Protocol: the version of these messages
 STREAM_PATH = "/v1/stream"
 H_MAX_MESSAGE = "x-meshnet-max-message"  # the handshake answer: the largest message accepted
 MAX_HEADER_BYTES = 1 << 20  # a header longer than this is malformed (ids lists stay far below)

@@ -38,9 +38,9 @@ from meshnet_common.protocol import (
 )
 from meshnet_common.web.auth import PEER_SCOPE_KEY
 from meshnet_common.web.http import error_body
-from meshnet_node.dataplane import step_bytes
+from meshnet_node.dataplane import answer_bytes, step_bytes
 from meshnet_node.dataplane.service import NodeService
-from meshnet_node.dataplane.step_bytes import parse_step
+from meshnet_node.dataplane.step_bytes import is_step, parse_step
 from meshnet_node.dataplane.steps import parse_route
 from meshnet_node.engine.sessions import opening_peer
 
@@ -56,7 +56,7 @@ _COMPUTE = H_COMPUTE.encode()
 
 class Answer(NamedTuple):
     status: int
-    body: bytes  # JSON
+    body: bytes  # JSON, or a node's step answer (``answer_bytes``)
     headers: tuple[tuple[bytes, bytes], ...] = ()
     error_code: str | None = None  # for meshnet_errors_total
 
@@ -115,9 +115,10 @@ async def forward_answer(
     try:
         step, tensor = parse_step(headers, body, max_bytes=service.settings.max_body_bytes)
         result = await service.handle_step(step, tensor)
+        answer = result.body if is_step(body) else answer_bytes.to_json(result.body)
     except Exception as exc:  # never kill the node: an error answer
         return error_answer(exc)
-    return Answer(200, result.body, ((_COMPUTE, result.compute_ms.encode()),))
+    return Answer(200, answer, ((_COMPUTE, result.compute_ms.encode()),))
 
 
 async def close_answer(service: NodeService, session_id: str, headers: Mapping[str, str]) -> Answer:

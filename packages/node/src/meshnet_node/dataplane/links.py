@@ -26,7 +26,7 @@ from meshnet_common.protocol import (
     StepResult,
     parse_compute,
 )
-from meshnet_node.dataplane import step_bytes
+from meshnet_node.dataplane import answer_bytes, step_bytes
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
 from meshnet_node.settings import HopTimeouts
@@ -42,7 +42,7 @@ LINK_SAMPLES = 4  # a link's round trip: the least of this many probes (probe_li
 
 def _parsed(hop: str, body: bytes, compute: str | None) -> StepResult:
     try:
-        result = StepResult.model_validate_json(body)
+        result = answer_bytes.decode(body)
     except ValueError as exc:
         raise HopError(f"hop {hop} answered a malformed step result", hop=hop) from exc
     result.compute_ms = parse_compute(compute)
@@ -147,7 +147,7 @@ class HopLinks:
         if failed_at is not None and time.monotonic() - failed_at < UNREACHABLE_HEAD_S:
             return
         headers = {
-            "content-type": "application/json", H_SESSION_KEY: req.session_key or "",
+            "content-type": answer_bytes.CONTENT_TYPE, H_SESSION_KEY: req.session_key or "",
             H_POSITION: str(req.position), H_COMPUTE: compute,
         }  # fmt: skip
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -30,15 +29,9 @@ from meshnet_common.trust.identity import Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.caching.blocks import BLOCK_TOKENS, PrefixPlan
+from meshnet_node.dataplane import answer_bytes
 from meshnet_node.dataplane.links import HopLinks
-from meshnet_node.dataplane.steps import (
-    _EMPTY_RESULT,
-    STALE_RESULT,
-    Step,
-    StepAnswer,
-    _token_json,
-    stale_guess,
-)  # fmt: skip
+from meshnet_node.dataplane.steps import Step, StepAnswer, stale_guess
 from meshnet_node.dataplane.streams import StreamHops
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.scheduling.scheduler import ComputeScheduler
@@ -297,7 +290,7 @@ class NodeService:
         mine = await self._after_earlier_steps(stage, req) if stage.shard.is_tail else None
         try:
             if req.guess_from is not None and mine is not None and stale_guess(stage, req):
-                return StepAnswer(STALE_RESULT, format_compute(0.0))  # computes nothing
+                return StepAnswer(answer_bytes.STALE, format_compute(0.0))  # computes nothing
             if req.ids is not None and stage.shard.is_tail:  # before any later step samples
                 stage.sessions.observe(
                     req.session_id, req.position, req.ids, owner=req.session_key
@@ -327,10 +320,10 @@ class NodeService:
         own_ms = out.compute_s * 1000
         if stage.shard.is_tail:
             if out.token is None:
-                return StepAnswer(_EMPTY_RESULT, format_compute(own_ms))
+                return StepAnswer(answer_bytes.EMPTY, format_compute(own_ms))
             self.tokens_generated += 1 + len(out.more or ())
             self.count_served(len(out.more or ()))  # the drafts it kept: tokens too
-            body = _token_json(out.token, out.more)
+            body = answer_bytes.encode(out.token, out.more)
             if req.answer_to is not None:  # straight to the head too; the chain still answers
                 self.links.answer_head(req, body, append_compute(req.compute_before, own_ms))
             return StepAnswer(body, format_compute(own_ms))
@@ -342,8 +335,8 @@ class NodeService:
         onward = replace(req, route=req.route[1:], open_spec=opening, compute_before=before)
         resp = await self.links.relay(req.route[0], out.hidden, onward)
         if req.drafts:  # the drafts the tail kept went through this stage too
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                self.count_served(len(json.loads(resp.body).get("more") or ()))
+            with contextlib.suppress(ValueError):
+                self.count_served(answer_bytes.kept(resp.body))
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
 

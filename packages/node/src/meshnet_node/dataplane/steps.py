@@ -4,7 +4,6 @@ answer."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Annotated, NamedTuple
@@ -28,7 +27,6 @@ from meshnet_common.protocol import (
     H_SESSION,
     H_SESSION_KEY,
     SamplingSpec,
-    StepResult,
     validate_session_id,
 )
 
@@ -67,15 +65,12 @@ class OpenSpec(SamplingSpec):
 
 
 class StepAnswer(NamedTuple):
-    """A step's answer as it goes back up the chain: the tail's JSON ``StepResult`` (without
-    compute times) and the ``x-meshnet-compute-ms`` header, this hop's time first."""
+    """A step's answer as it goes back up the chain: the tail's answer bytes
+    (``answer_bytes``: a ``StepResult`` without compute times) and the
+    ``x-meshnet-compute-ms`` header, this hop's time first."""
 
     body: bytes
     compute_ms: str
-
-
-_EMPTY_RESULT = StepResult().model_dump_json(exclude={"compute_ms"}).encode()
-STALE_RESULT = StepResult(stale=True).model_dump_json(exclude={"compute_ms"}).encode()
 
 
 def stale_guess(stage, req: Step) -> bool:
@@ -92,32 +87,6 @@ LOGPROB_FLOOR = -1e30  # how a log-probability of -inf (or NaN) travels: JSON ha
 def wire_logprob(value: float) -> float:
     value = float(value)
     return value if math.isfinite(value) else LOGPROB_FLOOR
-
-
-def _tops(top_logprobs) -> str:
-    return ",".join(f"[{int(i)},{wire_logprob(lp)!r}]" for i, lp in top_logprobs)
-
-
-def _token_json(token, more=None) -> bytes:
-    """A sampled token as the JSON of a ``StepResult``, formatted by hand: this runs on
-    every decode step, and a JSON library's first call after an idle gap costs ~80 µs here
-    (ADR-0011). ``repr`` of a finite float is valid JSON. ``more``: the tokens after it
-    (a step that verified drafts)."""
-    tops = _tops(token.top_logprobs)
-    text = f'{{"token_id":{int(token.token_id)},"logprob":{wire_logprob(token.logprob)!r},'
-    if more is not None:  # a step with drafts: always said, even when none was kept
-        after = ",".join(
-            f"[{int(t.token_id)},{wire_logprob(t.logprob)!r},[{_tops(t.top_logprobs)}]]"
-            for t in more
-        )
-        text += f'"more":[{after}],'
-    if token.prompt_logprobs is not None:  # once a request, with its first token
-        entries = [
-            [wire_logprob(lp), [[i, wire_logprob(v)] for i, v in top]]
-            for lp, top in token.prompt_logprobs
-        ]
-        text += f'"prompt_logprobs":{json.dumps(entries)},'
-    return f'{text}"top_logprobs":[{tops}]}}'.encode()
 
 
 @dataclass(frozen=True)
