@@ -14,7 +14,7 @@ from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import DecodeItem, Stage
 from meshnet_node.programs import DecodeProgram, StageLayers, decode_programs
 
-PROGRAM_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+PROGRAM_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 PRECISIONS = [Precision.BFLOAT16, Precision.FLOAT32, Precision.INT8, Precision.INT4]
 
 
@@ -135,7 +135,7 @@ def test_batched_steps_at_smollm2_shapes(smollm2_snapshot):
 
 
 def test_families_without_a_program_take_the_module_path(tiny_snapshot):
-    for family in ("gemma2", "gpt2", "phi3", "mixtral"):
+    for family in ("gpt2", "mixtral", "qwen3_moe", "deepseek_v3"):
         stage = Stage(load_shard(tiny_snapshot(family), LayerRange(0, 2), Precision.FLOAT32))
         assert stage.layers.engine == "modules", family
         assert decode_programs(stage.shard.modules.layers) is None

@@ -85,8 +85,8 @@ class ShardSettings(ServiceSettings):
         "against torch before use, ADR-0030)", group=MODEL, action="bool",
     )  # fmt: skip
     engine: str = knob(
-        "program", "one-token steps of Llama/Mistral/Qwen2/Qwen3 layers as flat programs (same "
-        "numbers, ~15% faster) or transformers' modules (the reference; ADR-0041)",
+        "program", "decode steps of dense layers (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3) as "
+        "flat programs (same numbers, ~15% faster) or transformers' modules (ADR-0041)",
         group=MODEL, choices=("program", "modules"),
     )  # fmt: skip
     widen_bf16: bool = knob(

@@ -9,21 +9,24 @@ the calls the layer would make, in its order, on the same tensors:
 - the layer's norms and activation by their own ``forward``;
 - its projections as the stage installed them (row groups, packed kernels, bias); sibling
   projections as their fused group's one product, sliced as the group hands slices out;
-- its family's ``apply_rotary_pos_emb`` and, for Qwen3, the q/k norms;
+- its family's ``apply_rotary_pos_emb`` and, for Qwen3 and Gemma 3, the q/k norms where
+  the family applies them;
 - the cache's ``update`` with the attention module's ``layer_idx``;
 - the attention function transformers picks for the module at call time, with the keyword
   arguments the family passes.
 
 So a step's output is the module path's, bit for bit, by construction (and tested against
-it at SmolLM2's shapes). A program exists only for a layer whose class it mirrors
-(Llama-shaped: Llama, Mistral, Qwen2, Qwen3) and that has no hooks; it runs only one-token
-steps (``StageLayers`` decides); prompt chunks take the module path.
+it, at SmolLM2's shapes too). A program exists only for a layer whose class it mirrors
+(``_LAYOUTS``: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) and that has no
+hooks; it runs one-token steps and batched steps of distinct sessions (``StageLayers``
+decides); prompt chunks take the module path.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,17 +36,43 @@ from meshnet_node.kernels.fused_linears import FusedPart
 
 Products = Callable[[torch.Tensor], list[torch.Tensor]]
 
-# decoder layer class -> how its attention module passes the sliding window on
-_LAYERS: dict[str, Callable[[nn.Module], dict]] = {
-    "LlamaDecoderLayer": lambda attn: {},
-    "MistralDecoderLayer": lambda attn: {
-        "sliding_window": getattr(attn.config, "sliding_window", None)
-    },
-    "Qwen2DecoderLayer": lambda attn: {"sliding_window": attn.sliding_window},
-    "Qwen3DecoderLayer": lambda attn: {"sliding_window": attn.sliding_window},
+
+@dataclass(frozen=True)
+class Layout:
+    """How a family's decoder layer is put together, as its forwards do it."""
+
+    extra: Callable[[nn.Module], dict]  # keywords the attention passes to its function
+    qk_norm: str | None = (
+        None  # q/k norms: "heads" (Qwen3: before the transpose), "moved" (Gemma 3: after)
+    )
+    packed: bool = False  # Phi-3: one qkv_proj sliced as views; gate_up_proj chunked
+    sandwich: bool = False  # Gemma 2/3: a norm after attention, and around the MLP
+
+
+def _window(attn: nn.Module) -> dict:
+    return {"sliding_window": attn.sliding_window}
+
+
+def _config_window(attn: nn.Module) -> dict:
+    return {"sliding_window": getattr(attn.config, "sliding_window", None)}
+
+
+_LAYOUTS: dict[str, Layout] = {
+    "LlamaDecoderLayer": Layout(lambda attn: {}),
+    "MistralDecoderLayer": Layout(_config_window),
+    "Qwen2DecoderLayer": Layout(_window),
+    "Qwen3DecoderLayer": Layout(_window, qk_norm="heads"),
+    "Phi3DecoderLayer": Layout(_config_window, packed=True),
+    "Gemma2DecoderLayer": Layout(
+        lambda attn: {**_window(attn), "softcap": attn.attn_logit_softcapping}, sandwich=True
+    ),
+    "Gemma3DecoderLayer": Layout(_window, qk_norm="moved", sandwich=True),
 }
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
+_PARTS = {  # what a layout reads of the attention module, the MLP and the layer
+    False: (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj", "act_fn")),
+    True: (("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj", "activation_fn")),
+}  # fmt: skip
+_SANDWICH = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 def siblings(modules: Sequence[nn.Module]) -> Products:
@@ -70,6 +99,39 @@ def siblings(modules: Sequence[nn.Module]) -> Products:
     return lambda x: [forward(x) for forward in forwards]
 
 
+def _views(module: nn.Module, q: int, k: int) -> Products:
+    """One product's outputs as views ``[:q]``, ``[q:q+k]``, ``[q+k:]``: how Phi-3's
+    attention cuts its ``qkv_proj``."""
+    forward = module.forward
+
+    def cut(x: torch.Tensor) -> list[torch.Tensor]:
+        product = forward(x)
+        return [product[..., :q], product[..., q : q + k], product[..., q + k :]]
+
+    return cut
+
+
+def _mlp(mlp: nn.Module, packed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's forward: ``down(act(gate) * up)``; Phi-3's ``down(up * act(gate))`` with
+    gate and up the two halves of one product."""
+    down = mlp.down_proj.forward
+    if packed:
+        gate_up, act = mlp.gate_up_proj.forward, mlp.activation_fn.forward
+
+        def phi3(x: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            return down(up * act(gate))
+
+        return phi3
+    gate_up, act = siblings([mlp.gate_proj, mlp.up_proj]), mlp.act_fn.forward
+
+    def llama(x: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up(x)
+        return down(act(gate) * up)
+
+    return llama
+
+
 def _hooked(layer: nn.Module) -> bool:
     return any(
         m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
@@ -77,46 +139,62 @@ def _hooked(layer: nn.Module) -> bool:
     )  # fmt: skip
 
 
+def _attention_of(layer: nn.Module) -> nn.Module | None:
+    """The layer's transformers attention module (inside a node's ``SessionAttention``)."""
+    attn = getattr(layer, "self_attn", None)
+    return attn.inner if type(attn).__name__ == "SessionAttention" else attn
+
+
 class DecodeProgram:
-    """One Llama-shaped decoder layer's one-token step (LlamaDecoderLayer.forward and its
-    attention and MLP modules' forwards, made as one function)."""
+    """One decoder layer's one-token step: its forward and its attention and MLP modules'
+    forwards, made as one function (``Layout``: the families it mirrors)."""
 
     __slots__ = ("attn", "eager", "layer_idx", "head_dim", "scaling", "extra", "norm1",
-                 "norm2", "qkv", "q_norm", "k_norm", "rotary", "o", "gate_up", "act", "down")  # fmt: skip
+                 "norms", "qkv", "q_norm", "k_norm", "qk_norm", "rotary", "o", "mlp")  # fmt: skip
 
-    def __init__(self, layer: nn.Module, extra: dict) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
+    def __init__(self, layer: nn.Module, layout: Layout) -> None:
+        attn, mlp = _attention_of(layer), layer.mlp
         family = sys.modules[type(attn).__module__]
         self.attn, self.eager = attn, family.eager_attention_forward
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
-        self.extra = extra
+        self.extra = layout.extra(attn)
         self.norm1 = layer.input_layernorm.forward
-        self.norm2 = layer.post_attention_layernorm.forward
-        self.qkv = siblings([attn.q_proj, attn.k_proj, attn.v_proj])
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = None if q_norm is None else q_norm.forward
-        self.k_norm = None if k_norm is None else k_norm.forward
+        names = _SANDWICH if layout.sandwich else ("post_attention_layernorm",)
+        self.norms = tuple(getattr(layer, name).forward for name in names)
+        if layout.packed:
+            heads, kv_heads = attn.config.num_attention_heads, attn.num_key_value_heads
+            self.qkv = _views(attn.qkv_proj, heads * attn.head_dim, kv_heads * attn.head_dim)
+        else:
+            self.qkv = siblings([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qk_norm = layout.qk_norm
+        self.q_norm = attn.q_norm.forward if layout.qk_norm else None
+        self.k_norm = attn.k_norm.forward if layout.qk_norm else None
         rotary = family.apply_rotary_pos_emb  # a module where hub kernels may replace it
         self.rotary = rotary.forward if isinstance(rotary, nn.Module) else rotary
         self.o = attn.o_proj.forward
-        self.gate_up = siblings([mlp.gate_proj, mlp.up_proj])
-        self.act, self.down = mlp.act_fn.forward, mlp.down_proj.forward
+        self.mlp = _mlp(mlp, layout.packed)
 
     @classmethod
     def build(cls, layer: nn.Module) -> DecodeProgram | None:
         """The layer's program, or None where the layer is not one this mirrors."""
-        extra = _LAYERS.get(type(layer).__name__)
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if extra is None or attn is None or mlp is None or layer.training or _hooked(layer):
+        layout = _LAYOUTS.get(type(layer).__name__)
+        attn, mlp = _attention_of(layer), getattr(layer, "mlp", None)
+        if layout is None or attn is None or mlp is None or layer.training or _hooked(layer):
             return None
-        if not all(hasattr(attn, n) for n in _ATTENTION) or not all(hasattr(mlp, n) for n in _MLP):
-            return None
-        if (getattr(attn, "q_norm", None) is None) != (getattr(attn, "k_norm", None) is None):
+        attention, feedforward = _PARTS[layout.packed]
+        needs = [
+            (attn, attention),
+            (mlp, feedforward),
+            (layer, _SANDWICH if layout.sandwich else ()),
+        ]
+        if layout.qk_norm:
+            needs.append((attn, ("q_norm", "k_norm")))
+        if not all(hasattr(m, name) for m, names in needs for name in names):
             return None
         rotary = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
         if rotary is None or (isinstance(rotary, nn.Module) and _hooked(rotary)):
             return None
-        return cls(layer, extra(attn))
+        return cls(layer, layout)
 
     def __call__(self, hidden: torch.Tensor, cache, mask, position_embeddings) -> torch.Tensor:
         """``hidden`` (1, 1, H) -> the layer's output; appends the step to ``cache``;
@@ -146,13 +224,16 @@ class DecodeProgram:
         return self._finish(residual, torch.cat(outs))
 
     def _projected(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries and keys (rotated; Qwen3: normed first) and values, (B, heads, 1, D)."""
+        """Queries and keys (rotated; normed first where the family norms them) and
+        values, (B, heads, 1, D)."""
         q, k, v = self.qkv(x)
         shape = (*x.shape[:-1], -1, self.head_dim)
-        if self.q_norm is None:
-            q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
-        else:
+        if self.qk_norm == "heads":
             q, k = self.q_norm(q.view(shape)).transpose(1, 2), self.k_norm(k.view(shape)).transpose(1, 2)  # fmt: skip
+        else:
+            q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
+            if self.qk_norm == "moved":
+                q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos, sin)
         return q, k, v.view(shape).transpose(1, 2)
 
@@ -161,10 +242,14 @@ class DecodeProgram:
         return ALL_ATTENTION_FUNCTIONS.get_interface(self.attn.config._attn_implementation, self.eager)  # fmt: skip
 
     def _finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The output projection, the residuals and the MLP."""
-        hidden = residual + self.o(attended.reshape(*residual.shape[:-1], -1).contiguous())
-        gate, up = self.gate_up(self.norm2(hidden))
-        return hidden + self.down(self.act(gate) * up)
+        """The output projection, the residuals, the norms around them and the MLP."""
+        out = self.o(attended.reshape(*residual.shape[:-1], -1).contiguous())
+        if len(self.norms) == 1:  # Llama: pre-norms only
+            hidden = residual + out
+            return hidden + self.mlp(self.norms[0](hidden))
+        post_attention, pre_mlp, post_mlp = self.norms  # Gemma's sandwich
+        hidden = residual + post_attention(out)
+        return hidden + post_mlp(self.mlp(pre_mlp(hidden)))
 
 
 def decode_programs(layers: Sequence[nn.Module]) -> list[DecodeProgram] | None:
