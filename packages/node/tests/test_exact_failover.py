@@ -22,6 +22,7 @@ from inprocess_hops import HttpxHops
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
+from meshnet_node.dataplane import answer_bytes
 from meshnet_node.runtime import build_runtime, create_app
 from meshnet_node.settings import NodeSettings
 from meshnet_node.speculation.drafting import DraftPolicy, NgramDrafter, SpeculationSettings
@@ -113,7 +114,7 @@ class Swarm:
                 )
             )
             answer = await handle(req, tensor)
-            self.stale += b'"stale":true' in answer.body
+            self.stale += bool(answer_bytes.decode(answer.body).stale)
             return answer
 
         service.handle_step = recorded
