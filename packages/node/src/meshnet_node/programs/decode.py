@@ -42,9 +42,8 @@ class Layout:
     """How a family's decoder layer is put together, as its forwards do it."""
 
     extra: Callable[[nn.Module], dict]  # keywords the attention passes to its function
-    qk_norm: str | None = (
-        None  # q/k norms: "heads" (Qwen3: before the transpose), "moved" (Gemma 3: after)
-    )
+    # q/k norms: "heads" (Qwen3: before the transpose), "moved" (Gemma 3: after it)
+    qk_norm: str | None = None
     packed: bool = False  # Phi-3: one qkv_proj sliced as views; gate_up_proj chunked
     sandwich: bool = False  # Gemma 2/3: a norm after attention, and around the MLP
 
