@@ -50,6 +50,15 @@ NEEDS_IDENTITY = (
 )
 
 
+def caller_of(request: Request) -> str:
+    """Who calls, for bounds per caller: the node id that signed the call (``node:<id>``),
+    else (a swarm without certificates) the connection's address (``addr:<host>``)."""
+    peer = request.scope.get(PEER_SCOPE_KEY)
+    if peer:
+        return f"node:{peer}"
+    return "addr:" + (request.client.host if request.client else "unknown")
+
+
 def _same(secret: str | None, offered: str | None) -> bool:
     return (
         secret is not None
