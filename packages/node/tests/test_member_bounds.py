@@ -48,6 +48,9 @@ def test_a_member_probing_under_fresh_session_ids_holds_a_bounded_number_of_prom
     last = f"fresh-{10 * MAX_PINS_PER_PEER - 1}"
     assert cache.take(last, tuple(HASHES), 0) is not None  # the newest still holds
     assert cache.promises("node:m") == MAX_PINS_PER_PEER - 1
+    for i in range(2 * MAX_PINS_PER_PEER):  # the head's own, one per session it opens
+        cache.pin(f"own-{i}", HASHES)
+    assert cache.promises("") == 2 * MAX_PINS_PER_PEER
 
 
 def test_all_callers_together_hold_a_bounded_number_of_promises():

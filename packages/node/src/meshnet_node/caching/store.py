@@ -28,10 +28,10 @@ from meshnet_node.caching.blocks import BLOCK_TOKENS
 # step comes once every hop before computed the first chunk; a session closed before it
 # arrived (a failover) takes the promise back at once.
 PIN_S = 30.0
-# The most promises one caller (a node's id; the head itself is "") holds at once, and all
-# callers together: beyond, the caller's (or anyone's) oldest is taken back, so that a member
-# probing under ever fresh session ids neither grows the table nor keeps every entry from
-# giving way (issue 52). A head's sessions about to open never come near them.
+# The most promises one caller (a node) holds at once, and all callers together: beyond,
+# the caller's (or anyone's) oldest is taken back, so that a member probing under ever fresh
+# session ids neither grows the table nor keeps every entry from giving way (issue 52). The
+# head's own (caller "": one per session it opens) count only in all.
 MAX_PINS_PER_PEER = 64
 MAX_PINS = 1024
 
@@ -98,8 +98,9 @@ class PrefixCache:
 
     def pin(self, session_id: str, hashes: list[str] | tuple[str, ...], peer: str = "") -> int:
         """Promise the longest prefix of ``hashes`` held here to ``session_id``, about to
-        open (``take``): it is not evicted meanwhile. ``peer``: who asks (its promises are
-        bounded, ``MAX_PINS_PER_PEER``). Returns the blocks promised."""
+        open (``take``): it is not evicted meanwhile. ``peer``: who asks (a node's promises
+        are bounded, ``MAX_PINS_PER_PEER``; "": the head itself). Returns the blocks
+        promised."""
         with self._lock:
             self._unpin_expired()
             count, entry = self._longest(hashes)
@@ -109,7 +110,7 @@ class PrefixCache:
                 self._pins[session_id] = (entry, self.clock() + PIN_S, peer)
                 held = self._peer_pins.setdefault(peer, OrderedDict())
                 held[session_id] = None
-                while len(held) > MAX_PINS_PER_PEER:
+                while peer and len(held) > MAX_PINS_PER_PEER:
                     self._unpin(next(iter(held)))
                 while len(self._pins) > MAX_PINS:
                     self._unpin(next(iter(self._pins)))
