@@ -97,8 +97,8 @@ _TENANT = re.compile(r"[0-9a-f]{32}")
 
 
 def key_tenant(key: str) -> str:
-    """The tenant an API key names: a keyed digest of it, never the key (which only the
-    server checking keys sees), so that it may travel to other nodes."""
+    """The tenant an API key names: a digest of it (BLAKE2b, personalized), never the key
+    (which only the server checking keys sees), so that it may travel to other nodes."""
     return hashlib.blake2b(key.encode(), digest_size=16, person=b"meshnet-tenant").hexdigest()
 
 
