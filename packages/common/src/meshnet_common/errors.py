@@ -95,6 +95,18 @@ class CapacityExceeded(MeshnetError):
     error_type = "server_overloaded"
 
 
+class RateLimited(MeshnetError):
+    """A caller asked for more than its share of some work in a window (429); ``retry_s``:
+    when to ask again."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_s: float, param: str | None = None) -> None:
+        super().__init__(message, param=param, code="rate_limit_exceeded")
+        self.headers = {"retry-after": str(max(1, int(retry_s + 0.999)))}
+
+
 class Draining(MeshnetError):
     """The node is leaving the swarm (graceful drain): it opens no new session (503).
     ``param`` is its URL, so a head routes around this node, not the hop that relayed it."""

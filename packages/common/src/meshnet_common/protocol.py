@@ -103,6 +103,10 @@ H_OPERATOR_TOKEN = "x-meshnet-operator-token"
 # The tracker proxying a request to a head names the client's address, so that the head's
 # wait queue takes turns by client (docs/adr/0032); believed only beside the swarm token.
 H_CLIENT_ADDRESS = "x-meshnet-client-address"
+# ... and the client's tenant (``web.auth.key_tenant``: a digest of its API key, never the
+# key), so that a head keeps each key's cached prompts apart (docs/adr/0035); believed only
+# beside the swarm token.
+H_CLIENT_TENANT = "x-meshnet-client-tenant"
 # On a step's answer: model compute of each hop from this one to the tail, in ms, comma-
 # separated. Each hop prepends its own to what the next one answered and relays the tail's
 # body untouched, so that no hop parses and re-serializes the answer (docs/adr/0011).

@@ -13,7 +13,13 @@ from fastapi.responses import Response, StreamingResponse
 from meshnet_common.errors import HopError
 from meshnet_common.logs import H_REQUEST_ID, request_id_var
 from meshnet_common.metrics import Metrics
-from meshnet_common.protocol import H_CLIENT_ADDRESS, H_ROUTE, Heartbeat, NodeAnnouncement
+from meshnet_common.protocol import (
+    H_CLIENT_ADDRESS,
+    H_CLIENT_TENANT,
+    H_ROUTE,
+    Heartbeat,
+    NodeAnnouncement,
+)
 
 
 class Head(Protocol):
@@ -53,11 +59,14 @@ class LocalNode(Head, Protocol):
 
 
 class RemoteHead:
-    """A head node elsewhere: the request is proxied, streams relayed as they come."""
+    """A head node elsewhere: the request is proxied, streams relayed as they come.
+    ``tenant``: whose cached prompts the request may share (``web.auth.tenant_of``), named
+    to the head beside the swarm token (the client's own key never travels for it)."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
+    def __init__(self, client: httpx.AsyncClient, url: str, *, tenant: str | None = None) -> None:
         self.client = client
         self.url = url
+        self.tenant = tenant
 
     async def answer(
         self, path: str, request: Request, rest: tuple[str, ...], body: bytes
@@ -69,6 +78,8 @@ class RemoteHead:
             headers["authorization"] = auth
         if request.client is not None:  # its queue takes turns by client, not by tracker
             headers[H_CLIENT_ADDRESS] = request.client.host
+        if self.tenant is not None:  # its prefix cache keeps each key's prompts apart
+            headers[H_CLIENT_TENANT] = self.tenant
         url = self.url + path
         try:
             upstream = await self.client.send(

@@ -21,9 +21,10 @@ the first of them, where that chain's hops keep the prompt's blocks.
 The tracker does not tokenize, so it cannot name blocks; it names a request's *prefix*: the
 client's ``prompt_cache_key`` where it gives one (OpenAI's routing hint), else the start of
 the prompt (a chat's first two messages: its system prompt and first question, which every
-later turn repeats; a completion's first 2048 characters or 512 token ids), with the model
-and the ``cache_salt``. The chain a prefix went down last is preferred while all of its
-nodes still serve the same layers; otherwise routing is as before. The head still agrees with
+later turn repeats; a completion's first 2048 characters or 512 token ids), with the model,
+the ``cache_salt`` and the client's tenant (its API key's digest). The chain a prefix went
+down last is preferred while all of its nodes still serve the same layers; otherwise routing
+is as before. The head still agrees with
 its hops on the blocks they hold (``meshnet_node.caching.api``): a stale preference costs
 a prefill, never a wrong answer.
 """
@@ -302,8 +303,9 @@ PROMPT_CHARS = 2048
 PROMPT_IDS = 512
 
 
-def prefix_key(model_id: str, payload: dict) -> str | None:
-    """The name of a request's prefix (None: nothing to go by)."""
+def prefix_key(model_id: str, payload: dict, tenant: str | None = None) -> str | None:
+    """The name of a request's prefix (None: nothing to go by); ``tenant``'s own, as the
+    heads' blocks are (``web.auth.tenant_of``)."""
     salt = payload.get("cache_salt")
     key = payload.get("prompt_cache_key")
     if isinstance(key, str) and key:
@@ -317,7 +319,7 @@ def prefix_key(model_id: str, payload: dict) -> str | None:
     else:  # several prompts in one request, or nothing usable
         return None
     try:
-        text = json.dumps([model_id, salt, start], sort_keys=True, default=str)
+        text = json.dumps([model_id, tenant, salt, start], sort_keys=True, default=str)
     except (TypeError, ValueError):
         return None
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -13,8 +13,10 @@ origins may call the API: their preflights are answered before any key is asked 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,8 +25,9 @@ from fastapi import FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
 
 from meshnet_common.config.cli import fail
+from meshnet_common.errors import InvalidRequest
 from meshnet_common.logs import H_REQUEST_ID
-from meshnet_common.protocol import H_SWARM_TOKEN
+from meshnet_common.protocol import H_CLIENT_TENANT, H_SWARM_TOKEN
 from meshnet_common.tokenize_protocol import TOKENIZER_PATHS
 from meshnet_common.trust.identity import H_NODE_CALL, H_NODE_CERT, CallChecker, IdentityError
 
@@ -45,6 +48,15 @@ NEEDS_IDENTITY = (
     "this route takes calls from swarm nodes only: sign them with the node's certificate "
     "(x-meshnet-node-cert, x-meshnet-node-call)"
 )
+
+
+def caller_of(request: Request) -> str:
+    """Who calls, for bounds per caller: the node id that signed the call (``node:<id>``),
+    else (a swarm without certificates) the connection's address (``addr:<host>``)."""
+    peer = request.scope.get(PEER_SCOPE_KEY)
+    if peer:
+        return f"node:{peer}"
+    return "addr:" + (request.client.host if request.client else "unknown")
 
 
 def _same(secret: str | None, offered: str | None) -> bool:
@@ -77,6 +89,34 @@ def swarm_headers(token: str | None) -> dict[str, str]:
 def has_swarm_token(request: Request, token: str | None) -> bool:
     """True when no token is configured (open swarm) or the request carries it."""
     return token is None or _same(token, request.headers.get(H_SWARM_TOKEN))
+
+
+# -- tenants (docs/adr/0035) -------------------------------------------------------------------
+
+_TENANT = re.compile(r"[0-9a-f]{32}")
+
+
+def key_tenant(key: str) -> str:
+    """The tenant an API key names: a digest of it (BLAKE2b, personalized), never the key
+    (which only the server checking keys sees), so that it may travel to other nodes."""
+    return hashlib.blake2b(key.encode(), digest_size=16, person=b"meshnet-tenant").hexdigest()
+
+
+def tenant_of(headers, *, keyed: bool, swarm_token: str | None) -> str | None:
+    """Whose cached prompts a request may share (docs/adr/0035): the tenant named in
+    ``x-meshnet-client-tenant`` beside the swarm token (the tracker, which checked the key);
+    else the API key this server checks (``keyed``); else, in an open swarm (no token), the
+    tenant a caller names; None: the cache that keyless clients share."""
+    named = headers.get(H_CLIENT_TENANT)
+    trusted = same_secret(swarm_token, headers.get(H_SWARM_TOKEN))
+    if named is not None and (trusted or swarm_token is None) and not _TENANT.fullmatch(named):
+        raise InvalidRequest(f"{H_CLIENT_TENANT} must be 32 hex digits", param=H_CLIENT_TENANT)
+    if named is not None and trusted:
+        return named
+    auth = headers.get("authorization", "")
+    if keyed and auth[:7].lower() == "bearer " and len(auth) > 7:
+        return key_tenant(auth[7:])
+    return named if swarm_token is None else None
 
 
 _UNAUTHORIZED_HEADERS = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]

@@ -3,8 +3,9 @@
 A head about to open a session asks every hop of the route at once how many of the prompt's
 first blocks it holds (``{"blocks": [hash, ...]}`` -> ``{"held": n}``); each hop promises
 the entry to that session for ``store.PIN_S``, so that it is still there when the opening
-step arrives. The session then starts after the fewest blocks any hop holds. Like the data
-path, the route takes signed calls from swarm members only (``NODE_PREFIXES``)."""
+step arrives (a caller holds a bounded number of promises: ``store.MAX_PINS_PER_PEER``).
+The session then starts after the fewest blocks any hop holds. Like the data path, the
+route takes signed calls from swarm members only (``NODE_PREFIXES``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet_common.protocol import validate_session_id
 from meshnet_common.web import tls
-from meshnet_common.web.auth import swarm_headers
+from meshnet_common.web.auth import caller_of, swarm_headers
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ def prefix_router() -> APIRouter:
         validate_session_id(session_id)
         service = request.app.state.node
         cache = service.stage.sessions.prefix
-        count = 0 if cache is None or not probe.blocks else cache.pin(session_id, probe.blocks)
-        return {"held": count}
+        if cache is None or not probe.blocks:
+            return {"held": 0}
+        return {"held": cache.pin(session_id, probe.blocks, peer=caller_of(request))}
 
     return router
 

@@ -2,13 +2,15 @@
 ids so far (docs/adr/0035). Block ``i``'s hash names the whole prefix ``[0, 128 * (i + 1))``:
 two prompts share block ``i``'s hash only when their first ``i + 1`` blocks are the same ids.
 
-The chain starts from a seed naming the model and the tenant's ``cache_salt``: requests with
-different salts never share a block. The blocks are the prefill's wire chunks (ADR-0010), so
+The chain starts from a seed naming the model, the tenant (the API key the client was checked
+with, as ``web.auth.tenant_of`` names it) and the request's ``cache_salt``: requests of two
+keys, or with different salts, never share a block. The blocks are the prefill's wire chunks (ADR-0010), so
 a block reused is computed exactly as the chunk that would compute it again."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -28,9 +30,10 @@ class PrefixPlan(NamedTuple):
     tokens: int
 
 
-def seed_of(model_id: str, salt: str | None = None) -> str:
-    """The chain's seed: the model and the salt (None: the swarm's shared cache)."""
-    text = f"meshnet-prefix-v1\0{model_id}\0{salt or ''}".encode()
+def seed_of(model_id: str, salt: str | None = None, tenant: str | None = None) -> str:
+    """The chain's seed: the model, the tenant and the salt (both None: the cache that
+    keyless clients without a salt share)."""
+    text = json.dumps(["meshnet-prefix-v2", model_id, tenant, salt]).encode()
     return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 

@@ -25,8 +25,9 @@ class PrefixReuse:
 
     def plan(self, request) -> PrefixPlan:
         """What a generation's session leaves in the cache: its prompt's blocks, named from
-        the model and the request's ``cache_salt``."""
-        return PrefixPlan(seed_of(self.model_id, request.cache_salt), len(request.prompt_ids))
+        the model, the request's tenant and its ``cache_salt``."""
+        seed = seed_of(self.model_id, request.cache_salt, request.tenant)
+        return PrefixPlan(seed, len(request.prompt_ids))
 
     async def restore(self, stage, session_id: str, prompt_ids, route) -> tuple[str, ...]:
         """Start the head's session (open, empty) after the most blocks of the prompt that

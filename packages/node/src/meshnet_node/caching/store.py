@@ -28,6 +28,12 @@ from meshnet_node.caching.blocks import BLOCK_TOKENS
 # step comes once every hop before computed the first chunk; a session closed before it
 # arrived (a failover) takes the promise back at once.
 PIN_S = 30.0
+# The most promises one caller (a node) holds at once, and all callers together: beyond,
+# the caller's (or anyone's) oldest is taken back, so that a member probing under ever fresh
+# session ids neither grows the table nor keeps every entry from giving way (issue 52). The
+# head's own (caller "": one per session it opens) count only in all.
+MAX_PINS_PER_PEER = 64
+MAX_PINS = 1024
 
 
 @dataclass
@@ -72,7 +78,9 @@ class PrefixCache:
     def __post_init__(self) -> None:
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self._by_hash: dict[str, Entry] = {}  # every block hash of every entry
-        self._pins: dict[str, tuple[Entry, float]] = {}  # session id -> (entry, expiry)
+        # session id -> (entry, expiry, who asked), oldest first; and each caller's
+        self._pins: dict[str, tuple[Entry, float, str]] = {}
+        self._peer_pins: dict[str, OrderedDict[str, None]] = {}
         self._lock = threading.Lock()
         self.tokens = 0
 
@@ -88,17 +96,30 @@ class PrefixCache:
         with self._lock:
             return self._longest(hashes)[0]
 
-    def pin(self, session_id: str, hashes: list[str] | tuple[str, ...]) -> int:
+    def pin(self, session_id: str, hashes: list[str] | tuple[str, ...], peer: str = "") -> int:
         """Promise the longest prefix of ``hashes`` held here to ``session_id``, about to
-        open (``take``): it is not evicted meanwhile. Returns the blocks promised."""
+        open (``take``): it is not evicted meanwhile. ``peer``: who asks (a node's promises
+        are bounded, ``MAX_PINS_PER_PEER``; "": the head itself). Returns the blocks
+        promised."""
         with self._lock:
             self._unpin_expired()
             count, entry = self._longest(hashes)
             self._unpin(session_id)
             if entry is not None:
                 entry.pins += 1
-                self._pins[session_id] = (entry, self.clock() + PIN_S)
+                self._pins[session_id] = (entry, self.clock() + PIN_S, peer)
+                held = self._peer_pins.setdefault(peer, OrderedDict())
+                held[session_id] = None
+                while peer and len(held) > MAX_PINS_PER_PEER:
+                    self._unpin(next(iter(held)))
+                while len(self._pins) > MAX_PINS:
+                    self._unpin(next(iter(self._pins)))
             return count
+
+    def promises(self, peer: str | None = None) -> int:
+        """Promises held now: ``peer``'s, or everyone's (None)."""
+        with self._lock:
+            return len(self._pins) if peer is None else len(self._peer_pins.get(peer, ()))
 
     def release(self, session_id: str) -> None:
         """Take back a promise (the session will not use it)."""
@@ -166,6 +187,7 @@ class PrefixCache:
             for entry in list(self._entries.values()):
                 self._drop(entry)
             self._pins.clear()
+            self._peer_pins.clear()
 
     # -- under the lock ----------------------------------------------------------------------
 
@@ -191,12 +213,18 @@ class PrefixCache:
         pinned = self._pins.pop(session_id, None)
         if pinned is None:
             return None
-        pinned[0].pins -= 1
-        return pinned[0]
+        entry, _, peer = pinned
+        entry.pins -= 1
+        held = self._peer_pins.get(peer)
+        if held is not None:
+            held.pop(session_id, None)
+            if not held:
+                del self._peer_pins[peer]
+        return entry
 
     def _unpin_expired(self) -> None:
         now = self.clock()
-        for session_id, (_, expiry) in list(self._pins.items()):
+        for session_id, (_, expiry, _) in list(self._pins.items()):
             if expiry <= now:
                 self._unpin(session_id)
 

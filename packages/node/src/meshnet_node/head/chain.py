@@ -45,6 +45,7 @@ class GenerationRequest:
     client: str = "anonymous"  # who asked: the wait queue takes turns between clients
     user: str = ""  # the request's ``user`` field: turns within the client's share
     cache_salt: str | None = None  # prompts share cached blocks only under one salt (ADR-0035)
+    tenant: str | None = None  # ... and one tenant, its API key's (``web.auth.tenant_of``)
 
 
 @dataclass

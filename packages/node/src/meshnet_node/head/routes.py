@@ -21,7 +21,7 @@ from meshnet_common.tokenize_protocol import (
     DetokenizeRequest,
     tokenize_request_type,
 )
-from meshnet_common.web.auth import same_secret
+from meshnet_common.web.auth import same_secret, tenant_of
 from meshnet_common.web.http import (
     cancel_on_disconnect,
     check_content_type,
@@ -73,7 +73,10 @@ async def _handle(serving: OpenAIServing, request: Request, route, raw, kind: st
     client, user = client_of(
         request, body, keyed=serving.keyed_clients, swarm_token=serving.swarm_token
     )
-    jobs = [replace(job, client=client, user=user) for job in jobs]
+    tenant = tenant_of(
+        request.headers, keyed=serving.keyed_clients, swarm_token=serving.swarm_token
+    )
+    jobs = [replace(job, client=client, user=user, tenant=tenant) for job in jobs]
     # One line per request; the prompt itself only at debug level (it may be private).
     event(
         logger, logging.INFO, f"{kind} request", model=body.model, choices=len(jobs),

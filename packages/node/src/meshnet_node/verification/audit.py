@@ -13,16 +13,19 @@ received and last produced, and recomputing a row from someone else's record.
   them sent a session's rows (``head_audit``); the key itself is the chain's, never sent.
 
 The record and the recomputation run on the compute thread, between steps: a record is
-never read half-written. The swarm token guards ``/v1/node``. Audits are rare
+never read half-written. A recomputation is a prefill anyone holding the swarm token may
+ask for, so each caller gets a bounded share (``recompute_admission``: 429 beyond). The swarm token guards ``/v1/node``. Audits are rare
 (``--verify-fraction``), so they use the node's FastAPI router and plain HTTP, not the hop
 streams.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import struct
+import time
 
 import torch
 from fastapi import APIRouter, Request
@@ -32,15 +35,24 @@ from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest, NotFound
 from meshnet_common.protocol import H_POSITION, H_SESSION_KEY, H_START_LAYER
 from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, row_bytes, sign_row
+from meshnet_common.web.auth import caller_of
 from meshnet_common.web.http import read_body
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.stage import Stage
+from meshnet_node.verification.admission import PeerAdmission
 
 RECORD_PATH = "/v1/node/audit/record/{session_id}"
 RECOMPUTE_PATH = "/v1/node/audit/recompute"
 HOLDS_PATH = "/v1/node/audit/holds/{session_id}"
 H_KEY_DIGEST = "x-meshnet-session-key-sha256"
 _LEN = struct.Struct("<I")
+# Each caller's share of recomputations (issue 52): so many running or waiting at once, and
+# so many prefill tokens per window, counted in the stage's KV budgets; all callers together
+# no more than RECOMPUTES_TOTAL at once. A verifier audits a sampled few sessions.
+RECOMPUTES_PER_CALLER = 2
+RECOMPUTES_TOTAL = 8
+RECOMPUTE_WINDOW_S = 60.0
+RECOMPUTE_BUDGETS_PER_WINDOW = 2
 
 
 def pack(*frames: bytes) -> bytes:
@@ -85,8 +97,18 @@ def _snapshot(stage: Stage, session_id: str, key: str | None):
     return record.inputs(), record.last, start, record.length
 
 
-def audit_router() -> APIRouter:
+def recompute_admission(clock=time.monotonic) -> PeerAdmission:
+    """The bound on recomputations per caller (``RECOMPUTES_PER_CALLER`` and the rest)."""
+    return PeerAdmission(
+        max_running=RECOMPUTES_PER_CALLER, max_total=RECOMPUTES_TOTAL,
+        window_s=RECOMPUTE_WINDOW_S, clock=clock, what="audit recomputations",
+    )  # fmt: skip
+
+
+def audit_router(admission: PeerAdmission | None = None) -> APIRouter:
+    """The audit routes; ``admission``: each caller's share of recomputations."""
     router = APIRouter()
+    admission = admission or recompute_admission()
 
     @router.post(RECORD_PATH)
     async def record(session_id: str, request: Request) -> Response:
@@ -113,7 +135,16 @@ def audit_router() -> APIRouter:
         head = stage.shard.is_head  # a head's inputs are token ids (docs/adr/0032)
         inputs = stage.check_inputs(inputs if head else None, None if head else inputs,
                                     limit=stage.sessions.kv_budget_tokens)  # fmt: skip
-        last = await service.compute(stage.recompute, inputs, int(raw))
+        per_window = RECOMPUTE_BUDGETS_PER_WINDOW * stage.sessions.kv_budget_tokens
+        release = admission.admit(caller_of(request), inputs.shape[1], per_window)
+        # Its place is freed when the work ends, not when the caller stops waiting for it.
+        try:
+            work = asyncio.ensure_future(service.compute(stage.recompute, inputs, int(raw)))
+        except BaseException:
+            release()
+            raise
+        work.add_done_callback(lambda _: release())
+        last = await asyncio.shield(work)
         headers = {}
         runtime = getattr(request.app.state, "runtime", None)
         secret = runtime.audit_secret() if runtime is not None else None

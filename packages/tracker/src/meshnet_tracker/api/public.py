@@ -16,6 +16,7 @@ from meshnet_common.errors import InvalidRequest
 from meshnet_common.logs import event
 from meshnet_common.tokenize_protocol import DETOKENIZE_PATH, TOKENIZE_PATH
 from meshnet_common.trust.manifest_keys import ALGORITHM, KEY_PATH
+from meshnet_common.web.auth import tenant_of
 from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import (
     check_content_type,
@@ -142,8 +143,11 @@ async def _entry(request: Request, path: str) -> Response:
     payload = loads_object(body)
     generates = path.startswith("/v1/")  # not the tokenizer endpoints: no chain runs
     model_id = _model_of(state, payload, generates)
-    # its chain holds the prompt's blocks (ADR-0035)
-    prefix = prefix_key(model_id, payload) if generates else None
+    # whose cached prompts it may share, and its chain holds the prompt's blocks (ADR-0035)
+    settings = state.settings
+    keyed = bool(settings.api_key or settings.api_key_file)
+    tenant = tenant_of(request.headers, keyed=keyed, swarm_token=settings.swarm_token)
+    prefix = prefix_key(model_id, payload, tenant) if generates else None
 
     async def route():
         return state.route(model_id, prefix=prefix)
@@ -165,5 +169,5 @@ async def _entry(request: Request, path: str) -> Response:
         route=",".join(h.node.node_id for h in hops),
     )  # fmt: skip
     local = state.node is not None and head.node_id == state.node.node_id
-    target: Head = state.node if local else RemoteHead(state.client, head.url)
+    target: Head = state.node if local else RemoteHead(state.client, head.url, tenant=tenant)
     return await target.answer(path, request, rest, body)
