@@ -2,8 +2,9 @@
 an Ed25519 key of its own; nodes hold only the public key, so no node can forge a manifest
 that another node would accept.
 
-The key file is PEM (PKCS#8), created on first use with mode 0600; without one the tracker
-makes a new key per run (nodes ask it for its key at start, or pin it with --tracker-key).
+The key file is PEM (PKCS#8), created on first use with mode 0600; an existing one that
+group or others may read or write is refused, as ssh refuses such a private key. Without one
+the tracker makes a new key per run (nodes ask it for its key at start, or pin it with --tracker-key).
 The public key travels as the base64 of its 32 raw bytes, the signature as the base64 of
 its 64 bytes, over the manifest's canonical JSON (``shardfiles.canonical_json``).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import stat
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -50,6 +52,7 @@ class ManifestSigner:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(raw)
             return signer
+        _check_private(path)
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
         except (ValueError, TypeError) as exc:
@@ -63,6 +66,18 @@ class ManifestSigner:
 
     def sign(self, body: bytes) -> str:
         return base64.b64encode(self._key.sign(body)).decode()
+
+
+def _check_private(path: Path) -> None:
+    """InvalidRequest when group or others may read or write the key file (POSIX only)."""
+    if os.name != "posix":
+        return
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise InvalidRequest(
+            f"--signing-key {path}: permissions {mode:04o} let group or others read it; "
+            f"a private key must be 0600 (chmod 600 {path})"
+        )
 
 
 class ManifestKey:
