@@ -1,5 +1,6 @@
 """The tracker proxying to a head names the client's address (docs/adr/0032), so that a
-head behind it takes turns by client and not by tracker."""
+head behind it takes turns by client and not by tracker; the client's own API key is not
+passed on (a member head never sees a tenant's key)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def test_the_proxied_request_names_the_clients_address():
 
     async def run() -> int:
         client = httpx.AsyncClient(transport=httpx.MockTransport(head))
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+        headers = [(b"authorization", b"Bearer sk-tenant-a")]
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers,
                  "client": ("203.0.113.9", 51000), "query_string": b""}  # fmt: skip
         try:
             resp = await RemoteHead(client, "http://head.test").answer(
@@ -33,3 +35,4 @@ def test_the_proxied_request_names_the_clients_address():
 
     assert asyncio.run(run()) == 200
     assert seen[0][H_CLIENT_ADDRESS] == "203.0.113.9"
+    assert "authorization" not in seen[0]  # the tenant's key never reaches a member head
