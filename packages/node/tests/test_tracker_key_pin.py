@@ -1,6 +1,6 @@
 """A node keeps the first tracker key it is answered with (trust on first use) or the one
 pinned with --tracker-key, and refuses, in one error line, a tracker answering with
-another (docs/adr/0032)."""
+another (docs/adr/0032); it refuses the keys its tracker revoked."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import logging
 
 import httpx
 
-from meshnet_common.protocol import NodeAnnouncement, RegisterResponse, ShardSpec
+from meshnet_common.protocol import (
+    Heartbeat,
+    HeartbeatResponse,
+    NodeAnnouncement,
+    RegisterResponse,
+    ShardSpec,
+)
 from meshnet_common.trust.identity import CallChecker, issue
 from meshnet_common.trust.manifest_keys import ManifestSigner
 from meshnet_node.swarm.membership import Membership
@@ -62,3 +68,18 @@ def test_a_pinned_key_is_kept_whatever_the_tracker_answers(caplog):
         membership.register_once()
     assert membership.peers.tracker_key == pinned.public()
     assert "pinned with --tracker-key" in caplog.records[-1].getMessage()
+
+
+def test_a_heartbeat_answer_replaces_the_revoked_keys(caplog):
+    revoked = "A" * 43
+
+    def tracker(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=HeartbeatResponse(known=True, revoked=(revoked,))
+                              .model_dump_json())  # fmt: skip
+
+    membership = _membership()
+    membership.heartbeat = lambda: Heartbeat(node_id="n1", state="serving", active_sessions=0,
+                                             kv_tokens=0, memory_free_bytes=1)  # fmt: skip
+    membership._client = httpx.Client(transport=httpx.MockTransport(tracker))
+    assert membership.beat() is not None
+    assert revoked in membership.peers.revoked

@@ -88,6 +88,7 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
     # keys, swarm token, nodes' identity; CORS outside them (preflights carry no key)
     peers = CallChecker(signer.public(), serves_nodes=node is not None)
     peers.answers_at([settings.url])  # a signed call must be aimed at this tracker
+    peers.revoked = registry.revocations  # removed and quarantined nodes' keys
     install_access(app, settings, peers=peers)
     # A tracker node reports its own layers and the swarm's numbers in one registry.
     metrics = node.metrics if node is not None else Metrics()

@@ -29,7 +29,7 @@ import binascii
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from cryptography.exceptions import InvalidSignature
@@ -176,7 +176,10 @@ class CallChecker:
         # The Host values this process answers at (``answers_at``); empty: not known yet,
         # and the Host header the call came with stands in.
         self.authorities: set[str] = set()
-        self._known: OrderedDict[str, tuple[str, Ed25519PublicKey, int]] = OrderedDict()
+        # Node keys whose certificates the tracker revoked (``trust.revocation``): the
+        # tracker's own ``Revocations``, or on a node the list of its last heartbeat answer.
+        self.revoked: Container[str] = frozenset()
+        self._known: OrderedDict[str, tuple[str, Ed25519PublicKey, int, str]] = OrderedDict()
 
     @classmethod
     def pinned(cls, tracker_key: str | None) -> CallChecker:
@@ -222,7 +225,9 @@ class CallChecker:
         if not cert or not call:
             raise IdentityError(f"a signed call needs both {H_NODE_CERT} and {H_NODE_CALL}")
         now = self.clock()
-        node_id, key, not_after = self._certificate(cert)
+        node_id, key, not_after, public = self._certificate(cert)
+        if public in self.revoked:
+            raise IdentityError(f"the certificate of {node_id!r} was revoked")
         if not_after < now - MAX_SKEW_S:
             raise IdentityError(f"the certificate of {node_id!r} expired")
         when_text, _, signature = call.partition(".")
@@ -237,7 +242,7 @@ class CallChecker:
             raise IdentityError(f"the call of {node_id!r} was signed for another node")
         return node_id
 
-    def _certificate(self, text: str) -> tuple[str, Ed25519PublicKey, int]:
+    def _certificate(self, text: str) -> tuple[str, Ed25519PublicKey, int, str]:
         known = self._known.get(text)
         if known is not None:
             self._known.move_to_end(text)
@@ -258,7 +263,7 @@ class CallChecker:
         body = _certificate_body(node_id, public, not_after)
         if not self.tracker_key.verify(body, base64.b64encode(raw_signature).decode()):
             raise IdentityError("the certificate is not the tracker's")
-        self._known[text] = (node_id, key, not_after)
+        self._known[text] = (node_id, key, not_after, public)
         if len(self._known) > _CACHE:
             self._known.popitem(last=False)
-        return node_id, key, not_after
+        return node_id, key, not_after, public

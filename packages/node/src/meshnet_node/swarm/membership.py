@@ -286,6 +286,7 @@ class Membership:
             logger.warning("heartbeat failed: %s", exc)
             return None
         self.identity.adopt(reply.certificate)
+        self.peers.revoked = frozenset(reply.revoked)  # the tracker's list, whole each time
         self.heartbeats += 1
         return reply
 
