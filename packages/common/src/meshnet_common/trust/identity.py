@@ -5,8 +5,9 @@ with the tracker's key alone.
   and sends the public key with its registration.
 - The tracker answers with a *certificate*: its own signature (the tracker key that signs
   manifests) over the node id, that public key and an expiry (``CERT_LIFETIME_S``). Every
-  heartbeat answer renews it, so a node the tracker forgot or removed loses its identity
-  within that lifetime.
+  heartbeat answer renews it, so a node the tracker forgot loses its identity within that
+  lifetime; one it removed or quarantined loses it at once (``trust.revocation``: the key
+  is listed in heartbeat answers and ``CallChecker.revoked`` refuses it).
 - A node calling a peer sends its certificate and its signature over the method, the
   peer's authority (the host and port it dials: the callee as the swarm names it), the
   request target, the SHA-256 of the body and the time (``x-meshnet-node-cert``,
