@@ -116,10 +116,15 @@ class Swarm:
         self.procs: list[Proc] = []
 
     def tracker(self, *extra: str, port: int | None = None) -> Proc:
-        """A tracker on a port the kernel picks, or on ``port`` (a restart keeps its address)."""
+        """A tracker on a port the kernel picks, or on ``port`` (a restart keeps its address),
+        with a --signing-key file (a restart keeps its key too: nodes keep the first key they
+        saw, docs/adr/0032)."""
+        key = (
+            () if "--signing-key" in extra else ("--signing-key", str(self.log_dir / "tracker.key"))
+        )
         args = ["meshnet_tracker.cli", "--models-dir", str(self.models_dir), "--port",
                 str(port or 0), "--heartbeat-interval", str(self.heartbeat_s), "--threads", "1",
-                *extra]  # fmt: skip
+                *key, *extra]  # fmt: skip
         return self._add(Proc("tracker", args, self._log("tracker"), bound=port))
 
     def node(self, tracker: Proc, model_id: str, start: int, end: int, *extra: str) -> Proc:

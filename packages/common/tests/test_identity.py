@@ -89,7 +89,8 @@ def _app(checker: CallChecker) -> FastAPI:
 
     @app.post("/v1/forward")
     async def forward(request: Request) -> dict:
-        return {"peer": request.scope.get(PEER_SCOPE_KEY)}
+        body = (await request.body()).decode()
+        return {"peer": request.scope.get(PEER_SCOPE_KEY), **({"body": body} if body else {})}
 
     @app.get("/v1/shards/x")
     async def shards(request: Request) -> dict:
@@ -131,13 +132,71 @@ def test_the_middleware_attributes_signed_calls_and_refuses_unsigned_node_calls(
     assert client.get("/v1/shards/x", headers={**token, **stale}).json() == {"peer": None}
 
 
-def test_a_restarted_trackers_new_key_replaces_the_old_unless_one_is_pinned():
+def test_the_first_tracker_key_seen_is_kept_and_a_changed_one_refused():
     old, new = TRACKER, ManifestSigner.generate()
-    learned = CallChecker()
-    assert learned.adopt(old.public()) and learned.adopt(new.public())
+    learned = CallChecker()  # no --tracker-key: trust on first use
+    assert learned.adopt(old.public()) and learned.adopt(old.public())
+    assert not learned.adopt(new.public())  # a tracker answering with another key
+    assert learned.tracker_key == old.public()
     after = _certified("node-a", new).headers("POST", HOST, TARGET)
-    assert learned.caller("POST", HOST, TARGET, after) == "node-a"
-    pinned = CallChecker.pinned(old.public().text)
-    assert pinned.adopt(old.public()) and not pinned.adopt(new.public())
-    with pytest.raises(IdentityError, match="not the tracker's"):
-        pinned.caller("POST", HOST, TARGET, after)
+    with pytest.raises(IdentityError, match="not the tracker's"):  # its certificates refused
+        learned.caller("POST", HOST, TARGET, after)
+    pinned = CallChecker.pinned(new.public().text)  # the operator pins the new key
+    assert pinned.adopt(new.public()) and not pinned.adopt(old.public())
+    assert pinned.caller("POST", HOST, TARGET, after) == "node-a"
+
+
+def test_a_call_signed_for_one_node_is_refused_by_another():
+    """A member that received a signed call cannot relay it: the callee checks the signed
+    authority against the URL it answers at, not against the Host header the relay writes."""
+    node_a, node_b = CallChecker(TRACKER.public()), CallChecker(TRACKER.public())
+    node_a.answers_at(["http://10.0.0.1:9000"])
+    node_b.answers_at(["http://10.0.0.2:9000/"])
+    headers = _certified("caller").headers("POST", "10.0.0.1:9000", TARGET, b"{}")
+    assert node_a.caller("POST", "10.0.0.1:9000", TARGET, headers, b"{}") == "caller"
+    with pytest.raises(IdentityError, match="signed for another node"):  # Host kept as A's
+        node_b.caller("POST", "10.0.0.1:9000", TARGET, headers, b"{}")
+    with pytest.raises(IdentityError, match="not signed"):  # Host rewritten to B's
+        node_b.caller("POST", "10.0.0.2:9000", TARGET, headers, b"{}")
+    # through the middleware of node B: the relayed call is refused on a node route
+    app = _app(node_b)
+    client = TestClient(app, base_url="http://10.0.0.2:9000")
+    relayed = client.post("/v1/forward", content=b"{}",
+                          headers={H_SWARM_TOKEN: "tok", "host": "10.0.0.1:9000", **headers})  # fmt: skip
+    assert relayed.status_code == 401 and "another node" in relayed.json()["error"]["message"]
+    own = _certified("caller").headers("POST", "10.0.0.2:9000", TARGET, b"{}")
+    ok = client.post("/v1/forward", content=b"{}", headers={H_SWARM_TOKEN: "tok", **own})
+    assert ok.json() == {"peer": "caller", "body": "{}"}
+    # a loopback URL answers under each loopback name, a default port with or without it
+    local = CallChecker(TRACKER.public())
+    local.answers_at(["http://127.0.0.1:9000", "https://node.example", None])
+    assert {"localhost:9000", "[::1]:9000", "node.example", "node.example:443"} <= local.authorities
+    wildcard = CallChecker(TRACKER.public())
+    wildcard.answers_at(["http://0.0.0.0:9000"])
+    assert wildcard.authorities == set()  # not known yet: the Host header stands in
+
+
+def test_a_body_swapped_under_a_signature_is_refused():
+    checker = CallChecker(TRACKER.public())
+    headers = _certified().headers("POST", HOST, TARGET, b'{"ids": [1]}')
+    assert checker.caller("POST", HOST, TARGET, headers, b'{"ids": [1]}') == "node-a"
+    with pytest.raises(IdentityError, match="not signed"):
+        checker.caller("POST", HOST, TARGET, headers, b'{"ids": [2]}')
+    client = TestClient(_app(checker), base_url=f"http://{HOST}")
+    token = {H_SWARM_TOKEN: "tok"}
+    swapped = client.post("/v1/forward", content=b'{"ids": [2]}', headers={**token, **headers})
+    assert swapped.status_code == 401
+    ok = client.post("/v1/forward", content=b'{"ids": [1]}', headers={**token, **headers})
+    assert ok.json() == {"peer": "node-a", "body": '{"ids": [1]}'}  # the body reaches the route
+
+    def signed(request: httpx.Request) -> httpx.Response:  # an httpx hook signs what it sends
+        return httpx.Response(200, json=dict(request.headers))
+
+    identity = _certified()
+    hooked = httpx.Client(transport=httpx.MockTransport(signed),
+                          event_hooks={"request": [identity.sign_request]})  # fmt: skip
+    sent = hooked.post(f"http://{HOST}{TARGET}", json={"ids": [1]}).json()
+    body = b'{"ids":[1]}'
+    assert checker.caller("POST", HOST, TARGET, sent, body) == "node-a"
+    with pytest.raises(IdentityError):
+        checker.caller("POST", HOST, TARGET, sent, b'{"ids":[2]}')

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,12 @@ from meshnet_common.errors import ModelError, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.shardfiles import MANIFEST_FILE, SUBSET_FILE
 from meshnet_common.tiny.snapshots import make_tiny
-from meshnet_common.trust.manifest_keys import ALGORITHM, KEY_PATH, ManifestSigner
+from meshnet_common.trust.manifest_keys import (
+    ALGORITHM,
+    KEY_PATH,
+    MANIFEST_LIFETIME_S,
+    ManifestSigner,
+)
 from meshnet_common.web.http import install_error_handlers
 from meshnet_common.web.shards import ShardServer, shards_router
 from meshnet_node.swarm import fetch
@@ -130,6 +136,35 @@ def test_an_unsigned_or_foreign_signed_manifest_is_refused(use, snapshot, tmp_pa
         fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=Trust(tracker=TRACKER,
                     tracker_key=other), hub=False)  # fmt: skip
     assert not list(tmp_path.rglob(MANIFEST_FILE))
+
+
+class _StaleSigner:
+    """The tracker's key signing as it did two manifest lifetimes ago: a replayed manifest."""
+
+    def __init__(self) -> None:
+        self.signer = ManifestSigner.generate()
+        self.public = self.signer.public
+
+    def sign_manifest(self, body: bytes) -> str:
+        return self.signer.sign_manifest(body, now=time.time() - 2 * MANIFEST_LIFETIME_S)
+
+
+def test_an_expired_manifest_signature_is_refused(use, snapshot, tmp_path):
+    stale = _StaleSigner()
+    use(tracker=shard_app(snapshot, stale))
+    pinned = Trust(tracker=TRACKER, tracker_key=stale.public().text)
+    with pytest.raises(ModelError, match="expired"):
+        fetch_shard(MODEL, LAYERS, (TRACKER,), tmp_path, trust=pinned, hub=False)
+    assert not list(tmp_path.rglob(MANIFEST_FILE))
+    # the expiry is signed: moving it on breaks the signature
+    key, body = stale.public(), b'{"a":1}'
+    header = stale.signer.sign_manifest(body, now=1000)
+    assert key.manifest_problem(body, header, now=1000) is None
+    assert "expired" in key.manifest_problem(body, header, now=1000 + MANIFEST_LIFETIME_S + 121)
+    later = f"{int(header.split('.')[0]) + 10**6}.{header.split('.', 1)[1]}"
+    assert "not the tracker's" in key.manifest_problem(body, later, now=1000)
+    for junk in (None, "", "²³.abc", "123", "x.y"):
+        assert key.manifest_problem(body, junk, now=1000) is not None
 
 
 def test_without_a_tracker_the_named_source_is_trusted(use, snapshot, tmp_path):

@@ -255,7 +255,8 @@ def test_heartbeat(tracker):
     resp = heartbeat(tracker, beat)
     assert resp.status_code == 200
     assert resp.json() == {
-        "known": False, "directives": [], "probe": [], "quarantined": None, "certificate": None
+        "known": False, "directives": [], "probe": [], "quarantined": None, "certificate": None,
+        "revoked": [],
     }  # fmt: skip
     register(tracker, node_id="ghost")
     assert heartbeat(tracker, beat).json()["known"] is True

@@ -41,6 +41,7 @@ def _model_id(value: str) -> str:
 
 ModelId = Annotated[str, Field(min_length=3, max_length=200), AfterValidator(_model_id)]
 # A name clients may use for a model (--served-model-name): free-form, as in vLLM.
+PublicKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{43}$")]  # a node's Ed25519 key
 ServedName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\w.:/@+-]+$")]
 # scheme://host[:port][/] and nothing else: no path, query, fragment or user info (a URL the
 # tracker calls back must name an address, not smuggle a request; docs/adr/0032)
@@ -297,6 +298,9 @@ class HeartbeatResponse(Strict):
     # Why the tracker quarantined this node (docs/adr/0026); None: it is not.
     quarantined: str | None = Field(default=None, max_length=300)
     certificate: str | None = Field(default=None, max_length=512)  # renewed (docs/adr/0032)
+    # Node keys whose certificates the tracker revoked (removed or quarantined nodes):
+    # peers refuse their calls from now on (``meshnet_common.trust.revocation``).
+    revoked: tuple[PublicKey, ...] = Field(default=(), max_length=1024)
 
 
 class SignedRow(Strict):

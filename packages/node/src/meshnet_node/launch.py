@@ -162,6 +162,7 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
         model_path = resolve_model_path(
             settings, model_id, layers, sources, metrics, local,
             identity=membership.identity if membership is not None else None,
+            peers=membership.peers if membership is not None else None,
         )  # fmt: skip
         settings = settings.with_shard(model_id, layers, model_path).replace(
             port=port, node_id=node_id, movable=movable

@@ -230,6 +230,7 @@ def build_runtime(
     stage = load_stage(settings)
     identity = membership.identity if membership is not None else Identity()
     peers = membership.peers if membership is not None else CallChecker.pinned(settings.tracker_key)
+    peers.answers_at([announced_url(settings)])  # a signed call must name this node
     service = NodeService(
         stage, settings, model_id=settings.model_id, metrics=metrics, identity=identity,
         before_pass=slow_compute(settings.step_delay_ms),  # tests only; None: a real node

@@ -86,7 +86,10 @@ def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> Fast
     if node is not None:
         node.install_data_path(app)  # the tracker node's data path; inside auth and observability
     # keys, swarm token, nodes' identity; CORS outside them (preflights carry no key)
-    install_access(app, settings, peers=CallChecker(signer.public(), serves_nodes=node is not None))
+    peers = CallChecker(signer.public(), serves_nodes=node is not None)
+    peers.answers_at([settings.url])  # a signed call must be aimed at this tracker
+    peers.revoked = registry.revocations  # removed and quarantined nodes' keys
+    install_access(app, settings, peers=peers)
     # A tracker node reports its own layers and the swarm's numbers in one registry.
     metrics = node.metrics if node is not None else Metrics()
     install_observability(app, metrics)  # outermost: sees the 401s too

@@ -74,8 +74,8 @@ class RemoteHead:
         headers = {"content-type": "application/json", H_ROUTE: ",".join(rest)}
         if request_id := request_id_var.get():  # the head logs under the same request id
             headers[H_REQUEST_ID] = request_id
-        if auth := request.headers.get("authorization"):  # a head checking API keys sees it
-            headers["authorization"] = auth
+        # The client's API key stays here: it authenticated the client to the tracker only.
+        # A head checking keys takes the tracker's proxied calls by the swarm token.
         if request.client is not None:  # its queue takes turns by client, not by tracker
             headers[H_CLIENT_ADDRESS] = request.client.host
         if self.tenant is not None:  # its prefix cache keeps each key's prompts apart

@@ -18,6 +18,7 @@ from meshnet_common.protocol import (
     NodeState,
     Verdict,
 )
+from meshnet_common.trust.revocation import Revocations
 from meshnet_common.web.auth import same_secret as _same
 from meshnet_tracker.coverage import ModelCoverage, ServingNode, build_coverage
 from meshnet_tracker.routing import RouteReport, measured_slowdowns, with_slowdowns
@@ -107,6 +108,8 @@ class Registry:
         self._strikes: dict[str, dict[str, Verdict]] = {}
         self._quarantined: dict[str, str] = {}
         self._quarantined_urls: dict[str, str] = {}  # URL -> the node id quarantined there
+        # The keys of removed and quarantined nodes: certified no more (docs/adr/0032).
+        self.revocations = Revocations(clock)
         self.verdicts = 0  # verdicts received
         # What each head measured of the routes it used: reporter -> route URLs (after it) ->
         # (step ms, when reported); the latest per route, MAX_ROUTE_TIMES per reporter.
@@ -148,6 +151,10 @@ class Registry:
                 was = self._quarantined_urls[announcement.url]
                 quarantined = f"its address served {was!r}: {self._quarantined.get(was)}"
                 self._quarantined[announcement.node_id] = quarantined
+            if quarantined is None:  # certified anew (after a removal, say)
+                self.revocations.lift(announcement.public_key)
+            else:
+                self.revocations.revoke(announcement.public_key)
             record = NodeRecord(
                 announcement=announcement,
                 state=announcement.state,
@@ -240,6 +247,7 @@ class Registry:
                 if record is not None:
                     record.quarantined = reason
                     self._quarantined_urls[record.announcement.url] = node_id
+                    self.revocations.revoke(record.announcement.public_key)
                 quarantined = True
                 logger.error("node %s quarantined: %s", node_id, reason)
             return len(strikes), quarantined
@@ -266,6 +274,7 @@ class Registry:
             if record is not None:
                 record.quarantined = None
                 self._quarantined_urls.pop(record.announcement.url, None)
+                self.revocations.lift(record.announcement.public_key)
         if lifted:
             logger.warning("node %s: quarantine lifted", node_id)
         return lifted
@@ -276,8 +285,11 @@ class Registry:
 
     def remove(self, node_id: str) -> bool:
         with self._lock:
-            removed = self._nodes.pop(node_id, None) is not None
+            record = self._nodes.pop(node_id, None)
+            removed = record is not None
             self._route_times.pop(node_id, None)
+            if record is not None:  # its certificate ends now, not in 10 minutes
+                self.revocations.revoke(record.announcement.public_key)
         if removed:
             logger.info("node %s left", node_id)
         return removed

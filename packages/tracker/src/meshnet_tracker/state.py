@@ -78,7 +78,7 @@ class TrackerState:
     def certify(self, node_id: str, public_key: str | None) -> str | None:
         """A certificate of ``public_key`` for ``node_id`` (docs/adr/0032): issued at each
         registration and renewed by each heartbeat answer; None without a key."""
-        if public_key is None or self.signer is None:
+        if public_key is None or self.signer is None or public_key in self.registry.revocations:
             return None
         return issue(self.signer, node_id, public_key)
 

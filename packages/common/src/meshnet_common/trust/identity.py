@@ -5,15 +5,19 @@ with the tracker's key alone.
   and sends the public key with its registration.
 - The tracker answers with a *certificate*: its own signature (the tracker key that signs
   manifests) over the node id, that public key and an expiry (``CERT_LIFETIME_S``). Every
-  heartbeat answer renews it, so a node the tracker forgot or removed loses its identity
-  within that lifetime.
+  heartbeat answer renews it, so a node the tracker forgot loses its identity within that
+  lifetime; one it removed or quarantined loses it at once (``trust.revocation``: the key
+  is listed in heartbeat answers and ``CallChecker.revoked`` refuses it).
 - A node calling a peer sends its certificate and its signature over the method, the
-  peer's authority (the ``Host`` header), the request target and the time
-  (``x-meshnet-node-cert``, ``x-meshnet-node-call``). A hop stream signs its handshake once.
+  peer's authority (the host and port it dials: the callee as the swarm names it), the
+  request target, the SHA-256 of the body and the time (``x-meshnet-node-cert``,
+  ``x-meshnet-node-call``). A hop stream signs its handshake once.
 - The peer checks both with the tracker key it already holds (``CallChecker``), with no
-  round trip to the tracker, and attributes the call to that node id. A signature is good
-  for ``MAX_SKEW_S`` around its time and names its target, so a member that received a
-  signed call cannot replay it to another node.
+  round trip to the tracker, and attributes the call to that node id. It checks the signed
+  authority against its own (``answers_at``: the URL the tracker registered it under, not
+  the ``Host`` header a relaying member would write), and the digest against the body it
+  received. A signature is good for ``MAX_SKEW_S`` around its time, so a member that
+  received a signed call can neither relay it to another node nor swap its body.
 
 Hand-written because the pieces it uses are the ``cryptography`` package's Ed25519 and
 the tracker key of ``manifest_keys``; what is signed and when is this project's own.
@@ -23,9 +27,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Container, Iterable, Mapping
+from urllib.parse import urlsplit
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -61,9 +67,38 @@ def _certificate_body(node_id: str, public_key: str, not_after: int) -> bytes:
     return f"meshnet-node-certificate\0{node_id}\0{public_key}\0{not_after}".encode()
 
 
-def call_body(method: str, authority: str, target: str, when: int) -> bytes:
-    """What a caller signs: the method, the peer's authority, the target, the time."""
-    return f"meshnet-node-call\0{method.upper()}\0{authority.lower()}\0{target}\0{when}".encode()
+def call_body(method: str, authority: str, target: str, when: int, body: bytes = b"") -> bytes:
+    """What a caller signs: the method, the peer's authority, the target, the SHA-256 of
+    the request body and the time."""
+    digest = hashlib.sha256(body).hexdigest()
+    return (
+        f"meshnet-node-call/2\0{method.upper()}\0{authority.lower()}\0{target}\0{digest}\0{when}"
+    ).encode()
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def authorities(url: str) -> set[str]:
+    """The ``Host`` values a caller dialling ``url`` sends (lower case; the default port
+    with and without it; loopback under each of its names). Empty for a wildcard host,
+    which no caller dials."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if not host or host in ("0.0.0.0", "::"):
+        return set()
+    try:
+        port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
+    except ValueError:
+        return set()
+    hosts = {f"[{host}]" if ":" in host else host}
+    if hosts & set(_LOOPBACK):
+        hosts = set(_LOOPBACK)
+    found = {f"{name}:{port}" for name in hosts}
+    if port == _DEFAULT_PORTS.get(parts.scheme):
+        found |= hosts
+    return found
 
 
 def issue(
@@ -100,29 +135,34 @@ class Identity:
         if certificate:
             self.certificate = certificate
 
-    def headers(self, method: str, authority: str, target: str) -> dict[str, str]:
+    def headers(
+        self, method: str, authority: str, target: str, body: bytes = b""
+    ) -> dict[str, str]:
         """The headers that sign one call (none before a certificate is issued)."""
         if self.certificate is None:
             return {}
         when = int(time.time())
-        signature = self.key.sign(call_body(method, authority, target, when))
+        signature = self.key.sign(call_body(method, authority, target, when, body))
         return {H_NODE_CERT: self.certificate, H_NODE_CALL: f"{when}.{signature}"}
 
     def sign_request(self, request) -> None:
-        """An httpx request hook (a blocking client's)."""
+        """An httpx request hook (a blocking client's): signs the body it sends too."""
         target = request.url.raw_path.decode("ascii")
-        request.headers.update(self.headers(request.method, request.headers["host"], target))
+        body = request.read()  # the bytes it sends (a streamed body is read into memory)
+        request.headers.update(self.headers(request.method, request.headers["host"], target, body))
 
     async def sign_async_request(self, request) -> None:
         """An httpx request hook (an async client's)."""
+        await request.aread()
         self.sign_request(request)
 
 
 class CallChecker:
     """Checks the identity headers of calls to this process against the tracker key.
 
-    ``tracker_key`` is None until the node knows its tracker's key (its first registration
-    answer, or ``--tracker-key``): calls are then not attributed. ``required``: whether
+    ``tracker_key`` is None until the node knows its tracker's key (``--tracker-key``, else
+    the first registration answer's, kept from then on: trust on first use): calls are
+    then not attributed. ``required``: whether
     node-to-node routes refuse a call without identity: once the key is known, where the
     process serves such routes (``serves_nodes``: a tracker without a tracker node has
     none, and answers 404 for them as for any unknown path)."""
@@ -134,7 +174,13 @@ class CallChecker:
         self.serves_nodes = serves_nodes
         self.clock = clock
         self.is_pinned = False  # the operator's --tracker-key: never replaced
-        self._known: OrderedDict[str, tuple[str, Ed25519PublicKey, int]] = OrderedDict()
+        # The Host values this process answers at (``answers_at``); empty: not known yet,
+        # and the Host header the call came with stands in.
+        self.authorities: set[str] = set()
+        # Node keys whose certificates the tracker revoked (``trust.revocation``): the
+        # tracker's own ``Revocations``, or on a node the list of its last heartbeat answer.
+        self.revoked: Container[str] = frozenset()
+        self._known: OrderedDict[str, tuple[str, Ed25519PublicKey, int, str]] = OrderedDict()
 
     @classmethod
     def pinned(cls, tracker_key: str | None) -> CallChecker:
@@ -145,25 +191,33 @@ class CallChecker:
         return checker
 
     def adopt(self, tracker_key: ManifestKey) -> bool:
-        """The key a registration answer carried: taken unless one is pinned (a restarted
-        tracker without --signing-key has a new key, and certifies nodes with it); False
-        when a pinned key differs."""
-        if self.is_pinned:
-            return self.tracker_key == tracker_key
-        if self.tracker_key != tracker_key:
+        """The key a registration answer carried: taken when none is known yet (trust on
+        first use); False when it differs from the key known (pinned, or first seen). A
+        tracker whose key changed (restarted without --signing-key, or an impostor) is not
+        believed until the operator pins its new key with --tracker-key."""
+        if self.tracker_key is None:
             self.tracker_key = tracker_key
             self._known.clear()
-        return True
+        return self.tracker_key == tracker_key
+
+    def answers_at(self, urls: Iterable[str | None]) -> None:
+        """The URLs peers reach this process at (its registered URL, its advertised one):
+        a signed call must name one of them."""
+        for url in urls:
+            if url:
+                self.authorities |= authorities(url)
 
     @property
     def required(self) -> bool:
         return self.serves_nodes and self.tracker_key is not None
 
     def caller(
-        self, method: str, authority: str, target: str, headers: Mapping[str, str]
-    ) -> str | None:
-        """The node id that signed this call; None when it carries no identity headers.
-        IdentityError when it carries them and they do not check out."""
+        self, method: str, authority: str, target: str, headers: Mapping[str, str],
+        body: bytes = b"",
+    ) -> str | None:  # fmt: skip
+        """The node id that signed this call of ``body``; None when it carries no identity
+        headers. IdentityError when it carries them and they do not check out, or were
+        signed for another node."""
         cert, call = headers.get(H_NODE_CERT), headers.get(H_NODE_CALL)
         if cert is None and call is None:
             return None
@@ -172,19 +226,24 @@ class CallChecker:
         if not cert or not call:
             raise IdentityError(f"a signed call needs both {H_NODE_CERT} and {H_NODE_CALL}")
         now = self.clock()
-        node_id, key, not_after = self._certificate(cert)
+        node_id, key, not_after, public = self._certificate(cert)
+        if public in self.revoked:
+            raise IdentityError(f"the certificate of {node_id!r} was revoked")
         if not_after < now - MAX_SKEW_S:
             raise IdentityError(f"the certificate of {node_id!r} expired")
         when_text, _, signature = call.partition(".")
         if not when_text.isdigit() or abs(int(when_text) - now) > MAX_SKEW_S:
             raise IdentityError("the call's time is missing or too far from this node's clock")
         try:
-            key.verify(_unb64(signature), call_body(method, authority, target, int(when_text)))
+            signed = call_body(method, authority, target, int(when_text), body)
+            key.verify(_unb64(signature), signed)
         except (InvalidSignature, binascii.Error, ValueError) as exc:
             raise IdentityError(f"the call is not signed by {node_id!r}") from exc
+        if self.authorities and authority.lower() not in self.authorities:
+            raise IdentityError(f"the call of {node_id!r} was signed for another node")
         return node_id
 
-    def _certificate(self, text: str) -> tuple[str, Ed25519PublicKey, int]:
+    def _certificate(self, text: str) -> tuple[str, Ed25519PublicKey, int, str]:
         known = self._known.get(text)
         if known is not None:
             self._known.move_to_end(text)
@@ -205,7 +264,7 @@ class CallChecker:
         body = _certificate_body(node_id, public, not_after)
         if not self.tracker_key.verify(body, base64.b64encode(raw_signature).decode()):
             raise IdentityError("the certificate is not the tracker's")
-        self._known[text] = (node_id, key, not_after)
+        self._known[text] = (node_id, key, not_after, public)
         if len(self._known) > _CACHE:
             self._known.popitem(last=False)
-        return node_id, key, not_after
+        return node_id, key, not_after, public

@@ -2,10 +2,14 @@
 an Ed25519 key of its own; nodes hold only the public key, so no node can forge a manifest
 that another node would accept.
 
-The key file is PEM (PKCS#8), created on first use with mode 0600; without one the tracker
-makes a new key per run (nodes ask it for its key at start, or pin it with --tracker-key).
+The key file is PEM (PKCS#8), created on first use with mode 0600; an existing one that
+group or others may read or write is refused, as ssh refuses such a private key. Without one
+the tracker makes a new key per run (nodes ask it for its key at start, or pin it with --tracker-key).
 The public key travels as the base64 of its 32 raw bytes, the signature as the base64 of
-its 64 bytes, over the manifest's canonical JSON (``shardfiles.canonical_json``).
+its 64 bytes. A manifest's signature (``x-meshnet-manifest-signature: NOT_AFTER.SIGNATURE``)
+covers its canonical JSON (``shardfiles.canonical_json``) and an expiry
+``MANIFEST_LIFETIME_S`` on, which verifiers check: an old signed manifest (of a revision
+since replaced) cannot be replayed to a node for ever.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import stat
+import time
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -24,6 +30,12 @@ from meshnet_common.errors import InvalidRequest
 H_MANIFEST_SIGNATURE = "x-meshnet-manifest-signature"
 KEY_PATH = "/v1/tracker/key"  # GET: {"algorithm": "ed25519", "public_key": BASE64}
 ALGORITHM = "ed25519"
+MANIFEST_LIFETIME_S = 3600  # how long a manifest's signature is good for
+MANIFEST_SKEW_S = 120  # how far the verifier's clock may be behind or ahead
+
+
+def _manifest_body(body: bytes, not_after: int) -> bytes:
+    return b"meshnet-manifest/2\0" + str(not_after).encode() + b"\0" + body
 
 
 class ManifestSigner:
@@ -50,6 +62,7 @@ class ManifestSigner:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(raw)
             return signer
+        _check_private(path)
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
         except (ValueError, TypeError) as exc:
@@ -63,6 +76,23 @@ class ManifestSigner:
 
     def sign(self, body: bytes) -> str:
         return base64.b64encode(self._key.sign(body)).decode()
+
+    def sign_manifest(self, body: bytes, *, now: float | None = None) -> str:
+        """``x-meshnet-manifest-signature`` of a manifest's canonical JSON: NOT_AFTER.SIGNATURE."""
+        not_after = int(time.time() if now is None else now) + MANIFEST_LIFETIME_S
+        return f"{not_after}.{self.sign(_manifest_body(body, not_after))}"
+
+
+def _check_private(path: Path) -> None:
+    """InvalidRequest when group or others may read or write the key file (POSIX only)."""
+    if os.name != "posix":
+        return
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise InvalidRequest(
+            f"--signing-key {path}: permissions {mode:04o} let group or others read it; "
+            f"a private key must be 0600 (chmod 600 {path})"
+        )
 
 
 class ManifestKey:
@@ -97,6 +127,20 @@ class ManifestKey:
         except (InvalidSignature, binascii.Error, ValueError):
             return False
         return True
+
+    def manifest_problem(
+        self, body: bytes, header: str | None, *, now: float | None = None
+    ) -> str | None:
+        """Why ``header`` (``sign_manifest``'s) does not vouch for ``body`` now; None when
+        it does."""
+        when, _, signature = (header or "").partition(".")
+        if not (when.isascii() and when.isdigit() and len(when) <= 12) or not signature:
+            return "manifest signature missing or malformed"
+        if not self.verify(_manifest_body(body, int(when)), signature):
+            return "manifest signature not the tracker's"
+        if int(when) < (time.time() if now is None else now) - MANIFEST_SKEW_S:
+            return "manifest signature expired"
+        return None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ManifestKey) and other.text == self.text

@@ -43,6 +43,7 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKENI
 # node (docs/adr/0032). Shard downloads are not among them: a node fetches before it joins.
 NODE_PREFIXES = ("/v1/forward", "/v1/sessions", "/v1/answers", "/v1/stream", "/v1/node/audit",
                  "/v1/node/prefix")  # fmt: skip
+DEFAULT_MAX_SIGNED_BODY = 256 * 2**20  # a signed call's body read to check its digest
 PEER_SCOPE_KEY = "meshnet.peer"  # the ASGI scope key of a signed call's node id
 NEEDS_IDENTITY = (
     "this route takes calls from swarm nodes only: sign them with the node's certificate "
@@ -153,16 +154,19 @@ class AuthMiddleware:
     ``peers`` (docs/adr/0032): checks the signed identity of calling nodes. A call that
     carries one is attributed to its node id (``scope[PEER_SCOPE_KEY]``); once the tracker
     key is known, node-to-node routes (``NODE_PREFIXES``) refuse (401) a call without one or
-    with one that does not check out."""
+    with one that does not check out. A signed call's body is read here (at most
+    ``max_body`` bytes, else 413) to check the digest it was signed with, then handed on."""
 
     def __init__(
         self, app, *, swarm_token: str | None, api_key: str | None,
         peers: CallChecker | None = None, api_keys: Iterable[str] = (),
+        max_body: int = DEFAULT_MAX_SIGNED_BODY,
     ) -> None:  # fmt: skip
         self.app = app
         self.swarm_token = swarm_token
         self.api_keys = tuple(key for key in (api_key, *api_keys) if key)  # any of them
         self.peers = peers
+        self.max_body = max_body
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
@@ -187,13 +191,22 @@ class AuthMiddleware:
                 await _unauthorized(send, "missing or wrong API key")
                 return
         if internal and self.peers is not None:
-            refusal = self._attribute(scope, headers)
+            body = b""
+            if not websocket and (_CERT in headers or _CALL in headers):
+                body = await _read_signed_body(receive, self.max_body)
+                if body is _GONE:  # the client left mid-body: nobody to answer
+                    return
+                if body is None:
+                    await _refuse(send, 413, f"a signed call's body exceeds {self.max_body} bytes")
+                    return
+                receive = _replay(body, receive)
+            refusal = self._attribute(scope, headers, body)
             if refusal is not None:
                 await _unauthorized(send, refusal, scope, receive)
                 return
         await self.app(scope, receive, send)
 
-    def _attribute(self, scope, headers: dict[bytes, str]) -> str | None:
+    def _attribute(self, scope, headers: dict[bytes, str], body: bytes) -> str | None:
         """Put the calling node's id in the scope; why the call is refused, if it is."""
         path = scope["path"]
         query = scope.get("query_string") or b""
@@ -204,7 +217,7 @@ class AuthMiddleware:
         try:
             caller = self.peers.caller(
                 method, headers.get(_HOST, ""), target,
-                {k: v for k, v in signed.items() if v is not None},
+                {k: v for k, v in signed.items() if v is not None}, body,
             )  # fmt: skip
         except IdentityError as exc:
             # Only node-to-node routes depend on it; elsewhere (the tracker's routes, with
@@ -216,6 +229,47 @@ class AuthMiddleware:
         elif self.peers.required and path.startswith(NODE_PREFIXES):
             return NEEDS_IDENTITY
         return None
+
+
+_GONE = object()  # the client left before its body ended
+
+
+async def _read_signed_body(receive, limit: int):
+    """The whole request body; None past ``limit`` bytes; ``_GONE`` if the client left."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return _GONE
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` giving ``body`` once, then what the client sends (its disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": "payload_too_large"}}  # fmt: skip
+    payload = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 _SWARM = H_SWARM_TOKEN.encode()
@@ -235,14 +289,16 @@ def _first_values(raw, names: tuple[bytes, ...]) -> dict[bytes, str]:
 def install_auth(
     app: FastAPI, *, swarm_token: str | None, api_key: str | None,
     peers: CallChecker | None = None, api_keys: tuple[str, ...] = (),
+    max_body: int = DEFAULT_MAX_SIGNED_BODY,
 ) -> None:  # fmt: skip
     """Check secrets and calling nodes before any route runs; nothing to check without
-    secrets or a ``peers`` checker. ``api_keys``: more keys, each as good as ``api_key``."""
+    secrets or a ``peers`` checker. ``api_keys``: more keys, each as good as ``api_key``;
+    ``max_body``: the largest signed call whose body digest is checked."""
     app.state.swarm_token = swarm_token  # the data path's own front end checks it too
     if swarm_token or api_key or api_keys or peers is not None:
         app.add_middleware(
             AuthMiddleware, swarm_token=swarm_token, api_key=api_key, peers=peers,
-            api_keys=api_keys,
+            api_keys=api_keys, max_body=max_body,
         )  # fmt: skip
 
 
@@ -253,6 +309,7 @@ def install_access(app: FastAPI, settings: ShardSettings, *, peers: CallChecker 
     install_auth(
         app, swarm_token=settings.swarm_token, api_key=settings.api_key, peers=peers,
         api_keys=read_api_keys(settings.api_key_file),
+        max_body=max(settings.max_body_bytes, settings.max_request_bytes),
     )  # fmt: skip
     install_cors(app, settings.allowed_origins)
 

@@ -236,7 +236,7 @@ def shards_router() -> APIRouter:
         body = canonical_json(await asyncio.to_thread(src.manifest))
         headers = {}
         if shard_server.signer is not None:
-            headers[H_MANIFEST_SIGNATURE] = shard_server.signer.sign(body)
+            headers[H_MANIFEST_SIGNATURE] = shard_server.signer.sign_manifest(body)
         return Response(body, media_type="application/json", headers=headers)
 
     @router.get("/v1/shards/download")

@@ -209,8 +209,10 @@ def get_manifest(
         raise FetchError(f"{origin} unreachable for the manifest: {exc}") from exc
     if resp.status_code != 200:
         raise FetchError(f"{origin} has no manifest for it (HTTP {resp.status_code})")
-    if key is not None and not key.verify(resp.content, resp.headers.get(H_MANIFEST_SIGNATURE)):
-        raise FetchError(f"{origin}: manifest signature missing or not the tracker's")
+    if key is not None:
+        problem = key.manifest_problem(resp.content, resp.headers.get(H_MANIFEST_SIGNATURE))
+        if problem is not None:
+            raise FetchError(f"{origin}: {problem}")
     manifest = resp.json()
     wanted = (params["model"], params["start"], params["end"])
     if (manifest.get("model_id"), manifest.get("shard_start"), manifest.get("shard_end")) != wanted:

@@ -34,7 +34,7 @@ from meshnet_common.protocol import (
     NodeState,
     ShardSpec,
 )
-from meshnet_common.trust.identity import Identity
+from meshnet_common.trust.identity import CallChecker, Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.engine.preflight import resolve_device
@@ -131,10 +131,15 @@ def _tracker_manifest(settings: NodeSettings, model_id: str, layers: LayerRange)
         return None
 
 
-def _trust(settings: NodeSettings, identity: Identity | None = None) -> Trust:
+def _trust(
+    settings: NodeSettings, identity: Identity | None = None, peers: CallChecker | None = None
+) -> Trust:
+    """Manifests checked with --tracker-key, else the key the tracker answered the node's
+    registration with (``peers``: kept since), else the key the tracker serves now."""
+    known = peers.tracker_key.text if peers is not None and peers.tracker_key else None
     return Trust(
         tracker=settings.tracker_url,
-        tracker_key=settings.tracker_key,
+        tracker_key=settings.tracker_key or known,
         swarm_token=settings.swarm_token,
         identity=identity,
     )
@@ -162,11 +167,12 @@ def resolve_model_path(
     metrics: Metrics | None = None,
     local: Path | None = None,
     identity: Identity | None = None,
+    peers: CallChecker | None = None,
 ) -> Path:
     """A local snapshot (``local``: what ``local_snapshot`` found, the HF cache included;
     else --model-path / --models-dir), else the shard fetched from sources into the
     revision's folder of --cache-dir (the downloads signed by ``identity`` once the tracker
-    certified it: docs/adr/0032)."""
+    certified it, the manifest checked with the tracker key ``peers`` hold: docs/adr/0032)."""
     local = local or local_snapshot(settings, model_id)
     if local is not None:
         return local
@@ -179,7 +185,7 @@ def resolve_model_path(
         layers,
         sources,
         revision_cache_dir(settings, model_id, layers),
-        trust=_trust(settings, identity),
+        trust=_trust(settings, identity, peers),
         metrics=metrics or Metrics(),
         revision=settings.revision,
     )
@@ -317,7 +323,7 @@ def announce_joining(
 
     membership = Membership(
         settings.tracker_url, lambda: announcement, heartbeat, settings.heartbeat_interval_s,
-        swarm_token=settings.swarm_token,
+        swarm_token=settings.swarm_token, peers=CallChecker.pinned(settings.tracker_key),
     )  # fmt: skip
     try:
         membership.register_once()

@@ -170,6 +170,7 @@ class Membership:
         # its peers' calls (docs/adr/0032): shared with the node's clients and its server.
         self.identity = identity or Identity()
         self.peers = peers or CallChecker()
+        self._refused_keys: set[str] = set()  # tracker keys refused (logged once each)
         self.heartbeats = 0
         self._client = httpx.Client(
             timeout=timeout_s, headers=swarm_headers(swarm_token), verify=tls.client_context(),
@@ -231,6 +232,7 @@ class Membership:
         self._trust_tracker(reply.tracker_key)
         self.interval_s = reply.heartbeat_interval_s
         self.registered.set()
+        self.peers.answers_at([reply.url])  # where peers' signed calls must be aimed
         if reply.url and reply.url != self.url:
             self.url = reply.url
             if self.on_url is not None:
@@ -284,13 +286,14 @@ class Membership:
             logger.warning("heartbeat failed: %s", exc)
             return None
         self.identity.adopt(reply.certificate)
+        self.peers.revoked = frozenset(reply.revoked)  # the tracker's list, whole each time
         self.heartbeats += 1
         return reply
 
     def _trust_tracker(self, key: str | None) -> None:
-        """Check peers' calls with the key the tracker answered with (a restarted tracker
-        may have a new one); a key pinned with ``--tracker-key`` stays (a tracker answering
-        with another is logged)."""
+        """Check peers' calls with the key the tracker answered with the first time (or the
+        one pinned with ``--tracker-key``); a tracker answering with another is not believed,
+        and said once per key in one error line."""
         if not key:
             return
         try:
@@ -298,9 +301,14 @@ class Membership:
         except MeshnetError:
             logger.warning("the tracker answered with a malformed key: ignored")
             return
-        if not self.peers.adopt(offered):
-            logger.error("the tracker's key %s is not the pinned --tracker-key: peers' "
-                         "calls are checked with the pinned one", key)  # fmt: skip
+        if self.peers.adopt(offered) or key in self._refused_keys:
+            return
+        self._refused_keys.add(key)
+        kept = self.peers.tracker_key.text if self.peers.tracker_key else None
+        how = "pinned with --tracker-key" if self.peers.is_pinned else "first seen"
+        logger.error("the tracker's key changed to %s: peers' calls stay checked with %s (%s); "
+                     "if the tracker's key was replaced, restart this node with --tracker-key "
+                     "%s", key, kept, how, key)  # fmt: skip
 
     def leave(self, node_id: str) -> None:
         try:

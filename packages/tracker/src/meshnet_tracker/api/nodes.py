@@ -118,6 +118,7 @@ def nodes_router() -> APIRouter:
             quarantined=record.quarantined if record is not None else None,
             certificate=None if record is None
             else state.certify(beat.node_id, record.announcement.public_key),
+            revoked=state.registry.revocations.keys(),
         )  # fmt: skip
 
     @router.post("/v1/nodes/{node_id}/verdicts")
