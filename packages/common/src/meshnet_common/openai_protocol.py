@@ -304,7 +304,7 @@ class _SamplingFields(Lenient):
             if len(self.logit_bias) > LOGIT_BIAS_MAX_ENTRIES:
                 raise InvalidRequest("logit_bias takes up to 300 tokens", param="logit_bias")
             for key, bias in self.logit_bias.items():
-                if not key.isdigit():
+                if not (key.isascii() and key.isdigit()):  # not "²": int() refuses it
                     raise InvalidRequest(
                         f"logit_bias keys are token ids, got {key!r}", param="logit_bias"
                     )
