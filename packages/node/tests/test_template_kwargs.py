@@ -5,13 +5,15 @@ the renderer sets (``chat_template``, ``tokenize``, the special tokens...). Anyt
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from fastapi.testclient import TestClient
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_common.tiny.snapshots import CHAT_TEMPLATE
-from meshnet_node.head.preparing.templates import template_variables
+from meshnet_node.head.preparing.templates import allowed_kwargs, template_variables
 from meshnet_node.runtime import build_runtime, create_app
 from meshnet_node.settings import NodeSettings
 
@@ -92,3 +94,6 @@ def test_the_allowed_variables_are_those_the_template_reads_and_does_not_set():
                 "{{ bos_token }}{{ custom_tools }}")  # fmt: skip
     assert template_variables(template) == {"messages", "bos_token", "custom_tools"}
     assert template_variables("{% if %}") == frozenset()  # unparsable: nothing allowed
+    reads = template + "{{ range(3) | list }}{{ documents }}{{ chat_template }}{{ tokenize }}"
+    tokenizer = SimpleNamespace(chat_template=reads, special_tokens_map={"bos_token": "<s>"})
+    assert allowed_kwargs(tokenizer) == {"custom_tools", "documents"}

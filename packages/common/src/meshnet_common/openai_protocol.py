@@ -61,7 +61,7 @@ _MESSAGE_ECHOES = {"refusal": None, "annotations": None, "audio": (None,), "func
 # would run the client's own Jinja (issue 52; vLLM's CVE-2025-61620). The head further
 # allows only the variables its model's template reads (``meshnet_node.head.preparing.templates``).
 TEMPLATE_RESERVED = frozenset({
-    "chat_template", "tokenize", "messages", "conversation", "tools", "documents",
+    "chat_template", "tokenize", "messages", "conversation", "tools",
     "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length",
     "processor_kwargs", "raise_exception", "strftime_now", "dict", "namespace", "range",

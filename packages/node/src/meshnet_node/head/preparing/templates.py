@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from jinja2 import TemplateSyntaxError, meta, nodes
+from jinja2.defaults import DEFAULT_NAMESPACE
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -28,6 +29,7 @@ class _GenerationTag(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+JINJA_GLOBALS = frozenset(DEFAULT_NAMESPACE)  # range, dict, namespace...: never shadowed
 _PARSER = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
 
 
@@ -45,7 +47,7 @@ def allowed_kwargs(tokenizer) -> frozenset[str]:
     """The ``chat_template_kwargs`` keys ``tokenizer``'s chat template may be given."""
     special = getattr(tokenizer, "special_tokens_map", None) or {}
     template = template_text(getattr(tokenizer, "chat_template", None))
-    return template_variables(template) - TEMPLATE_RESERVED - set(special)
+    return template_variables(template) - TEMPLATE_RESERVED - JINJA_GLOBALS - set(special)
 
 
 def client_kwargs(tokenizer, kwargs: dict[str, Any] | None) -> dict[str, Any]:
