@@ -5,8 +5,10 @@ A thread cannot be stopped from outside, so a planning past the limit is answere
 ``request_too_complex``) while its thread runs on. That thread keeps its slot until it
 really ends: the slots count the work running, not the requests still waiting, so runaway
 work never piles up more threads than there are slots, and while every slot is held a new
-request is refused at once with a retryable 503 (``preparation_busy``: a tracker tries
-another head) instead of queueing behind work that may never end (issue 52)."""
+request waits for one only within the same limit, then is refused with a retryable 503
+(``preparation_busy``) rather than a 400 that blames it, and its work never starts
+(issue 52). The chat template itself cannot be made to run away by a client any more
+(``templates``); the slots bound what is left (a costly grammar, a huge prompt)."""
 
 from __future__ import annotations
 
