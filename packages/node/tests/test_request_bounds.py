@@ -175,6 +175,35 @@ def test_a_preparation_past_its_limit_holds_its_thread_until_it_ends(node):
     assert ok.status_code == 200, ok.text
 
 
+def test_a_runaway_preparation_is_stopped_at_its_limit(node):
+    """Work past --prepare-timeout that keeps calling into Python (as a Jinja render does)
+    is stopped there: its thread ends and frees its slot without any help."""
+    runtime, client = node
+    serving = runtime.openai
+    calls, plan = [0], serving._prompts
+
+    def runaway(request):
+        if request.prompt != "loop":
+            return plan(request)
+        while True:  # a render that would never end
+            calls[0] += 1
+            len(str(calls[0]))
+
+    serving._prompts = runaway
+    serving.preparing.timeout_s = 0.3
+    late = client.post("/v1/completions", json={**BASE, "prompt": "loop"})
+    assert refused(late, "prompt")["code"] == "request_too_complex"
+    for _ in range(2000):  # stopped at its next call: the slot frees
+        if serving.preparing.held == 0:
+            break
+        time.sleep(0.005)
+    assert serving.preparing.held == 0
+    stopped_at = calls[0]
+    serving.preparing.timeout_s = 10.0
+    assert client.post("/v1/completions", json={**BASE, "prompt": "a"}).status_code == 200
+    assert calls[0] == stopped_at  # it never ran on
+
+
 def test_the_bounds_are_the_flags_the_operator_gave(tiny_snapshot):
     flags = ["--max-prompts", "2", "--max-choices", "3", "--max-stop-chars", "4",
              "--max-schema-chars", "40", "--prepare-timeout", "0.2"]  # fmt: skip

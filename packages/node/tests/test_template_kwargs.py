@@ -5,6 +5,7 @@ the renderer sets (``chat_template``, ``tokenize``, the special tokens...). Anyt
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -97,3 +98,23 @@ def test_the_allowed_variables_are_those_the_template_reads_and_does_not_set():
     reads = template + "{{ range(3) | list }}{{ documents }}{{ chat_template }}{{ tokenize }}"
     tokenizer = SimpleNamespace(chat_template=reads, special_tokens_map={"bos_token": "<s>"})
     assert allowed_kwargs(tokenizer) == {"custom_tools", "documents"}
+
+
+def test_a_runaway_render_of_the_models_own_template_is_stopped(head):
+    """Even the model's own template, left to run past --prepare-timeout, is stopped: the
+    render ends at its next Python call and its thread frees its slot."""
+    runtime, client = head
+    tokenizer, pool = runtime.openai.tokenizer, runtime.openai.preparing
+    before, limit = tokenizer.chat_template, pool.timeout_s
+    tokenizer.chat_template, pool.timeout_s = BOMB, 0.5
+    try:
+        late = client.post("/v1/chat/completions", json=CHAT)
+        assert late.status_code == 400 and late.json()["error"]["code"] == "request_too_complex"
+        for _ in range(2000):
+            if pool.held == 0:
+                break
+            time.sleep(0.005)
+        assert pool.held == 0
+    finally:
+        tokenizer.chat_template, pool.timeout_s = before, limit
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200

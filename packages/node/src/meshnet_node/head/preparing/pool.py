@@ -1,20 +1,23 @@
 """Where a head plans requests (tokenizing prompts, rendering the chat template, compiling
 a grammar): a few threads, never the event loop, each request within a time limit.
 
-A thread cannot be stopped from outside, so a planning past the limit is answered (400
-``request_too_complex``) while its thread runs on. That thread keeps its slot until it
-really ends: the slots count the work running, not the requests still waiting, so runaway
-work never piles up more threads than there are slots, and while every slot is held a new
-request waits for one only within the same limit, then is refused with a retryable 503
+Past the limit the request is answered (400 ``request_too_complex``) and its work is told to
+stop: the thread's profile hook (``sys.setprofile``, that thread only) raises
+``PreparationStopped`` at the work's next Python call, which ends a runaway Jinja render
+(the sandbox's loops call into Python every iteration or ``range``). Work inside one long C
+call (a tokenizer, a grammar compiler) cannot be interrupted: its thread keeps its slot until
+it really ends. The slots count the work running, not the requests waiting, so runaway work
+never piles up more threads than there are slots; while every slot is held a new request
+waits for one only within the same limit, then is refused with a retryable 503
 (``preparation_busy``) rather than a 400 that blames it, and its work never starts
-(issue 52). The chat template itself cannot be made to run away by a client any more
-(``templates``); the slots bound what is left (a costly grammar, a huge prompt)."""
+(issue 52). A client cannot hand the template code of its own (``templates``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -25,6 +28,32 @@ from meshnet_common.logs import event
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BUSY = "preparation_busy"
+
+
+class PreparationStopped(BaseException):
+    """Raised inside work past its limit; a ``BaseException``, so that no ``except
+    Exception`` on the way (a template's error handling) carries on with the work."""
+
+
+class _Stop:
+    """One piece of work's stop switch, read by its thread's profile hook."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.active = True  # False once the work has returned: the hook never fires after
+
+    def hook(self, _frame, _event, _arg) -> None:
+        if self.asked and self.active:
+            raise PreparationStopped("preparation stopped: past --prepare-timeout")
+
+
+def _stoppable(stop: _Stop, work: Callable[..., T], *args) -> T:
+    sys.setprofile(stop.hook)  # this thread only
+    try:
+        return work(*args)
+    finally:
+        stop.active = False  # (an attribute store: no profile event before it)
+        sys.setprofile(None)
 
 
 class PreparePool:
@@ -74,8 +103,9 @@ class PreparePool:
             with contextlib.suppress(RuntimeError):  # a closed loop: nothing waits on them
                 loop.call_soon_threadsafe(self._freed, slots)
 
+        stop = _Stop()
         try:
-            running = self._executor.submit(work, *args)
+            running = self._executor.submit(_stoppable, stop, work, *args)
         except BaseException:
             self._freed(slots)
             raise
@@ -83,8 +113,12 @@ class PreparePool:
         try:
             return await asyncio.wait_for(asyncio.wrap_future(running), deadline - loop.time())
         except TimeoutError:
+            stop.asked = True  # the work ends at its next Python call
             raise InvalidRequest(
                 f"preparing the request (tokenizing, chat template, JSON schema) took over "
                 f"{self.timeout_s:g} s, the limit per request: send fewer or shorter "
                 "prompts or a simpler schema", param=param, code="request_too_complex",
             ) from None  # fmt: skip
+        except asyncio.CancelledError:  # the client left: its work stops too
+            stop.asked = True
+            raise
