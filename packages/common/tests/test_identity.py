@@ -3,6 +3,8 @@ with it, checked with the tracker key alone; the auth middleware attributes or r
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from fastapi import FastAPI, Request
@@ -200,3 +202,35 @@ def test_a_body_swapped_under_a_signature_is_refused():
     assert checker.caller("POST", HOST, TARGET, sent, body) == "node-a"
     with pytest.raises(IdentityError):
         checker.caller("POST", HOST, TARGET, sent, b'{"ids":[2]}')
+
+
+async def _raw_post(app, path: str, headers: dict[str, bytes]) -> httpx.Response:
+    """Header bytes reach the app as they are (``TestClient`` re-encodes them as UTF-8)."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:9000") as raw:
+        return await raw.post(path, headers=headers)
+
+
+def test_unicode_digits_in_a_certificate_or_a_call_time_are_refused_with_401():
+    """``"²".isdigit()`` is true and ``int("²")`` raises: such an expiry or call time is an
+    identity failure (401), never a 500; the next well-formed call still passes."""
+    checker = CallChecker(TRACKER.public())
+    client = TestClient(_app(checker), base_url="http://127.0.0.1:9000")
+    identity = _certified("node-a")
+
+    def signed() -> dict[str, str]:
+        request = httpx.Request("POST", "http://127.0.0.1:9000/v1/forward")
+        identity.sign_request(request)
+        return {H_SWARM_TOKEN: "tok", **{k: request.headers[k] for k in (H_NODE_CERT, H_NODE_CALL)}}
+
+    good = signed()
+    parts = good[H_NODE_CERT].split(".")
+    bad_expiry = {**good, H_NODE_CERT: ".".join([*parts[:3], "²", parts[4]])}
+    bad_time = {**good, H_NODE_CALL: "²." + good[H_NODE_CALL].partition(".")[2]}
+    for headers in (bad_expiry, bad_time):
+        with pytest.raises(IdentityError):
+            checker.caller("POST", HOST, "/v1/forward", headers)
+        raw = {k: v.encode("latin-1") for k, v in headers.items()}  # as a server reads it
+        resp = asyncio.run(_raw_post(client.app, "/v1/forward", raw))
+        assert resp.status_code == 401 and "bad node identity" in resp.json()["error"]["message"]
+    assert client.post("/v1/forward", headers=signed()).json() == {"peer": "node-a"}

@@ -25,6 +25,7 @@ from meshnet_common.protocol import GRAMMAR_MAX_BYTES, H_CLIENT_ADDRESS, H_SWARM
 from meshnet_node.cli import build_parser
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.routes import client_of
+from meshnet_node.head.serving import PREPARE_THREADS
 from meshnet_node.runtime import NodeRuntime, build_runtime, create_app
 from meshnet_node.settings import NodeSettings
 
@@ -128,13 +129,79 @@ def test_planning_runs_off_the_event_loop_and_is_bounded_in_time(node):
     ok = client.post("/v1/completions", json={**BASE, "prompt": ["a", "b"]})
     assert ok.status_code == 200 and threads and threads[0].startswith("prepare")
 
-    serving.prepare_timeout_s = 0.0  # no planning can finish in no time
+    serving.preparing.timeout_s = 0.0  # no planning can finish in no time
     late = client.post("/v1/completions", json={**BASE, "prompt": ["a", "b"]})
     assert refused(late, "prompt", "0 s")["code"] == "request_too_complex"
     fmt = {"type": "json_object"}
     late = client.post("/v1/completions", json={**BASE, "prompt": "a", "response_format": fmt})
     refused(late, "response_format", "0 s")
     assert len(runtime.service.stage.sessions) == 0
+
+
+def test_a_preparation_past_its_limit_holds_its_thread_until_it_ends(node):
+    """Issue 52: a thread cannot be stopped, so one past --prepare-timeout (answered 400)
+    keeps its slot until its work really ends; with every slot so held, a new request is a
+    retryable 503 at once instead of queueing behind them, and its work never starts."""
+    runtime, client = node
+    serving = runtime.openai
+    release, planned = threading.Event(), []
+    plan = serving._prompts
+
+    def runaway(request):
+        planned.append(request.prompt)
+        if request.prompt == "stuck":
+            release.wait(120)  # a render that would not end (bounded only for the test)
+        return plan(request)
+
+    serving._prompts = runaway
+    serving.preparing.timeout_s = 0.3
+    try:
+        for _ in range(PREPARE_THREADS):
+            late = client.post("/v1/completions", json={**BASE, "prompt": "stuck"})
+            assert refused(late, "prompt")["code"] == "request_too_complex"
+        assert serving.preparing.held == PREPARE_THREADS  # answered, still running
+        busy = client.post("/v1/completions", json={**BASE, "prompt": "a"})
+        assert busy.status_code == 503, busy.text
+        assert busy.json()["error"]["code"] == "preparation_busy"
+        assert planned == ["stuck"] * PREPARE_THREADS  # the refused request never started
+    finally:
+        release.set()
+    for _ in range(2000):  # the runaways end: their slots free
+        if serving.preparing.held == 0:
+            break
+        time.sleep(0.005)
+    assert serving.preparing.held == 0
+    ok = client.post("/v1/completions", json={**BASE, "prompt": "a"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_runaway_preparation_is_stopped_at_its_limit(node):
+    """Work past --prepare-timeout that keeps calling into Python (as a Jinja render does)
+    is stopped there: its thread ends and frees its slot without any help."""
+    runtime, client = node
+    serving = runtime.openai
+    calls, plan = [0], serving._prompts
+
+    def runaway(request):
+        if request.prompt != "loop":
+            return plan(request)
+        while True:  # a render that would never end
+            calls[0] += 1
+            len(str(calls[0]))
+
+    serving._prompts = runaway
+    serving.preparing.timeout_s = 0.3
+    late = client.post("/v1/completions", json={**BASE, "prompt": "loop"})
+    assert refused(late, "prompt")["code"] == "request_too_complex"
+    for _ in range(2000):  # stopped at its next call: the slot frees
+        if serving.preparing.held == 0:
+            break
+        time.sleep(0.005)
+    assert serving.preparing.held == 0
+    stopped_at = calls[0]
+    serving.preparing.timeout_s = 10.0
+    assert client.post("/v1/completions", json={**BASE, "prompt": "a"}).status_code == 200
+    assert calls[0] == stopped_at  # it never ran on
 
 
 def test_the_bounds_are_the_flags_the_operator_gave(tiny_snapshot):

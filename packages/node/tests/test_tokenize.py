@@ -176,12 +176,12 @@ def test_another_model_or_body_is_refused_in_the_error_shape(head):
 
 def test_tokenizing_runs_off_the_event_loop_within_the_prepare_timeout(head):
     serving = head.app.state.runtime.openai
-    before = serving.prepare_timeout_s
-    serving.prepare_timeout_s = 1e-6  # no tokenizer answers that fast
+    before = serving.preparing.timeout_s
+    serving.preparing.timeout_s = 1e-6  # no tokenizer answers that fast
     try:
         resp = head.post("/tokenize", json={"prompt": "word " * 20000})
     finally:
-        serving.prepare_timeout_s = before
+        serving.preparing.timeout_s = before
     assert assert_error(resp, 400, "prompt")["code"] == "request_too_complex"
 
 

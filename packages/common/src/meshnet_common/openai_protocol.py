@@ -56,6 +56,31 @@ _ACCEPTED = {"user", "metadata", "request_id", "safety_identifier", "prompt_cach
 _MESSAGE_ECHOES = {"refusal": None, "annotations": None, "audio": (None,), "function_call": (None,)}
 
 
+# Names the chat template's renderer sets itself (transformers' ``apply_chat_template`` and
+# its Jinja globals): ``chat_template_kwargs`` never sets them. A ``chat_template`` there
+# would run the client's own Jinja (issue 52; vLLM's CVE-2025-61620). The head further
+# allows only the variables its model's template reads (``meshnet_node.head.preparing.templates``).
+TEMPLATE_RESERVED = frozenset({
+    "chat_template", "tokenize", "messages", "conversation", "tools",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length",
+    "processor_kwargs", "raise_exception", "strftime_now", "dict", "namespace", "range",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens",
+})  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """400 naming the first ``chat_template_kwargs`` key the renderer sets itself."""
+    for key in kwargs or {}:
+        if key in TEMPLATE_RESERVED:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {key!r}: the server sets it",
+                param="chat_template_kwargs", code=UNSUPPORTED,
+            )  # fmt: skip
+    return kwargs
+
+
 def _refuse(name: str, why: str = "is not supported by this server") -> InvalidRequest:
     return InvalidRequest(f"{name} {why}", param=name, code=UNSUPPORTED)
 
@@ -304,7 +329,7 @@ class _SamplingFields(Lenient):
             if len(self.logit_bias) > LOGIT_BIAS_MAX_ENTRIES:
                 raise InvalidRequest("logit_bias takes up to 300 tokens", param="logit_bias")
             for key, bias in self.logit_bias.items():
-                if not key.isdigit():
+                if not (key.isascii() and key.isdigit()):  # not "²": int() refuses it
                     raise InvalidRequest(
                         f"logit_bias keys are token ids, got {key!r}", param="logit_bias"
                     )
@@ -428,6 +453,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
 
     default_max_tokens: ClassVar[int | None] = None  # the rest of the context window
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @model_validator(mode="after")
     def _template_flags(self):

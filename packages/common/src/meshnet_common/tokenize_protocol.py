@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from meshnet_common.errors import InvalidRequest
-from meshnet_common.openai_protocol import ChatMessage, Lenient, Tool
+from meshnet_common.openai_protocol import ChatMessage, Lenient, Tool, check_template_kwargs
 
 TOKENIZE_PATH = "/tokenize"
 DETOKENIZE_PATH = "/detokenize"
@@ -42,6 +42,8 @@ class TokenizeChatRequest(Lenient):
     return_token_strs: StrictBool | None = False
     tools: list[Tool] | None = Field(default=None, max_length=128)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @model_validator(mode="after")
     def _template_flags(self):

@@ -59,6 +59,11 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes "²", which ``int`` then refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _raw_public(key: Ed25519PublicKey) -> bytes:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
@@ -232,7 +237,7 @@ class CallChecker:
         if not_after < now - MAX_SKEW_S:
             raise IdentityError(f"the certificate of {node_id!r} expired")
         when_text, _, signature = call.partition(".")
-        if not when_text.isdigit() or abs(int(when_text) - now) > MAX_SKEW_S:
+        if not _digits(when_text) or abs(int(when_text) - now) > MAX_SKEW_S:
             raise IdentityError("the call's time is missing or too far from this node's clock")
         try:
             signed = call_body(method, authority, target, int(when_text), body)
@@ -251,7 +256,7 @@ class CallChecker:
         if len(text) > MAX_CERT_CHARS:
             raise IdentityError("the certificate is too long")
         parts = text.split(".")
-        if len(parts) != 5 or parts[0] != "v1" or not parts[3].isdigit():
+        if len(parts) != 5 or parts[0] != "v1" or not _digits(parts[3]):
             raise IdentityError("not a node certificate")
         _, id_part, public, not_after_text, signature = parts
         try:

@@ -139,7 +139,7 @@ def deliver_answer(service: NodeService, session_id: str, headers: Mapping[str, 
     try:
         validate_session_id(session_id)
         raw = headers.get(H_POSITION)
-        if raw is None or not raw.isdigit():
+        if raw is None or not (raw.isascii() and raw.isdigit()):
             raise InvalidRequest(f"header {H_POSITION} must be a position", param=H_POSITION)
         if len(body) > MAX_ANSWER_BYTES:
             raise PayloadTooLarge(f"an answer is at most {MAX_ANSWER_BYTES} bytes")

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from meshnet_common.errors import CapacityExceeded, Draining, InvalidRequest, NotFound
@@ -26,6 +25,8 @@ from meshnet_node.head import tools
 from meshnet_node.head.chain import GenerationRequest
 from meshnet_node.head.generation import GeneratedToken, HeadGenerator
 from meshnet_node.head.params import grammar_of, sampling_spec, stop_token_ids
+from meshnet_node.head.preparing import templates
+from meshnet_node.head.preparing.pool import PreparePool
 from meshnet_node.head.queue import CAPACITY_CODES, RequestQueue
 from meshnet_node.head.responses import Choice, ResponseShapes, Tokens
 
@@ -80,8 +81,7 @@ class OpenAIServing:
             max_prompts=settings.max_prompts, max_choices=settings.max_choices,
             max_stop_chars=settings.max_stop_chars, max_schema_chars=settings.max_schema_chars,
         )  # fmt: skip
-        self.prepare_timeout_s = settings.prepare_timeout_s
-        self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        self.preparing = PreparePool(PREPARE_THREADS, settings.prepare_timeout_s)
         self.metrics.watch_queue(lambda: self.queue.waiting)
 
     @property
@@ -154,14 +154,10 @@ class OpenAIServing:
         messages = [m.for_template() for m in request.messages]
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template", param="messages")
+        kwargs = templates.client_kwargs(self.tokenizer, request.chat_template_kwargs)
         tools.check(request, self.tokenizer.chat_template)
         messages, shown = tools.render(request, messages, self.tokenizer.chat_template)
-        kwargs = {**(request.chat_template_kwargs or {}), **shown}
-        for reserved in ("messages", "tokenize", "add_generation_prompt", "return_dict"):
-            if reserved in kwargs:
-                raise InvalidRequest(
-                    f"chat_template_kwargs may not set {reserved!r}", param="chat_template_kwargs"
-                )
+        kwargs.update(shown)
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt,
@@ -239,7 +235,7 @@ class OpenAIServing:
         self, request: CompletionRequest | ChatCompletionRequest
     ) -> list[GenerationRequest]:
         """The generations of ``request``, planned on a thread (the event loop keeps serving
-        while prompts are tokenized and a grammar compiles), within ``prepare_timeout_s``."""
+        while prompts are tokenized and a grammar compiles), within --prepare-timeout."""
         chat = isinstance(request, ChatCompletionRequest)
         if getattr(request, "tools", None):
             param = "tools"
@@ -252,16 +248,9 @@ class OpenAIServing:
 
     async def off_loop(self, work: Callable[..., T], *args, param: str) -> T:
         """``work(*args)`` on the preparing threads, never on the event loop, within
-        ``prepare_timeout_s`` (beyond: 400 ``request_too_complex`` naming ``param``)."""
-        running = asyncio.get_running_loop().run_in_executor(self._preparing, work, *args)
-        try:
-            return await asyncio.wait_for(running, self.prepare_timeout_s)
-        except TimeoutError:
-            raise InvalidRequest(
-                f"preparing the request (tokenizing, chat template, JSON schema) took over "
-                f"{self.prepare_timeout_s:g} s, the limit per request: send fewer or shorter "
-                "prompts or a simpler schema", param=param, code="request_too_complex",
-            ) from None  # fmt: skip
+        --prepare-timeout (beyond: 400 ``request_too_complex`` naming ``param``; 503
+        while every thread is held, ``meshnet_node.head.preparing.pool``)."""
+        return await self.preparing.run(work, *args, param=param)
 
     # -- tokenizer endpoints (vLLM's /tokenize and /detokenize) ------------------------------
 

@@ -250,7 +250,11 @@ class ToolStream:
         self.in_string = self.escaped = False
         self.state = "start"
         self.held: list[dict] = []  # deltas of a required call that may be a repeat
-        self.current = ""  # that call so far (name, NUL, arguments)
+        # that call so far (name, NUL, arguments) as its pieces, and the calls made before
+        # that it begins (each new piece is compared once: O(new text) a token, issue 52)
+        self.current: list[str] = []
+        self.current_len = 0
+        self.repeats: list[str] = []
         self.made: set[str] = set()  # the calls made, so
 
     def _start(self, name: str) -> dict:
@@ -287,31 +291,41 @@ class ToolStream:
                         self.buffer = ""
                     break  # wait for the rest of the call's head
                 self.held = [{"tool_calls": [self._start(match.group(1))]}]
-                self.current = match.group(1) + "\0"
+                self.current, self.current_len, self.repeats = [], 0, list(self.made)
+                self._extend(match.group(1) + "\0")
                 self.buffer = self.buffer[match.end() :]
                 self.state, self.depth = "args", 0
             elif self.state == "args":
                 piece, end = self._scan_args()
                 if piece:
                     self.held.append({"tool_calls": [self._args(self.calls - 1, piece)]})
-                    self.current += piece
+                    self._extend(piece)
                 if end is None:
                     out += self._release()
                     break
                 self.buffer = self.buffer[end:]
                 self.state = "between"
-                if self.current in self.made:  # a verbatim repeat: the model loops
+                call = "".join(self.current)  # once, when the call ends
+                if call in self.made:  # a verbatim repeat: the model loops
                     self.held, self.cut = [], True  # (``required_calls``): the reply ends
                     self.calls -= 1
                     break
-                self.made.add(self.current)
+                self.made.add(call)
                 out += self._release(done=True)
         return out
+
+    def _extend(self, piece: str) -> None:
+        """The call being written goes on with ``piece``; of the earlier calls, only those
+        that still begin the same way may turn out repeated."""
+        at = self.current_len
+        self.repeats = [made for made in self.repeats if made.startswith(piece, at)]
+        self.current.append(piece)
+        self.current_len += len(piece)
 
     def _release(self, done: bool = False) -> list[dict]:
         """The held deltas of the call being written, once it differs from every earlier
         call (until then it may turn out a repeat, which is never sent)."""
-        if not done and any(made.startswith(self.current) for made in self.made):
+        if not done and self.repeats:
             return []
         out, self.held = self.held, []
         return out

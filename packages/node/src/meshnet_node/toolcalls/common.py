@@ -9,6 +9,7 @@ code (one ``feed`` then ``finish``), so a streamed reply always adds up to the w
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,28 +66,76 @@ def call_from_json(text: str) -> Call | None:
         return None
 
 
+class JsonScan:
+    """Where a JSON object or array ends, found as its text comes: the bracket depth and
+    the string and escape state are kept between feeds, so each character is looked at
+    once however many pieces it comes in (a stream's parser does O(new text) per token,
+    issue 52). Runs of plain characters are skipped by a regex, in C."""
+
+    _OUTSIDE = re.compile(r'["{}\[\]]')  # what changes the state outside a string
+    _INSIDE = re.compile(r'["\\]')  # ... and inside one
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = self.escaped = False
+
+    def feed(self, text: str, start: int = 0) -> int | None:
+        """The index in ``text`` just after the closing bracket of the value that opened at
+        the first fed character; None while it is still open (``text`` is all consumed)."""
+        at, size = start, len(text)
+        while at < size:
+            if self.escaped:  # the character after a backslash in a string
+                self.escaped, at = False, at + 1
+                continue
+            found = (self._INSIDE if self.in_string else self._OUTSIDE).search(text, at)
+            if found is None:
+                return None
+            ch, at = found.group(), found.end()
+            if self.in_string:
+                if ch == "\\":
+                    self.escaped = True
+                else:  # its closing quote
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    return at
+        return None
+
+
+class OpenBlock:
+    """The text of a block still open (a call whose end marker has not come), kept as its
+    pieces: each new piece is searched once for ``markers``, with only the few characters
+    before it that could begin one, so a long block costs O(its length) in all (issue 52).
+    ``feed`` says when a marker has come; the parser then reads ``text()`` once."""
+
+    def __init__(self, text: str, markers: tuple[str, ...]) -> None:
+        self.markers = markers
+        self.keep = max(len(m) for m in markers) - 1  # what may begin a marker
+        self.parts = [text]
+        self.tail = text[len(text) - self.keep :] if self.keep else ""
+
+    def feed(self, text: str) -> bool:
+        """Takes ``text``; True once a marker has come (in it, or across its start)."""
+        self.parts.append(text)
+        window = self.tail + text
+        if any(m in window for m in self.markers):
+            return True
+        self.tail = window[len(window) - self.keep :] if self.keep else ""
+        return False
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 def json_end(text: str, start: int = 0) -> int | None:
     """Where the JSON object or array opening at ``text[start]`` ends (the index after its
     closing bracket), strings and escapes respected; None while it is still open."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return JsonScan().feed(text, start)
 
 
 def held(text: str, markers: tuple[str, ...]) -> int:

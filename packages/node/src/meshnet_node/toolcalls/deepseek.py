@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import re
 
-from meshnet_node.toolcalls.common import Call, Piece, arguments_text, could_become, until_marker
+from meshnet_node.toolcalls.common import (
+    Call,
+    OpenBlock,
+    Piece,
+    arguments_text,
+    could_become,
+    until_marker,
+)
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -35,10 +42,15 @@ class DeepSeekParser:
         self.buffer = ""
         self.state = "content"  # content <-> calls
         self.opened = ""  # the calls' opening marker, content if no call follows
+        self.open: OpenBlock | None = None  # a call waiting for its end marker
 
     def feed(self, text: str) -> list[Piece]:
-        self.buffer += text
         out: list[Piece] = []
+        if self.open is not None:
+            if not self.open.feed(text):
+                return out  # only the new text was searched
+            self.buffer, self.open, text = self.open.text(), None, ""
+        self.buffer += text
         while True:
             if self.state == "content":
                 content, self.buffer = until_marker(self.buffer, (CALLS_BEGIN, CALL_BEGIN))
@@ -64,7 +76,8 @@ class DeepSeekParser:
                 return True
             if body.startswith(CALL_BEGIN):
                 end = body.find(CALL_END)
-                if end == -1:
+                if end == -1:  # the call is still open
+                    self.open, self.buffer = OpenBlock(self.buffer, (CALL_END,)), ""
                     return False
                 call = _call(body[len(CALL_BEGIN) : end])
                 if call is None:
@@ -88,6 +101,8 @@ class DeepSeekParser:
             out.append(text)
 
     def finish(self) -> list[Piece]:
+        if self.open is not None:
+            self.buffer, self.open = self.open.text(), None
         left, self.buffer = self.buffer.lstrip() if self.state == "calls" else self.buffer, ""
         if left.startswith(CALL_BEGIN):  # the reply ended inside a call
             call = _call(left[len(CALL_BEGIN) :].removesuffix(CALLS_END))

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import re
 
-from meshnet_node.toolcalls.common import Call, Piece, arguments_text, could_become, until_marker
+from meshnet_node.toolcalls.common import (
+    Call,
+    OpenBlock,
+    Piece,
+    arguments_text,
+    could_become,
+    until_marker,
+)
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 HEADERS = (START, CHANNEL)
+CALL_ENDS = (CALL, END, RETURN, START)  # what ends a call's message
 RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
 MAX_HEADER = 512  # a header longer than this is no header: content
 
@@ -30,10 +38,15 @@ class HarmonyParser:
         self.buffer = ""
         self.state = "start"  # start -> content | header | call
         self.name = ""
+        self.open: OpenBlock | None = None  # a call's message waiting for its end
 
     def feed(self, text: str) -> list[Piece]:
-        self.buffer += text
         out: list[Piece] = []
+        if self.open is not None:
+            if not self.open.feed(text):
+                return out  # only the new text was searched
+            self.buffer, self.open, text = self.open.text(), None, ""
+        self.buffer += text
         while True:
             if self.state == "start":
                 head = self.buffer.lstrip()
@@ -73,8 +86,9 @@ class HarmonyParser:
 
     def _call(self, out: list[Piece], *, final: bool) -> bool:
         """The call's message, once it ends; False while it is still being written."""
-        ends = [(i, m) for m in (CALL, END, RETURN, START) if (i := self.buffer.find(m)) != -1]
-        if not ends and not final:
+        ends = [(i, m) for m in CALL_ENDS if (i := self.buffer.find(m)) != -1]
+        if not ends and not final:  # still open
+            self.open, self.buffer = OpenBlock(self.buffer, CALL_ENDS), ""
             return False
         at, marker = min(ends) if ends else (len(self.buffer), "")
         body = self.buffer[:at].strip()
@@ -86,6 +100,8 @@ class HarmonyParser:
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
+        if self.open is not None:
+            self.buffer, self.open = self.open.text(), None
         if self.state == "call":
             self._call(out, final=True)
         if self.buffer:

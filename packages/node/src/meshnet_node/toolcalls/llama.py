@@ -5,10 +5,10 @@ several separated by ``;``."""
 from __future__ import annotations
 
 from meshnet_node.toolcalls.common import (
+    JsonScan,
     Piece,
     call_from_json,
     could_become,
-    json_end,
     until_marker,
 )
 
@@ -19,17 +19,31 @@ SEPARATORS = " \t\r\n;"
 class LlamaJsonParser:
     """A reply that opens with ``{`` (or ``<|python_tag|>``) holds calls: each JSON object
     becomes a call when it closes; an object that is no call, or text after the calls, is
-    content from there on. Any other reply is content, until a ``<|python_tag|>``."""
+    content from there on. Any other reply is content, until a ``<|python_tag|>``.
+
+    An object being written is kept as its pieces, with a ``JsonScan`` that looks only at
+    each new piece: a long call costs O(its length) in all, not O(length²) (issue 52)."""
 
     markers = (TAG,)
 
     def __init__(self) -> None:
-        self.buffer = ""
+        self.buffer = ""  # text not placed yet: never an open object, so short
         self.state = "start"  # start -> calls | content
+        self.scan: JsonScan | None = None  # the open object's scan, and its text so far
+        self.parts: list[str] = []
 
     def feed(self, text: str) -> list[Piece]:
-        self.buffer += text
         out: list[Piece] = []
+        if self.scan is not None:  # inside an object: only the new text is looked at
+            end = self.scan.feed(text)
+            if end is None:
+                self.parts.append(text)
+                return out
+            self.parts.append(text[:end])
+            closed, self.parts, self.scan = "".join(self.parts), [], None
+            self._closed(closed, out)
+            text = text[end:]
+        self.buffer += text
         while True:
             if self.state == "start":
                 head = self.buffer.lstrip()
@@ -62,17 +76,26 @@ class LlamaJsonParser:
             if not head.startswith("{"):
                 self.state = "content"
                 return False
-            end = json_end(head)
-            if end is None:
-                return True  # the object is still open
-            call = call_from_json(head[:end])
+            scan = JsonScan()
+            end = scan.feed(head)
+            if end is None:  # the object is still open: kept aside, scanned as it grows
+                self.scan, self.parts, self.buffer = scan, [head], ""
+                return True
             self.buffer = head[end:]
-            if call is None:
-                out.append(head[:end])
-                self.state = "content"
+            if not self._closed(head[:end], out):
                 return False
-            out.append(call)
+
+    def _closed(self, obj: str, out: list[Piece]) -> bool:
+        """A complete object: a call (True), or content from here on (False)."""
+        call = call_from_json(obj)
+        if call is None:
+            out.append(obj)
+            self.state = "content"
+            return False
+        out.append(call)
+        return True
 
     def finish(self) -> list[Piece]:
-        left, self.buffer = self.buffer, ""
+        left = "".join(self.parts) + self.buffer
+        self.buffer, self.parts, self.scan = "", [], None
         return [left] if left else []

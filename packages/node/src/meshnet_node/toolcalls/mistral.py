@@ -11,11 +11,11 @@ import re
 
 from meshnet_node.toolcalls.common import (
     Call,
+    JsonScan,
     Piece,
     arguments_text,
     call_of,
     could_become,
-    json_end,
     until_marker,
 )
 
@@ -36,10 +36,20 @@ class MistralParser:
     def __init__(self) -> None:
         self.buffer = ""
         self.state = "content"  # content <-> calls
+        # a call whose JSON is still open: its scan looks only at each new piece, and the
+        # buffer is kept as pieces until it closes (O(new text) a token, issue 52)
+        self.open: JsonScan | None = None
+        self.parts: list[str] = []
 
     def feed(self, text: str) -> list[Piece]:
-        self.buffer += text
         out: list[Piece] = []
+        if self.open is not None:
+            self.parts.append(text)
+            if self.open.feed(text) is None:
+                return out
+            self._gather()
+            text = ""
+        self.buffer += text
         while True:
             if self.state == "content":
                 content, self.buffer = until_marker(self.buffer, (TOOL_CALLS,))
@@ -64,9 +74,11 @@ class MistralParser:
                 return False
             if not body or could_become(body, (TOOL_CALLS,)):
                 return not final
-            calls, used = self._parse(body)
+            calls, used, scan = self._parse(body)
             if calls is None:
                 if used is None and not final:
+                    if scan is not None:  # the JSON is open: scanned on as it comes
+                        self.open, self.parts, self.buffer = scan, [self.buffer], ""
                     return True  # not complete yet
                 out.append(self.buffer)  # not a call: content, the marker with it
                 self.buffer, self.state = "", "content"
@@ -75,39 +87,48 @@ class MistralParser:
             self.buffer = body[used:]
 
     @staticmethod
-    def _parse(body: str) -> tuple[list[Call] | None, int | None]:
-        """(calls, length used) of the text after a ``[TOOL_CALLS]``; (None, None) while it
-        could still become calls, (None, 0) when it cannot."""
+    def _parse(body: str) -> tuple[list[Call] | None, int | None, JsonScan | None]:
+        """(calls, length used, None) of the text after a ``[TOOL_CALLS]``; (None, None,
+        scan) while it could still become calls (``scan``: of its open JSON, if begun),
+        (None, 0, None) when it cannot."""
         if body[0] in "[{":  # a JSON list of calls (or one call object)
-            end = json_end(body)
+            scan = JsonScan()
+            end = scan.feed(body)
             if end is None:
-                return None, None
+                return None, None, scan
             try:
                 value = json.loads(body[:end])
             except ValueError:
-                return None, 0
+                return None, 0, None
             items = value if isinstance(value, list) else [value]
             calls = [call_of(item) for item in items]
             if not calls or any(c is None for c in calls):
-                return None, 0
-            return calls, end
+                return None, 0, None
+            return calls, end, None
         brace = body.find("{")
         if brace == -1:
             waiting = len(body) < MAX_HEAD and HEAD_CHARS.fullmatch(body)
-            return None, None if waiting else 0
+            return None, None if waiting else 0, None
         head = HEAD.fullmatch(body[:brace])
         if head is None:
-            return None, 0
-        end = json_end(body, brace)
+            return None, 0, None
+        scan = JsonScan()
+        end = scan.feed(body, brace)
         if end is None:
-            return None, None
+            return None, None, scan
         arguments = arguments_text(body[brace:end])
         if arguments is None:
-            return None, 0
-        return [Call(head.group(1), arguments)], end
+            return None, 0, None
+        return [Call(head.group(1), arguments)], end, None
+
+    def _gather(self) -> None:
+        """The open call's pieces back into the buffer (it closed, or the reply ended)."""
+        self.buffer, self.parts, self.open = "".join(self.parts), [], None
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
+        if self.open is not None:
+            self._gather()
         if self.state == "calls":
             self._calls(out, final=True)
         if self.buffer:

@@ -129,7 +129,7 @@ def audit_router(admission: PeerAdmission | None = None) -> APIRouter:
         limit = service.settings.max_body_bytes  # a record is a frame like a step's
         body = await read_body(request, limit)
         raw = request.headers.get(H_START_LAYER, "")
-        if not raw.isdigit():
+        if not (raw.isascii() and raw.isdigit()):  # not "²": int() refuses it
             raise InvalidRequest(f"header {H_START_LAYER} must be a layer", param=H_START_LAYER)
         inputs = wire.decode_tensor(body, max_bytes=limit)
         head = stage.shard.is_head  # a head's inputs are token ids (docs/adr/0032)
