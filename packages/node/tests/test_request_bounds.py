@@ -21,7 +21,12 @@ from fastapi.testclient import TestClient
 from meshnet_common.layers import LayerRange
 from meshnet_common.openai_protocol import MAX_CHOICES, MAX_PROMPTS, MAX_STOP_CHARS
 from meshnet_common.precision import Precision
-from meshnet_common.protocol import GRAMMAR_MAX_BYTES, H_CLIENT_ADDRESS, H_SWARM_TOKEN
+from meshnet_common.protocol import (
+    GRAMMAR_MAX_BYTES,
+    H_CLIENT_ADDRESS,
+    H_CLIENT_TENANT,
+    H_SWARM_TOKEN,
+)
 from meshnet_node.cli import build_parser
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.routes import client_of
@@ -296,6 +301,20 @@ def test_the_client_address_the_tracker_names_is_believed_beside_the_swarm_token
     wrong = _request(None, "10.0.0.3", **{H_CLIENT_ADDRESS: "192.0.2.7", H_SWARM_TOKEN: "x"})
     assert client_of(wrong, body, keyed=False, swarm_token="swarm-secret")[0] == "addr:10.0.0.3"
     assert client_of(proxied, body, keyed=False, swarm_token=None)[0] == "addr:10.0.0.2"
+
+
+def test_the_tenant_the_tracker_names_takes_turns_as_its_key():
+    """The tracker no longer passes a client's key on; the tenant it names (beside the swarm
+    token) is the client the wait queue takes turns by, and only there."""
+    body, tenant = SimpleNamespace(user=None), "ab" * 16
+    proxied = _request(None, "10.0.0.2", **{H_CLIENT_TENANT: tenant, H_CLIENT_ADDRESS: "192.0.2.7",
+                                             H_SWARM_TOKEN: "swarm-secret"})  # fmt: skip
+    for keyed in (True, False):
+        assert client_of(proxied, body, keyed=keyed, swarm_token="swarm-secret")[0] == (
+            "key:" + tenant
+        )
+    forged = _request(None, "10.0.0.3", **{H_CLIENT_TENANT: tenant})
+    assert client_of(forged, body, keyed=False, swarm_token="swarm-secret")[0] == "addr:10.0.0.3"
 
 
 def test_the_queue_keys_on_the_proven_credential_not_on_the_user_field():

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from meshnet_common.logs import event
 from meshnet_common.openai_protocol import ChatCompletionRequest, CompletionRequest
-from meshnet_common.protocol import H_CLIENT_ADDRESS, H_SWARM_TOKEN
+from meshnet_common.protocol import H_CLIENT_ADDRESS, H_CLIENT_TENANT, H_SWARM_TOKEN
 from meshnet_common.tokenize_protocol import (
     DETOKENIZE_PATH,
     TOKENIZE_PATH,
@@ -41,17 +41,22 @@ def client_of(
     request: Request, body, *, keyed: bool, swarm_token: str | None = None
 ) -> tuple[str, str]:
     """Who a request is for, as the wait queue takes turns: (client, user). The client is
-    what the server checked, never what the request says: the API key it authenticated with
+    what the server checked, never what the request says: the tenant the tracker names beside
+    the swarm token (it checked the key), else the API key this server authenticated
     (hashed; ``keyed``: the server checks keys), else the caller's address: the one the
     tracker names when it proxies (believed only beside the swarm token), else the
     connection's. The ``user`` field only takes turns within the client's share."""
     auth = request.headers.get("authorization", "")
-    if keyed and auth.lower().startswith("bearer ") and len(auth) > 7:
+    trusted = same_secret(swarm_token, request.headers.get(H_SWARM_TOKEN))
+    tenant = request.headers.get(H_CLIENT_TENANT)
+    if tenant and trusted:  # the tracker checked the key and names its tenant, not the key
+        client = "key:" + tenant[:32]
+    elif keyed and auth.lower().startswith("bearer ") and len(auth) > 7:
         client = "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:16]
     else:  # no keys (or the swarm token, the tracker's own): any bearer would be a free line
         address = request.client.host if request.client else "unknown"
         forwarded = request.headers.get(H_CLIENT_ADDRESS)
-        if forwarded and same_secret(swarm_token, request.headers.get(H_SWARM_TOKEN)):
+        if forwarded and trusted:
             address = forwarded[:64]
         client = "addr:" + address
     return client, (getattr(body, "user", None) or "")[:64]
