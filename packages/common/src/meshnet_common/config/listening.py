@@ -26,12 +26,12 @@ class ListenSettings(ServiceSettings):
         group=SECURITY, flag="--allowed-host", action="append",
     )  # fmt: skip
     max_connections_per_address: int = knob(
-        defaults.CONNECTIONS_PER_ADDRESS, "connections one client address may hold open at once (beyond: 503 and closed; "
-        "0: no cap below the process's 1024)", group=SECURITY,
+        defaults.CONNECTIONS_PER_ADDRESS, "connections one client address may hold open at "
+        "once (beyond: 503 and closed; 0: no cap below the process's 1024)", group=SECURITY,
     )  # fmt: skip
     body_timeout_s: float = knob(
-        defaults.BODY_TIMEOUT_S, "seconds a request body may take to arrive, counted from its request's start "
-        "(beyond: 408)", group=SECURITY, flag="--body-timeout",
+        defaults.BODY_TIMEOUT_S, "seconds a request body may take to arrive, counted from "
+        "its request's start (beyond: 408)", group=SECURITY, flag="--body-timeout",
     )  # fmt: skip
 
     @field_validator("allowed_hosts", mode="before")

@@ -161,8 +161,8 @@ class AuditClient:
     ) -> None:
         hooks = {"request": [identity.sign_async_request]} if identity is not None else None
         self.client = swarm_async_client(  # two frames at most, never compressed
-            max_bytes=2 * max_bytes + 4096, timeout=AUDIT_TIMEOUT_S, headers=swarm_headers(swarm_token),
-            verify=tls.client_context(), event_hooks=hooks,
+            max_bytes=2 * max_bytes + 4096, timeout=AUDIT_TIMEOUT_S,
+            headers=swarm_headers(swarm_token), verify=tls.client_context(), event_hooks=hooks,
         )  # fmt: skip
         self.max_bytes = max_bytes
 
