@@ -13,7 +13,13 @@ from meshnet_common.layers import LayerRange
 from meshnet_common.models import shardfiles
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.shardfiles import ShardSource
-from meshnet_common.web.download_slots import MIN_HOLD_S, START_S, DownloadSlots
+from meshnet_common.web.download_slots import (
+    FLOOR_BYTES_PER_S,
+    MIN_HOLD_S,
+    PER_PEER,
+    START_S,
+    DownloadSlots,
+)
 from meshnet_common.web.http import install_error_handlers
 from meshnet_common.web.shards import ShardServer, shards_router
 
@@ -34,6 +40,7 @@ def test_a_slot_held_past_its_deadline_is_taken_back():
     assert first and second and slots.try_acquire(10) is None
     slots.begin(first)
     slots.begin(second)
+    slots.sent(second, 30 * 2**20)  # the second reader keeps the floor rate
     clock.now = MIN_HOLD_S  # the first reader stalled: its slot goes to the next
     assert slots.overdue(first) and not slots.overdue(second)
     third = slots.try_acquire(10)
@@ -43,6 +50,44 @@ def test_a_slot_held_past_its_deadline_is_taken_back():
     assert slots.overdue(first)  # taken back: its download stops at its next chunk
     slots.release(second)
     assert slots.try_acquire(10) is not None
+
+
+def test_a_reader_below_the_floor_rate_loses_its_slot_however_large_the_file():
+    clock = Clock()
+    slots = DownloadSlots(1, clock=clock)
+    lease = slots.try_acquire(100 * 2**30)  # 100 GiB: the old deadline was 28 hours away
+    slots.begin(lease)
+    chunk = 1 << 16
+    steps = 0
+    while not slots.overdue(lease):  # a reader taking a 64 KiB chunk every second
+        clock.now += 1.0
+        slots.sent(lease, chunk)
+        steps += 1
+    # 64 KiB/s against a floor of 1 MiB/s: it falls MIN_HOLD_S behind in ~64 s
+    assert steps <= MIN_HOLD_S / (1 - chunk / FLOOR_BYTES_PER_S) + 1
+    assert slots.try_acquire(10) is not None  # its slot went to the next reader
+
+
+def test_a_reader_at_the_floor_rate_keeps_its_slot_to_the_end():
+    clock = Clock()
+    slots = DownloadSlots(1, clock=clock)
+    size = 600 * FLOOR_BYTES_PER_S
+    lease = slots.try_acquire(size)
+    slots.begin(lease)
+    for _ in range(600):  # ten minutes at exactly the floor rate
+        clock.now += 1.0
+        assert not slots.overdue(lease)
+        slots.sent(lease, FLOOR_BYTES_PER_S)
+    assert not slots.overdue(lease)
+
+
+def test_one_address_holds_at_most_its_share_of_slots():
+    slots = DownloadSlots(4, per_peer=PER_PEER, clock=Clock())
+    mine = [slots.try_acquire(10, peer="10.0.0.5") for _ in range(PER_PEER)]
+    assert all(mine) and slots.try_acquire(10, peer="10.0.0.5") is None
+    assert slots.try_acquire(10, peer="10.0.0.6") is not None  # others still get one
+    slots.release(mine[0])
+    assert slots.try_acquire(10, peer="10.0.0.5") is not None
 
 
 def test_a_slot_whose_download_never_begins_is_taken_back_soon():

@@ -40,6 +40,12 @@ class PayloadTooLarge(InvalidRequest):
     status = 413
 
 
+class RequestTimeout(InvalidRequest):
+    """A request body that did not arrive within its deadline (408)."""
+
+    status = 408
+
+
 class RangeNotSatisfiable(InvalidRequest):
     """A byte range that lies outside the file (416)."""
 

@@ -15,6 +15,7 @@ from meshnet_common.errors import InvalidRequest, ModelNotCovered, NotFound, Una
 from meshnet_common.protocol import H_OPERATOR_TOKEN, H_ROUTE, NodeAnnouncement, NodeState
 from meshnet_common.tokenize_protocol import DETOKENIZE_PATH, TOKENIZE_PATH
 from meshnet_common.web.auth import has_swarm_token, same_secret
+from meshnet_common.web.hosts import url_is_loopback
 from meshnet_common.web.http import error_body
 from meshnet_node.caching.api import prefix_router
 from meshnet_node.dataplane.service import NodeService
@@ -90,10 +91,17 @@ def head_router() -> APIRouter:
         raw = request.headers.get(H_ROUTE)
         if raw is None:
             return None
-        # A route steers activations to other hosts: only the swarm may set it.
-        if not has_swarm_token(request, request.app.state.runtime.settings.swarm_token):
+        # A route steers activations to other hosts: only the swarm may set it. Without a
+        # token (a loopback swarm) only loopback hops, unless --insecure opened the swarm.
+        settings = request.app.state.runtime.settings
+        if not has_swarm_token(request, settings.swarm_token):
             raise Unauthorized("a route header needs the swarm token")
-        return parse_route(raw)
+        route = parse_route(raw)
+        open_swarm = settings.swarm_token is None and not settings.insecure
+        off = next((hop for hop in route if not url_is_loopback(hop)), None)
+        if open_swarm and off is not None:
+            raise Unauthorized(f"a route to {off[:80]} needs a swarm with --swarm-token")
+        return route
 
     def serving(request: Request) -> OpenAIServing:
         openai = request.app.state.runtime.openai

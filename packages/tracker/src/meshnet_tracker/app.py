@@ -17,6 +17,8 @@ from meshnet_common.web import tls
 from meshnet_common.web.auth import install_access, swarm_headers
 from meshnet_common.web.http import install_error_handlers, install_observability
 from meshnet_common.web.shards import ShardServer, shards_router, watch_shard_server
+from meshnet_common.web.swarm_client import swarm_async_client
+from meshnet_tracker.api.admission import MAX_ANSWER
 from meshnet_tracker.api.dashboard import dashboard_router, watch_swarm
 from meshnet_tracker.api.nodes import nodes_router
 from meshnet_tracker.api.public import public_router
@@ -31,14 +33,16 @@ logger = logging.getLogger(__name__)
 def create_app(settings: TrackerSettings, node: LocalNode | None = None) -> FastAPI:
     """The tracker's FastAPI app; ``node`` makes it a tracker node serving those layers."""
     registry = Registry(settings.heartbeat_interval_s)
-    client = httpx.AsyncClient(
+    client = swarm_async_client(  # identity answers under a byte limit (docs/adr/0032)
         timeout=httpx.Timeout(settings.proxy_timeout_s, connect=5.0),
         headers=swarm_headers(settings.swarm_token),  # heads accept our route header
         verify=tls.client_context(),
     )
     # Registration call-backs dial URLs a registering party named: no swarm token, no
     # redirects (docs/adr/0032).
-    callback = httpx.AsyncClient(verify=tls.client_context(), follow_redirects=False)
+    callback = swarm_async_client(
+        max_bytes=MAX_ANSWER, verify=tls.client_context(), follow_redirects=False
+    )
     # The tracker key: it signs weight manifests and certifies nodes' keys (docs/adr/0032).
     signer = (
         ManifestSigner.from_file(settings.signing_key) if settings.signing_key

@@ -20,6 +20,10 @@ from meshnet_common.protocol import (
     Heartbeat,
     NodeAnnouncement,
 )
+from meshnet_common.web.swarm_client import IDENTITY, limit, read_capped
+
+# A head's answer the tracker holds whole (not a stream) is at most this long (docs/adr/0032).
+ANSWER_LIMIT = 64 << 20
 
 
 class Head(Protocol):
@@ -71,7 +75,7 @@ class RemoteHead:
     async def answer(
         self, path: str, request: Request, rest: tuple[str, ...], body: bytes
     ) -> Response:
-        headers = {"content-type": "application/json", H_ROUTE: ",".join(rest)}
+        headers = {"content-type": "application/json", H_ROUTE: ",".join(rest), **IDENTITY}
         if request_id := request_id_var.get():  # the head logs under the same request id
             headers[H_REQUEST_ID] = request_id
         # The client's API key stays here: it authenticated the client to the tracker only.
@@ -83,15 +87,21 @@ class RemoteHead:
         url = self.url + path
         try:
             upstream = await self.client.send(
-                self.client.build_request("POST", url, content=body, headers=headers),
+                self.client.build_request(  # a stream is relayed, never held: no limit
+                    "POST", url, content=body, headers=headers, extensions=limit(None)
+                ),
                 stream=True,
             )
         except httpx.HTTPError as exc:
             raise HopError(f"head node {url} unreachable: {exc}", hop=url) from exc
         streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if not streaming or upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
+            try:
+                content = await read_capped(upstream, ANSWER_LIMIT)
+            except httpx.HTTPError as exc:
+                raise HopError(f"head node {url}: {exc}", hop=url) from exc
+            finally:
+                await upstream.aclose()
             return Response(
                 content,
                 status_code=upstream.status_code,

@@ -9,3 +9,5 @@ HEARTBEAT_INTERVAL_S = 2.0  # a node's heartbeat; the tracker's value wins once 
 TURN_TIMEOUT_S = 60.0  # a prefill chunk waits this long for an earlier chunk of its session
 OPEN_TIMEOUT_S = 5.0  # ... and this long when its session is not open yet (chunk 0 is late)
 STREAM_PING_S = 10.0  # keepalive pings on a hop stream: a silent peer is dead after 2x
+CONNECTIONS_PER_ADDRESS = 256  # connections one client address may hold open (docs/adr/0032)
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this of its request's start

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 from pydantic import field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from meshnet_common.config import defaults
-from meshnet_common.config.settings import ServiceSettings, knob
+from meshnet_common.config import defaults, listening
+from meshnet_common.config.settings import knob
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import FORMATS, LEVELS
 from meshnet_common.openai_protocol import MAX_CHOICES, MAX_PROMPTS, MAX_STOP_CHARS
@@ -35,7 +35,7 @@ SECURITY = "security"
 LOGGING = "logging"
 
 
-class ShardSettings(ServiceSettings):
+class ShardSettings(listening.ListenSettings):
     """Knobs every layer-serving process has: the shard, its compute, the data path,
     secrets and logging. Subclasses add their own (the node's swarm and weights, the
     tracker's map)."""

@@ -30,6 +30,8 @@ from meshnet_common.logs import H_REQUEST_ID
 from meshnet_common.protocol import H_CLIENT_TENANT, H_SWARM_TOKEN
 from meshnet_common.tokenize_protocol import TOKENIZER_PATHS
 from meshnet_common.trust.identity import H_NODE_CALL, H_NODE_CERT, CallChecker, IdentityError
+from meshnet_common.web.hosts import HostGate, served_names
+from meshnet_common.web.http import BodyDeadline
 
 if TYPE_CHECKING:
     from meshnet_common.config.shard import ShardSettings
@@ -305,13 +307,22 @@ def install_auth(
 def install_access(app: FastAPI, settings: ShardSettings, *, peers: CallChecker | None) -> None:
     """Who may call ``app``, as ``settings`` say: the swarm token, the API keys (--api-key
     and those of --api-key-file) and calling nodes (``install_auth``), then the browser
-    origins allowed (``install_cors``, outside the key check: preflights carry no key)."""
+    origins allowed (``install_cors``, outside the key check: preflights carry no key);
+    outside both, the Host names it answers to (``HostGate``) and the deadline on request
+    bodies (``BodyDeadline``); ``serve`` caps the connections of one address."""
     install_auth(
         app, swarm_token=settings.swarm_token, api_key=settings.api_key, peers=peers,
         api_keys=read_api_keys(settings.api_key_file),
         max_body=max(settings.max_body_bytes, settings.max_request_bytes),
     )  # fmt: skip
     install_cors(app, settings.allowed_origins)
+    app.add_middleware(BodyDeadline, seconds=settings.body_timeout_s)
+    names = served_names(
+        settings.allowed_hosts, getattr(settings, "advertise_url", None),
+        hosts=(getattr(settings, "host", ""),),
+    )  # fmt: skip
+    app.add_middleware(HostGate, names=names)
+    app.state.connections_per_address = settings.max_connections_per_address
 
 
 # -- API key files ----------------------------------------------------------------------------

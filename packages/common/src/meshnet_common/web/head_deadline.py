@@ -13,6 +13,10 @@ head: httptools' ``on_headers_complete``, h11's ``their_state`` leaving ``IDLE``
 hooks (``handle_events``, ``on_response_complete``, ``conn``, ``pipeline``, ``loop``,
 ``transport``) are the only uvicorn internals this module relies on; uvicorn has no public
 hook for it. ``MESHNET_HEAD_TIMEOUT_S`` sets the deadline (tests: ``HEAD_TIMEOUT_S``).
+
+The same classes cap the connections one client address holds open at once (uvicorn's
+``limit_concurrency`` counts all of them together): past ``per_address`` (set on uvicorn's
+``Config`` by ``serve``; 0: no cap), a new connection is answered 503 and closed at once.
 """
 
 from __future__ import annotations
@@ -29,6 +33,35 @@ except ImportError:  # pragma: no cover - httptools is optional
     HttpToolsProtocol = None
 
 HEAD_TIMEOUT_S = float(os.environ.get("MESHNET_HEAD_TIMEOUT_S", "10"))
+PER_ADDRESS = "meshnet_per_address"  # the attribute of uvicorn's Config holding the cap
+_BUSY_BODY = (
+    b'{"error": {"message": "too many connections from this address", '
+    b'"type": "server_error", "param": null, "code": "too_many_connections"}}'
+)
+BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
+
+
+def over_cap(protocol) -> bool:
+    """Whether ``protocol``'s connection (just made, already counted among the server's)
+    makes its address hold more than the cap; then it is answered 503 and closed."""
+    cap = getattr(protocol.config, PER_ADDRESS, 0)
+    host = protocol.client[0] if protocol.client else None
+    if not cap or host is None:
+        return False
+    held = sum(1 for c in protocol.server_state.connections if _host(c) == host)
+    if held <= cap:
+        return False
+    protocol.transport.write(BUSY)
+    protocol.transport.close()
+    return True
+
+
+def _host(connection) -> str | None:
+    client = getattr(connection, "client", None)  # WebSocket protocols hold one too
+    return client[0] if client else None
 
 
 class HeadClock:
@@ -60,7 +93,8 @@ class H11HeadDeadline(H11Protocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.head_clock = HeadClock(self.loop, HEAD_TIMEOUT_S)
         super().connection_made(transport)
-        self.head_clock.arm(transport)
+        if not over_cap(self):
+            self.head_clock.arm(transport)
 
     def _sync_head_clock(self) -> None:
         # Waiting for a head: none has begun (IDLE), or the answer is out (DONE) and what
@@ -92,7 +126,8 @@ if HttpToolsProtocol is not None:
         def connection_made(self, transport) -> None:  # type: ignore[override]
             self.head_clock = HeadClock(self.loop, HEAD_TIMEOUT_S)
             super().connection_made(transport)
-            self.head_clock.arm(transport)
+            if not over_cap(self):
+                self.head_clock.arm(transport)
 
         def on_headers_complete(self) -> None:
             self.head_clock.disarm()

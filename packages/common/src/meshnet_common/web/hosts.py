@@ -1,8 +1,10 @@
-"""What a URL's host says about where it is: an IP address, a loopback address."""
+"""What a URL's host says about where it is (an IP address, a loopback address), and which
+Host names a server answers to."""
 
 from __future__ import annotations
 
 import ipaddress
+import json
 from urllib.parse import urlsplit
 
 
@@ -49,3 +51,81 @@ def server_url(scope) -> str:
     ip = ip_of(host)
     netloc = f"[{ip}]" if ip is not None and ip.version == 6 else host
     return f"{scheme}://{netloc}" if port is None else f"{scheme}://{netloc}:{port}"
+
+
+# -- the Host allow-list (DNS rebinding, docs/adr/0032) ----------------------------------------
+
+LOOPBACK_NAMES = frozenset({"localhost"})
+
+
+def host_name(header: str) -> str:
+    """The name of a ``Host`` header, without its port, lower case, no trailing dot."""
+    header = header.strip().lower()
+    if header.startswith("["):  # [v6]:port
+        return header[1 : header.find("]")] if "]" in header else header
+    if header.count(":") == 1:
+        header = header.rsplit(":", 1)[0]
+    return header.rstrip(".")
+
+
+def host_allowed(header: str | None, names: frozenset[str]) -> bool:
+    """Whether a request whose ``Host`` header is ``header`` is for this server: a loopback
+    name, any IP address (a page a rebinding attack serves is on a name the attacker owns;
+    an address is dialed as such), or one of ``names`` (``*``: any)."""
+    if header is None or "*" in names:
+        return True  # HTTP/1.0 without Host: no browser page sends that
+    name = host_name(header)
+    return name in LOOPBACK_NAMES or ip_of(name) is not None or name in names
+
+
+def served_names(
+    allowed: tuple[str, ...], *urls: str | None, hosts: tuple[str, ...] = ()
+) -> frozenset[str]:
+    """The names a server answers to: ``allowed`` (--allowed-host), the hosts of its
+    advertised ``urls`` and its bound ``hosts`` that are names (a wildcard is none)."""
+    names = {n.lower().rstrip(".") for n in allowed}
+    for url in urls:
+        try:
+            host = urlsplit(url).hostname if url else None
+        except ValueError:
+            host = None
+        if host:
+            names.add(host.rstrip("."))
+    names.update(h.lower().rstrip(".") for h in hosts if h and ip_of(h) is None)
+    return frozenset(names)
+
+
+_HOST = b"host"
+_MISDIRECTED = json.dumps({"error": {
+    "message": "this server does not answer to that Host name (add it with --allowed-host)",
+    "type": "invalid_request_error", "param": "host", "code": "host_not_allowed",
+}}).encode()  # fmt: skip
+
+
+class HostGate:
+    """Pure ASGI: a request (or WebSocket) naming another server in its ``Host`` header is
+    answered 421 before anything reads it: a browser page whose name was rebound to this
+    machine's address cannot reach a loopback service (docs/adr/0032)."""
+
+    def __init__(self, app, names: frozenset[str]) -> None:
+        self.app, self.names = app, names
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            header = next((v for k, v in scope["headers"] if k == _HOST), None)
+            # The server's own name for itself (uvicorn: its socket's address; an in-process
+            # ASGI transport: the URL's host) is one of its names.
+            names = self.names | {str((scope.get("server") or ("",))[0]).lower()}
+            if not host_allowed(None if header is None else header.decode("latin-1"), names):
+                await _refuse(scope, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _refuse(scope, send) -> None:
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 421, "headers": headers})
+    await send({"type": "http.response.body", "body": _MISDIRECTED})

@@ -20,6 +20,7 @@ from meshnet_common.errors import (
     InvalidRequest,
     MeshnetError,
     PayloadTooLarge,
+    RequestTimeout,
     UnsupportedMediaType,
 )
 from meshnet_common.logs import H_REQUEST_ID, accept_request_id, bind_session, request_id_var
@@ -147,6 +148,53 @@ def record_request(
             logger.log(level, "%s %s answered %d (%s)", method, path, status, code)
     else:
         logger.debug("%s %s answered %d in %.3fs", method, path, status, seconds)
+
+
+class BodyDeadline:
+    """Pure ASGI: a request body must arrive within ``seconds`` of its request's start
+    (docs/adr/0032); a read past that raises RequestTimeout (408), so a body trickled in a
+    byte at a time holds a connection that long at most. Once the body is in, ``receive``
+    is the server's own again (a stream's disconnect watch is not timed)."""
+
+    def __init__(self, app, seconds: float) -> None:
+        self.app, self.seconds = app, seconds
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline, body_done, started = loop.time() + self.seconds, False, False
+
+        async def timed_receive():
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):  # no task per read: a timer only
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"the request body did not arrive within {self.seconds:g}s"
+                ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        async def send_seen(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, send_seen)
+        except RequestTimeout as exc:  # read outside a route (a middleware): answer here
+            if started:
+                return
+            body = json.dumps(exc.to_openai()).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
 
 
 DEFAULT_JSON_LIMIT = 8 << 20  # OpenAI-style JSON bodies

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import signal
 import socket
 import sys
@@ -12,12 +13,15 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
+from meshnet_common.config import defaults
 from meshnet_common.web import head_deadline
 
 # Bounds on what one client can hold (docs/adr/0032): a request head of at most 16 KiB
 # (h11; httptools' llhttp caps it at 80 KiB itself), an idle keep-alive connection closed
 # after 5 s, and past 1024 open connections or running requests new requests get 503
 # rather than memory. A request head must arrive within 10 s (``head_deadline``).
+logger = logging.getLogger(__name__)
+
 LIMITS = {"h11_max_incomplete_event_size": 16 * 1024, "timeout_keep_alive": 5,
           "limit_concurrency": 1024}  # fmt: skip
 
@@ -70,6 +74,8 @@ async def _serve(
         ws="websockets-sansio" if ws_max_size else "auto", ws_max_size=ws_max_size or 1 << 24,
         ws_per_message_deflate=False, http=head_deadline.protocol_class(), **tls, **LIMITS,
     )  # fmt: skip
+    cap = getattr(app.state, "connections_per_address", defaults.CONNECTIONS_PER_ADDRESS)
+    setattr(config, head_deadline.PER_ADDRESS, cap)  # read by its protocol classes
     server = uvicorn.Server(config)
     exit_code = 0
 
@@ -121,6 +127,28 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
+FD_LIMIT = 1 << 16  # open files a server asks for: 1024 connections and what it holds
+
+
+def raise_fd_limit(want: int = FD_LIMIT) -> int:
+    """Raise this process's soft limit on open files toward ``want`` (never above the hard
+    limit, never down); returns the soft limit now. A common soft limit of 1024 would run
+    out below uvicorn's 1024 connections (docs/adr/0032)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Windows
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:  # e.g. macOS caps it below the hard limit
+            logger.warning("cannot raise the open-file limit to %d: %s", target, exc)
+    return soft
+
+
 def freeze_heap() -> int:
     """Keep what the process holds now out of the garbage collector's full collections
     (``gc.freeze``, after one last collection); returns how many objects that is.
@@ -155,6 +183,7 @@ def run(
     """Serve on ``sock`` (from ``bind``) until stopped; once the socket listens, print ``ready_line`` (if any) and call
     ``on_started``. ``ws_max_size``: the largest WebSocket message (a node's hop streams);
     ``tls``: uvicorn's certificate options (``meshnet_common.web.tls.server_options``)."""
+    raise_fd_limit()  # room for limit_concurrency's connections and the files it holds
     freeze_heap()  # everything built before serving: out of full collections' reach
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(_serve(app, sock, ready_line, log_level, on_started, ws_max_size, tls or {}))

@@ -4,7 +4,8 @@ A joining node asks for the manifest of ``model`` + ``[start, end)`` (optionally
 ``revision``: a source holding another one answers 404), then downloads each file it lists; the weights arrive as one safetensors file holding only that range's tensors.
 Downloads stream from disk (no whole-file buffering), honour HTTP ranges (resume), and at
 most ``max_concurrent`` run at once per source: the rest wait their turn (``download_slots``:
-a bounded wait, then 503; a slot is held until a deadline at most). On the tracker, every
+a bounded wait, then 503; at most two per address; a slot is kept while its reader keeps a
+floor rate). On the tracker, every
 manifest is signed with its key (``meshnet_common.trust.manifest_keys``), the root of trust for weights.
 """
 
@@ -251,9 +252,13 @@ def shards_router() -> APIRouter:
         size = src.size_of(file)
         byte_range = _parse_range(request.headers.get("range"), size)
         lo, hi = byte_range or (0, size)
-        lease = await shard_server.slots.acquire(hi - lo)  # queue behind other downloads
+        peer = request.client.host if request.client else None
+        lease = await shard_server.slots.acquire(hi - lo, peer=peer)  # queue behind others
         if lease is None:
-            raise CapacityExceeded("every download slot is busy; retry shortly")
+            raise CapacityExceeded(
+                "no download slot is free (at most "
+                f"{shard_server.slots.per_peer} per address); retry shortly"
+            )
         shard_server.downloads += 1
         event(logger, logging.INFO, "shard download", model=model, layers=f"[{start}, {end})",
               file=file, bytes=hi - lo, resumed_at=lo)  # fmt: skip
@@ -265,11 +270,12 @@ def shards_router() -> APIRouter:
                 if shard_server.fault and file == SUBSET_FILE:
                     chunks = shard_server.faulty(chunks, size)
                 for chunk in chunks:
-                    if shard_server.slots.overdue(lease):  # past its deadline: the reader
+                    if shard_server.slots.overdue(lease):  # behind the floor rate: the reader
                         logger.warning("shard download of %s overran its slot", file)
                         return  # resumes from here with a range request
                     shard_server.bytes_sent += len(chunk)
-                    yield chunk
+                    yield chunk  # returns once the reader took it (the send's backpressure)
+                    shard_server.slots.sent(lease, len(chunk))
             finally:
                 shard_server.slots.release(lease)
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from meshnet_common.protocol import validate_session_id
 from meshnet_common.web import tls
 from meshnet_common.web.auth import caller_of, swarm_headers
+from meshnet_common.web.swarm_client import swarm_async_client
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ class PrefixClient:
 
     def __init__(self, swarm_token: str | None, identity=None) -> None:
         hooks = {"request": [identity.sign_async_request]} if identity is not None else None
-        self.client = httpx.AsyncClient(
-            timeout=PROBE_TIMEOUT_S, headers=swarm_headers(swarm_token),
+        self.client = swarm_async_client(  # {"held": n}: a few bytes
+            max_bytes=4096, timeout=PROBE_TIMEOUT_S, headers=swarm_headers(swarm_token),
             verify=tls.client_context(), event_hooks=hooks,
         )  # fmt: skip
 

@@ -40,6 +40,7 @@ from meshnet_common.trust.identity import Identity
 from meshnet_common.trust.manifest_keys import H_MANIFEST_SIGNATURE, KEY_PATH, ManifestKey
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
+from meshnet_common.web.swarm_client import limit, swarm_client
 from meshnet_node.retry import RetryPolicy
 from meshnet_node.swarm import FetchError
 from meshnet_node.swarm.hub import COMMIT, check_against, fetch_from_hub
@@ -131,13 +132,14 @@ def _download_file(
             headers = {"range": f"bytes={have}-"} if have else {}
             try:
                 with client.stream("GET", url, params={**params, "file": entry["name"]},
-                                   headers=headers) as resp:  # fmt: skip
+                                   headers=headers, extensions=limit(entry["size"] - have),
+                                   ) as resp:  # fmt: skip
                     if resp.status_code not in (200, 206):
                         raise FetchError(f"{entry['name']}: HTTP {resp.status_code}")
                     mode = "ab" if resp.status_code == 206 else "wb"
                     written = have if mode == "ab" else 0
                     with open(dest, mode) as fh:
-                        for chunk in resp.iter_bytes():
+                        for chunk in resp.iter_bytes():  # identity: the client refused others
                             written += len(chunk)
                             if written > entry["size"]:  # never let a source fill the disk
                                 raise FetchError(f"{entry['name']}: more bytes than the manifest")
@@ -176,7 +178,7 @@ class Trust:
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
         hooks = {"request": [self.identity.sign_request]} if self.identity is not None else None
-        return httpx.Client(
+        return swarm_client(  # manifests; a download sets its file's size (limit)
             timeout=httpx.Timeout(timeout, connect=5.0), headers=swarm_headers(self.swarm_token),
             verify=tls.client_context(), event_hooks=hooks,
         )  # fmt: skip

@@ -35,7 +35,7 @@ from meshnet_common.protocol import (
     ShardSpec,
 )
 from meshnet_common.trust.identity import CallChecker, Identity
-from meshnet_common.web import tls
+from meshnet_common.web import swarm_client, tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.engine.preflight import resolve_device
 from meshnet_node.retry import Clock, RetryPolicy
@@ -201,7 +201,7 @@ def wait_for_tracker(
     *,
     clock: Clock = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    get: Callable[..., object] = httpx.get,
+    get: Callable[..., object] = swarm_client.get,
 ) -> None:
     """Return once the tracker answers HTTP at all; OSError after ``wait_s`` seconds."""
     budget = replace(TRACKER_WAIT_RETRY, deadline_s=max(0.0, wait_s)).start(clock)
@@ -222,8 +222,8 @@ def wait_for_tracker(
 def tracker_models(tracker_url: str) -> dict[str, int] | None:
     """Models the tracker knows -> their layer counts; None when it cannot be asked."""
     try:
-        resp = httpx.get(f"{tracker_url.rstrip('/')}/v1/coverage", timeout=10.0,
-                         verify=tls.client_context())  # fmt: skip
+        resp = swarm_client.get(f"{tracker_url.rstrip('/')}/v1/coverage", timeout=10.0,
+                                 verify=tls.client_context())  # fmt: skip
         return {m["id"]: int(m["num_layers"]) for m in resp.json()["models"]}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None  # an old or odd tracker: let the fetch report what goes wrong
@@ -268,7 +268,7 @@ def ask_assignment(settings: NodeSettings, node_id: str, offer: Offer) -> Assign
         held_models=held,
     )
     try:
-        resp = httpx.post(
+        resp = swarm_client.post(
             f"{settings.tracker_url.rstrip('/')}/v1/nodes/assign",
             content=ask.model_dump_json(),
             headers=swarm_headers(settings.swarm_token),

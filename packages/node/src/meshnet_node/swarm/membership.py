@@ -28,6 +28,7 @@ from meshnet_common.trust.identity import CallChecker, Identity
 from meshnet_common.trust.manifest_keys import ManifestKey
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
+from meshnet_common.web.swarm_client import swarm_async_client, swarm_client
 from meshnet_node.retry import RetryPolicy
 from meshnet_node.verification.verifier import Replica, replicas_in_coverage
 
@@ -75,7 +76,7 @@ class TrackerClient:
     ) -> None:  # fmt: skip
         self.base = tracker_url.rstrip("/")
         hooks = {"request": [identity.sign_async_request]} if identity is not None else None
-        self.client = httpx.AsyncClient(
+        self.client = swarm_async_client(
             timeout=timeout, headers=swarm_headers(swarm_token), verify=tls.client_context(),
             event_hooks=hooks,
         )  # fmt: skip
@@ -172,7 +173,7 @@ class Membership:
         self.peers = peers or CallChecker()
         self._refused_keys: set[str] = set()  # tracker keys refused (logged once each)
         self.heartbeats = 0
-        self._client = httpx.Client(
+        self._client = swarm_client(
             timeout=timeout_s, headers=swarm_headers(swarm_token), verify=tls.client_context(),
             event_hooks={"request": [self.identity.sign_request]},
         )  # fmt: skip

@@ -29,7 +29,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-import httpx
 import torch
 
 from meshnet_common import wire
@@ -40,6 +39,7 @@ from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, row_bytes, signed_r
 from meshnet_common.trust.identity import Identity
 from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
+from meshnet_common.web.swarm_client import swarm_async_client
 from meshnet_node.verification.audit import (
     H_KEY_DIGEST,
     HOLDS_PATH,
@@ -160,9 +160,9 @@ class AuditClient:
         self, swarm_token: str | None, *, max_bytes: int, identity: Identity | None = None
     ) -> None:
         hooks = {"request": [identity.sign_async_request]} if identity is not None else None
-        self.client = httpx.AsyncClient(
-            timeout=AUDIT_TIMEOUT_S, headers=swarm_headers(swarm_token),
-            verify=tls.client_context(), event_hooks=hooks,
+        self.client = swarm_async_client(  # two frames at most, never compressed
+            max_bytes=2 * max_bytes + 4096, timeout=AUDIT_TIMEOUT_S,
+            headers=swarm_headers(swarm_token), verify=tls.client_context(), event_hooks=hooks,
         )  # fmt: skip
         self.max_bytes = max_bytes
 

@@ -21,6 +21,7 @@ import httpx
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.web.hosts import ip_of as _ip
 from meshnet_common.web.hosts import is_loopback, require_https
+from meshnet_common.web.swarm_client import IDENTITY, read_capped
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +127,11 @@ async def confirm_reachable(
 async def _health_id(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
     """The node id a ``/health`` answer names (None: not a meshnet node's answer), reading
     at most ``MAX_ANSWER`` bytes."""
-    async with client.stream("GET", url, timeout=timeout_s) as resp:
+    # Raw bytes only: a compressed answer would be decoded before anything could count it.
+    async with client.stream("GET", url, timeout=timeout_s, headers=IDENTITY) as resp:
         if resp.status_code != 200:
             return None
-        body = b""
-        async for chunk in resp.aiter_bytes():
-            body += chunk
-            if len(body) > MAX_ANSWER:
-                return None
+        body = await read_capped(resp, MAX_ANSWER)
     answer = json.loads(body)
     node_id = answer.get("node_id") if isinstance(answer, dict) else None
     return node_id if isinstance(node_id, str) else None
