@@ -17,11 +17,12 @@ from crafted_models import (
     UINT32,
     Raw,
     gguf_file,
+    llama_config,
     safetensors_snapshot,
     string_array,
 )
 
-from meshnet_common.errors import ModelError
+from meshnet_common.errors import InvalidRequest, ModelError
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.models_dir import scan_models_dir
 
@@ -202,10 +203,11 @@ def test_a_models_dir_lists_the_good_model_and_one_problem_per_crafted_file(tmp_
     gguf_file(tmp_path / "evil" / "hang" / "model.gguf", **GGUF_CASES["experts_2_40_empty"])
     gguf_file(tmp_path / "evil" / "nohead" / "model.gguf", drop=("llama.attention.head_count",))
     safetensors_snapshot(tmp_path / "evil" / "st", SAFETENSORS_CASES["json_list"], 128)
+    gguf_file(tmp_path / "evil" / "two-lines" / "a\nb.gguf", {"llama.block_count": BIG})
     entries, problems = scan_models_dir(tmp_path)
     assert [e.model_id for e in entries] == ["acme/good"]
     assert [p.path.relative_to(tmp_path).as_posix() for p in problems] == [
-        "evil/hang", "evil/nohead", "evil/st",
+        "evil/hang", "evil/nohead", "evil/st", "evil/two-lines",
     ]  # fmt: skip
     assert all("\n" not in p.message and "evil/" in p.message for p in problems)
 
@@ -232,3 +234,32 @@ def test_a_rescan_reads_only_snapshots_whose_files_changed(tmp_path, monkeypatch
     (good / "config.json").write_text((good / "config.json").read_text() + " ")
     again = scan_models_dir(tmp_path, known)
     assert loads[2:] == [good] and [e.model_id for e in again.entries] == ["acme/good"]
+
+
+@pytest.mark.parametrize(
+    "quantization",
+    [{"quant_method": "fp8", "weight_block_size": "ab"},
+     {"quant_method": "fp8", "weight_block_size": [0]},
+     {"quant_method": "compressed-tensors", "config_groups": ["x"]},
+     {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": [4]}}},
+     {"quant_method": "gptq", "bits": [4], "group_size": {"a": 1}}],
+)  # fmt: skip
+def test_a_malformed_quantization_config_is_priced_or_refused_never_a_traceback(
+    tmp_path, quantization
+):
+    """The tracker prices every model it finds: a crafted ``quantization_config`` is a
+    format nodes cannot read (priced as unquantized; the loader refuses it), not a crash."""
+    from meshnet_common.memory import ModelCosts
+    from meshnet_common.precision import native_format_name
+
+    snapshot = safetensors_snapshot(
+        tmp_path / "st", GOOD_SAFETENSORS, 128, quantization_config=quantization
+    )
+    costs = ModelCosts.from_index(CheckpointIndex.load(snapshot))
+    assert costs.num_layers == 1
+    with pytest.raises(InvalidRequest):
+        native_format_name(llama_config(quantization_config=quantization))
+
+
+def test_a_quantization_config_that_is_not_an_object_is_refused(tmp_path):
+    _refused(safetensors_snapshot(tmp_path / "st", GOOD_SAFETENSORS, 128, quantization_config="x"))

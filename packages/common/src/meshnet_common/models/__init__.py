@@ -34,7 +34,6 @@ _CONFIG_INTS = {
     "intermediate_size": (0, MAX_WIDTH), "moe_intermediate_size": (0, MAX_WIDTH),
     "shared_expert_intermediate_size": (0, MAX_WIDTH),
     "vocab_size": (1, MAX_VOCAB), "max_position_embeddings": (1, MAX_POSITIONS),
-    "sliding_window": (0, MAX_POSITIONS),
     "num_experts": (0, MAX_EXPERTS), "num_local_experts": (0, MAX_EXPERTS),
     "n_routed_experts": (0, MAX_EXPERTS), "num_experts_per_tok": (0, MAX_EXPERTS),
 }  # fmt: skip
@@ -63,6 +62,8 @@ def check_config(config: dict, where: object, names: dict[str, str] | None = Non
     for field, (least, most) in _CONFIG_INTS.items():
         if config.get(field) is not None:
             bounded(config[field], least, most, f"{where}: {names.get(field, field)}")
+    if not isinstance(config.get("quantization_config") or {}, dict):
+        raise ModelError(f"{where}: quantization_config is not a JSON object")
     for field in _CONFIG_REALS:
         value = config.get(field)
         if value is not None and (type(value) not in (int, float) or value != value):

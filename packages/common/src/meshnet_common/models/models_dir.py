@@ -69,10 +69,15 @@ class ModelEntry:
 
 
 class ScanProblem(NamedTuple):
-    """A snapshot that could not be read, and why."""
+    """A snapshot that could not be read, and why (one line: a file or folder name holding
+    a line break is escaped)."""
 
     path: Path
     message: str
+
+    @classmethod
+    def of(cls, path: Path, message: str) -> ScanProblem:
+        return cls(path, message.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 class ModelScan(NamedTuple):
@@ -261,13 +266,13 @@ def scan_models_dir(models_dir: Path | str, known: dict[Path, tuple] | None = No
     # Plain first: resolve_snapshot prefers the plain copy when an id is in both layouts.
     for found in sorted(_discover(Path(models_dir)), key=lambda f: LAYOUTS.index(f.layout)):
         if found.problem is not None:
-            problems.append(ScanProblem(found.path, found.problem))
+            problems.append(ScanProblem.of(found.path, found.problem))
         elif found.model_id in seen:
             message = (
                 f"{found.path}: {found.model_id} is also present in the "
                 f"{seen[found.model_id]} layout, which is the copy used"
             )
-            problems.append(ScanProblem(found.path, message))
+            problems.append(ScanProblem.of(found.path, message))
         else:
             located.add(found.path)
             result = _indexed(found, cache)
@@ -293,7 +298,7 @@ def _indexed(found: _Found, cache: dict[Path, tuple]) -> ModelEntry | ScanProble
     try:
         result = model_entry(found.model_id, found.layout, found.path, found.revision)
     except ModelError as exc:
-        result = ScanProblem(found.path, _with_path(found.path, str(exc)))
+        result = ScanProblem.of(found.path, _with_path(found.path, str(exc)))
     cache[found.path] = (fingerprint, result)
     return result
 
