@@ -1,5 +1,6 @@
-"""Hostile model files of a few hundred bytes, packed byte by byte: GGUF headers (no ``gguf``
-package: its writer refuses most of what a hostile file holds) and safetensors headers.
+"""Hostile model files of a few hundred bytes, packed byte by byte (GGUF and safetensors
+headers), so a test states exactly what a crafted file holds: counts that lie, empty or
+huge dimensions, misaligned offsets, values of the wrong type.
 
 ``gguf_file`` writes a small Llama GGUF that every parser here reads; a test changes one
 thing (a metadata value, a tensor's dimensions, a count) and expects a one-line ModelError.
@@ -64,9 +65,9 @@ MOE_METADATA = {
 # (name, dims in ggml order, ggml type, offset in the data section)
 LLAMA_TENSORS = [
     ("token_embd.weight", (32, 2), F32_TYPE, 0),
-    ("blk.0.attn_q.weight", (32, 32), F32_TYPE, 256),
+    ("blk.0.attn_q.weight", (32, 4), F32_TYPE, 256),  # 4 rows: two halves of 2 heads
 ]
-LLAMA_DATA_BYTES = 256 + 32 * 32 * 4
+LLAMA_DATA_BYTES = 256 + 32 * 4 * 4
 
 
 def gguf_file(

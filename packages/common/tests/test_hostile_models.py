@@ -64,7 +64,7 @@ def test_the_crafted_files_are_valid_until_one_thing_changes(tmp_path):
     """The base files load: each refusal below is its one defect's."""
     gguf = CheckpointIndex.load(gguf_file(tmp_path / "ok.gguf"))
     assert gguf.num_layers == 1 and "model.embed_tokens.weight" in gguf.tensors
-    experts = CheckpointIndex.load(gguf_file(tmp_path / "moe.gguf", **_experts((32, 4, 2))))
+    experts = CheckpointIndex.load(gguf_file(tmp_path / "moe.gguf", **_experts((32, 2, 2))))
     assert "model.layers.0.mlp.experts.1.gate_proj.weight" in experts.tensors
     many = _experts((1, 1, MAX_EXPERTS), F16, data_bytes=2 * MAX_EXPERTS)
     assert CheckpointIndex.load(gguf_file(tmp_path / "many.gguf", **many)).tensors
