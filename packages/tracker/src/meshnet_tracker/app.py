@@ -130,8 +130,6 @@ async def _prune_loop(state: TrackerState) -> None:
             state.node.probe(state.probe_targets(state.node.node_id))
         if rescan_s > 0 and now - last_scan >= rescan_s:
             last_scan = now
-            # Headers are read on a worker thread: the tracker node decodes on this loop.
-            scan = await asyncio.to_thread(state.scan_models_dir, dict(state.indexed))
-            state.apply_scan(scan)
+            await state.rescan()  # on a worker thread: the tracker node decodes on this loop
         state.registry.prune()
         state.balancer.plan_moves()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class TrackerState:
     balancer: Balancer = field(init=False)
 
     indexed: dict[str, tuple] = field(default_factory=dict)  # model -> snapshot fingerprint
+    _known: dict = field(default_factory=dict)  # the models dir as last read (scan_models_dir)
+    _scan_turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # one scan at a time
+    _scans_begun: int = 0
     _problems: set[str] = field(default_factory=set)  # models-dir problems already logged
     # The route each (model, head) got last: kept unless a clearly better one appears.
     _last_routes: dict[tuple[str, str | None], list] = field(default_factory=dict)
@@ -98,6 +102,25 @@ class TrackerState:
         ``meshnet-models list``."""
         self.apply_scan(self.scan_models_dir(dict(self.indexed)))
 
+    async def rescan(self) -> None:
+        """``rescan_models_dir`` off the event loop (the tracker node decodes on it), one
+        scan at a time: a caller that waited while a scan began after it arrived takes that
+        scan's findings, so a burst of assignments costs two scans at most. A scan that
+        fails for a reason no check names is one logged line; the tracker carries on."""
+        arrived = self._scans_begun
+        async with self._scan_turn:
+            if self._scans_begun > arrived:
+                return  # a scan that began after this call arrived has been applied
+            self._scans_begun += 1
+            try:
+                found = await asyncio.to_thread(self.scan_models_dir, dict(self.indexed))
+            except Exception as exc:  # noqa: BLE001 - the tracker outlives a bad models dir
+                logger.error(
+                    "%s: scan failed (%s: %s)", self.models_source, type(exc).__name__, exc
+                )
+                return
+            self.apply_scan(found)
+
     def scan_models_dir(self, indexed: dict[str, tuple]) -> ModelsScan | None:
         """The file work of a rescan: reads headers and stats files, touches no state, so
         the tracker runs it on a worker thread (it takes milliseconds per model, and the
@@ -124,7 +147,7 @@ class TrackerState:
         the commit the CLI pinned (``settings.revision``: a moved branch changes nothing)."""
         if self.settings.models_dir is not None:
             try:
-                return scan_models_dir(self.settings.models_dir)
+                return scan_models_dir(self.settings.models_dir, self._known)
             except ModelError as exc:
                 logger.warning("models dir: %s", exc)
                 return None

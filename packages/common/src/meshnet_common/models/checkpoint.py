@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from meshnet_common.errors import ModelError, UnsupportedArchitecture
 from meshnet_common.layers import LayerRange
+from meshnet_common.models import MAX_DIM, MAX_LAYERS, MAX_NUMEL, MAX_TENSORS, check_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -78,10 +78,14 @@ NAMING_BY_ARCHITECTURE: dict[str, CheckpointNaming] = {
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(NAMING_BY_ARCHITECTURE))
 
+# The safetensors dtypes of whole bytes (its sub-byte F4 / F6 are not read).
 _SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "U32": 4, "U64": 8, "C64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "F8_E8M0": 1,
 }  # fmt: skip
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+_MAX_JSON = 64 * 1024 * 1024  # config.json, model.safetensors.index.json (DeepSeek-V3's: 9 MB)
 
 
 @dataclass(frozen=True)
@@ -100,11 +104,9 @@ def read_config(snapshot: Path) -> dict:
     """Read ``config.json``; raise ModelError naming the path when missing or corrupt."""
     path = Path(snapshot) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = _read_json(path)
     except FileNotFoundError as exc:
         raise ModelError(f"{path}: no config.json in snapshot") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"{path}: unreadable config ({exc})") from exc
     if not isinstance(config, dict):
         raise ModelError(f"{path}: config must be a JSON object")
     return config
@@ -121,35 +123,106 @@ def architecture_of(config: dict, where: Path | str = "config.json") -> str:
     return arch
 
 
+def _read_json(path: Path, limit: int = _MAX_JSON):
+    """A JSON file of at most ``limit`` bytes; ModelError naming it when unreadable or
+    malformed (FileNotFoundError passes through)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ModelError(f"{path}: unreadable ({exc})") from exc
+    if len(raw) > limit:
+        raise ModelError(f"{path}: larger than {limit} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+        raise ModelError(f"{path}: malformed JSON ({type(exc).__name__}: {str(exc)[:80]})") from exc
+
+
 def num_layers_of(config: dict) -> int:
     n = config.get("num_hidden_layers", config.get("n_layer"))
-    if not isinstance(n, int) or n <= 0:
-        raise ModelError("config has no positive num_hidden_layers / n_layer")
+    if type(n) is not int or not 0 < n <= MAX_LAYERS:
+        raise ModelError(f"config has no num_hidden_layers / n_layer in [1, {MAX_LAYERS}]")
     return n
 
 
-def _read_safetensors_header(path: Path) -> dict:
-    """Parse a safetensors header without touching tensor data.
-
-    Each entry gains ``"_base"``: where the data section starts in the file.
-    """
+def _read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """A safetensors file's tensors, its header checked without touching tensor data:
+    name -> (dtype, shape, nbytes, absolute offset of its bytes). ModelError naming the file
+    for any defect (not JSON, not an object, an unknown dtype, a negative or huge shape,
+    offsets that disagree with it or lie past the end of the file)."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as fh:
             raw_len = fh.read(8)
             if len(raw_len) != 8:
                 raise ModelError(f"{path}: truncated safetensors file")
             (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > 100 * 1024 * 1024:
+            if header_len > min(_MAX_HEADER, size - 8):
                 raise ModelError(f"{path}: implausible safetensors header size {header_len}")
-            header = json.loads(fh.read(header_len))
+            raw = fh.read(header_len)
     except OSError as exc:
         raise ModelError(f"{path}: unreadable weights file ({exc})") from exc
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path}: corrupt safetensors header ({exc})") from exc
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+        raise ModelError(f"{path}: corrupt safetensors header ({type(exc).__name__})") from exc
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
-    for meta in header.values():
-        meta["_base"] = 8 + header_len
-    return header
+    base = 8 + header_len
+    return {name: _safetensors_entry(path, name, meta, base, size) for name, meta in header.items()}
+
+
+def _safetensors_entry(path: Path, name: str, meta, base: int, size: int):
+    if not isinstance(meta, dict):
+        raise ModelError(f"{path}: tensor {name[:80]!r} is not described by an object")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPE_BYTES:
+        raise ModelError(
+            f"{path}: tensor {name[:80]!r} has dtype {str(dtype)[:20]!r}, not one read"
+        )
+    if not (isinstance(shape, list) and len(shape) <= 8
+            and all(type(d) is int and 0 < d <= MAX_DIM for d in shape)):  # fmt: skip
+        raise ModelError(f"{path}: tensor {name[:80]!r} has shape {str(shape)[:40]}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel > MAX_NUMEL:
+        raise ModelError(f"{path}: tensor {name[:80]!r} has {numel} values, more than {MAX_NUMEL}")
+    nbytes = numel * _SAFETENSORS_DTYPE_BYTES[dtype]
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
+        raise ModelError(f"{path}: tensor {name[:80]!r} has data_offsets {str(offsets)[:40]}")
+    begin, end = offsets
+    if end - begin != nbytes:
+        raise ModelError(f"{path}: tensor {name[:80]!r} has {end - begin} bytes, expected {nbytes}")
+    if base + end > size:
+        raise ModelError(f"{path}: tensor {name[:80]!r} lies past the end of the file")
+    return dtype, tuple(shape), nbytes, base + begin
+
+
+def _weight_files(root: Path) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of a snapshot, and its index's weight map (None: one file)."""
+    index_path = root / INDEX_FILE
+    if not index_path.exists():
+        if (root / SINGLE_FILE).exists():
+            return [SINGLE_FILE], None
+        raise ModelError(f"{root}: no {INDEX_FILE} or {SINGLE_FILE}")
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or len(weight_map) > MAX_TENSORS:
+        raise ModelError(f"{index_path}: empty or malformed weight_map")
+    if not all(isinstance(f, str) for f in weight_map.values()):
+        raise ModelError(f"{index_path}: a weight_map value is not a file name")
+    files = sorted(set(weight_map.values()))
+    for fname in files:
+        # Lexical check, not resolve(): hub-cache snapshot files are symlinks to ../../blobs.
+        if PurePosixPath(fname).is_absolute() or ".." in PurePosixPath(fname).parts:
+            raise ModelError(f"{index_path}: file {fname!r} escapes the snapshot")
+    return files, weight_map
 
 
 def gguf_in(folder: Path) -> Path | None:
@@ -195,8 +268,18 @@ class CheckpointIndex:
     @classmethod
     def load(cls, snapshot: Path | str) -> CheckpointIndex:
         """Index a snapshot folder, or a GGUF file. Raises ModelError naming the path on
-        any defect."""
+        any defect: one line, whatever a crafted file holds (``check_config``'s maxima)."""
         root = Path(snapshot)
+        try:
+            index = cls._load(root)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+            # A defect no check above names: still one line naming the file, never a traceback.
+            raise ModelError(f"{root}: malformed model ({type(exc).__name__}: {exc})") from exc
+        check_config(index.config, root)
+        return index
+
+    @classmethod
+    def _load(cls, root: Path) -> CheckpointIndex:
         if root.is_dir() and not (root / "config.json").exists():
             root = gguf_in(root) or root  # a folder holding one GGUF (and no config.json)
         if root.suffix == ".gguf" and root.is_file():
@@ -212,48 +295,25 @@ class CheckpointIndex:
             raise ModelError(f"{root}: not a directory")
         config = read_config(root)
         arch = architecture_of(config, root / "config.json")
-        num_layers = num_layers_of(config)
-        index_path = root / INDEX_FILE
-        files: Iterable[str]
-        if index_path.exists():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ModelError(f"{index_path}: corrupt checkpoint index ({exc})") from exc
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ModelError(f"{index_path}: empty or malformed weight_map")
-            files = sorted(set(weight_map.values()))
-        elif (root / SINGLE_FILE).exists():
-            weight_map = None
-            files = [SINGLE_FILE]
-        else:
-            raise ModelError(f"{root}: no {INDEX_FILE} or {SINGLE_FILE}")
+        try:
+            num_layers = num_layers_of(config)
+        except ModelError as exc:
+            raise ModelError(f"{root / 'config.json'}: {exc}") from exc
+        files, weight_map = _weight_files(root)
         tensors: dict[str, TensorInfo] = {}
         for fname in files:
             fpath = root / fname
-            # Lexical check, not resolve(): hub-cache snapshot files are symlinks to ../../blobs.
-            if PurePosixPath(fname).is_absolute() or ".." in PurePosixPath(fname).parts:
-                raise ModelError(f"{index_path}: file {fname!r} escapes the snapshot")
             if not fpath.exists():
                 raise ModelError(f"{fpath}: listed in the index but missing")
-            for name, meta in _read_safetensors_header(fpath).items():
-                shape = tuple(int(d) for d in meta["shape"])
-                numel = 1
-                for d in shape:
-                    numel *= d
-                dtype = meta["dtype"]
-                begin, end = meta.get("data_offsets", (0, 0))
-                nbytes = numel * _SAFETENSORS_DTYPE_BYTES.get(dtype, 2)
-                if end - begin != nbytes:
-                    raise ModelError(
-                        f"{fpath}: tensor {name} has {end - begin} bytes, expected {nbytes}"
-                    )
-                tensors[name] = TensorInfo(name, fname, dtype, shape, nbytes, meta["_base"] + begin)
+            for name, (dtype, shape, nbytes, offset) in _read_safetensors_header(fpath).items():
+                tensors[name] = TensorInfo(name, fname, dtype, shape, nbytes, offset)
+            if len(tensors) > MAX_TENSORS:
+                raise ModelError(f"{root}: more than {MAX_TENSORS} tensors")
         if weight_map is not None:
             missing = [n for n, f in weight_map.items() if tensors.get(n) is None]
             if missing:
                 raise ModelError(
-                    f"{index_path}: tensors listed but absent from files: {missing[:3]}"
+                    f"{root / INDEX_FILE}: tensors listed but absent from files: {missing[:3]}"
                 )
         return cls(
             root=root, config=config, architecture=arch, num_layers=num_layers, tensors=tensors

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from meshnet_common.errors import ModelError
+from meshnet_common.models import MAX_DIM, MAX_NUMEL, MAX_TENSORS, MAX_VOCAB
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -36,8 +37,16 @@ GGML_TYPES = {
     14: ("Q6_K", 256, 210), 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136),
     30: ("BF16", 1, 2),
 }  # fmt: skip
-_MAX_STRING = 1 << 24  # a key or a string value longer than 16 MB means a corrupt file
-_MAX_COUNT = 1 << 32
+# What a header may state (a crafted file is refused in one line, not trusted to size a
+# loop): a string value (a chat template) up to 16 MB, a key or a tensor name up to 1 KB
+# (llama.cpp's are under 64 bytes), an array (a vocabulary, its merges) up to 16M items,
+# 64K metadata entries, ggml's 4 dimensions, and an alignment a power of two up to 64 KB.
+_MAX_STRING = 1 << 24
+_MAX_NAME = 1 << 10
+_MAX_ARRAY = MAX_VOCAB
+_MAX_ENTRIES = 1 << 16
+_MAX_DIMS = 4
+_MAX_ALIGNMENT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -70,26 +79,34 @@ class GgufHeader:
 
 
 class _Reader:
-    def __init__(self, fh: BinaryIO, path: Path) -> None:
-        self.fh, self.path = fh, path
+    def __init__(self, fh: BinaryIO, path: Path, size: int) -> None:
+        self.fh, self.path, self.size = fh, path, size
+
+    def truncated(self) -> ModelError:
+        return ModelError(f"{self.path}: truncated GGUF header")
 
     def unpack(self, fmt: str):
         size = struct.calcsize(fmt)
         raw = self.fh.read(size)
         if len(raw) != size:
-            raise ModelError(f"{self.path}: truncated GGUF header")
+            raise self.truncated()
         return struct.unpack(fmt, raw)[0]
 
-    def string(self, skip: bool = False) -> str | None:
+    def skip(self, length: int) -> None:
+        if self.fh.tell() + length > self.size:  # a seek past the end would not fail
+            raise self.truncated()
+        self.fh.seek(length, 1)
+
+    def string(self, skip: bool = False, limit: int = _MAX_STRING) -> str | None:
         length = self.unpack("<Q")
-        if length > _MAX_STRING:
+        if length > limit:
             raise ModelError(f"{self.path}: implausible string length {length} in GGUF header")
         if skip:
-            self.fh.seek(length, 1)
+            self.skip(length)
             return None
         raw = self.fh.read(length)
         if len(raw) != length:
-            raise ModelError(f"{self.path}: truncated GGUF header")
+            raise self.truncated()
         return raw.decode("utf-8", errors="replace")
 
     def value(self, kind: int) -> Any:
@@ -97,13 +114,13 @@ class _Reader:
             return self.string()
         if kind == _ARRAY:
             element, count = self.unpack("<I"), self.unpack("<Q")
-            if count > _MAX_COUNT:
+            if count > _MAX_ARRAY:
                 raise ModelError(f"{self.path}: implausible array length {count}")
             if element == _STRING:
                 for _ in range(count):
                     self.string(skip=True)
             elif element in _SCALARS:
-                self.fh.seek(count * struct.calcsize(_SCALARS[element]), 1)
+                self.skip(count * struct.calcsize(_SCALARS[element]))
             else:
                 raise ModelError(f"{self.path}: GGUF array of value type {element}")
             return ArrayInfo(element, count)
@@ -117,49 +134,80 @@ def read_header(path: Path | str) -> GgufHeader:
     path = Path(path)
     try:
         with open(path, "rb") as fh:
-            return _read(_Reader(fh, path), path.stat().st_size)
+            return _read(_Reader(fh, path, path.stat().st_size))
     except OSError as exc:
         raise ModelError(f"{path}: unreadable GGUF ({exc})") from exc
 
 
-def _read(r: _Reader, file_size: int) -> GgufHeader:
+def _read(r: _Reader) -> GgufHeader:
     if r.fh.read(4) != MAGIC:
         raise ModelError(f"{r.path}: not a GGUF file (no GGUF magic)")
     version = r.unpack("<I")
     if version not in (2, 3):
         raise ModelError(f"{r.path}: GGUF version {version}; versions 2 and 3 are read")
     n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
-    if n_tensors > _MAX_COUNT or n_kv > _MAX_COUNT:
+    if n_tensors > MAX_TENSORS or n_kv > _MAX_ENTRIES:
         raise ModelError(f"{r.path}: implausible GGUF counts ({n_tensors}, {n_kv})")
     metadata: dict[str, Any] = {}
     metadata_start = r.fh.tell()
     for _ in range(n_kv):
-        key = r.string()
+        key = r.string(limit=_MAX_NAME)
+        if key in metadata:
+            raise ModelError(f"{r.path}: GGUF metadata key {key!r} appears twice")
         metadata[key] = r.value(r.unpack("<I"))
     metadata_end = r.fh.tell()
     infos = []
     for _ in range(n_tensors):
-        name = r.string()
+        name = r.string(limit=_MAX_NAME)
         n_dims = r.unpack("<I")
-        if n_dims > 8:
+        if not 1 <= n_dims <= _MAX_DIMS:
             raise ModelError(f"{r.path}: tensor {name!r} has {n_dims} dimensions")
         dims = tuple(r.unpack("<Q") for _ in range(n_dims))
         infos.append((name, dims, r.unpack("<I"), r.unpack("<Q")))
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = _alignment(metadata, r.path)
     data_start = -(-r.fh.tell() // alignment) * alignment
-    tensors = []
+    tensors, names = [], set()
     for name, dims, kind, offset in infos:
-        if kind not in GGML_TYPES:
-            raise ModelError(f"{r.path}: tensor {name!r} has ggml type {kind}, not one nodes read")
-        type_name, weights, size = GGML_TYPES[kind]
-        numel = 1
-        for d in dims:
-            numel *= d
-        if dims and dims[0] % weights:
-            raise ModelError(f"{r.path}: tensor {name!r} rows are not whole {type_name} blocks")
-        nbytes = numel // weights * size
+        if name in names:
+            raise ModelError(f"{r.path}: tensor {name!r} appears twice")
+        names.add(name)
+        nbytes = _nbytes(r.path, name, dims, kind)
+        if offset % alignment:
+            raise ModelError(f"{r.path}: tensor {name!r} is not aligned to {alignment} bytes")
         start = data_start + offset
-        if start + nbytes > file_size:
+        if start + nbytes > r.size:
             raise ModelError(f"{r.path}: tensor {name!r} lies past the end of the file")
-        tensors.append(GgufTensor(name, type_name, dims, start, nbytes, kind))
+        tensors.append(GgufTensor(name, GGML_TYPES[kind][0], dims, start, nbytes, kind))
     return GgufHeader(version, metadata, tuple(tensors), (metadata_start, metadata_end), alignment)
+
+
+def _alignment(metadata: dict[str, Any], path: Path) -> int:
+    """``general.alignment``: a power of two up to 64 KB (as llama.cpp checks it)."""
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if (
+        type(alignment) is not int
+        or not 0 < alignment <= _MAX_ALIGNMENT
+        or alignment & (alignment - 1)
+    ):
+        raise ModelError(
+            f"{path}: general.alignment {alignment!r} is not a power of two up to {_MAX_ALIGNMENT}"
+        )
+    return alignment
+
+
+def _nbytes(path: Path, name: str, dims: tuple[int, ...], kind: int) -> int:
+    """The bytes of a tensor of ``dims`` in ggml type ``kind``; ModelError for an empty or
+    implausibly large tensor, or rows that are not whole blocks."""
+    if kind not in GGML_TYPES:
+        raise ModelError(f"{path}: tensor {name!r} has ggml type {kind}, not one nodes read")
+    type_name, weights, size = GGML_TYPES[kind]
+    numel = 1
+    for d in dims:
+        if not 0 < d <= MAX_DIM:
+            raise ModelError(f"{path}: tensor {name!r} has dimensions {list(dims)}")
+        numel *= d
+    if numel > MAX_NUMEL:
+        raise ModelError(f"{path}: tensor {name!r} has {numel} values, more than {MAX_NUMEL}")
+    if dims[0] % weights:
+        raise ModelError(f"{path}: tensor {name!r} rows are not whole {type_name} blocks")
+    return numel // weights * size

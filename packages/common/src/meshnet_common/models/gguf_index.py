@@ -28,6 +28,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from meshnet_common.errors import ModelError
+from meshnet_common.models import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_TENSORS,
+    MAX_VOCAB,
+    bounded,
+    check_config,
+)
 from meshnet_common.models.gguf_header import ArrayInfo, read_header
 
 GGUF_SUFFIX = ".gguf"
@@ -191,8 +199,12 @@ def gguf_config(
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     if "head_dim" not in config and meta.get(f"{arch}.rope.dimension_count"):
         config["head_dim"] = meta[f"{arch}.rope.dimension_count"]
-    if "num_hidden_layers" not in config:
-        raise ModelError(f"{path}: GGUF metadata lacks {arch}.block_count")
+    keys = {hf: f"{arch}.{suffix}" for suffix, hf in _CONFIG_KEYS.items()}
+    keys["vocab_size"] = "the token embedding's rows" if vocab_rows else keys["vocab_size"]
+    check_config(config, path, keys)  # the numbers below size lists and divide
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if token in config:
+            bounded(config[token], 0, MAX_VOCAB, f"{path}: {token}")
     if arch in _GEMMA:
         _gemma_config(config, meta, arch, path)
     if arch in _NORM_TOP_K:  # a layer without routed experts is dense (by its tensors)
@@ -211,12 +223,11 @@ def _gemma_config(config: dict, meta: dict, arch: str, path: Path) -> None:
     hidden / heads), the soft-caps (Gemma 2: 50 / 30 when absent; Gemma 3: none) and Gemma 3's
     local rope base (10000) and linear rope scaling of its global layers."""
     layers, window = config["num_hidden_layers"], config.get("sliding_window")
-    n = meta.get(f"{arch}.attention.sliding_window_pattern") or _SWA_PATTERN[arch]
+    key = f"{arch}.attention.sliding_window_pattern"
+    n = meta.get(key) or _SWA_PATTERN[arch]
     if isinstance(n, ArrayInfo):  # (newer converters write a flag per layer for other models)
-        raise ModelError(
-            f"{path}: a per-layer {arch}.attention.sliding_window_pattern is not read yet"
-        )
-    n = int(n)
+        raise ModelError(f"{path}: a per-layer {key} is not read yet")
+    n = bounded(n, 1, MAX_LAYERS, f"{path}: {key}")
     config["layer_types"] = [
         "sliding_attention" if window and i % n < n - 1 else "full_attention"
         for i in range(layers)
@@ -233,9 +244,12 @@ def _gemma_config(config: dict, meta: dict, arch: str, path: Path) -> None:
     config.setdefault("final_logit_softcapping", None)
     config["rope_local_base_freq"] = 10000.0
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {
-            "rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"]),
-        }  # fmt: skip
+        factor = meta.get(f"{arch}.rope.scaling.factor")
+        if type(factor) not in (int, float) or not factor > 0:
+            raise ModelError(
+                f"{path}: {arch}.rope.scaling.factor {factor!r} is not a positive number"
+            )
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
 
 
 # ggml types of a layer's weights -> the runtime precision ``auto`` serves them in, by the type
@@ -312,7 +326,7 @@ def read_gguf_index(path: Path | str) -> GgufIndex:
     header = headers[0]
     meta = header.metadata
     split_count = meta.get("split.count")
-    if split_count is not None and len(files) > 1 and int(split_count) != len(files):
+    if split_count is not None and len(files) > 1 and split_count != len(files):
         raise ModelError(f"{path}: split.count {split_count}, but {len(files)} file(s) found")
     placed = [(f.name, t) for f, h in zip(files, headers, strict=True) for t in h.tensors]
     embedding = [t.dims[-1] for _, t in placed if t.name == "token_embd.weight"]
@@ -321,9 +335,12 @@ def read_gguf_index(path: Path | str) -> GgufIndex:
     source = GgufSource(file=path.name)
     tensors: dict[str, GgufTensor] = {}
     for file, t in placed:
+        if len(tensors) > MAX_TENSORS:  # a GGUF's experts are listed one by one
+            raise ModelError(f"{path}: more than {MAX_TENSORS} tensors")
         m = _LAYER_TENSOR.match(t.name)
         if m is not None and m["part"] in _EXPERTS:
-            _list_experts(tensors, source, t, file, f"model.layers.{m['layer']}.mlp.experts")
+            prefix = f"model.layers.{m['layer']}.mlp.experts"
+            _list_experts(tensors, source, t, file, prefix, path)
             continue
         name = hf_name(t.name, arch)
         if name is None:
@@ -338,8 +355,7 @@ def read_gguf_index(path: Path | str) -> GgufIndex:
         if arch in _GEMMA and t.name.endswith("norm.weight"):
             source.value_shift[name] = 1.0  # llama.cpp stored 1 + w
         if arch in _PERMUTED and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = "head_count" if "attn_q" in t.name else "head_count_kv"
-            source.row_permutation[name] = int(meta[f"{arch}.attention.{heads}"])
+            source.row_permutation[name] = _permuted_heads(config, name, shape, path)
     config["quantization_config"] = {"quant_method": "gguf", "runtime": runtime_of(tensors)}
     return GgufIndex(
         root=path.parent, config=config, architecture=ARCHITECTURES[arch],
@@ -347,8 +363,23 @@ def read_gguf_index(path: Path | str) -> GgufIndex:
     )  # fmt: skip
 
 
-def _list_experts(tensors: dict, source: GgufSource, t, file: str, prefix: str) -> None:
-    """Index a stacked experts tensor expert by expert: each a contiguous slice."""
+def _permuted_heads(config: dict, name: str, shape: tuple[int, ...], path: Path) -> int:
+    """The heads whose query (or key) rows llama.cpp interleaved: the config's (key-value
+    heads default to the query heads, as llama.cpp reads them), dividing the rows in two
+    halves each."""
+    heads = config["num_attention_heads"]
+    if "k_proj" in name:
+        heads = config.get("num_key_value_heads") or heads
+    if shape[0] % (2 * heads):
+        raise ModelError(f"{path}: {name} has {shape[0]} rows, not two halves of {heads} heads")
+    return heads
+
+
+def _list_experts(tensors: dict, source: GgufSource, t, file: str, prefix: str, path: Path) -> None:
+    """Index a stacked experts tensor expert by expert: each a contiguous slice (of whole
+    blocks: the header refused empty tensors and rows of partial blocks)."""
+    if len(t.dims) != 3 or t.dims[2] > MAX_EXPERTS:
+        raise ModelError(f"{path}: experts tensor {t.name!r} has dimensions {list(t.dims)}")
     inner, out, experts = t.dims  # ggml order: [in, out, experts]
     size = t.nbytes // experts
     for e in range(experts):

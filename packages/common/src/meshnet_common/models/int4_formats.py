@@ -100,13 +100,16 @@ def _awq(spec: dict) -> Int4Format:
 
 
 def _compressed(spec: dict) -> Int4Format:
-    groups = list((spec.get("config_groups") or {}).values())
+    groups = spec.get("config_groups") or {}
+    groups = list(groups.values()) if isinstance(groups, dict) else [groups]
     if len(groups) != 1:
         raise InvalidRequest(
             f"compressed-tensors checkpoint with {len(groups)} config groups: one w4a16 group "
             "is served"
         )
     group = groups[0]
+    if not isinstance(group, dict) or not isinstance(group.get("weights") or {}, dict):
+        raise InvalidRequest("compressed-tensors config group or its weights is not an object")
     weights = group.get("weights") or {}
     fmt = group.get("format") or spec.get("format")
     if fmt != "pack-quantized":

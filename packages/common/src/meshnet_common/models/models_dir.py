@@ -69,10 +69,15 @@ class ModelEntry:
 
 
 class ScanProblem(NamedTuple):
-    """A snapshot that could not be read, and why."""
+    """A snapshot that could not be read, and why (one line: a file or folder name holding
+    a line break is escaped)."""
 
     path: Path
     message: str
+
+    @classmethod
+    def of(cls, path: Path, message: str) -> ScanProblem:
+        return cls(path, message.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 class ModelScan(NamedTuple):
@@ -244,43 +249,70 @@ def _is_valid_id(model_id: str) -> bool:
     return True
 
 
-def scan_models_dir(models_dir: Path | str) -> ModelScan:
+def scan_models_dir(models_dir: Path | str, known: dict[Path, tuple] | None = None) -> ModelScan:
     """Index every snapshot in ``models_dir``; broken ones become problems, not exceptions.
 
+    ``known`` (updated in place; one scan at a time): snapshot -> (``snapshot_fingerprint``,
+    its entry or its problem) from the last scan; a snapshot whose files did not change is
+    not read again (a tracker scans at each assignment: neither big checkpoints nor a
+    crafted file are parsed each time).
     Raises ModelError only when the directory itself is missing or unreadable.
     """
     entries: list[ModelEntry] = []
     problems: list[ScanProblem] = []
     seen: dict[str, Layout] = {}
+    cache = {} if known is None else known
+    located: set[Path] = set()
     # Plain first: resolve_snapshot prefers the plain copy when an id is in both layouts.
     for found in sorted(_discover(Path(models_dir)), key=lambda f: LAYOUTS.index(f.layout)):
         if found.problem is not None:
-            problems.append(ScanProblem(found.path, found.problem))
+            problems.append(ScanProblem.of(found.path, found.problem))
         elif found.model_id in seen:
             message = (
                 f"{found.path}: {found.model_id} is also present in the "
                 f"{seen[found.model_id]} layout, which is the copy used"
             )
-            problems.append(ScanProblem(found.path, message))
+            problems.append(ScanProblem.of(found.path, message))
         else:
-            try:
-                entries.append(
-                    model_entry(found.model_id, found.layout, found.path, found.revision)
-                )
-            except ModelError as exc:
-                problems.append(ScanProblem(found.path, _with_path(found.path, str(exc))))
+            located.add(found.path)
+            result = _indexed(found, cache)
+            if isinstance(result, ScanProblem):
+                problems.append(result)
                 continue
+            entries.append(result)
             seen[found.model_id] = found.layout
+    for gone in set(cache) - located:
+        del cache[gone]
     entries.sort(key=lambda e: e.model_id)
     problems.sort(key=lambda p: str(p.path))
     return ModelScan(entries, problems)
 
 
+def _indexed(found: _Found, cache: dict[Path, tuple]) -> ModelEntry | ScanProblem:
+    """The entry of a located snapshot, or its problem: from ``cache`` while its files are
+    unchanged, else read (and cached)."""
+    fingerprint = (found.model_id, found.layout, found.revision, snapshot_fingerprint(found.path))
+    cached = cache.get(found.path)
+    if cached is not None and cached[0] == fingerprint:
+        return cached[1]
+    try:
+        result = model_entry(found.model_id, found.layout, found.path, found.revision)
+    except ModelError as exc:
+        result = ScanProblem.of(found.path, _with_path(found.path, str(exc)))
+    cache[found.path] = (fingerprint, result)
+    return result
+
+
 def snapshot_fingerprint(path: Path | str) -> tuple:
     """What changes when a snapshot's files change: (name, size, mtime) of each file in it
-    (symlinks followed, as in the hub layout). Cheap: stats, no reads."""
+    (symlinks followed, as in the hub layout). Cheap: stats, no reads. A folder that
+    cannot be listed (removed meanwhile) has no files."""
     items = []
-    for child in sorted(Path(path).iterdir()):
+    try:
+        children = sorted(Path(path).iterdir())
+    except OSError:
+        return ()
+    for child in children:
         try:
             st = child.stat()
         except OSError:

@@ -141,7 +141,10 @@ def native_format(config: dict) -> tuple[str, tuple[int, int]] | None:
         if spec.get("fmt", "e4m3") != "e4m3":
             raise InvalidRequest(f"FP8 format {spec.get('fmt')!r}: only e4m3 is supported")
         block = spec.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK]
-        return "fp8", (int(block[0]), int(block[1]))
+        if not (isinstance(block, list) and len(block) == 2
+                and all(type(b) is int and 0 < b <= 1 << 16 for b in block)):  # fmt: skip
+            raise InvalidRequest(f"FP8 weight_block_size {str(block)[:40]}: two block sizes")
+        return "fp8", (block[0], block[1])
     if method == "mxfp4":
         return "mxfp4", (1, MXFP4_BLOCK)
     raise InvalidRequest(

@@ -157,7 +157,7 @@ def nodes_router() -> APIRouter:
     async def assign(request: Request) -> AssignResponse:
         state = _state(request)
         ask = await parse_model(request, AssignRequest, limit=64 * 1024)
-        state.rescan_models_dir()  # a model copied in since the last scan gets this node
+        await state.rescan()  # a model copied in since the last scan gets this node
         placement = state.balancer.assign(ask)
         costs = state.costs[placement.model_id]
         return AssignResponse(

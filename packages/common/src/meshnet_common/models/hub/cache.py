@@ -197,7 +197,7 @@ def scan_hub_model(model_id: str, revision: str | None) -> ModelScan:
             raise not_cached(model_id, revision)
         return ModelScan([hub_entry(model_id, path)], [])
     except MeshnetError as exc:
-        return ModelScan([], [ScanProblem(hub_cache_dir(), exc.message)])
+        return ModelScan([], [ScanProblem.of(hub_cache_dir(), exc.message)])
 
 
 def hub_entry(model_id: str, snapshot: Path) -> ModelEntry:
