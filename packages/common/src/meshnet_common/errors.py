@@ -95,6 +95,13 @@ class CapacityExceeded(MeshnetError):
     error_type = "server_overloaded"
 
 
+class TooManyRequests(MeshnetError):
+    """A per-peer bound is reached (429): that peer waits, the others go on."""
+
+    status = 429
+    error_type = "rate_limit_exceeded"
+
+
 class Draining(MeshnetError):
     """The node is leaving the swarm (graceful drain): it opens no new session (503).
     ``param`` is its URL, so a head routes around this node, not the hop that relayed it."""

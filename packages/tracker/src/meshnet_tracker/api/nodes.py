@@ -73,24 +73,28 @@ def nodes_router() -> APIRouter:
             announcement.shard.layers.check_within(announcement.num_layers)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="shard") from exc
-        known = state.registry.num_layers(announcement.shard.model_id)
-        if known is not None and known != announcement.num_layers:
-            raise InvalidRequest(
-                f"{announcement.shard.model_id} has {known} layers, not {announcement.num_layers}",
-                param="num_layers",
-            )
+        _check_layers(state, announcement)
         state.registry.claim(announcement.node_id, _proof(request))  # before any call-back
         source = request.client.host if request.client else None
+        serving = announcement.state == NodeState.SERVING
+        state.registry.admit_source(
+            source, announcement.node_id, announcement.shard.model_id if serving else None,
+            max_nodes=state.settings.max_nodes_per_source,
+            max_models=state.settings.max_models_per_source,
+        )  # fmt: skip
         tls = state.settings.tls_cert is not None  # then https:// nodes only (docs/adr/0032)
         url = reachable_url(announcement.url, announcement.url_explicit, source, https_only=tls)
-        serving = announcement.state == NodeState.SERVING
         if serving and state.settings.verify_nodes:
             await confirm_reachable(
                 state.callback, url, announcement.node_id, explicit=announcement.url_explicit
             )
         if url != announcement.url:
             announcement = announcement.model_copy(update={"url": url})
-        record = state.registry.register(announcement, proof=_proof(request))
+        _check_layers(state, announcement)  # another node may have named it meanwhile
+        # Without --verify-nodes the operator takes serving registrations as they come.
+        record = state.registry.register(
+            announcement, proof=_proof(request), called_back=serving, source=source
+        )
         if serving:
             state.balancer.registered(announcement.node_id)
         return RegisterResponse(
@@ -133,7 +137,10 @@ def nodes_router() -> APIRouter:
         if suspect is None:
             raise NotFound(f"unknown node {node_id!r}")
         tolerance = Precision(suspect.announcement.quantization.value).verify_tolerance
-        why = check_evidence(found.evidence, node_id, state.registry.secret_of, tolerance)
+        why = check_evidence(
+            found.evidence, node_id, state.registry.signer, tolerance,
+            now=state.registry.clock(), witness_age_s=state.settings.witness_age_s,
+        )  # fmt: skip
         if why is not None:  # counts for nothing (docs/adr/0032)
             raise InvalidRequest(
                 f"verdict against {node_id!r} refused: {why}", param="evidence",
@@ -211,6 +218,17 @@ def nodes_router() -> APIRouter:
         )
 
     return router
+
+
+def _check_layers(state: TrackerState, announcement: NodeAnnouncement) -> None:
+    """A model's layer count is the models dir's or the first called-back node's: a node
+    announcing another is refused, never adopted (docs/adr/0032)."""
+    known = state.registry.num_layers(announcement.shard.model_id)
+    if known is not None and known != announcement.num_layers:
+        raise InvalidRequest(
+            f"{announcement.shard.model_id} has {known} layers, not {announcement.num_layers}",
+            param="num_layers",
+        )
 
 
 def _need(costs: ModelCosts, placement: Placement, ask: AssignRequest) -> int:
