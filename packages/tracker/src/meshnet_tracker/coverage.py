@@ -115,11 +115,12 @@ class ModelTable:
         """It left the models dir: nodes may hold it on, then it expires."""
         self._listed.discard(model_id)
 
-    def introduce(self, model_id: str, num_layers: int, source: str | None) -> None:
-        """A called-back serving node names a model the table does not know yet."""
+    def introduce(self, model_id: str, num_layers: int, source: str | None, now: float) -> None:
+        """A called-back serving node names a model (the table keeps the count it knows)."""
         if model_id not in self.layers:
             self.layers[model_id] = num_layers
             self._source[model_id] = source
+        self._held[model_id] = now
 
     def introduced_by(self, source: str | None) -> int:
         """How many models of the table a node from ``source`` introduced."""
@@ -130,11 +131,16 @@ class ModelTable:
         self._held.pop(model_id, None)
         return self.layers.pop(model_id, None) is not None
 
+    def held(self, model_id: str, now: float) -> None:
+        """A serving node of ``model_id`` is (or was until) ``now``."""
+        if model_id in self.layers:
+            self._held[model_id] = now
+
     def expire(self, held: set[str], now: float) -> list[str]:
         """Note the models serving nodes hold now; forget the unlisted ones nothing held
         for ``ttl_s``. Returns the forgotten ones."""
         for model_id in held:
-            self._held[model_id] = now
+            self.held(model_id, now)
         gone = [
             m for m in self.layers
             if m not in self._listed and now - self._held.setdefault(m, now) > self.ttl_s

@@ -217,7 +217,10 @@ class Registry:
             self._nodes[announcement.node_id] = record
             self._lost.pop(announcement.node_id, None)
             if record.called_back:
-                self.models.introduce(announcement.shard.model_id, announcement.num_layers, source)
+                shard = announcement.shard
+                self.models.introduce(
+                    shard.model_id, announcement.num_layers, source, record.last_heartbeat
+                )
         logger.info(
             "node %s %s: %s layers %s at %s",
             announcement.node_id,
@@ -327,8 +330,11 @@ class Registry:
 
     def remove(self, node_id: str) -> bool:
         with self._lock:
-            removed = self._nodes.pop(node_id, None) is not None
+            record = self._nodes.pop(node_id, None)
             self._route_times.pop(node_id, None)
+            if record is not None and record.state == NodeState.SERVING:
+                self.models.held(record.announcement.shard.model_id, self.clock())
+        removed = record is not None
         if removed:
             logger.info("node %s left", node_id)
         return removed
