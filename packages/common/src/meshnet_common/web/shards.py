@@ -6,6 +6,9 @@ Downloads stream from disk (no whole-file buffering), honour HTTP ranges (resume
 most ``max_concurrent`` run at once per source: the rest wait their turn (``download_slots``:
 a bounded wait, then 503; a slot is held until a deadline at most). On the tracker, every
 manifest is signed with its key (``meshnet_common.trust.manifest_keys``), the root of trust for weights.
+A manifest is hashed once per (model, revision, range) and kept (``MANIFESTS_KEPT``); a fresh
+one is hashed inside a download slot, one at a time per peer (429 beyond): asking for many
+fresh ranges costs the asker, not the server (docs/adr/0032).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import hashlib
 import json
 import logging
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from meshnet_common.errors import (
     ModelError,
     NotFound,
     RangeNotSatisfiable,
+    TooManyRequests,
 )
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import event
@@ -50,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 Resolver = Callable[[str], Path]  # model id -> snapshot folder (NotFound if unknown)
 FAULTS = ("corrupt", "truncate")
+MANIFESTS_KEPT = 256  # hashed manifests kept (a few KB each)
+MANIFESTS_PER_PEER = 1  # fresh manifests one peer may have hashing at once
 
 
 def snapshot_revision(index: CheckpointIndex) -> str:
@@ -119,6 +125,8 @@ class ShardServer:
         self.fault = fault
         self.signer = signer  # the tracker's: the root of trust for weights (ADR-0032)
         self._sources: OrderedDict[tuple, ShardSource] = OrderedDict()
+        self._manifests: OrderedDict[tuple, dict] = OrderedDict()  # by the sources' key
+        self._hashing: Counter[str] = Counter()  # fresh manifests hashing, by peer
         self.bytes_sent = 0
         self.downloads = 0  # file downloads started (resumed ones count again)
 
@@ -127,6 +135,47 @@ class ShardServer:
     ) -> ShardSource:
         """The range's source; ``revision``: the one the caller wants (NotFound when the
         snapshot here is another: two revisions never mix in one shard)."""
+        return self._source(model_id, start, end, revision)[1]
+
+    async def manifest(
+        self, model_id: str, start: int, end: int, revision: str | None, peer: str
+    ) -> dict:  # fmt: skip
+        """The range's manifest, hashed once per (model, revision, range, files). A fresh
+        one is hashed inside a download slot (CapacityExceeded when none frees up), and a
+        ``peer`` with one hashing already is refused (TooManyRequests)."""
+        key, src = self._source(model_id, start, end, revision)
+        found = self._manifests.get(key)
+        if found is not None:
+            self._manifests.move_to_end(key)
+            return found
+        if self._hashing[peer] >= MANIFESTS_PER_PEER:
+            raise TooManyRequests(
+                "a manifest you asked for is still being hashed: ask again once it is done",
+                code="manifest_busy",
+            )  # fmt: skip
+        self._hashing[peer] += 1
+        try:
+            lease = await self.slots.acquire(sum(src.size_of(f) for f in src.files()))
+            if lease is None:
+                raise CapacityExceeded("every download slot is busy; retry shortly")
+            self.slots.begin(lease)
+            try:
+                found = await asyncio.to_thread(src.manifest)
+            finally:
+                self.slots.release(lease)
+        finally:
+            self._hashing[peer] -= 1
+            if not self._hashing[peer]:
+                del self._hashing[peer]
+        self._manifests[key] = found
+        while len(self._manifests) > MANIFESTS_KEPT:
+            self._manifests.popitem(last=False)
+        return found
+
+    def _source(
+        self, model_id: str, start: int, end: int, revision: str | None
+    ) -> tuple[tuple, ShardSource]:
+        """``source`` and the key it is cached by."""
         validate_model_id(model_id)
         try:
             layers = LayerRange(start, end)
@@ -157,7 +206,7 @@ class ShardServer:
             cached = self._sources[key] = ShardSource(index, model_id, layers, key[1])
             while len(self._sources) > 16:
                 self._sources.popitem(last=False)
-        return cached
+        return key, cached
 
     def faulty(self, chunks: Iterator[bytes], size: int) -> Iterator[bytes]:
         """Fault injection for tests: flip a byte mid-file, or stop halfway."""
@@ -232,8 +281,8 @@ def shards_router() -> APIRouter:
         revision: str | None = None,
     ):  # fmt: skip
         shard_server = server(request)
-        src = shard_server.source(model, start, end, revision)
-        body = canonical_json(await asyncio.to_thread(src.manifest))
+        peer = request.client.host if request.client else ""
+        body = canonical_json(await shard_server.manifest(model, start, end, revision, peer))
         headers = {}
         if shard_server.signer is not None:
             headers[H_MANIFEST_SIGNATURE] = shard_server.signer.sign(body)
