@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from meshnet_common.layers import LayerRange
 from meshnet_common.protocol import Evidence
 from meshnet_common.trust.evidence import Signer, check_evidence, row_bytes, sign_row
+from meshnet_common.trust.identity import NodeKey
 from meshnet_tracker.app import create_app
 from meshnet_tracker.settings import TrackerSettings
 
@@ -134,6 +135,21 @@ def test_sybils_serving_from_one_host_or_too_young_cannot_quarantine_either(swar
     # w-5 and w-6 (hosts of their own, called back, serving long enough) are witnesses.
     counted = swarm.report("victim", "replica", ["w-5", "w-6"], evidence("w-5", "w-6"))
     assert counted.status_code == 200 and registry.strikes("victim") == 1
+
+
+def test_a_joining_registration_gets_no_certificate_to_call_peers_with(swarm):
+    """Its secret lets it heartbeat; a certificate (signed calls to peers) waits until the
+    tracker called it back as serving."""
+    key = NodeKey().public
+    joining = swarm.register("sybil", state="joining", public_key=key)
+    assert joining.status_code == 200 and joining.json()["certificate"] is None
+    beat = {"node_id": "sybil", "state": "joining", "active_sessions": 0, "kv_tokens": 0,
+            "memory_free_bytes": 1}  # fmt: skip
+    answer = swarm.client.post("/v1/nodes/heartbeat", json=beat,
+                               headers={SECRET: swarm.secrets["sybil"]})  # fmt: skip
+    assert answer.status_code == 200 and answer.json()["certificate"] is None
+    serving = swarm.register("sybil", public_key=key)
+    assert serving.status_code == 200 and serving.json()["certificate"]
 
 
 def test_registrations_per_source_address_are_bounded():

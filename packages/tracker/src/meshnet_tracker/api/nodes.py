@@ -29,6 +29,7 @@ from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import parse_model
 from meshnet_tracker.api.admission import confirm_reachable, reachable_url
 from meshnet_tracker.placement import NodeRequest, Placement
+from meshnet_tracker.registry import NodeRecord
 from meshnet_tracker.state import TrackerState
 
 
@@ -102,7 +103,7 @@ def nodes_router() -> APIRouter:
             heartbeat_interval_s=state.registry.heartbeat_interval_s,
             url=url,
             node_secret=record.secret,
-            certificate=state.certify(announcement.node_id, announcement.public_key),
+            certificate=_certificate(state, record),
             tracker_key=state.signer.public().text if state.signer is not None else None,
         )
 
@@ -120,8 +121,7 @@ def nodes_router() -> APIRouter:
         return HeartbeatResponse(
             known=known, directives=directives, probe=probe,
             quarantined=record.quarantined if record is not None else None,
-            certificate=None if record is None
-            else state.certify(beat.node_id, record.announcement.public_key),
+            certificate=_certificate(state, record),
         )  # fmt: skip
 
     @router.post("/v1/nodes/{node_id}/verdicts")
@@ -218,6 +218,14 @@ def nodes_router() -> APIRouter:
         )
 
     return router
+
+
+def _certificate(state: TrackerState, record: NodeRecord | None) -> str | None:
+    """A certificate of its key for a called-back record; none for a joining one, which
+    signs nothing that counts, calls to peers included (docs/adr/0032)."""
+    if record is None or not record.called_back:
+        return None
+    return state.certify(record.node_id, record.announcement.public_key)
 
 
 def _check_layers(state: TrackerState, announcement: NodeAnnouncement) -> None:
