@@ -7,19 +7,22 @@ most ``max_concurrent`` run at once per source: the rest wait their turn (``down
 a bounded wait, then 503; a slot is held until a deadline at most). On the tracker, every
 manifest is signed with its key (``meshnet_common.trust.manifest_keys``), the root of trust for weights.
 A manifest is hashed once per (model, revision, range) and kept (``MANIFESTS_KEPT``); a fresh
-one is hashed inside a download slot, one at a time per peer (429 beyond): asking for many
-fresh ranges costs the asker, not the server (docs/adr/0032).
+one is hashed inside a download slot, one at a time per peer (the next waits), and a peer
+gets ``FRESH_PER_WINDOW`` per ``FRESH_WINDOW_S`` (429 beyond): asking for many fresh ranges
+costs the asker, not the server (docs/adr/0032).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import re
-from collections import Counter, OrderedDict
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,7 +58,9 @@ logger = logging.getLogger(__name__)
 Resolver = Callable[[str], Path]  # model id -> snapshot folder (NotFound if unknown)
 FAULTS = ("corrupt", "truncate")
 MANIFESTS_KEPT = 256  # hashed manifests kept (a few KB each)
-MANIFESTS_PER_PEER = 1  # fresh manifests one peer may have hashing at once
+FRESH_PER_WINDOW = 8  # fresh manifests one peer may have hashed per window...
+FRESH_WINDOW_S = 60.0  # ...of this many seconds (one at a time)
+PEERS_TRACKED = 1024  # peers whose fresh manifests are counted (the least recent go)
 
 
 def snapshot_revision(index: CheckpointIndex) -> str:
@@ -109,6 +114,46 @@ def _gguf_revision(path: Path, _size: int, _mtime_ns: int) -> str:
     return digest.hexdigest()[:16]
 
 
+class FreshManifests:
+    """Fresh manifest hashes by peer: ``FRESH_PER_WINDOW`` per ``FRESH_WINDOW_S``
+    (TooManyRequests beyond), one at a time (the next waits its turn). The event loop's."""
+
+    def __init__(self, *, clock=time.monotonic) -> None:
+        self.clock = clock
+        self._started: OrderedDict[str, list[float]] = OrderedDict()  # peer -> start times
+        self._turns: dict[str, tuple[asyncio.Lock, int]] = {}  # peer -> its lock, users
+
+    def queued(self, peer: str) -> int:
+        """``peer``'s fresh manifests hashing or waiting their turn."""
+        return self._turns[peer][1] if peer in self._turns else 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self, peer: str):
+        """Count a fresh manifest against ``peer`` and hold its turn while it hashes."""
+        now = self.clock()
+        recent = [t for t in self._started.pop(peer, []) if now - t < FRESH_WINDOW_S]
+        self._started[peer] = recent  # the most recent peer last
+        while len(self._started) > PEERS_TRACKED:
+            self._started.popitem(last=False)
+        if len(recent) >= FRESH_PER_WINDOW:
+            raise TooManyRequests(
+                f"{len(recent)} manifests of new layer ranges were hashed for you in the last "
+                f"{FRESH_WINDOW_S:.0f} s: ask again later", code="manifest_busy",
+            )  # fmt: skip
+        recent.append(now)
+        lock, users = self._turns.get(peer) or (asyncio.Lock(), 0)
+        self._turns[peer] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._turns[peer]
+            if users > 1:
+                self._turns[peer] = (lock, users - 1)
+            else:
+                del self._turns[peer]
+
+
 class ShardServer:
     """Resolves, caches and streams shard sources."""
 
@@ -126,7 +171,7 @@ class ShardServer:
         self.signer = signer  # the tracker's: the root of trust for weights (ADR-0032)
         self._sources: OrderedDict[tuple, ShardSource] = OrderedDict()
         self._manifests: OrderedDict[tuple, dict] = OrderedDict()  # by the sources' key
-        self._hashing: Counter[str] = Counter()  # fresh manifests hashing, by peer
+        self.fresh = FreshManifests()  # fresh manifests hashed, by peer
         self.bytes_sent = 0
         self.downloads = 0  # file downloads started (resumed ones count again)
 
@@ -141,20 +186,16 @@ class ShardServer:
         self, model_id: str, start: int, end: int, revision: str | None, peer: str
     ) -> dict:  # fmt: skip
         """The range's manifest, hashed once per (model, revision, range, files). A fresh
-        one is hashed inside a download slot (CapacityExceeded when none frees up), and a
-        ``peer`` with one hashing already is refused (TooManyRequests)."""
+        one is hashed in ``peer``'s turn (``FreshManifests``: TooManyRequests past its
+        bound) and inside a download slot (CapacityExceeded when none frees up)."""
         key, src = self._source(model_id, start, end, revision)
         found = self._manifests.get(key)
         if found is not None:
             self._manifests.move_to_end(key)
             return found
-        if self._hashing[peer] >= MANIFESTS_PER_PEER:
-            raise TooManyRequests(
-                "a manifest you asked for is still being hashed: ask again once it is done",
-                code="manifest_busy",
-            )  # fmt: skip
-        self._hashing[peer] += 1
-        try:
+        async with self.fresh.turn(peer):
+            if key in self._manifests:  # hashed while this request waited its turn
+                return self._manifests[key]
             lease = await self.slots.acquire(sum(src.size_of(f) for f in src.files()))
             if lease is None:
                 raise CapacityExceeded("every download slot is busy; retry shortly")
@@ -163,10 +204,6 @@ class ShardServer:
                 found = await asyncio.to_thread(src.manifest)
             finally:
                 self.slots.release(lease)
-        finally:
-            self._hashing[peer] -= 1
-            if not self._hashing[peer]:
-                del self._hashing[peer]
         self._manifests[key] = found
         while len(self._manifests) > MANIFESTS_KEPT:
             self._manifests.popitem(last=False)
