@@ -58,7 +58,7 @@ def checked(evidence, suspect, secret_of, tolerance):
     def signer(node_id: str) -> Signer:
         return Signer(
             secret=secret_of(node_id), called_back=True, serving=True, model_id="m",
-            precision="p", layers=LayerRange(0, 1 << 20), host=node_id, since=0.0,
+            precision="p", layers=LayerRange(0, 1 << 20), hosts=frozenset({node_id}), since=0.0,
         )  # fmt: skip
 
     return check_evidence(evidence, suspect, signer, tolerance, now=0.0, witness_age_s=0.0)

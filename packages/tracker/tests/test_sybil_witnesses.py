@@ -137,6 +137,26 @@ def test_sybils_serving_from_one_host_or_too_young_cannot_quarantine_either(swar
     assert counted.status_code == 200 and registry.strikes("victim") == 1
 
 
+def test_witnesses_registered_from_one_machine_cannot_quarantine_either(swarm):
+    """Distinct host names in their URLs, but their registrations came from one address
+    (an IPv6 /64 counts as one machine)."""
+    registry = swarm.client.app.state.tracker.registry
+    for node_id in ("victim", "replica"):
+        swarm.register(node_id)
+    for node_id, address in (("w-7", "2001:db8::7"), ("w-8", "2001:db8::8")):
+        member = Tracker(TestClient(swarm.client.app, client=(address, 40000)))
+        assert member.register(node_id).status_code == 200
+        swarm.secrets[node_id] = member.secrets[node_id]
+    clock = registry.clock
+    registry.clock = lambda: clock() + 601.0
+    honest = row("victim", swarm.secrets["victim"], 1.0)
+    evidence = {"inputs_sha256": DIGEST, "start_layer": 0, "suspect_rows": [honest],
+                "witness_rows": [row(w, swarm.secrets[w], 5.0) for w in ("w-7", "w-8")]}  # fmt: skip
+    refused = swarm.report("victim", "replica", ["w-7", "w-8"], evidence)
+    assert refused.status_code == 400 and "shares its host 2001:db8::/64" in refused.text
+    assert registry.strikes("victim") == 0
+
+
 def test_a_joining_registration_gets_no_certificate_to_call_peers_with(swarm):
     """Its secret lets it heartbeat; a certificate (signed calls to peers) waits until the
     tracker called it back as serving."""
@@ -169,7 +189,8 @@ def test_registrations_per_source_address_are_bounded():
 def signer(host: str, **changes) -> Signer:
     return replace(
         Signer(secret=f"secret-{host}", called_back=True, serving=True, model_id=MODEL,
-               precision="float32", layers=LayerRange(0, 4), host=host, since=0.0),
+               precision="float32", layers=LayerRange(0, 4), hosts=frozenset({host, f"ip-{host}"}),
+               since=0.0),
         **changes,
     )  # fmt: skip
 
@@ -199,6 +220,7 @@ FIT = {"suspect": signer("s"), "w1": signer("h1"), "w2": signer("h2")}
         (signer("h2", layers=LayerRange(0, 3)), "not every audited layer"),
         (signer("s"), "shares its host"),
         (signer("h1"), "shares its host"),
+        (signer("h2", hosts=frozenset({"h2", "ip-h1"})), "shares its host ip-h1"),
         (signer("h2", since=401.0), "not served long enough"),
     ],
 )

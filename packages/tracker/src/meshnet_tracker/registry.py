@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import secrets
 import threading
@@ -21,6 +22,7 @@ from meshnet_common.protocol import (
 )
 from meshnet_common.trust.evidence import Signer
 from meshnet_common.web.auth import same_secret as _same
+from meshnet_common.web.hosts import ip_of
 from meshnet_tracker.coverage import ModelCoverage, ModelTable, ServingNode, build_coverage
 from meshnet_tracker.routing import RouteReport, measured_slowdowns, with_slowdowns
 
@@ -85,7 +87,8 @@ class NodeRecord:
             secret=self.secret, called_back=self.called_back,
             serving=self.state == NodeState.SERVING and not self.quarantined,
             model_id=announcement.shard.model_id, precision=announcement.quantization.value,
-            layers=announcement.shard.layers, host=_host(announcement.url), since=self.since,
+            layers=announcement.shard.layers, hosts=_machine(announcement.url, self.source),
+            since=self.since,
         )  # fmt: skip
 
     def serving_node(self) -> ServingNode:
@@ -473,6 +476,20 @@ def _covers(ranges: list[LayerRange], want: LayerRange) -> bool:
     return at >= want.end
 
 
-def _host(url: str) -> str:
-    """The host of a node's URL (lower case): witnesses must stand on distinct ones."""
-    return (urlsplit(url).hostname or "").lower()
+def source_of(peer: str | None) -> str | None:
+    """The source a registration is counted under (``--max-nodes-per-source``): the peer's
+    address, an IPv6 one as its /64 (one machine holds many)."""
+    ip = ip_of(peer or "")
+    if ip is None or ip.version == 4:
+        return peer
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
+def _machine(url: str, source: str | None) -> frozenset[str]:
+    """Names of the machine a node runs on: its URL's host (lower case) and its source
+    (``source_of``), where that is an address (an in-process caller's is not): witnesses
+    stand on machines that share neither."""
+    names = {(urlsplit(url).hostname or "").lower()}
+    if source is not None and (ip_of(source) is not None or "/" in source):
+        names.add(source)
+    return frozenset(names)

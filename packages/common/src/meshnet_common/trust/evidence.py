@@ -44,7 +44,9 @@ class Signer:
     model_id: str
     precision: str
     layers: LayerRange
-    host: str  # the host of its URL, as the tracker reaches it
+    # Names of the machine it runs on: its URL's host, and the address (an IPv6 one's /64)
+    # its registration came from; a witness shares none with the suspect or another witness.
+    hosts: frozenset[str]
     since: float  # when its current registration began (the tracker's clock)
 
 
@@ -116,14 +118,14 @@ def check_evidence(
     if not accused.layers.start <= evidence.start_layer < accused.layers.end:
         return f"layer {evidence.start_layer} is not in the suspect's range {accused.layers}"
     audited = LayerRange(evidence.start_layer, accused.layers.end)
-    hosts = {accused.host}
+    hosts = set(accused.hosts)
     agreeing = []
     for row in evidence.witness_rows:
         why = _unfit_witness(row.node_id, signers[row.node_id], accused, audited, hosts,
                              now - witness_age_s)  # fmt: skip
         if why is not None:
             return f"witness {row.node_id!r} {why}"
-        hosts.add(signers[row.node_id].host)
+        hosts |= signers[row.node_id].hosts
         agreeing.append(_values(row))
     if len(agreeing) < 2:
         return "two witnesses that agree, or two answers of the suspect, are needed"
@@ -151,8 +153,8 @@ def _unfit_witness(
         )
     if not (witness.layers.start <= audited.start and audited.end <= witness.layers.end):
         return f"holds {witness.layers}, not every audited layer of {audited}"
-    if witness.host in hosts:
-        return f"shares its host {witness.host} with the suspect or another witness"
+    if shared := witness.hosts & hosts:
+        return f"shares its host {min(shared)} with the suspect or another witness"
     if witness.since > served_since:
         return "has not served long enough to witness"
     return None

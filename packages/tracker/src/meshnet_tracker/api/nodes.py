@@ -29,7 +29,7 @@ from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import parse_model
 from meshnet_tracker.api.admission import confirm_reachable, reachable_url
 from meshnet_tracker.placement import NodeRequest, Placement
-from meshnet_tracker.registry import NodeRecord
+from meshnet_tracker.registry import NodeRecord, source_of
 from meshnet_tracker.state import TrackerState
 
 
@@ -79,7 +79,7 @@ def nodes_router() -> APIRouter:
         source = request.client.host if request.client else None
         serving = announcement.state == NodeState.SERVING
         state.registry.admit_source(
-            source, announcement.node_id, announcement.shard.model_id if serving else None,
+            source_of(source), announcement.node_id, announcement.shard.model_id if serving else None,
             max_nodes=state.settings.max_nodes_per_source,
             max_models=state.settings.max_models_per_source,
         )  # fmt: skip
@@ -94,7 +94,7 @@ def nodes_router() -> APIRouter:
         _check_layers(state, announcement)  # another node may have named it meanwhile
         # Without --verify-nodes the operator takes serving registrations as they come.
         record = state.registry.register(
-            announcement, proof=_proof(request), called_back=serving, source=source
+            announcement, proof=_proof(request), called_back=serving, source=source_of(source)
         )
         if serving:
             state.balancer.registered(announcement.node_id)
