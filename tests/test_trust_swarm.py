@@ -81,17 +81,19 @@ def test_a_token_holder_cannot_take_over_quarantine_or_remove_members(tiny_snaps
     resp = httpx.post(forward, content=b"", timeout=5,
                       headers={**TOKEN, **forged.headers("POST", host, "/v1/forward")})  # fmt: skip
     assert resp.status_code == 401 and "not the tracker's" in resp.json()["error"]["message"]
-    # a member the tracker certified (registered as joining with its key) is let through
+    # a member registered as joining (no call-back) gets no certificate: its calls to peers
+    # go unsigned and are refused; the tail, called back as serving, holds one
     member = Identity()
     joined = httpx.post(f"{base}/register", timeout=5, headers=TOKEN, json={
         **thief, "node_id": "member-x", "public_key": member.key.public})  # fmt: skip
     assert joined.status_code == 200, joined.text
     assert joined.json()["tracker_key"] == httpx.get(f"{tracker.url}/v1/tracker/key").json()[
         "public_key"]  # fmt: skip
+    assert joined.json()["certificate"] is None
     member.adopt(joined.json()["certificate"])
     resp = httpx.post(forward, content=b"", timeout=5,
                       headers={**TOKEN, **member.headers("POST", host, "/v1/forward")})  # fmt: skip
-    assert resp.status_code == 400  # past the identity check: the empty step is refused
+    assert resp.status_code == 401
 
     # The tail still heartbeats with its own secret, and leaves with it on shutdown.
     assert _nodes(tracker)["tail"]["state"] == "serving"

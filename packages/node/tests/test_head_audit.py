@@ -16,7 +16,13 @@ from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_START_LAYER
-from meshnet_common.trust.evidence import H_AUDIT_SIGNATURE, check_evidence, row_bytes, sign_row
+from meshnet_common.trust.evidence import (
+    H_AUDIT_SIGNATURE,
+    Signer,
+    check_evidence,
+    row_bytes,
+    sign_row,
+)
 from meshnet_node.dataplane import answer_bytes
 from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.engine.faults import noisy_outputs
@@ -43,6 +49,19 @@ def head_stage(llama, precision=FP32, perturb=0.0) -> Stage:
 
 
 # -- a head stage recomputes from token ids -----------------------------------------------
+
+
+def checked(evidence, suspect, secret_of, tolerance):
+    """``check_evidence`` as a tracker that called every node back (hosts of their own,
+    serving long enough, one model and precision) sees it: only the rows are judged."""
+
+    def signer(node_id: str) -> Signer:
+        return Signer(
+            secret=secret_of(node_id), called_back=True, serving=True, model_id="m",
+            precision="p", layers=LayerRange(0, 1 << 20), hosts=frozenset({node_id}), since=0.0,
+        )  # fmt: skip
+
+    return check_evidence(evidence, suspect, signer, tolerance, now=0.0, witness_age_s=0.0)
 
 
 @pytest.mark.parametrize("precision", [Precision.FLOAT32, Precision.BFLOAT16])
@@ -240,9 +259,9 @@ def test_the_hop_convicts_a_head_that_computes_wrong_with_evidence(llama, tail_r
     assert (verdict.shard_start, verdict.shard_end) == (0, 2) and verdict.witnesses == ("good",)
     # The evidence is the head's own recomputations: it does not reproduce its output.
     assert len(verdict.evidence.suspect_rows) == 2 and verdict.evidence.start_layer == 0
-    assert check_evidence(verdict.evidence, "bad", lambda n: f"secret-{n}", TOL) is None
-    assert check_evidence(verdict.evidence, "bad", lambda n: "another secret", TOL) is not None
-    assert check_evidence(verdict.evidence, "good", lambda n: f"secret-{n}", TOL) is not None
+    assert checked(verdict.evidence, "bad", lambda n: f"secret-{n}", TOL) is None
+    assert checked(verdict.evidence, "bad", lambda n: "another secret", TOL) is not None
+    assert checked(verdict.evidence, "good", lambda n: f"secret-{n}", TOL) is not None
 
 
 def test_the_hop_agrees_with_an_honest_head_and_skips_what_it_cannot_audit(llama, tail_runtime):

@@ -15,7 +15,7 @@ from meshnet_common import wire
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.precision import Precision
-from meshnet_common.trust.evidence import check_evidence, row_bytes, sign_row
+from meshnet_common.trust.evidence import Signer, check_evidence, row_bytes, sign_row
 from meshnet_node.engine.faults import NoisyOutputs
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.sessions import InputRecord
@@ -34,6 +34,19 @@ from meshnet_node.verification.verifier import (
 
 def rows(start: int, count: int) -> torch.Tensor:
     return torch.arange(start, start + count, dtype=torch.float32).reshape(1, count, 1)
+
+
+def checked(evidence, suspect, secret_of, tolerance):
+    """``check_evidence`` as a tracker that called every node back (hosts of their own,
+    serving long enough, one model and precision) sees it: only the rows are judged."""
+
+    def signer(node_id: str) -> Signer:
+        return Signer(
+            secret=secret_of(node_id), called_back=True, serving=True, model_id="m",
+            precision="p", layers=LayerRange(0, 1 << 20), hosts=frozenset({node_id}), since=0.0,
+        )  # fmt: skip
+
+    return check_evidence(evidence, suspect, signer, tolerance, now=0.0, witness_age_s=0.0)
 
 
 def test_a_record_keeps_inputs_in_order_and_forgets_past_a_rewind():
@@ -204,19 +217,19 @@ def test_a_conviction_carries_evidence_the_tracker_accepts():
     secret_of = lambda node: f"secret-{node}"  # noqa: E731
     tol = Precision.BFLOAT16.verify_tolerance
     three = audit(FakeNodes({"p": 0.5}), [P, A, B, TAIL])
-    assert check_evidence(three.evidence, "p", secret_of, tol) is None
-    assert check_evidence(three.evidence, "a", secret_of, tol) is not None  # not a's rows
+    assert checked(three.evidence, "p", secret_of, tol) is None
+    assert checked(three.evidence, "a", secret_of, tol) is not None  # not a's rows
     two = audit(FakeNodes({}, noisy={"p"}), [P, A, TAIL])
     assert len(two.evidence.suspect_rows) == 2
-    assert check_evidence(two.evidence, "p", secret_of, tol) is None
+    assert checked(two.evidence, "p", secret_of, tol) is None
     forged = three.evidence.model_copy(
         update={"suspect_rows": (three.evidence.witness_rows[0].model_copy(
             update={"node_id": "p"}),)}  # a witness's row passed off as the suspect's
     )  # fmt: skip
-    assert "signature" in check_evidence(forged, "p", secret_of, tol)
+    assert "signature" in checked(forged, "p", secret_of, tol)
     lone = three.evidence.model_copy(update={"witness_rows": three.evidence.witness_rows[:1]})
-    assert "two witnesses" in check_evidence(lone, "p", secret_of, tol)
-    assert "needs evidence" in check_evidence(None, "p", secret_of, tol)
+    assert "two witnesses" in checked(lone, "p", secret_of, tol)
+    assert "needs evidence" in checked(None, "p", secret_of, tol)
 
 
 def test_with_two_replicas_the_one_that_cannot_reproduce_itself_is_convicted():

@@ -152,9 +152,9 @@ def ids(registry: Registry) -> set[str]:
 
 
 def test_register_shows_in_coverage(registry):
-    record = registry.register(announcement("a", 0, 3))
+    record = registry.register(announcement("a", 0, 3), called_back=True)
     assert record.node_id == "a" and record.state is NodeState.SERVING and not record.local
-    registry.register(announcement("b", 3, 6))
+    registry.register(announcement("b", 3, 6), called_back=True)
     model = registry.coverage()[MODEL]
     assert model.num_layers == 6
     assert [n.node_id for n in model.nodes] == ["a", "b"]
@@ -166,14 +166,14 @@ def test_register_shows_in_coverage(registry):
 
 
 def test_register_again_replaces_the_record(registry):
-    first = registry.register(announcement("a", 0, 3))
+    first = registry.register(announcement("a", 0, 3), called_back=True)
     registry.register(announcement("a", 2, 6), proof=first.secret)  # its own secret
     model = registry.coverage()[MODEL]
     assert [(n.node_id, n.layers) for n in model.nodes] == [("a", LayerRange(2, 6))]
 
 
 def test_heartbeat_known_and_unknown(registry):
-    registry.register(announcement("a"))
+    registry.register(announcement("a"), called_back=True)
     assert registry.heartbeat(beat("a", active_sessions=3, kv_tokens=120, tokens_generated=9))
     record = registry.get("a")
     assert (record.active_sessions, record.kv_tokens, record.tokens_generated) == (3, 120, 9)
@@ -184,7 +184,7 @@ def test_heartbeat_known_and_unknown(registry):
 
 
 def test_heartbeat_state_leaving_takes_node_out_of_serving(registry):
-    registry.register(announcement("a"))
+    registry.register(announcement("a"), called_back=True)
     registry.heartbeat(beat("a", state=NodeState.LEAVING))
     model = registry.coverage()[MODEL]
     assert model.serving == ()
@@ -193,7 +193,7 @@ def test_heartbeat_state_leaving_takes_node_out_of_serving(registry):
 
 def test_silent_node_is_pruned_after_three_missed_intervals_not_before(registry, clock):
     assert MISSED_HEARTBEATS == 3
-    registry.register(announcement("a"))
+    registry.register(announcement("a"), called_back=True)
     clock.advance(MISSED_HEARTBEATS * INTERVAL - 0.25)  # binary fractions: exact arithmetic
     assert registry.prune() == []
     clock.advance(0.25)  # exactly three intervals: still within the grace period
@@ -206,8 +206,8 @@ def test_silent_node_is_pruned_after_three_missed_intervals_not_before(registry,
 
 
 def test_heartbeats_keep_a_node_alive(registry, clock):
-    registry.register(announcement("a"))
-    registry.register(announcement("b"))
+    registry.register(announcement("a"), called_back=True)
+    registry.register(announcement("b"), called_back=True)
     for _ in range(10):
         clock.advance(INTERVAL * 2.5)
         assert registry.heartbeat(beat("a"))
@@ -216,7 +216,7 @@ def test_heartbeats_keep_a_node_alive(registry, clock):
 
 def test_local_records_never_expire(registry, clock):
     registry.register(announcement("tracker", 0, 2), local=True)
-    registry.register(announcement("remote", 2, 6))
+    registry.register(announcement("remote", 2, 6), called_back=True)
     clock.advance(INTERVAL * 1000)
     assert registry.prune() == ["remote"]
     assert ids(registry) == {"tracker"}
@@ -224,7 +224,7 @@ def test_local_records_never_expire(registry, clock):
 
 
 def test_remove(registry):
-    registry.register(announcement("a"))
+    registry.register(announcement("a"), called_back=True)
     assert registry.remove("a") is True
     assert registry.remove("a") is False
     assert registry.remove("never") is False
@@ -239,6 +239,6 @@ def test_note_model_makes_an_unserved_model_known(registry):
 
 
 def test_coverage_reads_prune_first(registry, clock):
-    registry.register(announcement("a"))
+    registry.register(announcement("a"), called_back=True)
     clock.advance(INTERVAL * (MISSED_HEARTBEATS + 1))
     assert registry.coverage()[MODEL].nodes == ()

@@ -102,15 +102,19 @@ class CapacityExceeded(MeshnetError):
 
 
 class RateLimited(MeshnetError):
-    """A caller asked for more than its share of some work in a window (429); ``retry_s``:
-    when to ask again."""
+    """A caller asked for more than its share (429): that caller waits, the others go on.
+    ``retry_s``: when to ask again, where the share refills on a clock."""
 
     status = 429
     error_type = "rate_limit_error"
 
-    def __init__(self, message: str, *, retry_s: float, param: str | None = None) -> None:
-        super().__init__(message, param=param, code="rate_limit_exceeded")
-        self.headers = {"retry-after": str(max(1, int(retry_s + 0.999)))}
+    def __init__(
+        self, message: str, *, retry_s: float | None = None, param: str | None = None,
+        code: str = "rate_limit_exceeded",
+    ) -> None:  # fmt: skip
+        super().__init__(message, param=param, code=code)
+        if retry_s is not None:
+            self.headers = {"retry-after": str(max(1, int(retry_s + 0.999)))}
 
 
 class Draining(MeshnetError):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from meshnet_common.errors import Conflict
+from meshnet_common.errors import Conflict, RateLimited
 from meshnet_common.layers import LayerRange
 from meshnet_common.protocol import (
     MAX_ROUTE_TIMES,
@@ -18,9 +20,11 @@ from meshnet_common.protocol import (
     NodeState,
     Verdict,
 )
+from meshnet_common.trust.evidence import Signer
 from meshnet_common.trust.revocation import Revocations
 from meshnet_common.web.auth import same_secret as _same
-from meshnet_tracker.coverage import ModelCoverage, ServingNode, build_coverage
+from meshnet_common.web.hosts import ip_of, is_loopback
+from meshnet_tracker.coverage import ModelCoverage, ModelTable, ServingNode, build_coverage
 from meshnet_tracker.routing import RouteReport, measured_slowdowns, with_slowdowns
 
 logger = logging.getLogger(__name__)
@@ -63,6 +67,10 @@ class NodeRecord:
     secret: str = ""
     slowdown: float = 1.0  # its compute measured against its claim (docs/adr/0032)
     prefix: tuple[int, int, int] = (0, 0, 0)  # prefix cache: blocks, lookups, hits (ADR-0035)
+    # Its serving registration was confirmed by the tracker's call-back (or it is the
+    # tracker node): only then do its signed rows and its layer count count (docs/adr/0032).
+    called_back: bool = False
+    source: str | None = None  # the address its registration came from
 
     @property
     def node_id(self) -> str:
@@ -72,6 +80,17 @@ class NodeRecord:
     def shown_state(self) -> str:
         """Its state as the map shows it: ``quarantined`` outranks what the node says."""
         return "quarantined" if self.quarantined else self.state.value
+
+    def signer(self) -> Signer:
+        """It as the signer of evidence rows (``meshnet_common.trust.evidence``)."""
+        announcement = self.announcement
+        return Signer(
+            secret=self.secret, called_back=self.called_back,
+            serving=self.state == NodeState.SERVING and not self.quarantined,
+            model_id=announcement.shard.model_id, precision=announcement.quantization.value,
+            layers=announcement.shard.layers, hosts=_machine(announcement.url, self.source),
+            since=self.since,
+        )  # fmt: skip
 
     def serving_node(self) -> ServingNode:
         shard = self.announcement.shard
@@ -99,7 +118,7 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.clock = clock
         self._nodes: dict[str, NodeRecord] = {}
-        self._model_layers: dict[str, int] = {}
+        self.models = ModelTable()  # layer counts: the models dir's or called-back nodes'
         # Nodes dropped for missed heartbeats, and when: one may be restarting (ADR-0023).
         self._lost: dict[str, tuple[NodeRecord, float]] = {}
         # Verdicts against each node by reporter (docs/adr/0026: one reporter counts once),
@@ -126,6 +145,34 @@ class Registry:
         record = self._nodes.get(node_id)
         return record.secret if record is not None else None
 
+    def signer(self, node_id: str) -> Signer | None:
+        """The live record ``node_id`` as the signer of evidence rows (None: no record)."""
+        record = self._nodes.get(node_id)
+        return record.signer() if record is not None else None
+
+    def admit_source(
+        self, source: str | None, node_id: str, model_id: str | None, *, max_nodes: int,
+        max_models: int,
+    ) -> None:  # fmt: skip
+        """RateLimited when ``source`` already holds ``max_nodes`` live records other
+        than ``node_id``, or introduced ``max_models`` models still in the table and
+        ``model_id`` (a serving node's) would be another (docs/adr/0032)."""
+        others = sum(
+            1 for r in self._nodes.values()
+            if r.source == source and r.node_id != node_id and not r.local
+        )  # fmt: skip
+        if others >= max_nodes:
+            raise RateLimited(
+                f"{source} already registered {others} live nodes (--max-nodes-per-source)",
+                param="node_id", code="too_many_nodes",
+            )  # fmt: skip
+        introduced = self.models.introduced_by(source)
+        if model_id is not None and model_id not in self.models.layers and introduced >= max_models:
+            raise RateLimited(
+                f"{source} already introduced {introduced} models the models dir does not "
+                "list (--max-models-per-source)", param="shard", code="too_many_models",
+            )  # fmt: skip
+
     def claim(self, node_id: str, proof: str | None) -> None:
         """Conflict unless ``node_id`` is free or ``proof`` is its live record's secret."""
         previous = self._nodes.get(node_id)
@@ -138,10 +185,14 @@ class Registry:
             )  # fmt: skip
 
     def register(
-        self, announcement: NodeAnnouncement, *, local: bool = False, proof: str | None = None
-    ) -> NodeRecord:
+        self, announcement: NodeAnnouncement, *, local: bool = False, proof: str | None = None,
+        called_back: bool = False, source: str | None = None,
+    ) -> NodeRecord:  # fmt: skip
         """Record a registration. A live id registers again only with its secret
-        (``proof``): anyone else gets Conflict until the record expires or leaves."""
+        (``proof``): anyone else gets Conflict until the record expires or leaves.
+        ``called_back``: a serving registration the tracker confirmed by calling the node
+        back; only such a node (or the tracker node) makes its model's layer count known.
+        ``source``: the address the registration came from."""
         with self._lock:
             previous = self._nodes.get(announcement.node_id)
             if not local:
@@ -163,6 +214,8 @@ class Registry:
                 local=local,
                 quarantined=quarantined,
                 secret=previous.secret if previous is not None else secrets.token_urlsafe(32),
+                called_back=local or (called_back and announcement.state == NodeState.SERVING),
+                source=source,
             )
             record.since = record.last_heartbeat
             if (
@@ -173,7 +226,11 @@ class Registry:
                 record.since = previous.since
             self._nodes[announcement.node_id] = record
             self._lost.pop(announcement.node_id, None)
-            self._model_layers.setdefault(announcement.shard.model_id, announcement.num_layers)
+            if record.called_back:
+                shard = announcement.shard
+                self.models.introduce(
+                    shard.model_id, announcement.num_layers, source, record.last_heartbeat
+                )
         logger.info(
             "node %s %s: %s layers %s at %s",
             announcement.node_id,
@@ -286,10 +343,12 @@ class Registry:
     def remove(self, node_id: str) -> bool:
         with self._lock:
             record = self._nodes.pop(node_id, None)
-            removed = record is not None
             self._route_times.pop(node_id, None)
             if record is not None:  # its certificate ends now, not in 10 minutes
                 self.revocations.revoke(record.announcement.public_key)
+            if record is not None and record.state == NodeState.SERVING:
+                self.models.held(record.announcement.shard.model_id, self.clock())
+        removed = record is not None
         if removed:
             logger.info("node %s left", node_id)
         return removed
@@ -312,8 +371,15 @@ class Registry:
             for nid in dead:
                 self._lost[nid] = (self._nodes.pop(nid), now)
                 self._route_times.pop(nid, None)
+            held = {
+                r.announcement.shard.model_id for r in self._nodes.values()
+                if r.state == NodeState.SERVING
+            }  # fmt: skip
+            forgotten = self.models.expire(held, now)
         for nid in dead:
             logger.warning("node %s missed %d heartbeats: dropped", nid, MISSED_HEARTBEATS)
+        for model_id in forgotten:
+            logger.info("model %s: held by no node for a while: forgotten", model_id)
         return dead
 
     def lost(self, within_s: float) -> list[NodeRecord]:
@@ -335,25 +401,26 @@ class Registry:
 
     def num_layers(self, model_id: str) -> int | None:
         """The layer count the tracker knows for ``model_id`` (None if unknown)."""
-        return self._model_layers.get(model_id)
+        return self.models.layers.get(model_id)
 
     def note_model(self, model_id: str, num_layers: int) -> None:
         """Make a model known (e.g. found in the models dir) even before any node serves it."""
         with self._lock:
-            self._model_layers[model_id] = num_layers
+            self.models.list_in_dir(model_id, num_layers)
 
     def forget_model(self, model_id: str) -> bool:
         """Forget a model no node holds (it left the models dir); False while nodes hold it."""
         with self._lock:
+            self.models.unlist_from_dir(model_id)  # nodes may hold it on: then it expires
             if any(r.announcement.shard.model_id == model_id for r in self._nodes.values()):
                 return False
-            return self._model_layers.pop(model_id, None) is not None
+            return self.models.forget(model_id)
 
     def coverage(self) -> dict[str, ModelCoverage]:
         """The map, each node's compute cross-checked against what heads measured."""
         records = self.records()
         with self._lock:
-            layers = dict(self._model_layers)
+            layers = dict(self.models.layers)
             reports = self._route_reports(records)
         coverage = build_coverage((r.serving_node() for r in records), layers)
         slowdowns = {
@@ -418,3 +485,28 @@ def _covers(ranges: list[LayerRange], want: LayerRange) -> bool:
         if at >= want.end:
             return True
     return at >= want.end
+
+
+def source_of(peer: str | None) -> str | None:
+    """The source a registration is counted under (``--max-nodes-per-source``): the peer's
+    address, an IPv6 one as its /64 (one machine holds many)."""
+    ip = ip_of(peer or "")
+    if ip is None or ip.version == 4:
+        return peer
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
+def _machine(url: str, source: str | None) -> frozenset[str]:
+    """Names of the machine a node runs on: its URL's host (lower case) and its source
+    (``source_of``), where that is an address (an in-process caller's is not): witnesses
+    stand on machines that share neither. A node registering from the tracker's own machine
+    at a loopback URL is the operator's process (no member reaches the tracker from
+    loopback, nor is called back there): its URL's host and port name it, so that a swarm on
+    one machine still has witnesses."""
+    parts = urlsplit(url)
+    if source is not None and is_loopback(source) and is_loopback(parts.hostname):
+        return frozenset({parts.netloc.lower()})
+    names = {(parts.hostname or "").lower()}
+    if source is not None and (ip_of(source) is not None or "/" in source):
+        names.add(source)
+    return frozenset(names)

@@ -75,6 +75,19 @@ class TrackerSettings(ShardSettings):
         2, "verdicts (from heads auditing with --verify-fraction) against a node before it is "
         "quarantined: no routes, shown on the dashboard, told to refuse steps", group=TRACKER,
     )  # fmt: skip
+    witness_age_s: float = knob(
+        600.0, "seconds a node must have served (called back, unquarantined) before its "
+        "signed rows count as a witness in a verdict against another node (docs/adr/0032)",
+        group=SECURITY, flag="--witness-age",
+    )  # fmt: skip
+    max_nodes_per_source: int = knob(
+        16, "live nodes one source address may register (more answer 429)", group=SECURITY,
+    )  # fmt: skip
+    max_models_per_source: int = knob(
+        4, "models outside --models-dir that serving nodes from one source address may "
+        "introduce to the model table (more answer 429; unheld models expire)",
+        group=SECURITY,
+    )  # fmt: skip
     proxy_timeout_s: float = knob(
         600.0, "seconds a request proxied to a head node may take", group=TRACKER,
         flag="--proxy-timeout",

@@ -7,16 +7,22 @@ most ``max_concurrent`` run at once per source: the rest wait their turn (``down
 a bounded wait, then 503; at most two per address; a slot is kept while its reader keeps a
 floor rate). On the tracker, every
 manifest is signed with its key (``meshnet_common.trust.manifest_keys``), the root of trust for weights.
+A manifest is hashed once per (model, revision, range) and kept (``MANIFESTS_KEPT``); a fresh
+one is hashed inside a download slot, one at a time per peer (the next waits), and a peer
+gets ``FRESH_PER_WINDOW`` per ``FRESH_WINDOW_S`` (429 beyond): asking for many fresh ranges
+costs the asker, not the server (docs/adr/0032).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +36,7 @@ from meshnet_common.errors import (
     ModelError,
     NotFound,
     RangeNotSatisfiable,
+    RateLimited,
 )
 from meshnet_common.layers import LayerRange
 from meshnet_common.logs import event
@@ -51,6 +58,10 @@ logger = logging.getLogger(__name__)
 
 Resolver = Callable[[str], Path]  # model id -> snapshot folder (NotFound if unknown)
 FAULTS = ("corrupt", "truncate")
+MANIFESTS_KEPT = 256  # hashed manifests kept (a few KB each)
+FRESH_PER_WINDOW = 8  # fresh manifests one peer may have hashed per window...
+FRESH_WINDOW_S = 60.0  # ...of this many seconds (one at a time)
+PEERS_TRACKED = 1024  # peers whose fresh manifests are counted (the least recent go)
 
 
 def snapshot_revision(index: CheckpointIndex) -> str:
@@ -104,6 +115,46 @@ def _gguf_revision(path: Path, _size: int, _mtime_ns: int) -> str:
     return digest.hexdigest()[:16]
 
 
+class FreshManifests:
+    """Fresh manifest hashes by peer: ``FRESH_PER_WINDOW`` per ``FRESH_WINDOW_S``
+    (RateLimited beyond), one at a time (the next waits its turn). The event loop's."""
+
+    def __init__(self, *, clock=time.monotonic) -> None:
+        self.clock = clock
+        self._started: OrderedDict[str, list[float]] = OrderedDict()  # peer -> start times
+        self._turns: dict[str, tuple[asyncio.Lock, int]] = {}  # peer -> its lock, users
+
+    def queued(self, peer: str) -> int:
+        """``peer``'s fresh manifests hashing or waiting their turn."""
+        return self._turns[peer][1] if peer in self._turns else 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self, peer: str):
+        """Count a fresh manifest against ``peer`` and hold its turn while it hashes."""
+        now = self.clock()
+        recent = [t for t in self._started.pop(peer, []) if now - t < FRESH_WINDOW_S]
+        self._started[peer] = recent  # the most recent peer last
+        while len(self._started) > PEERS_TRACKED:
+            self._started.popitem(last=False)
+        if len(recent) >= FRESH_PER_WINDOW:
+            raise RateLimited(
+                f"{len(recent)} manifests of new layer ranges were hashed for you in the last "
+                f"{FRESH_WINDOW_S:.0f} s: ask again later", code="manifest_busy",
+            )  # fmt: skip
+        recent.append(now)
+        lock, users = self._turns.get(peer) or (asyncio.Lock(), 0)
+        self._turns[peer] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._turns[peer]
+            if users > 1:
+                self._turns[peer] = (lock, users - 1)
+            else:
+                del self._turns[peer]
+
+
 class ShardServer:
     """Resolves, caches and streams shard sources."""
 
@@ -120,6 +171,8 @@ class ShardServer:
         self.fault = fault
         self.signer = signer  # the tracker's: the root of trust for weights (ADR-0032)
         self._sources: OrderedDict[tuple, ShardSource] = OrderedDict()
+        self._manifests: OrderedDict[tuple, dict] = OrderedDict()  # by the sources' key
+        self.fresh = FreshManifests()  # fresh manifests hashed, by peer
         self.bytes_sent = 0
         self.downloads = 0  # file downloads started (resumed ones count again)
 
@@ -128,6 +181,39 @@ class ShardServer:
     ) -> ShardSource:
         """The range's source; ``revision``: the one the caller wants (NotFound when the
         snapshot here is another: two revisions never mix in one shard)."""
+        return self._source(model_id, start, end, revision)[1]
+
+    async def manifest(
+        self, model_id: str, start: int, end: int, revision: str | None, peer: str
+    ) -> dict:  # fmt: skip
+        """The range's manifest, hashed once per (model, revision, range, files). A fresh
+        one is hashed in ``peer``'s turn (``FreshManifests``: RateLimited past its
+        bound) and inside a download slot (CapacityExceeded when none frees up)."""
+        key, src = self._source(model_id, start, end, revision)
+        found = self._manifests.get(key)
+        if found is not None:
+            self._manifests.move_to_end(key)
+            return found
+        async with self.fresh.turn(peer):
+            if key in self._manifests:  # hashed while this request waited its turn
+                return self._manifests[key]
+            lease = await self.slots.acquire(sum(src.size_of(f) for f in src.files()))
+            if lease is None:
+                raise CapacityExceeded("every download slot is busy; retry shortly")
+            self.slots.begin(lease)
+            try:
+                found = await asyncio.to_thread(src.manifest)
+            finally:
+                self.slots.release(lease)
+        self._manifests[key] = found
+        while len(self._manifests) > MANIFESTS_KEPT:
+            self._manifests.popitem(last=False)
+        return found
+
+    def _source(
+        self, model_id: str, start: int, end: int, revision: str | None
+    ) -> tuple[tuple, ShardSource]:
+        """``source`` and the key it is cached by."""
         validate_model_id(model_id)
         try:
             layers = LayerRange(start, end)
@@ -158,7 +244,7 @@ class ShardServer:
             cached = self._sources[key] = ShardSource(index, model_id, layers, key[1])
             while len(self._sources) > 16:
                 self._sources.popitem(last=False)
-        return cached
+        return key, cached
 
     def faulty(self, chunks: Iterator[bytes], size: int) -> Iterator[bytes]:
         """Fault injection for tests: flip a byte mid-file, or stop halfway."""
@@ -233,8 +319,8 @@ def shards_router() -> APIRouter:
         revision: str | None = None,
     ):  # fmt: skip
         shard_server = server(request)
-        src = shard_server.source(model, start, end, revision)
-        body = canonical_json(await asyncio.to_thread(src.manifest))
+        peer = request.client.host if request.client else ""
+        body = canonical_json(await shard_server.manifest(model, start, end, revision, peer))
         headers = {}
         if shard_server.signer is not None:
             headers[H_MANIFEST_SIGNATURE] = shard_server.signer.sign_manifest(body)

@@ -29,6 +29,7 @@ from meshnet_common.web.hosts import server_url
 from meshnet_common.web.http import parse_model
 from meshnet_tracker.api.admission import confirm_reachable, reachable_url
 from meshnet_tracker.placement import NodeRequest, Placement
+from meshnet_tracker.registry import NodeRecord, source_of
 from meshnet_tracker.state import TrackerState
 
 
@@ -73,24 +74,28 @@ def nodes_router() -> APIRouter:
             announcement.shard.layers.check_within(announcement.num_layers)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="shard") from exc
-        known = state.registry.num_layers(announcement.shard.model_id)
-        if known is not None and known != announcement.num_layers:
-            raise InvalidRequest(
-                f"{announcement.shard.model_id} has {known} layers, not {announcement.num_layers}",
-                param="num_layers",
-            )
+        _check_layers(state, announcement)
         state.registry.claim(announcement.node_id, _proof(request))  # before any call-back
         source = request.client.host if request.client else None
+        serving = announcement.state == NodeState.SERVING
+        state.registry.admit_source(
+            source_of(source), announcement.node_id, announcement.shard.model_id if serving else None,
+            max_nodes=state.settings.max_nodes_per_source,
+            max_models=state.settings.max_models_per_source,
+        )  # fmt: skip
         tls = state.settings.tls_cert is not None  # then https:// nodes only (docs/adr/0032)
         url = reachable_url(announcement.url, announcement.url_explicit, source, https_only=tls)
-        serving = announcement.state == NodeState.SERVING
         if serving and state.settings.verify_nodes:
             await confirm_reachable(
                 state.callback, url, announcement.node_id, explicit=announcement.url_explicit
             )
         if url != announcement.url:
             announcement = announcement.model_copy(update={"url": url})
-        record = state.registry.register(announcement, proof=_proof(request))
+        _check_layers(state, announcement)  # another node may have named it meanwhile
+        # Without --verify-nodes the operator takes serving registrations as they come.
+        record = state.registry.register(
+            announcement, proof=_proof(request), called_back=serving, source=source_of(source)
+        )
         if serving:
             state.balancer.registered(announcement.node_id)
         return RegisterResponse(
@@ -98,7 +103,7 @@ def nodes_router() -> APIRouter:
             heartbeat_interval_s=state.registry.heartbeat_interval_s,
             url=url,
             node_secret=record.secret,
-            certificate=state.certify(announcement.node_id, announcement.public_key),
+            certificate=_certificate(state, record),
             tracker_key=state.signer.public().text if state.signer is not None else None,
         )
 
@@ -116,8 +121,7 @@ def nodes_router() -> APIRouter:
         return HeartbeatResponse(
             known=known, directives=directives, probe=probe,
             quarantined=record.quarantined if record is not None else None,
-            certificate=None if record is None
-            else state.certify(beat.node_id, record.announcement.public_key),
+            certificate=_certificate(state, record),
             revoked=state.registry.revocations.keys(),
         )  # fmt: skip
 
@@ -134,7 +138,10 @@ def nodes_router() -> APIRouter:
         if suspect is None:
             raise NotFound(f"unknown node {node_id!r}")
         tolerance = Precision(suspect.announcement.quantization.value).verify_tolerance
-        why = check_evidence(found.evidence, node_id, state.registry.secret_of, tolerance)
+        why = check_evidence(
+            found.evidence, node_id, state.registry.signer, tolerance,
+            now=state.registry.clock(), witness_age_s=state.settings.witness_age_s,
+        )  # fmt: skip
         if why is not None:  # counts for nothing (docs/adr/0032)
             raise InvalidRequest(
                 f"verdict against {node_id!r} refused: {why}", param="evidence",
@@ -212,6 +219,25 @@ def nodes_router() -> APIRouter:
         )
 
     return router
+
+
+def _certificate(state: TrackerState, record: NodeRecord | None) -> str | None:
+    """A certificate of its key for a called-back record; none for a joining one, which
+    signs nothing that counts, calls to peers included (docs/adr/0032)."""
+    if record is None or not record.called_back:
+        return None
+    return state.certify(record.node_id, record.announcement.public_key)
+
+
+def _check_layers(state: TrackerState, announcement: NodeAnnouncement) -> None:
+    """A model's layer count is the models dir's or the first called-back node's: a node
+    announcing another is refused, never adopted (docs/adr/0032)."""
+    known = state.registry.num_layers(announcement.shard.model_id)
+    if known is not None and known != announcement.num_layers:
+        raise InvalidRequest(
+            f"{announcement.shard.model_id} has {known} layers, not {announcement.num_layers}",
+            param="num_layers",
+        )
 
 
 def _need(costs: ModelCosts, placement: Placement, ask: AssignRequest) -> int:
