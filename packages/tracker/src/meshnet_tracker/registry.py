@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from meshnet_common.errors import Conflict, RateLimited
 from meshnet_common.layers import LayerRange
@@ -23,7 +21,7 @@ from meshnet_common.protocol import (
 from meshnet_common.trust.evidence import Signer
 from meshnet_common.trust.revocation import Revocations
 from meshnet_common.web.auth import same_secret as _same
-from meshnet_common.web.hosts import ip_of, is_loopback
+from meshnet_common.web.hosts import machine_names
 from meshnet_tracker.coverage import ModelCoverage, ModelTable, ServingNode, build_coverage
 from meshnet_tracker.routing import RouteReport, measured_slowdowns, with_slowdowns
 
@@ -88,7 +86,7 @@ class NodeRecord:
             secret=self.secret, called_back=self.called_back,
             serving=self.state == NodeState.SERVING and not self.quarantined,
             model_id=announcement.shard.model_id, precision=announcement.quantization.value,
-            layers=announcement.shard.layers, hosts=_machine(announcement.url, self.source),
+            layers=announcement.shard.layers, hosts=machine_names(announcement.url, self.source),
             since=self.since,
         )  # fmt: skip
 
@@ -485,28 +483,3 @@ def _covers(ranges: list[LayerRange], want: LayerRange) -> bool:
         if at >= want.end:
             return True
     return at >= want.end
-
-
-def source_of(peer: str | None) -> str | None:
-    """The source a registration is counted under (``--max-nodes-per-source``): the peer's
-    address, an IPv6 one as its /64 (one machine holds many)."""
-    ip = ip_of(peer or "")
-    if ip is None or ip.version == 4:
-        return peer
-    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-
-
-def _machine(url: str, source: str | None) -> frozenset[str]:
-    """Names of the machine a node runs on: its URL's host (lower case) and its source
-    (``source_of``), where that is an address (an in-process caller's is not): witnesses
-    stand on machines that share neither. A node registering from the tracker's own machine
-    at a loopback URL is the operator's process (no member reaches the tracker from
-    loopback, nor is called back there): its URL's host and port name it, so that a swarm on
-    one machine still has witnesses."""
-    parts = urlsplit(url)
-    if source is not None and is_loopback(source) and is_loopback(parts.hostname):
-        return frozenset({parts.netloc.lower()})
-    names = {(parts.hostname or "").lower()}
-    if source is not None and (ip_of(source) is not None or "/" in source):
-        names.add(source)
-    return frozenset(names)

@@ -1,5 +1,5 @@
-"""What a URL's host says about where it is (an IP address, a loopback address), and which
-Host names a server answers to."""
+"""What a URL's host says about where it is (an IP address, a loopback address), which
+Host names a server answers to, and which machine a registering node stands on."""
 
 from __future__ import annotations
 
@@ -129,3 +129,31 @@ async def _refuse(scope, send) -> None:
     headers = [(b"content-type", b"application/json")]
     await send({"type": "http.response.start", "status": 421, "headers": headers})
     await send({"type": "http.response.body", "body": _MISDIRECTED})
+
+
+# -- which machine a node stands on (docs/adr/0032: admission bounds, witnesses) --------------
+
+
+def source_of(peer: str | None) -> str | None:
+    """The source a registration is counted under (``--max-nodes-per-source``): the peer's
+    address, an IPv6 one as its /64 (one machine holds many)."""
+    ip = ip_of(peer or "")
+    if ip is None or ip.version == 4:
+        return peer
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
+def machine_names(url: str, source: str | None) -> frozenset[str]:
+    """Names of the machine a node runs on: its URL's host (lower case) and its source
+    (``source_of``), where that is an address (an in-process caller's is not): witnesses
+    stand on machines that share neither. A node registering from the tracker's own machine
+    at a loopback URL is the operator's process (no member reaches the tracker from
+    loopback, nor is called back there): its URL's host and port name it, so that a swarm on
+    one machine still has witnesses."""
+    parts = urlsplit(url)
+    if source is not None and is_loopback(source) and is_loopback(parts.hostname):
+        return frozenset({parts.netloc.lower()})
+    names = {(parts.hostname or "").lower()}
+    if source is not None and (ip_of(source) is not None or "/" in source):
+        names.add(source)
+    return frozenset(names)

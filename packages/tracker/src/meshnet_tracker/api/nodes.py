@@ -25,11 +25,11 @@ from meshnet_common.protocol import (
 )
 from meshnet_common.trust.evidence import check_evidence
 from meshnet_common.web.auth import same_secret
-from meshnet_common.web.hosts import server_url
+from meshnet_common.web.hosts import server_url, source_of
 from meshnet_common.web.http import parse_model
 from meshnet_tracker.api.admission import confirm_reachable, reachable_url
 from meshnet_tracker.placement import NodeRequest, Placement
-from meshnet_tracker.registry import NodeRecord, source_of
+from meshnet_tracker.registry import NodeRecord
 from meshnet_tracker.state import TrackerState
 
 
