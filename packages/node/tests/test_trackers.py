@@ -78,14 +78,15 @@ def test_a_4xx_is_an_answer_and_a_listed_5xx_too():
     assert trackers.current == T2
 
 
-def test_all_down_ends_with_the_last_failure_after_the_retries():
+def test_all_down_ends_with_the_last_failure_after_the_retries(caplog):
     sleeps: list[float] = []
     retry = RetryPolicy(max_attempts=3, backoff_base_s=0.5, backoff_cap_s=0.75)
     trackers = Trackers([T1, T2])
     calls = Calls(t1=httpx.ConnectError, t2=httpx.ConnectTimeout)
-    with pytest.raises(httpx.ConnectTimeout):
+    with caplog.at_level(logging.WARNING), pytest.raises(httpx.ConnectTimeout):
         trackers.send(calls, retry=retry, sleep=sleeps.append)
     assert calls.asked == [T1, T2] * 3 and sleeps == [0.5, 0.75]  # 3 rounds, capped backoff
+    assert len(caplog.records) == 2  # each tracker's failure said once, not every round
     calls = Calls(t1=httpx.ConnectError, t2=500)
     assert trackers.send(calls).status_code == 500  # the last 5xx, for the caller to read
     with pytest.raises(httpx.ConnectError):

@@ -241,7 +241,8 @@ def wait_for_tracker(
             if not budget.failed():
                 raise OSError(
                     f"{which} {trackers.describe()} unreachable after {wait_s:g}s "
-                    f"({type(exc).__name__}); is it running, and is --tracker right?"
+                    f"({type(exc).__name__}); is {'it' if len(trackers) == 1 else 'one'} "
+                    "running, and is --tracker right?"
                 ) from exc
             logger.info("waiting for %s %s (%s)", which, trackers.describe(), type(exc).__name__)
             sleep(min(budget.backoff(), budget.remaining()))

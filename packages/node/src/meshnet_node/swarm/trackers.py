@@ -44,6 +44,7 @@ class Trackers:
         self.urls = cleaned
         self.clock = clock
         self._index = 0
+        self._down: set[str] = set()  # failed since they last answered (said once each)
         self._lock = threading.Lock()  # the membership thread and the event loop share it
 
     @classmethod
@@ -70,11 +71,22 @@ class Trackers:
         """``url`` did not answer: when it is still current, the next one becomes current
         (one that failed meanwhile on another thread is not skipped twice). The current one."""
         with self._lock:
-            if url.rstrip("/") == self.urls[self._index] and len(self.urls) > 1:
+            url = url.rstrip("/")
+            if url == self.urls[self._index] and len(self.urls) > 1:
                 self._index = (self._index + 1) % len(self.urls)
-                logger.warning("tracker %s did not answer (%s); now asking %s",
-                               url, why, self.urls[self._index])  # fmt: skip
+                level = logging.DEBUG if url in self._down else logging.WARNING
+                logger.log(level, "tracker %s did not answer (%s); now asking %s",
+                           url, why, self.urls[self._index])  # fmt: skip
+            self._down.add(url)
             return self.urls[self._index]
+
+    def answered(self, url: str) -> None:
+        """``url`` answered: a later failure of it is news again."""
+        if url in self._down:
+            with self._lock:
+                self._down.discard(url)
+            if len(self.urls) > 1:
+                logger.info("tracker %s answers", url)
 
     def in_order(self) -> tuple[str, ...]:
         """Every tracker once, the current one first, then the others in order."""
@@ -99,6 +111,7 @@ class Trackers:
                     last = exc
                 else:
                     if _answered(resp, answers):
+                        self.answered(url)
                         return resp
                     last = resp
                 self.failed(url, _why(last))
@@ -122,6 +135,7 @@ class Trackers:
                     last = exc
                 else:
                     if _answered(resp, answers):
+                        self.answered(url)
                         return resp
                     last = resp
                 self.failed(url, _why(last))
