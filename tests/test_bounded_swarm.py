@@ -50,7 +50,8 @@ def test_a_tls_node_refuses_a_plain_http_tracker(tmp_path):
     cert.cert_chain_pems[0].write_to_path(cert_path)
     cert.private_key_pem.write_to_path(key_path)
     done = subprocess.run(
-        [sys.executable, "-m", "meshnet_node.cli", "--tracker", "http://127.0.0.1:9",
+        [sys.executable, "-m", "meshnet_node.cli", "--tracker",
+         "https://127.0.0.1:8,http://127.0.0.1:9",  # each tracker of the list is checked
          "--tls-cert", str(cert_path), "--tls-key", str(key_path), "--memory-gb", "1",
          "--port", "0"],
         capture_output=True, text=True, timeout=120,

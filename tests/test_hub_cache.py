@@ -201,7 +201,7 @@ def test_a_node_moved_to_another_range_finds_it_as_at_start_up(offline_hub, tmp_
     serving = alone.replace(model_path=held, layers=LayerRange(0, 2), revision=None,
                             tracker_url="http://127.0.0.1:9")  # fmt: skip
     node = SimpleNamespace(settings=serving, service=SimpleNamespace(metrics=Metrics()),
-                           identity=None)  # fmt: skip
+                           identity=None, tracker=None)  # fmt: skip
     served: dict = {"revision": V1}
     monkeypatch.setattr(joining, "_tracker_manifest", lambda *_args: served)
     move = ShardSpec(model_id=MODEL, shard_start=3, shard_end=6)

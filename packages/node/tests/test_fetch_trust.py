@@ -108,6 +108,24 @@ def test_bytes_from_a_peer_are_checked_against_the_trackers_signed_manifest(
     assert fetch_shard(MODEL, LAYERS, (PEER,), tmp_path, trust=pinned, hub=False) == path
 
 
+def test_a_dead_tracker_of_the_swarm_gives_way_to_the_next_for_the_key_and_manifest(
+    use, snapshot, tmp_path
+):
+    """--tracker URL1,URL2: the first down, the second (same swarm key) signs the manifest;
+    weights fetched from the trackers come from the one that answers."""
+    signer = ManifestSigner.generate()
+    hosts = use(second=shard_app(snapshot, signer))  # tracker.test refuses connections
+    trust = Trust(tracker=f"{TRACKER},http://second.test")
+    path = fetch_shard(MODEL, LAYERS, trust.trackers.in_order(), tmp_path, trust=trust, hub=False)
+    assert (path / SUBSET_FILE).exists() and hosts.downloads["http://second.test"] > 0
+    assert trust.trackers.current == "http://second.test"
+    other = use(second=shard_app(snapshot, ManifestSigner.generate()))  # a key of its own
+    pinned = Trust(tracker=f"{TRACKER},http://second.test", tracker_key=signer.public().text)
+    with pytest.raises(ModelError, match="signature"):
+        fetch_shard(MODEL, LAYERS, (PEER,), tmp_path / "again", trust=pinned, hub=False)
+    assert other.downloads["http://second.test"] == 0
+
+
 def test_a_peers_own_manifest_is_never_taken_in_the_trackers_place(use, snapshot, tmp_path):
     # The tracker has no files of the model: a peer could send anything with a manifest of
     # its own making. Nothing is fetched.

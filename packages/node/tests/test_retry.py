@@ -152,6 +152,7 @@ def test_waiting_for_the_tracker_returns_once_it_answers():
         calls.append(url)
         if len(calls) < 3:
             raise httpx.ConnectError("refused")
+        return httpx.Response(200)
 
     wait_for_tracker("http://t/", 60.0, clock=clock, sleep=clock.sleep, get=answers_third_time)
     assert calls == ["http://t/health"] * 3 and clock.slept == [1.0, 1.0]

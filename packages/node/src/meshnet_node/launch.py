@@ -34,6 +34,7 @@ from meshnet_node.swarm.joining import (
     wait_for_tracker,
 )
 from meshnet_node.swarm.membership import Membership
+from meshnet_node.swarm.trackers import Trackers
 
 PROG = "meshnet-node"
 logger = logging.getLogger("meshnet_node.cli")
@@ -80,7 +81,8 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
         if settings.shard_start is not None:
             check_range(settings.shard_start, settings.shard_end, None)
         tls.check(settings.tls_cert, settings.tls_key, settings.tls_ca)
-        require_https(settings.tracker_url, "--tracker", tls=settings.tls_cert is not None)
+        for url in settings.tracker_urls:
+            require_https(url, "--tracker", tls=settings.tls_cert is not None)
         if settings.tracker_key is not None:
             ManifestKey.from_text(settings.tracker_key)
     except (ValueError, InvalidRequest) as exc:
@@ -108,10 +110,13 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
     metrics = Metrics()  # this node's registry: counts the shard fetch below too
     claims = HostClaims()
     membership: Membership | None = None
+    # The swarm's trackers, shared by every call of this process: a tracker that stops
+    # answering makes the next one current for all of them.
+    trackers = Trackers(settings.tracker_urls) if settings.tracker_url else None
     node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
     try:
-        if settings.tracker_url:
-            wait_for_tracker(settings.tracker_url, settings.tracker_wait_s)
+        if trackers is not None:
+            wait_for_tracker(trackers, settings.tracker_wait_s)  # any of them
         offer = claims.offer(settings.memory_gb)
         claims.claim(offer.bytes)  # until the range is known, the whole offer is claimed
         sources: tuple[str, ...] = ()
@@ -120,15 +125,15 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
         model_id = settings.model_id
         if model_id is None:
             logger.info("offering the tracker %s", offer.describe())
-            assignment = ask_assignment(settings, node_id, offer)
+            assignment = ask_assignment(settings, node_id, offer, trackers)
             sources, need = assignment.sources, assignment.memory_bytes or None
             model_id = assignment.shard.model_id
             start, end = assignment.shard.shard_start, assignment.shard.shard_end
             assigned = assignment.quantization
         else:
             start, end = settings.shard_start, settings.shard_end
-        local = local_snapshot(settings, model_id, check_range(start, end, None))
-        num_layers = model_layers(settings, model_id, local)
+        local = local_snapshot(settings, model_id, check_range(start, end, None), trackers)
+        num_layers = model_layers(settings, model_id, local, trackers)
         layers = check_range(start, end, num_layers)
         index = CheckpointIndex.load(local) if local is not None else None
         precision = expected_precision(settings, index, assigned)
@@ -156,13 +161,14 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
             membership = announce_joining(
                 settings, node_id=node_id, url=url, model_id=model_id, num_layers=num_layers,
                 layers=layers, declared=declared, movable=movable, precision=precision,
+                trackers=trackers,
             )  # fmt: skip
         if settings.load_delay_ms:
             time.sleep(settings.load_delay_ms / 1000)
         model_path = resolve_model_path(
             settings, model_id, layers, sources, metrics, local,
             identity=membership.identity if membership is not None else None,
-            peers=membership.peers if membership is not None else None,
+            peers=membership.peers if membership is not None else None, trackers=trackers,
         )  # fmt: skip
         settings = settings.with_shard(model_id, layers, model_path).replace(
             port=port, node_id=node_id, movable=movable

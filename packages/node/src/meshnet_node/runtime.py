@@ -241,11 +241,10 @@ def build_runtime(
             service.answer_url = url
     watch_service(service)
     node_id = settings.node_id or f"node-{uuid.uuid4().hex[:12]}"
-    tracker = (
-        TrackerClient(settings.tracker_url, swarm_token=settings.swarm_token, identity=identity)
-        if settings.tracker_url
-        else None
-    )
+    tracker = None
+    if settings.tracker_url:  # its Membership's trackers: both ask the current one
+        trackers = membership.trackers if membership is not None else settings.tracker_urls
+        tracker = TrackerClient(trackers, swarm_token=settings.swarm_token, identity=identity)
     if route_provider is None:
         route_provider = _tracker_routes(tracker, node_id, service)
     view = view or tracker
@@ -354,8 +353,9 @@ async def start_background(runtime: NodeRuntime) -> None:
         return
     membership = runtime.membership
     if membership is None:  # no joining announcement was made (e.g. built in-process)
+        trackers = runtime.tracker.trackers if runtime.tracker else settings.tracker_urls
         membership = runtime.membership = Membership(
-            settings.tracker_url, runtime.announcement, runtime.heartbeat,
+            trackers, runtime.announcement, runtime.heartbeat,
             settings.heartbeat_interval_s, swarm_token=settings.swarm_token,
             identity=runtime.identity, peers=runtime.peers,
         )  # fmt: skip
@@ -487,7 +487,9 @@ def _locate_shard(runtime: NodeRuntime, spec: ShardSpec) -> Path:
     elsewhere = settings.replace(  # --revision names the first model's revision
         model_path=None, revision=settings.revision if spec.model_id == settings.model_id else None
     )
+    trackers = runtime.tracker.trackers if runtime.tracker is not None else None
     return resolve_model_path(
         elsewhere, spec.model_id, spec.layers, metrics=runtime.service.metrics,
-        local=local_snapshot(elsewhere, spec.model_id, spec.layers), identity=runtime.identity,
+        local=local_snapshot(elsewhere, spec.model_id, spec.layers, trackers),
+        identity=runtime.identity, trackers=trackers,
     )  # fmt: skip

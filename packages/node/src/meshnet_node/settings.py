@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, ClassVar
+from urllib.parse import urlsplit
 
 from pydantic import field_validator
 from pydantic_settings import NoDecode
@@ -18,6 +19,26 @@ from meshnet_common.web.shards import FAULTS
 
 SWARM = "swarm"
 WEIGHTS = "weights"
+
+
+def check_tracker_urls(value: str | list | tuple) -> tuple[str, ...]:
+    """The tracker URLs of ``--tracker`` (comma-separated, or a list), without a trailing
+    slash; ValueError naming the first that is no http(s)://HOST[:PORT] URL, or a repeat."""
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    urls = tuple(item.strip().rstrip("/") for item in items if item.strip())
+    for url in urls:
+        parts = urlsplit(url)
+        try:
+            parts.port  # noqa: B018 - raises on a port that is no number in range
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"tracker URL {url!r}: expected http(s)://HOST[:PORT]")
+        if parts.query or parts.fragment or parts.username is not None:
+            raise ValueError(f"tracker URL {url!r}: no query, fragment or user name")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"a tracker URL is given twice in {','.join(urls)}")
+    return urls
 
 
 @dataclass(frozen=True)
@@ -44,8 +65,10 @@ class NodeSettings(ShardSettings):
 
     # -- swarm --
     tracker_url: str | None = knob(
-        None, "tracker URL, e.g. http://127.0.0.1:8080", group=SWARM, flag="--tracker"
-    )
+        None, "tracker URL, e.g. http://127.0.0.1:8080; the trackers of one swarm "
+        "comma-separated (URL1,URL2,...): the node registers with the first that answers and "
+        "moves to the next when it stops answering", group=SWARM, flag="--tracker",
+    )  # fmt: skip
     tracker_wait_s: float = knob(
         60.0, "seconds to wait at start-up for the tracker to answer (it may still be loading)",
         group=SWARM, flag="--tracker-wait",
@@ -115,6 +138,20 @@ class NodeSettings(ShardSettings):
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())
         return tuple(value)
+
+    @field_validator("tracker_url", mode="before")
+    @classmethod
+    def _trackers(cls, value):
+        """One URL or several (comma-separated, or a config file's list), each checked."""
+        if value is None:
+            return None
+        urls = check_tracker_urls(value if isinstance(value, (list, tuple)) else str(value))
+        return ",".join(urls) if urls else None
+
+    @property
+    def tracker_urls(self) -> tuple[str, ...]:
+        """The trackers of the swarm, in the order given (``--tracker URL1,URL2``)."""
+        return tuple(self.tracker_url.split(",")) if self.tracker_url else ()
 
     @property
     def timeouts(self) -> HopTimeouts:

@@ -44,6 +44,7 @@ from meshnet_common.web.swarm_client import limit, swarm_client
 from meshnet_node.retry import RetryPolicy
 from meshnet_node.swarm import FetchError
 from meshnet_node.swarm.hub import COMMIT, check_against, fetch_from_hub
+from meshnet_node.swarm.trackers import Trackers
 
 logger = logging.getLogger(__name__)
 
@@ -165,16 +166,26 @@ def _download_file(
 class Trust:
     """Where manifests come from and how they are checked (docs/adr/0032).
 
-    ``tracker``: the URL the node was told to trust; with one, manifests come from it only,
-    and must carry its signature. ``tracker_key``: its public key (base64) pinned by the
-    operator; without it the key is asked of the tracker itself (as trustworthy as the
-    tracker URL: TLS makes it so).
+    ``tracker``: the tracker(s) the node was told to trust (a URL, or the swarm's trackers:
+    the current one is asked, the next when it does not answer); with one, manifests come
+    from the trackers only, and must carry their signature (the trackers of one swarm share
+    one key). ``tracker_key``: its public key (base64) pinned by the operator; without it
+    the key is asked of the tracker itself (as trustworthy as the tracker URL: TLS makes it
+    so).
     """
 
-    tracker: str | None = None
+    tracker: Trackers | str | None = None
     tracker_key: str | None = None
     swarm_token: str | None = None
     identity: Identity | None = None  # signs the downloads, once certified (docs/adr/0032)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tracker, str):
+            object.__setattr__(self, "tracker", Trackers.of(self.tracker) if self.tracker else None)
+
+    @property
+    def trackers(self) -> Trackers | None:
+        return self.tracker if isinstance(self.tracker, Trackers) else None
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
         hooks = {"request": [self.identity.sign_request]} if self.identity is not None else None
@@ -190,9 +201,9 @@ def tracker_key(client: httpx.Client, trust: Trust) -> ManifestKey | None:
     try:
         if trust.tracker_key:
             return ManifestKey.from_text(trust.tracker_key)
-        if not trust.tracker:
+        if trust.trackers is None:
             return None
-        resp = client.get(f"{trust.tracker.rstrip('/')}{KEY_PATH}")
+        resp = trust.trackers.send(lambda base: client.get(f"{base}{KEY_PATH}"))
         resp.raise_for_status()
         return ManifestKey.from_text(str(resp.json()["public_key"]))
     except (httpx.HTTPError, InvalidRequest, ValueError, KeyError, TypeError) as exc:
@@ -204,11 +215,17 @@ def get_manifest(
 ) -> dict:
     """The shard's manifest: the tracker's when there is one (a peer's is never taken in
     its place), signed under ``key`` when there is one."""
-    origin = trust.tracker or source
+
+    def ask(base: str) -> httpx.Response:
+        return client.get(f"{base.rstrip('/')}/v1/shards/manifest", params=params)
+
+    trackers = trust.trackers
     try:
-        resp = client.get(f"{origin.rstrip('/')}/v1/shards/manifest", params=params)
+        resp = ask(source) if trackers is None else trackers.send(ask)
     except httpx.HTTPError as exc:
-        raise FetchError(f"{origin} unreachable for the manifest: {exc}") from exc
+        where = source if trackers is None else trackers.describe()
+        raise FetchError(f"{where} unreachable for the manifest: {exc}") from exc
+    origin = source if trackers is None else trackers.current
     if resp.status_code != 200:
         raise FetchError(f"{origin} has no manifest for it (HTTP {resp.status_code})")
     if key is not None:
@@ -225,11 +242,12 @@ def get_manifest(
 def trusted_manifest(model_id: str, layers: LayerRange, trust: Trust) -> dict | None:
     """The tracker's signed manifest of the range (None without a tracker); FetchError when
     the tracker cannot give one: then no peer can be trusted either."""
-    if not trust.tracker:
+    if trust.trackers is None:
         return None
     params = {"model": model_id, "start": layers.start, "end": layers.end}
     with trust.client() as client:
-        return get_manifest(client, trust.tracker, params, trust, tracker_key(client, trust))
+        key = tracker_key(client, trust)
+        return get_manifest(client, trust.trackers.current, params, trust, key)
 
 
 def fetch_from(

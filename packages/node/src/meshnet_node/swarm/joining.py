@@ -45,17 +45,27 @@ from meshnet_node.swarm.fetch import Trust, fetch_shard_counted, trusted_manifes
 from meshnet_node.swarm.host_memory import Offer
 from meshnet_node.swarm.hub import check_against, hub_view
 from meshnet_node.swarm.membership import Membership, RegistrationRefused, error_message
+from meshnet_node.swarm.trackers import Trackers
 
 logger = logging.getLogger(__name__)
 
 _SAFE_REVISION = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a revision as a folder name
 
 
+def swarm_trackers(settings: NodeSettings, trackers: Trackers | None = None) -> Trackers | None:
+    """``trackers`` (the process's, shared by its calls), else the ones --tracker names."""
+    if trackers is not None or not settings.tracker_url:
+        return trackers
+    return Trackers(settings.tracker_urls)
+
+
 def local_snapshot(
-    settings: NodeSettings, model_id: str, layers: LayerRange | None = None
-) -> Path | None:
+    settings: NodeSettings, model_id: str, layers: LayerRange | None = None,
+    trackers: Trackers | None = None,
+) -> Path | None:  # fmt: skip
     """The snapshot on this machine (--model-path, else --models-dir, else, with neither
-    given, the standard HF cache's copy of ``layers`` at the swarm's revision), or None."""
+    given, the standard HF cache's copy of ``layers`` at the swarm's revision, as
+    ``trackers`` serve it), or None."""
     if settings.model_path:
         path = Path(settings.model_path)
         if is_gguf(path):
@@ -69,11 +79,13 @@ def local_snapshot(
         except NotFound:
             return None
     if layers is not None:
-        return hub_cache_shard(settings, model_id, layers)
+        return hub_cache_shard(settings, model_id, layers, trackers)
     return None
 
 
-def hub_cache_shard(settings: NodeSettings, model_id: str, layers: LayerRange) -> Path | None:
+def hub_cache_shard(
+    settings: NodeSettings, model_id: str, layers: LayerRange, trackers: Trackers | None = None
+) -> Path | None:
     """The HF cache's copy of ``layers`` (``hf download``, vLLM, ``meshnet-models
     download``): its snapshot when it holds every file, else a view of the files it holds
     when they cover the range; None when it holds no such revision or not the range's files.
@@ -87,7 +99,7 @@ def hub_cache_shard(settings: NodeSettings, model_id: str, layers: LayerRange) -
         snapshot = cached_snapshot(model_id, asked)
         if snapshot is None and (asked is not None or not cached_revisions(model_id)):
             return None  # not here: fetched
-        expected = _tracker_manifest(settings, model_id, layers)
+        expected = _tracker_manifest(settings, model_id, layers, trackers)
         served = str((expected or {}).get("revision", ""))
         if COMMIT.fullmatch(served) and (snapshot is None or snapshot.name != served):
             if asked is not None:
@@ -119,37 +131,44 @@ def hub_cache_shard(settings: NodeSettings, model_id: str, layers: LayerRange) -
     return path
 
 
-def _tracker_manifest(settings: NodeSettings, model_id: str, layers: LayerRange) -> dict | None:
+def _tracker_manifest(
+    settings: NodeSettings, model_id: str, layers: LayerRange, trackers: Trackers | None = None
+) -> dict | None:
     """The tracker's signed manifest of the range; None without a tracker, or when it has
     none (a model only nodes bring)."""
     if not settings.tracker_url:
         return None
     try:
-        return trusted_manifest(model_id, layers, _trust(settings))
+        return trusted_manifest(model_id, layers, _trust(settings, trackers=trackers))
     except FetchError as exc:
         logger.info("no manifest of %s layers %s from the tracker (%s)", model_id, layers, exc)
         return None
 
 
 def _trust(
-    settings: NodeSettings, identity: Identity | None = None, peers: CallChecker | None = None
-) -> Trust:
+    settings: NodeSettings, identity: Identity | None = None, peers: CallChecker | None = None,
+    trackers: Trackers | None = None,
+) -> Trust:  # fmt: skip
     """Manifests checked with --tracker-key, else the key the tracker answered the node's
     registration with (``peers``: kept since), else the key the tracker serves now."""
     known = peers.tracker_key.text if peers is not None and peers.tracker_key else None
     return Trust(
-        tracker=settings.tracker_url,
+        tracker=swarm_trackers(settings, trackers),
         tracker_key=settings.tracker_key or known,
         swarm_token=settings.swarm_token,
         identity=identity,
     )
 
 
-def revision_cache_dir(settings: NodeSettings, model_id: str, layers: LayerRange) -> Path:
+def revision_cache_dir(
+    settings: NodeSettings, model_id: str, layers: LayerRange, trackers: Trackers | None = None
+) -> Path:
     """Where fetched shards of the tracker's revision are kept: ``--cache-dir/revisions/REV``
     (the shards of each revision apart: one never replaces or mixes with another's);
     ``--cache-dir`` itself when no tracker names the revision."""
-    revision = str((_tracker_manifest(settings, model_id, layers) or {}).get("revision", ""))
+    revision = str(
+        (_tracker_manifest(settings, model_id, layers, trackers) or {}).get("revision", "")
+    )
     if not _SAFE_REVISION.fullmatch(revision) or revision.strip(".") == "":
         return settings.cache_dir
     return Path(settings.cache_dir) / "revisions" / revision
@@ -168,15 +187,18 @@ def resolve_model_path(
     local: Path | None = None,
     identity: Identity | None = None,
     peers: CallChecker | None = None,
+    trackers: Trackers | None = None,
 ) -> Path:
     """A local snapshot (``local``: what ``local_snapshot`` found, the HF cache included;
     else --model-path / --models-dir), else the shard fetched from sources into the
     revision's folder of --cache-dir (the downloads signed by ``identity`` once the tracker
-    certified it, the manifest checked with the tracker key ``peers`` hold: docs/adr/0032)."""
+    certified it, the manifest checked with the tracker key ``peers`` hold: docs/adr/0032).
+    ``trackers``: the process's (the current one asked first), else --tracker's."""
     local = local or local_snapshot(settings, model_id)
     if local is not None:
         return local
-    tracker = (settings.tracker_url,) if settings.tracker_url else ()
+    trackers = swarm_trackers(settings, trackers)
+    tracker = trackers.in_order() if trackers is not None else ()
     sources = (*settings.shard_sources, *(sources or tracker))
     if not sources:
         raise ValueError(f"no local snapshot of {model_id} and no tracker to fetch it from")
@@ -184,8 +206,8 @@ def resolve_model_path(
         model_id,
         layers,
         sources,
-        revision_cache_dir(settings, model_id, layers),
-        trust=_trust(settings, identity, peers),
+        revision_cache_dir(settings, model_id, layers, trackers),
+        trust=_trust(settings, identity, peers, trackers),
         metrics=metrics or Metrics(),
         revision=settings.revision,
     )
@@ -193,50 +215,61 @@ def resolve_model_path(
 
 # Waiting for the tracker at start: once a second until --tracker-wait has passed.
 TRACKER_WAIT_RETRY = RetryPolicy(max_attempts=None, backoff_base_s=1.0, backoff_cap_s=1.0)
+ANY_ANSWER = frozenset(range(500, 600))  # a tracker answering HTTP at all is up
 
 
 def wait_for_tracker(
-    url: str,
+    trackers: Trackers | str,
     wait_s: float,
     *,
     clock: Clock = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    get: Callable[..., object] = swarm_client.get,
+    get: Callable[..., httpx.Response] = swarm_client.get,
 ) -> None:
-    """Return once the tracker answers HTTP at all; OSError after ``wait_s`` seconds."""
+    """Return once any of the trackers answers HTTP at all (it becomes the current one);
+    OSError after ``wait_s`` seconds."""
+    trackers = Trackers.of(trackers)
     budget = replace(TRACKER_WAIT_RETRY, deadline_s=max(0.0, wait_s)).start(clock)
     while True:
         try:
-            get(f"{url.rstrip('/')}/health", timeout=2.0, verify=tls.client_context())
+            trackers.send(lambda base: get(f"{base}/health", timeout=2.0,
+                                           verify=tls.client_context()),
+                          answers=ANY_ANSWER)  # fmt: skip
             return
         except httpx.HTTPError as exc:
+            which = "tracker" if len(trackers) == 1 else "trackers"
             if not budget.failed():
                 raise OSError(
-                    f"tracker {url} unreachable after {wait_s:g}s ({type(exc).__name__}); "
-                    "is it running, and is --tracker right?"
+                    f"{which} {trackers.describe()} unreachable after {wait_s:g}s "
+                    f"({type(exc).__name__}); is {'it' if len(trackers) == 1 else 'one'} "
+                    "running, and is --tracker right?"
                 ) from exc
-            logger.info("waiting for tracker %s (%s)", url, type(exc).__name__)
+            logger.info("waiting for %s %s (%s)", which, trackers.describe(), type(exc).__name__)
             sleep(min(budget.backoff(), budget.remaining()))
 
 
-def tracker_models(tracker_url: str) -> dict[str, int] | None:
+def tracker_models(trackers: Trackers | str) -> dict[str, int] | None:
     """Models the tracker knows -> their layer counts; None when it cannot be asked."""
     try:
-        resp = swarm_client.get(f"{tracker_url.rstrip('/')}/v1/coverage", timeout=10.0,
-                                 verify=tls.client_context())  # fmt: skip
+        resp = Trackers.of(trackers).send(lambda base: swarm_client.get(
+            f"{base}/v1/coverage", timeout=10.0, verify=tls.client_context()
+        ))  # fmt: skip
         return {m["id"]: int(m["num_layers"]) for m in resp.json()["models"]}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None  # an old or odd tracker: let the fetch report what goes wrong
 
 
-def model_layers(settings: NodeSettings, model_id: str, local: Path | None) -> int | None:
+def model_layers(
+    settings: NodeSettings, model_id: str, local: Path | None, trackers: Trackers | None = None
+) -> int | None:
     """The model's layer count, checked before any heavy work: from the local snapshot's
     config, else from the tracker (which also refuses a model it has never heard of)."""
     if local is not None:
         return CheckpointIndex.load(local).num_layers
-    if not settings.tracker_url:
+    trackers = swarm_trackers(settings, trackers)
+    if trackers is None:
         return None
-    known = tracker_models(settings.tracker_url)
+    known = tracker_models(trackers)
     if known is None:
         return None
     if model_id not in known:
@@ -249,7 +282,9 @@ def model_layers(settings: NodeSettings, model_id: str, local: Path | None) -> i
     return known[model_id]
 
 
-def ask_assignment(settings: NodeSettings, node_id: str, offer: Offer) -> AssignResponse:
+def ask_assignment(
+    settings: NodeSettings, node_id: str, offer: Offer, trackers: Trackers | None = None
+) -> AssignResponse:
     """Ask the tracker which shard to serve (coverage first): its answer, with where the
     weights can be fetched (peers first, then it)."""
     held: tuple[str, ...] = ()
@@ -267,16 +302,16 @@ def ask_assignment(settings: NodeSettings, node_id: str, offer: Offer) -> Assign
         kv_tokens=settings.kv_budget_tokens,
         held_models=held,
     )
+    trackers = swarm_trackers(settings, trackers)
+    if trackers is None:
+        raise ValueError("without --tracker no shard can be assigned")
     try:
-        resp = swarm_client.post(
-            f"{settings.tracker_url.rstrip('/')}/v1/nodes/assign",
-            content=ask.model_dump_json(),
-            headers=swarm_headers(settings.swarm_token),
-            timeout=30,
-            verify=tls.client_context(),
-        )
+        resp = trackers.send(lambda base: swarm_client.post(
+            f"{base}/v1/nodes/assign", content=ask.model_dump_json(),
+            headers=swarm_headers(settings.swarm_token), timeout=30, verify=tls.client_context(),
+        ))  # fmt: skip
     except httpx.HTTPError as exc:
-        raise OSError(f"tracker {settings.tracker_url} unreachable: {exc}") from exc
+        raise OSError(f"tracker {trackers.describe()} unreachable: {exc}") from exc
     if resp.status_code != 200:
         raise ValueError(f"the tracker refused to assign a shard: {error_message(resp)}")
     assignment = AssignResponse.model_validate_json(resp.content)
@@ -290,6 +325,7 @@ def ask_assignment(settings: NodeSettings, node_id: str, offer: Offer) -> Assign
 def announce_joining(
     settings: NodeSettings, *, node_id: str, url: str, model_id: str, num_layers: int,
     layers: LayerRange, declared: int, movable: bool, precision: Precision | None = None,
+    trackers: Trackers | None = None,
 ) -> Membership:  # fmt: skip
     """Tell the tracker this node is loading ``layers`` (state joining) and keep heartbeating
     while it loads: placement counts the range as on its way, routing ignores it.
@@ -322,7 +358,7 @@ def announce_joining(
         )
 
     membership = Membership(
-        settings.tracker_url, lambda: announcement, heartbeat, settings.heartbeat_interval_s,
+        swarm_trackers(settings, trackers), lambda: announcement, heartbeat, settings.heartbeat_interval_s,
         swarm_token=settings.swarm_token, peers=CallChecker.pinned(settings.tracker_key),
     )  # fmt: skip
     try:

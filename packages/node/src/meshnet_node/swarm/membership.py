@@ -30,6 +30,7 @@ from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_common.web.swarm_client import swarm_async_client, swarm_client
 from meshnet_node.retry import RetryPolicy
+from meshnet_node.swarm.trackers import Trackers
 from meshnet_node.verification.verifier import Replica, replicas_in_coverage
 
 logger = logging.getLogger(__name__)
@@ -68,13 +69,14 @@ def error_code(resp: httpx.Response) -> str | None:
 
 
 class TrackerClient:
-    """Asks the tracker for routes on behalf of a head (on the event loop)."""
+    """Asks the tracker for routes on behalf of a head (on the event loop); the current one
+    of ``trackers``, the next when it does not answer."""
 
     def __init__(
-        self, tracker_url: str, *, timeout: float = 5.0, swarm_token: str | None = None,
+        self, trackers: Trackers | str, *, timeout: float = 5.0, swarm_token: str | None = None,
         identity: Identity | None = None,
     ) -> None:  # fmt: skip
-        self.base = tracker_url.rstrip("/")
+        self.trackers = Trackers.of(trackers)
         hooks = {"request": [identity.sign_async_request]} if identity is not None else None
         self.client = swarm_async_client(
             timeout=timeout, headers=swarm_headers(swarm_token), verify=tls.client_context(),
@@ -90,14 +92,11 @@ class TrackerClient:
         self, model_id: str, head_node_id: str, exclude: frozenset[str] = frozenset()
     ) -> RouteResponse:
         """A chain for ``model_id`` starting at this head (503 from the tracker if none)."""
-        try:
-            resp = await self.client.get(
-                f"{self.base}/v1/route",
-                params={
-                    "model": model_id,
-                    "head": head_node_id,
-                    "exclude": ",".join(sorted(exclude)),
-                },
+        params = {"model": model_id, "head": head_node_id, "exclude": ",".join(sorted(exclude))}
+        try:  # a 503 is the tracker's answer: no chain right now
+            resp = await self.trackers.asend(
+                lambda base: self.client.get(f"{base}/v1/route", params=params),
+                answers=frozenset({503}),
             )
         except httpx.HTTPError as exc:
             raise ModelNotCovered(f"tracker unreachable for routing: {exc}") from exc
@@ -112,16 +111,16 @@ class TrackerClient:
 
     async def replicas(self, model_id: str) -> list[Replica]:
         """The serving nodes of ``model_id`` on the coverage map (for audits, ADR-0026)."""
-        resp = await self.client.get(f"{self.base}/v1/coverage")
+        resp = await self.trackers.asend(lambda base: self.client.get(f"{base}/v1/coverage"))
         resp.raise_for_status()
         return replicas_in_coverage(resp.json(), model_id)
 
     async def report(self, node_id: str, verdict: Verdict) -> None:
         """Tell the tracker that ``node_id`` computed wrong (it counts the strikes)."""
-        resp = await self.client.post(
-            f"{self.base}/v1/nodes/{node_id}/verdicts", content=verdict.model_dump_json(),
+        resp = await self.trackers.asend(lambda base: self.client.post(
+            f"{base}/v1/nodes/{node_id}/verdicts", content=verdict.model_dump_json(),
             headers={"content-type": "application/json", **_proof(self.node_secret())},
-        )  # fmt: skip
+        ))  # fmt: skip
         resp.raise_for_status()
 
 
@@ -132,11 +131,15 @@ class Membership:
     ``announcement`` and ``heartbeat`` are read on the membership thread; ``serve`` swaps
     them (a joining node becomes a serving one). ``on_directives``, ``on_refused`` and
     ``on_url`` are called on the membership thread too: hand work to the loop from there.
+
+    Every call goes to the current one of ``trackers`` and moves on to the next while one
+    does not answer; a tracker that does not know the node (it never saw it, or lost it)
+    answers its heartbeat so, and the node registers with it.
     """
 
     def __init__(
         self,
-        tracker_url: str,
+        trackers: Trackers | str,
         announcement: Callable[[], NodeAnnouncement],
         heartbeat: Callable[[], Heartbeat],
         interval_s: float,
@@ -151,7 +154,7 @@ class Membership:
         identity: Identity | None = None,
         peers: CallChecker | None = None,
     ) -> None:
-        self.base = tracker_url.rstrip("/")
+        self.trackers = Trackers.of(trackers)
         self.announcement = announcement
         self.heartbeat = heartbeat
         self.interval_s = interval_s
@@ -217,11 +220,11 @@ class Membership:
         announcement = self.announcement().model_copy(
             update={"public_key": self.identity.key.public}
         )
-        with self._lock:
-            resp = self._client.post(
-                f"{self.base}/v1/nodes/register", content=announcement.model_dump_json(),
+        with self._lock:  # the secret goes along: trackers sharing a store know it
+            resp = self.trackers.send(lambda base: self._client.post(
+                f"{base}/v1/nodes/register", content=announcement.model_dump_json(),
                 headers=_proof(self.secret),
-            )  # fmt: skip
+            ))  # fmt: skip
         if resp.status_code == 409 and error_code(resp) == "node_id_taken":
             raise IdTaken(error_message(resp))
         if resp.status_code in REFUSED:
@@ -230,7 +233,7 @@ class Membership:
         reply = RegisterResponse.model_validate_json(resp.content)
         self.secret = reply.node_secret or self.secret
         self.identity.adopt(reply.certificate)
-        self._trust_tracker(reply.tracker_key)
+        self._trust_tracker(reply.tracker_key, self.trackers.current)
         self.interval_s = reply.heartbeat_interval_s
         self.registered.set()
         self.peers.answers_at([reply.url])  # where peers' signed calls must be aimed
@@ -240,7 +243,7 @@ class Membership:
                 self.on_url(reply.url)
         logger.info(
             "registered with tracker %s as %s (%s)",
-            self.base, reply.url or announcement.url, announcement.state.value,
+            self.trackers.current, reply.url or announcement.url, announcement.state.value,
         )  # fmt: skip
         if self.on_registered is not None:
             self.on_registered(announcement)
@@ -275,12 +278,13 @@ class Membership:
     def beat(self) -> HeartbeatResponse | None:
         """One heartbeat; None when it failed (the next one may get through)."""
         try:
-            resp = self._client.post(
-                f"{self.base}/v1/nodes/heartbeat", content=self.heartbeat().model_dump_json(),
+            resp = self.trackers.send(lambda base: self._client.post(
+                f"{base}/v1/nodes/heartbeat", content=self.heartbeat().model_dump_json(),
                 headers=_proof(self.secret),
-            )  # fmt: skip
+            ))  # fmt: skip
             if resp.status_code == 401 and error_code(resp) == "node_unauthenticated":
-                return HeartbeatResponse(known=False)  # its record expired: register again
+                # its record expired, or another tracker holds it: register again (there)
+                return HeartbeatResponse(known=False)
             resp.raise_for_status()
             reply = HeartbeatResponse.model_validate_json(resp.content)
         except (httpx.HTTPError, ValueError) as exc:
@@ -291,10 +295,11 @@ class Membership:
         self.heartbeats += 1
         return reply
 
-    def _trust_tracker(self, key: str | None) -> None:
+    def _trust_tracker(self, key: str | None, tracker: str = "the tracker") -> None:
         """Check peers' calls with the key the tracker answered with the first time (or the
         one pinned with ``--tracker-key``); a tracker answering with another is not believed,
-        and said once per key in one error line."""
+        and said once per key in one error line. The trackers of one swarm share one key, so
+        the kept one stays good when the node moves to another of them."""
         if not key:
             return
         try:
@@ -307,15 +312,16 @@ class Membership:
         self._refused_keys.add(key)
         kept = self.peers.tracker_key.text if self.peers.tracker_key else None
         how = "pinned with --tracker-key" if self.peers.is_pinned else "first seen"
-        logger.error("the tracker's key changed to %s: peers' calls stay checked with %s (%s); "
-                     "if the tracker's key was replaced, restart this node with --tracker-key "
-                     "%s", key, kept, how, key)  # fmt: skip
+        logger.error("the tracker's key changed to %s (answered by %s): peers' calls stay "
+                     "checked with %s (%s); if the tracker's key was replaced, restart this node "
+                     "with --tracker-key %s", key, tracker, kept, how, key)  # fmt: skip
 
     def leave(self, node_id: str) -> None:
         try:
-            resp = self._client.delete(
-                f"{self.base}/v1/nodes/{node_id}", headers=_proof(self.secret)
-            )
+            resp = self.trackers.send(
+                lambda base: self._client.delete(f"{base}/v1/nodes/{node_id}",
+                                                 headers=_proof(self.secret))
+            )  # fmt: skip
             if resp.status_code not in (200, 404):
                 resp.raise_for_status()
             logger.info("deregistered from tracker")
