@@ -31,7 +31,7 @@ from meshnet_common.models.gguf_import import (
     place_smollm2_gguf,
 )
 from meshnet_common.models.models_dir import find_snapshot
-from meshnet_common.web.serve import check_port, free_port
+from meshnet_common.web.serve import bind
 
 HEAD_LAYERS = 15  # the tracker node serves [0, 15); the joining node is assigned the rest
 PROMPT = "The capital of France is"
@@ -146,8 +146,8 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be 1..65535, not {args.port}")
-    try:
-        check_port("127.0.0.1", args.port)
+    try:  # the tracker's port is free (the node picks its own: --port 0)
+        bind("127.0.0.1", args.port).close()
     except OSError as exc:
         raise SystemExit(
             f"local_swarm: {exc} (another swarm running? try --port N, or make swarm PORT=N)"
@@ -181,7 +181,7 @@ def main() -> None:
               "their weights", flush=True)  # fmt: skip
         swarm.start("node", [
             "meshnet_node.cli", "--tracker", url, "--node-id", "local-node",
-            "--port", str(free_port()), "--cache-dir", str(node_cache),
+            "--port", "0", "--cache-dir", str(node_cache),
         ])  # fmt: skip
         data = wait_covered(url, swarm, model_id)
         if args.demo:

@@ -163,3 +163,20 @@ def test_make_swarm_takes_another_port():
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert "scripts/local_swarm.py" in out.stdout and "--port 8090" in out.stdout
+
+
+def test_the_local_swarm_script_starts_and_names_a_taken_port(tmp_path):
+    """`make swarm`'s script imports (a helper it used was once removed, unnoticed), and a
+    port another process holds is one clear line and exit 1, before anything starts."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "scripts/local_swarm.py", "--models-dir", str(tmp_path),
+             "--run-dir", str(tmp_path / "run"), "--port", str(port)],
+            cwd=root, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "make swarm PORT=N" in out.stderr
