@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 import torch
-from audit_fakes import FakeView
+from audit_fakes import FakeView, checked
 
 from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
@@ -18,8 +18,6 @@ from meshnet_common.precision import Precision
 from meshnet_common.protocol import H_START_LAYER
 from meshnet_common.trust.evidence import (
     H_AUDIT_SIGNATURE,
-    Signer,
-    check_evidence,
     row_bytes,
     sign_row,
 )
@@ -49,19 +47,6 @@ def head_stage(llama, precision=FP32, perturb=0.0) -> Stage:
 
 
 # -- a head stage recomputes from token ids -----------------------------------------------
-
-
-def checked(evidence, suspect, secret_of, tolerance):
-    """``check_evidence`` as a tracker that called every node back (hosts of their own,
-    serving long enough, one model and precision) sees it: only the rows are judged."""
-
-    def signer(node_id: str) -> Signer:
-        return Signer(
-            secret=secret_of(node_id), called_back=True, serving=True, model_id="m",
-            precision="p", layers=LayerRange(0, 1 << 20), hosts=frozenset({node_id}), since=0.0,
-        )  # fmt: skip
-
-    return check_evidence(evidence, suspect, signer, tolerance, now=0.0, witness_age_s=0.0)
 
 
 @pytest.mark.parametrize("precision", [Precision.FLOAT32, Precision.BFLOAT16])

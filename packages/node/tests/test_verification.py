@@ -9,13 +9,13 @@ import random
 
 import pytest
 import torch
-from audit_fakes import FakeView
+from audit_fakes import FakeView, checked
 
 from meshnet_common import wire
 from meshnet_common.layers import LayerRange
 from meshnet_common.metrics import Metrics
 from meshnet_common.precision import Precision
-from meshnet_common.trust.evidence import Signer, check_evidence, row_bytes, sign_row
+from meshnet_common.trust.evidence import row_bytes, sign_row
 from meshnet_node.engine.faults import NoisyOutputs
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.sessions import InputRecord
@@ -34,19 +34,6 @@ from meshnet_node.verification.verifier import (
 
 def rows(start: int, count: int) -> torch.Tensor:
     return torch.arange(start, start + count, dtype=torch.float32).reshape(1, count, 1)
-
-
-def checked(evidence, suspect, secret_of, tolerance):
-    """``check_evidence`` as a tracker that called every node back (hosts of their own,
-    serving long enough, one model and precision) sees it: only the rows are judged."""
-
-    def signer(node_id: str) -> Signer:
-        return Signer(
-            secret=secret_of(node_id), called_back=True, serving=True, model_id="m",
-            precision="p", layers=LayerRange(0, 1 << 20), hosts=frozenset({node_id}), since=0.0,
-        )  # fmt: skip
-
-    return check_evidence(evidence, suspect, signer, tolerance, now=0.0, witness_age_s=0.0)
 
 
 def test_a_record_keeps_inputs_in_order_and_forgets_past_a_rewind():

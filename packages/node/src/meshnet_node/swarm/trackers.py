@@ -106,18 +106,23 @@ class Trackers:
             last: httpx.Response | httpx.TransportError | None = None
             for url in self.in_order():
                 try:
-                    resp = call(url)
+                    last = call(url)
                 except httpx.TransportError as exc:
                     last = exc
-                else:
-                    if _answered(resp, answers):
-                        self.answered(url)
-                        return resp
-                    last = resp
-                self.failed(url, _why(last))
+                if self._settled(url, last, answers):
+                    return last
             if not budget.failed():
                 return _outcome(last)
             sleep(_pause(budget))
+
+    def _settled(self, url: str, outcome, answers: frozenset[int]) -> bool:
+        """Whether ``outcome`` (an answer or a transport error) of ``url`` is the call's
+        answer; else ``url`` failed and the next tracker is asked."""
+        if isinstance(outcome, httpx.Response) and _answered(outcome, answers):
+            self.answered(url)
+            return True
+        self.failed(url, _why(outcome))
+        return False
 
     async def asend(
         self, call: Callable[[str], Awaitable[httpx.Response]], *,
@@ -130,15 +135,11 @@ class Trackers:
             last: httpx.Response | httpx.TransportError | None = None
             for url in self.in_order():
                 try:
-                    resp = await call(url)
+                    last = await call(url)
                 except httpx.TransportError as exc:
                     last = exc
-                else:
-                    if _answered(resp, answers):
-                        self.answered(url)
-                        return resp
-                    last = resp
-                self.failed(url, _why(last))
+                if self._settled(url, last, answers):
+                    return last
             if not budget.failed():
                 return _outcome(last)
             await sleep(_pause(budget))
