@@ -3,9 +3,12 @@ MemoryStore on a hand-driven clock, and (when the binary is here) a real etcd.""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
+import time
 
-from meshnet_tracker.store import MemoryStore, Store
+from meshnet_tracker.store import EtcdStore, MemoryStore, Store
 
 _prefixes = itertools.count()
 
@@ -40,3 +43,35 @@ class MemoryKit:
         """Let the TTL pass until ``key``'s lease has expired."""
         await self.pass_time(self.ttl_s)
         assert await store.get(key) is None
+
+
+class EtcdKit:
+    """EtcdStores on one real etcd: time is the wall clock, a lease lives at least etcd's
+    minimum TTL (2 s), and each test writes under a prefix of its own."""
+
+    name = "etcd"
+    ttl_s = 2.0
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def open(self) -> Store:
+        return EtcdStore([self.url], timeout_s=5)
+
+    def prefix(self) -> str:
+        return f"test-{os.getpid()}-{next(_prefixes)}/"
+
+    async def pass_time(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def until_gone(self, store: Store, key: str) -> None:
+        """Until etcd has expired ``key``'s lease (it checks every half second or so)."""
+        await asyncio.sleep(self.ttl_s)
+        for _ in range(100):
+            if await store.get(key) is None:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{key} outlived its lease")

@@ -109,3 +109,36 @@ def test_a_deleted_leader_key_is_noticed_and_campaigned_for_again():
         assert await elections[0].leader() == leaders[0]
 
     asyncio.run(main())
+
+
+class LandedButLost:
+    """A store whose first create lands but answers False, as a create retried on another
+    endpoint after its answer was lost does."""
+
+    def __init__(self, store):
+        self.store = store
+        self.lost = 0
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    async def create(self, key, value, *, lease=None):
+        created = await self.store.create(key, value, lease=lease)
+        if created and not self.lost:
+            self.lost += 1
+            return False
+        return created
+
+
+def test_a_create_that_landed_unanswered_still_makes_its_candidate_leader():
+    """Else the key would name a candidate that never leads, kept alive by its lease:
+    nobody would lead the swarm."""
+
+    async def main():
+        kit = MemoryKit()
+        store = LandedButLost(kit.open())
+        elections = candidates(kit, store, 2)
+        assert await tick(kit, elections) == ["tracker-0"]
+        assert store.lost == 1
+
+    asyncio.run(main())

@@ -7,13 +7,16 @@ import asyncio
 from contextlib import aclosing
 
 import pytest
-from store_kits import MemoryKit
+from etcd_server import etcd_fixture  # noqa: F401  (the fixture "etcd")
+from store_kits import EtcdKit, MemoryKit
 
 from meshnet_tracker.store import Event, StoreError
 
 
-@pytest.fixture(params=["memory"])
+@pytest.fixture(params=["memory", "etcd"])
 def kit(request):
+    if request.param == "etcd":
+        return EtcdKit(request.getfixturevalue("etcd").url)
     return MemoryKit()
 
 
@@ -94,8 +97,8 @@ def test_a_kept_lease_keeps_its_keys_and_a_revoked_one_deletes_them(kit):
         lease = await store.grant(kit.ttl_s)
         await store.put(p + "a", b"1", lease=lease)
         assert await store.create(p + "b", b"2", lease=lease) is True
-        for _ in range(3):
-            await kit.pass_time(kit.ttl_s / 2)
+        for _ in range(2):  # longer than the TTL in all
+            await kit.pass_time(kit.ttl_s * 0.6)
             assert await store.keepalive(lease) is True
         assert set((await store.get_prefix(p)).items) == {p + "a", p + "b"}
         await store.revoke(lease)

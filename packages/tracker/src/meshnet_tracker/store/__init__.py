@@ -3,6 +3,18 @@ and the leader election built on it."""
 
 from meshnet_tracker.store.base import Event, Snapshot, Store, StoreError
 from meshnet_tracker.store.election import Election
+from meshnet_tracker.store.etcd import EtcdStore
 from meshnet_tracker.store.memory import MemoryStore
+from meshnet_tracker.store.spec import open_store, parse_store_url
 
-__all__ = ["Election", "Event", "MemoryStore", "Snapshot", "Store", "StoreError"]
+__all__ = [
+    "Election",
+    "EtcdStore",
+    "Event",
+    "MemoryStore",
+    "Snapshot",
+    "Store",
+    "StoreError",
+    "open_store",
+    "parse_store_url",
+]

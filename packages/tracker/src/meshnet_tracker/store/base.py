@@ -109,3 +109,9 @@ class Store(Protocol):
     async def close(self) -> None:
         """Release the connections and end every watch."""
         ...
+
+    async def __aenter__(self) -> Store: ...
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """``close()``."""
+        ...

@@ -60,6 +60,8 @@ class Election:
                 log.warning("%s lost the leadership of %s", self.candidate_id, self.key)
         if not self._holds_key and self.clock() >= self._hold_off_until:
             won = await self.store.create(self.key, self.candidate_id.encode(), lease=self._lease)
+            if not won:  # a create retried on another endpoint may have landed the first time
+                won = await self.store.get(self.key) == self.candidate_id.encode()
             if won:
                 log.info("%s leads %s", self.candidate_id, self.key)
             self._holds_key = won

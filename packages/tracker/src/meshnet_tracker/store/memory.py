@@ -179,6 +179,12 @@ class MemoryStore:
         if watch in self._watches:
             self._watches.remove(watch)
 
+    async def __aenter__(self) -> MemoryStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
     async def close(self) -> None:
         self._closed = True
         for watch in self._watches:
