@@ -10,7 +10,7 @@ import pytest
 from etcd_server import etcd_fixture  # noqa: F401  (the fixture "etcd")
 from store_kits import EtcdKit, MemoryKit
 
-from meshnet_tracker.store import Event, StoreError
+from meshnet_tracker.store import Event, Store, StoreError
 
 
 @pytest.fixture(params=["memory", "etcd"])
@@ -38,6 +38,7 @@ async def take(watch, count: int) -> list[Event]:
 
 def test_put_get_and_revisions_move_on(kit):
     async def body(store, p):
+        assert isinstance(store, Store)
         first = await store.put(p + "a", b"1")
         second = await store.put(p + "a", b"2")
         assert second > first

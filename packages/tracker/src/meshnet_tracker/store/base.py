@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from meshnet_common.errors import MeshnetError
 
@@ -57,6 +57,7 @@ def prefix_end(prefix: str) -> bytes:
     return bytes(end)
 
 
+@runtime_checkable
 class Store(Protocol):
     """A key-value store with revisions, leases and watches, shared by a swarm's trackers."""
 
@@ -101,9 +102,9 @@ class Store(Protocol):
 
     def watch(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[Event]:
         """The changes under ``prefix`` in revision order, from ``start_revision`` (events at
-        that revision and after; a revision already compacted away is a StoreError) or, when
-        None, from when the watch starts. Ends when the store closes; close it early with
-        ``aclose()`` (``contextlib.aclosing``)."""
+        that revision and after; one already compacted away is a StoreError on the first
+        read) or, when None, from when the watch starts. Ends when the store closes; close
+        it early with ``aclose()`` (``contextlib.aclosing``)."""
         ...
 
     async def close(self) -> None:

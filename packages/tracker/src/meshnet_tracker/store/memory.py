@@ -163,11 +163,11 @@ class MemoryStore:
     def watch(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[Event]:
         """In place from this call on (etcd's, from its first iteration)."""
         self._begin()
-        if start_revision is not None and start_revision <= self._compacted:
-            raise StoreError(
-                f"revision {start_revision} is compacted (history starts after {self._compacted})"
-            )
         watch = _Watch(self, prefix)
+        if start_revision is not None and start_revision <= self._compacted:
+            compacted = f"revision {start_revision} is compacted (kept from {self._compacted + 1})"
+            watch.queue.put_nowait(StoreError(compacted))  # as etcd: told on the first read
+            return watch
         if start_revision is not None:  # the past first, then live: nothing in between
             for event in self._history:
                 if event.revision >= start_revision and event.key.startswith(prefix):
@@ -198,7 +198,7 @@ class _Watch:
     def __init__(self, store: MemoryStore, prefix: str):
         self.store = store
         self.prefix = prefix
-        self.queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Event | StoreError | None] = asyncio.Queue()
         self.closed = False
 
     def __aiter__(self) -> _Watch:
@@ -216,9 +216,11 @@ class _Watch:
                 except TimeoutError:
                     self.store.expire()
                     continue
-            if event is not None:
+            if isinstance(event, Event):
                 return event
             await self.aclose()
+            if event is not None:
+                raise event
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
