@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import trustme
 
 SKIP = "etcd is not installed (apt install etcd-server): tests against a real etcd skipped"
 
@@ -22,12 +24,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class EtcdServer:
-    """One etcd member on loopback; ``url`` is its client endpoint."""
+def make_pki(folder: Path) -> dict[str, Path]:
+    """A throwaway CA, etcd's server certificate for 127.0.0.1 and a client certificate
+    (a tracker's), as PEM files: ca, server_cert, server_key, client_cert, client_key."""
+    ca = trustme.CA()
+    paths = {"ca": folder / "ca.pem"}
+    ca.cert_pem.write_to_path(paths["ca"])
+    for name, cert in (
+        ("server", ca.issue_cert("127.0.0.1")),
+        ("client", ca.issue_cert("tracker")),
+    ):
+        paths[f"{name}_cert"], paths[f"{name}_key"] = folder / f"{name}.pem", folder / f"{name}.key"
+        cert.private_key_pem.write_to_path(paths[f"{name}_key"])
+        for i, pem in enumerate(cert.cert_chain_pems):
+            pem.write_to_path(paths[f"{name}_cert"], append=i > 0)
+    return paths
 
-    def __init__(self, data_dir: Path):
+
+class EtcdServer:
+    """One etcd member on loopback; ``url`` is its client endpoint. With ``pki`` (see
+    ``make_pki``) it serves https and admits only clients with a certificate of that CA."""
+
+    def __init__(self, data_dir: Path, pki: dict[str, Path] | None = None):
         client, peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{client}"
+        self.pki = pki
+        self.url = f"{'https' if pki else 'http'}://127.0.0.1:{client}"
         peer_url = f"http://127.0.0.1:{peer}"
         self.log_path = data_dir / "etcd.log"
         command = [
@@ -40,16 +61,24 @@ class EtcdServer:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"default={peer_url}",
         ]  # fmt: skip
+        if pki is not None:
+            command += ["--cert-file", str(pki["server_cert"]), "--key-file", str(pki["server_key"]),
+                        "--trusted-ca-file", str(pki["ca"]), "--client-cert-auth"]  # fmt: skip
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, attempts: int = 200) -> EtcdServer:
         """Until it answers a read (every 50 ms; fails with its log after ``attempts``)."""
+        verify: ssl.SSLContext | bool = True
+        if self.pki is not None:
+            verify = ssl.create_default_context(cafile=str(self.pki["ca"]))
+            verify.load_cert_chain(str(self.pki["client_cert"]), str(self.pki["client_key"]))
         for _ in range(attempts):
             if self.popen.poll() is not None:
                 break
             try:
-                if httpx.post(f"{self.url}/v3/kv/range", json={"key": "AA=="}).status_code == 200:
+                answer = httpx.post(f"{self.url}/v3/kv/range", json={"key": "AA=="}, verify=verify)
+                if answer.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -67,11 +96,11 @@ class EtcdServer:
                 self.popen.wait()
 
 
-def start_etcd(data_dir: Path) -> EtcdServer:
+def start_etcd(data_dir: Path, pki: dict[str, Path] | None = None) -> EtcdServer:
     """A running etcd in ``data_dir``, or the test skips when the binary is missing."""
     if shutil.which("etcd") is None:
         pytest.skip(SKIP)
-    return EtcdServer(data_dir).wait_ready()
+    return EtcdServer(data_dir, pki).wait_ready()
 
 
 @pytest.fixture(scope="module", name="etcd")

@@ -8,7 +8,7 @@ from contextlib import aclosing
 
 import httpx
 import pytest
-from etcd_server import etcd_fixture, free_port  # noqa: F401  (the fixture "etcd")
+from etcd_server import etcd_fixture, free_port, make_pki, start_etcd  # noqa: F401  (the fixture "etcd")
 
 from meshnet_tracker.store import (
     Election,
@@ -178,3 +178,41 @@ def test_election_over_etcd_takeover_after_the_leaders_lease_and_resign_hands_ba
                 await store.close()
 
     asyncio.run(main())
+
+
+def test_an_etcds_store_speaks_tls_and_etcd_admits_only_certified_clients(tmp_path):
+    """etcd with --client-cert-auth: the tracker's store with the CA and its client
+    certificate works; without the certificate, or trusting another CA, it is refused."""
+    pki = make_pki(tmp_path)
+    server = start_etcd(tmp_path, pki)
+    spec = "etcds://" + server.url.removeprefix("https://")
+    (tmp_path / "other").mkdir()
+    other_ca = make_pki(tmp_path / "other")["ca"]
+
+    async def main():
+        ca, cert, key = pki["ca"], pki["client_cert"], pki["client_key"]
+        async with open_store(spec, ca=ca, cert=cert, key=key) as store:
+            await store.put("tls/k", b"v")
+            assert await store.get("tls/k") == b"v"
+        async with open_store(spec, ca=ca) as store:  # no client certificate
+            with pytest.raises(StoreError):
+                await store.get("tls/k")
+        async with open_store(spec, ca=other_ca, cert=cert, key=key) as store:
+            with pytest.raises(StoreError, match="no etcd endpoint answered"):
+                await store.get("tls/k")
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_tls_files_go_with_etcds_only_and_must_load(tmp_path):
+    with pytest.raises(ValueError, match="use etcds://"):
+        open_store("etcd://a:1", ca=tmp_path / "ca.pem")
+    with pytest.raises(ValueError, match="both or neither"):
+        open_store("etcds://a:1", cert=tmp_path / "c.pem")
+    with pytest.raises(ValueError, match="TLS files") as caught:
+        open_store("etcds://a:1", ca=tmp_path / "missing.pem")
+    assert "\n" not in str(caught.value)
+    assert open_store("etcds://a:1").urls == ["https://a:1"]

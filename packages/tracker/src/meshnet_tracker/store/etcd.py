@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import math
+import ssl
 from collections.abc import AsyncIterator
 
 import httpx
@@ -36,15 +37,21 @@ def _range(prefix: str) -> dict:
 
 
 class EtcdStore:
-    """A ``Store`` in an etcd cluster reached at ``urls`` (``http://host:port``, any member)."""
+    """A ``Store`` in an etcd cluster reached at ``urls`` (``http(s)://host:port``, any
+    member). A request that times out is sent again to the next endpoint: puts and deletes
+    are idempotent, a create that landed unanswered reads as not created (``Election``
+    checks the key), a grant may leave a lease unused to expire."""
 
-    def __init__(self, urls: list[str], *, timeout_s: float = 5.0):
+    def __init__(
+        self, urls: list[str], *, timeout_s: float = 5.0, tls: ssl.SSLContext | None = None
+    ):
         if not urls:
             raise StoreError("an etcd store needs at least one endpoint URL")
         self.urls = [url.rstrip("/") for url in urls]
         self.timeout_s = timeout_s
         self._current = 0  # the endpoint that answered last
-        self._client = httpx.AsyncClient(timeout=timeout_s)
+        # https endpoints: verified with ``tls`` (its CA, its client certificate) or the system's CAs
+        self._client = httpx.AsyncClient(timeout=timeout_s, verify=tls or True)
         self._watches: set[_EtcdWatch] = set()
         self._closed = False
 
