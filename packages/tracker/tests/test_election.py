@@ -7,7 +7,7 @@ import asyncio
 
 from store_kits import MemoryKit
 
-from meshnet_tracker.store import Election
+from meshnet_tracker.store import Election, StoreError
 
 TTL_S = 3.0
 STEP_S = 1.0  # each candidate steps once per second: a third of the TTL
@@ -140,5 +140,38 @@ def test_a_create_that_landed_unanswered_still_makes_its_candidate_leader():
         elections = candidates(kit, store, 2)
         assert await tick(kit, elections) == ["tracker-0"]
         assert store.lost == 1
+
+    asyncio.run(main())
+
+
+class FailsOnce:
+    """A store whose first lease grant fails, as an unreachable store does."""
+
+    def __init__(self, store):
+        self.store = store
+        self.failures = 0
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    async def grant(self, ttl_s):
+        if not self.failures:
+            self.failures += 1
+            raise StoreError("no etcd endpoint answered /v3/lease/grant")
+        return await self.store.grant(ttl_s)
+
+
+def test_run_steps_on_through_a_store_failure():
+    async def main():
+        kit = MemoryKit()
+        store = FailsOnce(kit.open())
+        election = Election(store, "swarm", "tracker-0", TTL_S, clock=kit.clock)
+        task = asyncio.ensure_future(election.run(interval_s=0))
+        for _ in range(100):  # event-loop turns, not seconds
+            await asyncio.sleep(0)
+            if election.is_leader:
+                break
+        task.cancel()
+        assert election.is_leader and store.failures == 1
 
     asyncio.run(main())

@@ -156,7 +156,8 @@ class MemoryStore:
         if lease and lease.keys:
             self._commit([(key, None, None) for key in sorted(lease.keys)])
 
-    def _next_deadline(self) -> float | None:
+    def next_deadline(self) -> float | None:
+        """When the next lease runs out by ``clock`` (None: no lease)."""
         return min((lease.deadline for lease in self._leases.values()), default=None)
 
     # -- watches ----------------------------------------------------------------------
@@ -175,7 +176,7 @@ class MemoryStore:
         self._watches.append(watch)
         return watch
 
-    def _forget(self, watch: _Watch) -> None:
+    def forget(self, watch: _Watch) -> None:
         if watch in self._watches:
             self._watches.remove(watch)
 
@@ -209,7 +210,7 @@ class _Watch:
             if not self.queue.empty():
                 event = self.queue.get_nowait()
             else:  # while waiting, leases still expire when their time comes
-                deadline = self.store._next_deadline()
+                deadline = self.store.next_deadline()
                 timeout = None if deadline is None else max(0.0, deadline - self.store.clock())
                 try:
                     event = await asyncio.wait_for(self.queue.get(), timeout)
@@ -225,4 +226,4 @@ class _Watch:
 
     async def aclose(self) -> None:
         self.closed = True
-        self.store._forget(self)
+        self.store.forget(self)
