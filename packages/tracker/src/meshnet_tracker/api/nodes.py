@@ -177,7 +177,7 @@ def nodes_router() -> APIRouter:
         state = _state(request)
         ask = await parse_model(request, AssignRequest, limit=64 * 1024)
         if not state.leads:  # placement is the leader's alone (issue 53)
-            return await _ask_leader(state, request)
+            return await _ask_leader(state, request, ask)
         await state.rescan()  # a model copied in since the last scan gets this node
         placement = state.balancer.assign(ask)
         costs = state.costs[placement.model_id]
@@ -236,8 +236,9 @@ def nodes_router() -> APIRouter:
     return router
 
 
-async def _ask_leader(state: TrackerState, request: Request) -> Response:
-    """An assignment asked of a follower, answered by the leader's placement."""
+async def _ask_leader(state: TrackerState, request: Request, ask: AssignRequest) -> Response:
+    """An assignment asked of a follower, answered by the leader's placement (the ask as
+    parsed here, with the caller's credentials)."""
     holder = await state.election.leader()
     if holder is None:
         raise NoLeader(
@@ -245,10 +246,12 @@ async def _ask_leader(state: TrackerState, request: Request) -> Response:
             f"{state.election.ttl_s:.0f}s); ask again", code="no_leader",
         )  # fmt: skip
     url = holder.partition("#")[0].rstrip("/") + "/v1/nodes/assign"
-    drop = {"host", "content-length", "connection", "transfer-encoding"}
+    drop = {"host", "content-length", "content-type", "content-encoding", "connection",
+            "transfer-encoding"}  # fmt: skip
     headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+    headers["content-type"] = "application/json"
     try:
-        answer = await state.client.post(url, content=await request.body(), headers=headers)
+        answer = await state.client.post(url, content=ask.model_dump_json(), headers=headers)
     except httpx.HTTPError as exc:
         raise NoLeader(
             f"the leader tracker at {url} did not answer ({type(exc).__name__}); ask again",

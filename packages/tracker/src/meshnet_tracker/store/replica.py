@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "/meshnet/swarm/"
 RESYNC_S = 1.0  # after a watch failed, this long before the next snapshot
+STOP_WAIT_S = 0.1  # between cancellations of the watch when stopping
 
 
 class RegistryReplica:
@@ -90,36 +91,47 @@ class RegistryReplica:
                     revision = await self._load()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stop following the store. Cancelled again while it runs on: a watch whose event
+        arrived as the cancellation did may swallow it (``asyncio.wait_for`` before 3.12)."""
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=STOP_WAIT_S)
 
     async def apply(self, event: Event) -> None:
-        """One change another tracker made (a tracker's own are skipped)."""
+        """One change another tracker made (a tracker's own are skipped); a value this
+        tracker cannot read is logged and skipped."""
         kind, _, name = event.key[len(self.prefix) :].partition("/")
         if kind == "nodes" and event.value is None:
             if await self.store.get(event.key) is None:  # not put again meanwhile
                 self._leases.pop(name, None)
                 self.registry.drop(name)
             return
-        data = json.loads(event.value) if event.value is not None else None
-        if not isinstance(data, dict) or data.get("writer") == self.writer:
-            return
+        if kind not in ("nodes", "verdicts", "models") or event.value is None:
+            return  # the election's key, directives (taken when asked for)
         self._applying = True
         try:
-            if kind == "nodes":
-                self._apply_node(name, data)
-            elif kind == "verdicts":
-                strikes = {k: Verdict.model_validate(v) for k, v in data["strikes"].items()}
-                self.registry.set_verdicts(name, strikes, data["reason"], data["urls"])
-            elif kind == "models":
-                self._models[name] = data["num_layers"]
-                if self.registry.num_layers(name) is None:
-                    now = self.registry.clock()
-                    self.registry.models.introduce(name, data["num_layers"], data["source"], now)
+            data = json.loads(event.value)
+            if data.get("writer") != self.writer:
+                self._apply(kind, name, data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            logger.warning(
+                "shared store: %s unreadable (%s: %s)", event.key, type(exc).__name__, exc
+            )
         finally:
             self._applying = False
+
+    def _apply(self, kind: str, name: str, data: dict) -> None:
+        if kind == "nodes":
+            self._apply_node(name, data)
+        elif kind == "verdicts":
+            strikes = {k: Verdict.model_validate(v) for k, v in data["strikes"].items()}
+            self.registry.set_verdicts(name, strikes, data["reason"], data["urls"])
+        else:
+            self._models[name] = data["num_layers"]
+            if self.registry.num_layers(name) is None:
+                now = self.registry.clock()
+                self.registry.models.introduce(name, data["num_layers"], data["source"], now)
 
     def _apply_node(self, node_id: str, data: dict) -> None:
         self._leases[node_id] = data["lease"]
