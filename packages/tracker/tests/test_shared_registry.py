@@ -17,7 +17,8 @@ import httpx
 import pytest
 from test_tracker_api import LLAMA, AppsTransport, announcement
 
-from meshnet_common.protocol import DirectiveKind, Verdict
+from meshnet_common.metrics import Metrics
+from meshnet_common.protocol import DirectiveKind, Heartbeat, NodeAnnouncement, Verdict
 from meshnet_tracker.app import create_app, housekeeping
 from meshnet_tracker.registry import MISSED_HEARTBEATS
 from meshnet_tracker.settings import TrackerSettings
@@ -41,14 +42,14 @@ class Swarm:
         return self.now
 
     @contextlib.asynccontextmanager
-    async def tracker(self, name: str):
+    async def tracker(self, name: str, node: FakeTrackerNode | None = None):
         """A tracker at http://NAME.test over the shared store, as an httpx client."""
         settings = TrackerSettings(
             models_dir=self.models_dir, verify_nodes=False, operator_token="op",
             advertise_url=f"http://{name}.test", heartbeat_interval_s=INTERVAL_S,
             move_grace_s=0.0,
         )  # fmt: skip
-        app = create_app(settings, store=self.store, clock=self.clock)
+        app = create_app(settings, node, store=self.store, clock=self.clock)
         self.apps[f"{name}.test"] = app
         async with app.router.lifespan_context(app):
             state = app.state.tracker
@@ -85,6 +86,44 @@ class Swarm:
         )
         await settle()
         return resp
+
+
+class FakeTrackerNode:
+    """A tracker node serving ``layers`` of LLAMA at its tracker's address (no weights)."""
+
+    def __init__(self, node_id: str, url: str, start: int, end: int) -> None:
+        self.node_id = node_id
+        self.metrics = Metrics()
+        body = announcement(node_id, start, end, url=url)
+        self._announcement = NodeAnnouncement.model_validate(body)
+
+    def announcement(self) -> NodeAnnouncement:
+        return self._announcement
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(node_id=self.node_id, state="serving", active_sessions=0,
+                         kv_tokens=0, memory_free_bytes=1 << 29)  # fmt: skip
+
+    def probe(self, urls) -> None:
+        pass
+
+    def attach(self, state) -> None:
+        pass
+
+    def install_data_path(self, app) -> None:
+        pass
+
+    def mount(self, app) -> None:
+        pass
+
+    def ws_max_size(self) -> int:
+        return 1 << 20
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
 
 
 async def settle(turns: int = 50) -> None:
@@ -147,6 +186,51 @@ def test_heartbeats_to_any_tracker_keep_a_node_and_silence_expires_it_everywhere
                 await tick(b)
             assert await node_ids(b) == {"kept"}
             assert await swarm.store.get("/meshnet/swarm/nodes/kept") is not None
+
+    asyncio.run(main())
+
+
+def test_a_tracker_nodes_layers_leave_the_map_with_its_tracker(swarm):
+    async def main():
+        async with swarm.tracker("b") as b:
+            node = FakeTrackerNode("tn", "http://a.test", 0, 3)
+            async with swarm.tracker("a", node) as a:
+                await swarm.register(b, node_id="n2", start=0, end=6)
+                await settle()
+                assert await node_ids(b) == {"tn", "n2"}
+                for _ in range(2 * MISSED_HEARTBEATS):  # a beats for its own node
+                    await swarm.pass_time(INTERVAL_S)
+                    await swarm.beat(b, "n2")
+                    await tick(a, b)
+                assert await node_ids(b) == {"tn", "n2"}
+                # a dies: its node's lease runs out, the map covers [0, 3) from n2
+                for _ in range(MISSED_HEARTBEATS + 1):
+                    await swarm.pass_time(INTERVAL_S)
+                    await swarm.beat(b, "n2")
+                    await tick(b)
+                assert await node_ids(b) == {"n2"}
+                models = {m["id"]: m for m in (await b.get("/v1/coverage")).json()["models"]}
+                assert models[LLAMA]["covered"] is True
+
+    asyncio.run(main())
+
+
+def test_a_tracker_stopping_takes_its_node_off_the_map_and_hands_the_lead_over(swarm):
+    async def main():
+        async with swarm.tracker("b") as b:
+            async with swarm.tracker("a", FakeTrackerNode("tn", "http://a.test", 0, 3)) as a:
+                await swarm.register(b, node_id="n2", start=0, end=6)
+                assert await node_ids(b) == {"tn", "n2"}
+                await b.state.election.resign()  # a leads (b stands aside one TTL)
+                for _ in range(MISSED_HEARTBEATS):
+                    await swarm.pass_time(INTERVAL_S)
+                    await swarm.beat(b, "n2")
+                    await tick(a)
+                assert a.state.leads and not b.state.leads
+            await settle()
+            assert await node_ids(b) == {"n2"}  # at once, no lease to wait for
+            await tick(b)  # a's lease would hold the lead one more TTL: a handed it over
+            assert b.state.leads
 
     asyncio.run(main())
 
@@ -244,15 +328,18 @@ def test_an_assignment_asked_of_a_follower_is_the_leaders_placement(swarm):
         async with swarm.tracker("a") as a, swarm.tracker("b") as b:
             ask = {"node_id": "j1", "memory_bytes": 1 << 30, "device": "cpu", "kv_tokens": 1024,
                    "quantization": "float32", "dtype": "float32"}  # fmt: skip
-            resp = await b.post("/v1/nodes/assign", json=ask)
-            assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_leader"
-            await tick(a, b)
+            assert a.state.leads  # the first to start leads from the start
             resp = await b.post("/v1/nodes/assign", json=ask)
             assert resp.status_code == 200, resp.text
             assert resp.json()["shard"]["model_id"] in a.state.costs
             # the leader placed it: the range is pending there, so the next node gets another
             assert "j1" in a.state.balancer._pending and "j1" not in b.state.balancer._pending
             assert resp.json()["sources"][-1] == "http://a.test"  # the leader's own copy
+            # between leaders (a resigned, b not stepped yet): a clear 503, nothing placed
+            await a.state.election.resign()
+            resp = await b.post("/v1/nodes/assign", json={**ask, "node_id": "j2"})
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_leader"
+            assert "j2" not in a.state.balancer._pending
 
     asyncio.run(main())
 

@@ -88,7 +88,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         if state.replica is not None:
-            await state.replica.start()
+            await state.replica.start()  # the swarm as the store holds it, then its changes
+            await _step(state)  # a lone tracker leads from the start
         tasks = [asyncio.ensure_future(_prune_loop(state))]
         if node is not None:
             await node.start()
@@ -100,6 +101,9 @@ def create_app(
             for task in tasks:
                 task.cancel()
             if node is not None:
+                if state.replica is not None:  # its layers leave every tracker's map now
+                    registry.remove(node.node_id)
+                    await _sync(state)
                 await node.stop()
             await _leave_store(state, store if owns_store else None)
             await client.aclose()
@@ -169,13 +173,17 @@ async def housekeeping(state: TrackerState) -> None:
         state.registry.heartbeat(state.node.heartbeat())
         state.node.probe(state.probe_targets(state.node.node_id))
     state.registry.prune()
+    await _step(state)
+    state.plan_moves()
+    await _sync(state)
+
+
+async def _step(state: TrackerState) -> None:
     if state.election is not None:
         try:
             await state.election.step()
         except StoreError as exc:  # the leadership lapses by the lease's own clock
             logger.warning("leader election: %s", exc.message)
-    state.plan_moves()
-    await _sync(state)
 
 
 async def _sync(state: TrackerState) -> None:
