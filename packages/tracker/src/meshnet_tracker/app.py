@@ -37,10 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 def open_store(spec: str) -> Store:
-    """The store ``--store`` names (etcd://HOST:PORT[,...])."""
-    from meshnet_tracker.store.etcd import open_store as open_etcd  # issue 53: s1's EtcdStore
+    """The store ``--store`` names (etcd://HOST:PORT[,...]); a ValueError when it names none.
+    LEAD: s1's ``store.spec`` (also its TLS files for etcds://, when settings carry them)."""
+    from meshnet_tracker.store.spec import open_store as open_named
 
-    return open_etcd(spec)
+    return open_named(spec)
 
 
 def create_app(

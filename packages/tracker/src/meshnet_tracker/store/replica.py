@@ -68,10 +68,18 @@ class RegistryReplica:
         revision = await self._load()
         self._task = asyncio.ensure_future(self._follow(revision))
 
-    async def _load(self) -> int:
+    async def _load(self, *, resync: bool = False) -> int:
+        """Apply what the store holds; ``resync`` (the watch was lost): drop the other
+        trackers' nodes the store no longer holds (their deletes went by unseen)."""
         snapshot = await self.store.get_prefix(self.prefix)
         for key, value in snapshot.items.items():
             await self.apply(Event("put", key, value, snapshot.revision))
+        if resync:
+            for record in self.registry.records():
+                mine = ("node", record.node_id) in self._dirty  # not written yet
+                key = self.key("nodes", record.node_id)
+                if not (record.local or mine or key in snapshot.items):
+                    self.registry.drop(record.node_id)
         return snapshot.revision
 
     async def _follow(self, revision: int) -> None:
@@ -88,7 +96,7 @@ class RegistryReplica:
                 logger.warning("shared store: %s; reading it again", exc.message)
                 await asyncio.sleep(RESYNC_S)
                 with contextlib.suppress(StoreError):
-                    revision = await self._load()
+                    revision = await self._load(resync=True)
 
     async def stop(self) -> None:
         """Stop following the store. Cancelled again while it runs on: a watch whose event
