@@ -22,7 +22,7 @@ from meshnet_common.protocol import DirectiveKind, Heartbeat, NodeAnnouncement, 
 from meshnet_tracker.app import create_app, housekeeping
 from meshnet_tracker.registry import MISSED_HEARTBEATS
 from meshnet_tracker.settings import TrackerSettings
-from meshnet_tracker.store import MemoryStore
+from meshnet_tracker.store import MemoryStore, StoreError, replica
 
 INTERVAL_S = 100.0  # the real heartbeat loop never turns during a test: time is the fake's
 TTL_S = MISSED_HEARTBEATS * INTERVAL_S
@@ -348,3 +348,55 @@ def test_without_a_store_a_tracker_writes_nothing_anywhere(models_dir):
     app = create_app(TrackerSettings(models_dir=models_dir, verify_nodes=False))
     state = app.state.tracker
     assert state.replica is None and state.election is None and state.leads
+
+
+class FlakyStore(MemoryStore):
+    """A MemoryStore whose watches (``flaky``, in the order they began) can be told to fail
+    on their next event (a lost connection, a compacted revision): that event goes unseen."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.flaky: list[FlakyWatch] = []
+
+    def watch(self, prefix, *, start_revision=None):
+        watch = FlakyWatch(super().watch(prefix, start_revision=start_revision))
+        self.flaky.append(watch)
+        return watch
+
+
+class FlakyWatch:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.broken = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        event = await self.inner.__anext__()
+        if self.broken:
+            raise StoreError("watch lost")
+        return event
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+
+def test_a_tracker_that_lost_its_watch_reads_the_store_again(swarm, monkeypatch):
+    monkeypatch.setattr(replica, "RESYNC_S", 0.0)
+    swarm.store = FlakyStore(clock=swarm.clock)
+
+    async def main():
+        async with swarm.tracker("a") as a, swarm.tracker("b") as b:
+            await swarm.register(a, node_id="n1", start=0, end=6)
+            await swarm.register(a, node_id="n2", start=0, end=6)
+            assert await node_ids(b) == {"n1", "n2"}
+            swarm.store.flaky[1].broken = True  # b's (a began first): b misses n1 leaving
+            headers = {"x-meshnet-node-secret": swarm.secrets["n1"]}
+            assert (await a.delete("/v1/nodes/n1", headers=headers)).status_code == 200
+            await settle()
+            assert await node_ids(b) == {"n2"}
+            await swarm.register(a, node_id="n3", start=0, end=6)  # and follows on
+            assert await node_ids(b) == {"n2", "n3"}
+
+    asyncio.run(main())
