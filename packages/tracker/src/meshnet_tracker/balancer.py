@@ -179,6 +179,12 @@ class Balancer:
         with self._lock:
             return tuple(self._directives.pop(node_id, ()))
 
+    def take_directives(self) -> dict[str, list[Directive]]:
+        """Every queued directive, taken: the leader hands them to the shared store."""
+        with self._lock:
+            taken, self._directives = self._directives, {}
+            return taken
+
     def plan_moves(self) -> int:
         """Direct redundant movable nodes into gaps that outlasted the grace period; returns
         how many moves were planned."""

@@ -87,6 +87,10 @@ def _main(argv: Sequence[str] | None) -> None:
         elif settings.revision is not None:
             raise ValueError("--revision needs --model-id")
         tls.check(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        if settings.store is not None:
+            from meshnet_tracker.store.spec import parse_store_url
+
+            parse_store_url(settings.store)
     except (MeshnetError, ValueError) as exc:
         fail(PROG, str(exc), code=1)
     tls.configure(settings.tls_ca)

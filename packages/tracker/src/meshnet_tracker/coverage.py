@@ -126,6 +126,10 @@ class ModelTable:
         """How many models of the table a node from ``source`` introduced."""
         return sum(1 for s in self._source.values() if s == source)
 
+    def source_of(self, model_id: str) -> str | None:
+        """The address of the node that introduced ``model_id`` (None: the models dir's)."""
+        return self._source.get(model_id)
+
     def forget(self, model_id: str) -> bool:
         self._source.pop(model_id, None)
         self._held.pop(model_id, None)

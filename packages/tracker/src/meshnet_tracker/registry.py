@@ -23,7 +23,12 @@ from meshnet_common.trust.revocation import Revocations
 from meshnet_common.web.auth import same_secret as _same
 from meshnet_common.web.hosts import machine_names
 from meshnet_tracker.coverage import ModelCoverage, ModelTable, ServingNode, build_coverage
-from meshnet_tracker.routing import RouteReport, measured_slowdowns, with_slowdowns
+from meshnet_tracker.routing import (
+    measured_slowdowns,
+    note_slowdown,
+    route_reports,
+    with_slowdowns,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +40,6 @@ LAYER_MS = (0.002, 60_000.0)
 LINK_MS = (0.02, 60_000.0)
 # A head's report of a route's step time counts this long after it last sent it (docs/adr/0032).
 ROUTE_TIMES_S = 300.0
-SLOW_LOGGED = 2.0  # a measured slowdown from this on is logged
 
 
 def _clamp(value: float, bounds: tuple[float, float]) -> float:
@@ -132,6 +136,9 @@ class Registry:
         # (step ms, when reported); the latest per route, MAX_ROUTE_TIMES per reporter.
         self._route_times: dict[str, dict[tuple[str, ...], tuple[float, float]]] = {}
         self._lock = threading.Lock()
+        # Told (kind, node id) after each change of its own making: "node" (registered or
+        # heartbeat), "left", "verdicts" (a strike or a lift); the shared store's replica.
+        self.on_change: Callable[[str, str], None] = lambda kind, node_id: None
 
     def authentic(self, node_id: str, proof: str | None) -> bool:
         """Whether ``proof`` is the secret of the live record ``node_id`` (constant time)."""
@@ -229,6 +236,7 @@ class Registry:
                 self.models.introduce(
                     shard.model_id, announcement.num_layers, source, record.last_heartbeat
                 )
+        self.on_change("node", announcement.node_id)
         logger.info(
             "node %s %s: %s layers %s at %s",
             announcement.node_id,
@@ -270,7 +278,8 @@ class Registry:
                 mine[measured.hops] = (measured.step_ms, now)
             while len(mine) > MAX_ROUTE_TIMES:  # the least recently reported go
                 del mine[next(iter(mine))]
-            return True
+        self.on_change("node", beat.node_id)
+        return True
 
     def strike(
         self, node_id: str, verdict: Verdict, *, quarantine_after: int, key: str | None = None
@@ -305,7 +314,8 @@ class Registry:
                     self.revocations.revoke(record.announcement.public_key)
                 quarantined = True
                 logger.error("node %s quarantined: %s", node_id, reason)
-            return len(strikes), quarantined
+        self.on_change("verdicts", node_id)
+        return len(strikes), quarantined
 
     def _covered_without(self, suspect: NodeRecord) -> bool:
         """Whether the other serving, unquarantined nodes of its model cover its layers."""
@@ -332,6 +342,7 @@ class Registry:
                 self.revocations.lift(record.announcement.public_key)
         if lifted:
             logger.warning("node %s: quarantine lifted", node_id)
+        self.on_change("verdicts", node_id)
         return lifted
 
     def strikes(self, node_id: str) -> int:
@@ -349,7 +360,44 @@ class Registry:
         removed = record is not None
         if removed:
             logger.info("node %s left", node_id)
+            self.on_change("left", node_id)
         return removed
+
+    def adopt(self, record: NodeRecord) -> None:
+        """A record another tracker of the swarm wrote (``store.replica``): taken as is."""
+        with self._lock:
+            self._nodes[record.node_id] = record
+            self._lost.pop(record.node_id, None)
+
+    def drop(self, node_id: str) -> None:
+        """Its lease ran out in the shared store: dropped as a silent node is (ADR-0023)."""
+        with self._lock:
+            record = self._nodes.get(node_id)
+            if record is not None and not record.local:
+                self._lost[node_id] = (self._nodes.pop(node_id), self.clock())
+                self._route_times.pop(node_id, None)
+
+    def verdicts_of(self, node_id: str) -> tuple[dict[str, Verdict], str | None, list[str]]:
+        """The verdicts against ``node_id`` by key, why it is quarantined, its URLs held."""
+        with self._lock:
+            urls = [u for u, n in self._quarantined_urls.items() if n == node_id]
+            return dict(self._strikes.get(node_id, {})), self._quarantined.get(node_id), urls
+
+    def set_verdicts(
+        self, node_id: str, strikes: dict[str, Verdict], reason: str | None, urls: list[str]
+    ) -> None:
+        """What another tracker counted against ``node_id`` (``verdicts_of`` there)."""
+        if reason is None:
+            self.lift(node_id)
+        with self._lock:
+            self._strikes[node_id] = strikes
+            record = self._nodes.get(node_id)
+            if reason is not None:
+                self._quarantined[node_id] = reason
+                self._quarantined_urls.update(dict.fromkeys(urls, node_id))
+                if record is not None:
+                    record.quarantined = reason
+                    self.revocations.revoke(record.announcement.public_key)
 
     def forgive(self, seconds: float) -> None:
         """The tracker itself stalled for ``seconds``: heartbeats that arrived meanwhile may
@@ -419,7 +467,7 @@ class Registry:
         records = self.records()
         with self._lock:
             layers = dict(self.models.layers)
-            reports = self._route_reports(records)
+            reports = route_reports(self._route_times, records, self.clock() - ROUTE_TIMES_S)
         coverage = build_coverage((r.serving_node() for r in records), layers)
         slowdowns = {
             model_id: measured_slowdowns(model, reports.get(model_id, ()))
@@ -427,50 +475,16 @@ class Registry:
         }  # fmt: skip
         for record in records:
             slowdown = slowdowns.get(record.announcement.shard.model_id, {}).get(record.node_id)
-            self._note_slowdown(record, slowdown or 1.0)
+            note_slowdown(record, slowdown or 1.0)
         return {m: with_slowdowns(model, slowdowns[m]) for m, model in coverage.items()}
 
     def measured(self, model_id: str) -> set[str]:
         """The nodes of ``model_id`` on some route a head timed lately (docs/adr/0032)."""
         records = self.records()
         with self._lock:
-            reports = self._route_reports(records).get(model_id, ())
+            since = self.clock() - ROUTE_TIMES_S
+            reports = route_reports(self._route_times, records, since).get(model_id, ())
         return {node_id for report in reports for node_id in report.hops}
-
-    def _route_reports(self, records: list[NodeRecord]) -> dict[str, list[RouteReport]]:
-        """Model id -> the recent route times of live heads, their URLs as node ids (a URL
-        no record announced is the tracker node's, which heads reach at the tracker's own
-        address). Drops the expired ones. Call with the lock held."""
-        since = self.clock() - ROUTE_TIMES_S
-        live = {r.node_id: r for r in records}
-        reports: dict[str, list[RouteReport]] = {}
-        for reporter, routes in self._route_times.items():
-            for expired in [urls for urls, (_, when) in routes.items() if when < since]:
-                del routes[expired]
-            head = live.get(reporter)
-            if head is None or not routes:
-                continue
-            model_id = head.announcement.shard.model_id
-            mine = [r for r in records if r.announcement.shard.model_id == model_id]
-            ids = {r.announcement.url: r.node_id for r in mine}
-            local = next((r.node_id for r in mine if r.local), None)
-            for urls, (step_ms, _) in routes.items():
-                hops = [ids.get(url, local) for url in urls]
-                if None not in hops:
-                    report = RouteReport(reporter, (reporter, *hops), step_ms)
-                    reports.setdefault(model_id, []).append(report)
-        return reports
-
-    @staticmethod
-    def _note_slowdown(record: NodeRecord, slowdown: float) -> None:
-        was, record.slowdown = record.slowdown, slowdown
-        if slowdown >= SLOW_LOGGED > was:
-            logger.warning(
-                "node %s: its decode compute measured %.1fx slower than it reports; routes "
-                "count it so", record.node_id, slowdown,
-            )  # fmt: skip
-        elif was >= SLOW_LOGGED > slowdown:
-            logger.info("node %s: its compute measures as it reports again", record.node_id)
 
 
 def _covers(ranges: list[LayerRange], want: LayerRange) -> bool:

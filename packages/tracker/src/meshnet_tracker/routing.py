@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import logging
 import statistics
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
@@ -41,6 +42,9 @@ from dataclasses import dataclass, replace
 
 from meshnet_common.errors import ModelNotCovered
 from meshnet_tracker.coverage import ModelCoverage, ServingNode, describe_gaps
+
+logger = logging.getLogger(__name__)
+SLOW_LOGGED = 2.0  # a measured slowdown from this on is logged
 
 DEFAULT_LINK_MS = 1.0  # a link nobody measured, when no link of the model was measured
 SWITCH_GAIN = 0.10  # hysteresis: a new route must be this much faster (and 0.5 ms) to win
@@ -271,6 +275,43 @@ def measured_slowdowns(model: ModelCoverage, reports: Iterable[RouteReport]) -> 
         if slowdown > 1.0:
             slowdowns[node_id] = min(slowdown, MAX_SLOWDOWN)
     return slowdowns
+
+
+def route_reports(route_times: dict, records: list, since: float) -> dict[str, list[RouteReport]]:
+    """Model id -> the recent route times of live heads (``route_times``: reporter -> route
+    URLs -> (step ms, when), the registry's), their URLs as node ids (a URL no record
+    announced is the tracker node's, which heads reach at the tracker's own address).
+    Drops those reported before ``since``. ``records``: the registry's live records."""
+    live = {r.node_id: r for r in records}
+    reports: dict[str, list[RouteReport]] = {}
+    for reporter, routes in route_times.items():
+        for expired in [urls for urls, (_, when) in routes.items() if when < since]:
+            del routes[expired]
+        head = live.get(reporter)
+        if head is None or not routes:
+            continue
+        model_id = head.announcement.shard.model_id
+        mine = [r for r in records if r.announcement.shard.model_id == model_id]
+        ids = {r.announcement.url: r.node_id for r in mine}
+        local = next((r.node_id for r in mine if r.local), None)
+        for urls, (step_ms, _) in routes.items():
+            hops = [ids.get(url, local) for url in urls]
+            if None not in hops:
+                report = RouteReport(reporter, (reporter, *hops), step_ms)
+                reports.setdefault(model_id, []).append(report)
+    return reports
+
+
+def note_slowdown(record, slowdown: float) -> None:
+    """Set a registry record's measured ``slowdown``, logging when it crosses SLOW_LOGGED."""
+    was, record.slowdown = record.slowdown, slowdown
+    if slowdown >= SLOW_LOGGED > was:
+        logger.warning(
+            "node %s: its decode compute measured %.1fx slower than it reports; routes "
+            "count it so", record.node_id, slowdown,
+        )  # fmt: skip
+    elif was >= SLOW_LOGGED > slowdown:
+        logger.info("node %s: its compute measures as it reports again", record.node_id)
 
 
 def with_slowdowns(model: ModelCoverage, slowdowns: dict[str, float]) -> ModelCoverage:

@@ -108,6 +108,11 @@ class TrackerSettings(ShardSettings):
         "cache (branch, tag or commit; ORG/NAME@REV says the same; default: main), downloaded "
         "when missing unless HF_HUB_OFFLINE is set", group=MODEL,
     )  # fmt: skip
+    store: str | None = knob(
+        None, "the swarm's shared store, etcd://HOST:PORT[,HOST:PORT...]: several trackers "
+        "keep one registry there, one of them (elected) places and moves nodes; without it "
+        "this tracker keeps its registry in memory, alone", group=TRACKER,
+    )  # fmt: skip
     fault_inject: str | None = knob(None, "", group=TRACKER, choices=FAULTS, hidden=True)
 
     @property

@@ -20,7 +20,7 @@ from meshnet_common.models.models_dir import (
     scan_models_dir,
     snapshot_fingerprint,
 )
-from meshnet_common.protocol import MAX_PROBES
+from meshnet_common.protocol import MAX_PROBES, NodeState
 from meshnet_common.trust.identity import issue
 from meshnet_common.trust.manifest_keys import ManifestSigner
 from meshnet_tracker.balancer import Balancer
@@ -29,6 +29,8 @@ from meshnet_tracker.heads import LocalNode
 from meshnet_tracker.registry import Registry
 from meshnet_tracker.routing import Hop, PrefixAffinity, choose_route, keep_or_switch, renew
 from meshnet_tracker.settings import TrackerSettings
+from meshnet_tracker.store.election import Election
+from meshnet_tracker.store.replica import RegistryReplica
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,10 @@ class TrackerState:
     costs: dict[str, ModelCosts] = field(default_factory=dict)  # models we can place nodes on
     demand: Counter = field(default_factory=Counter)  # requests per model
     balancer: Balancer = field(init=False)
+    # With --store: the registry shared with the swarm's other trackers, and the election of
+    # the one that places and moves nodes (issue 53). None: this tracker is alone.
+    replica: RegistryReplica | None = None
+    election: Election | None = None
 
     indexed: dict[str, tuple] = field(default_factory=dict)  # model -> snapshot fingerprint
     _known: dict = field(default_factory=dict)  # the models dir as last read (scan_models_dir)
@@ -76,8 +82,38 @@ class TrackerState:
         self.balancer = Balancer(
             self.registry, self.costs, self.demand,
             move_grace_s=self.settings.move_grace_s, joining_ttl_s=self.settings.joining_ttl_s,
-            restart_grace_s=self.settings.restart_grace_s,
+            restart_grace_s=self.settings.restart_grace_s, clock=self.registry.clock,
         )  # fmt: skip
+
+    @property
+    def leads(self) -> bool:
+        """Whether this tracker places and moves nodes: alone, or the elected leader."""
+        return self.election is None or self.election.is_leader
+
+    def plan_moves(self) -> int:
+        """Moves are the leader's to plan: two trackers never send conflicting directives."""
+        return self.balancer.plan_moves() if self.leads else 0
+
+    async def sync(self) -> None:
+        """With a shared store: write this registry's changes there, and the leader's
+        directives for whichever tracker each node beats to next."""
+        if self.replica is None:
+            return
+        await self.replica.flush()
+        if self.leads:
+            await self.replica.send_directives(self.balancer.take_directives())
+
+    def adopted(self, record) -> None:
+        """Another tracker registered ``record``: serving, it is pending here no more."""
+        if record.state == NodeState.SERVING:
+            self.balancer.registered(record.node_id)
+
+    async def directives_for(self, node_id: str) -> tuple:
+        """The directives waiting for ``node_id`` here or (with a store) in the store."""
+        mine = self.balancer.directives_for(node_id)
+        if self.replica is None:
+            return mine
+        return (*mine, *await self.replica.take_directives(node_id))
 
     def certify(self, node_id: str, public_key: str | None) -> str | None:
         """A certificate of ``public_key`` for ``node_id`` (docs/adr/0032): issued at each

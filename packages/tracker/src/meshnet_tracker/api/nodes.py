@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+import httpx
+from fastapi import APIRouter, Request, Response
 
-from meshnet_common.errors import InvalidRequest, NotFound, Unauthorized
+from meshnet_common.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet_common.memory import ModelCosts
 from meshnet_common.precision import Precision
 from meshnet_common.protocol import (
@@ -31,6 +32,13 @@ from meshnet_tracker.api.admission import confirm_reachable, reachable_url
 from meshnet_tracker.placement import NodeRequest, Placement
 from meshnet_tracker.registry import NodeRecord
 from meshnet_tracker.state import TrackerState
+
+
+class NoLeader(MeshnetError):
+    """A follower tracker cannot reach the leader that places nodes (503: ask again)."""
+
+    status = 503
+    error_type = "service_unavailable"
 
 
 def _state(request: Request) -> TrackerState:
@@ -98,6 +106,7 @@ def nodes_router() -> APIRouter:
         )
         if serving:
             state.balancer.registered(announcement.node_id)
+        await state.sync()  # the other trackers know it (and its secret) from here on
         return RegisterResponse(
             node_id=announcement.node_id,
             heartbeat_interval_s=state.registry.heartbeat_interval_s,
@@ -115,7 +124,8 @@ def nodes_router() -> APIRouter:
         if state.registry.get(beat.node_id) is not None:
             _need_node(request, beat.node_id, "a heartbeat")
         known = state.registry.heartbeat(beat)
-        directives = state.balancer.directives_for(beat.node_id) if known else ()
+        await state.sync()  # its lease in the shared store lives on
+        directives = await state.directives_for(beat.node_id) if known else ()
         probe = state.probe_targets(beat.node_id) if known else ()
         record = state.registry.get(beat.node_id) if known else None
         return HeartbeatResponse(
@@ -150,6 +160,7 @@ def nodes_router() -> APIRouter:
         strikes, quarantined = state.registry.strike(
             node_id, found, quarantine_after=state.settings.quarantine_after
         )
+        await state.sync()
         return VerdictResponse(strikes=strikes, quarantined=quarantined)
 
     @router.delete("/v1/nodes/{node_id}/quarantine")
@@ -158,12 +169,15 @@ def nodes_router() -> APIRouter:
         _need_operator(request, "lifting a quarantine")
         if not _state(request).registry.lift(node_id):
             raise NotFound(f"node {node_id!r} is not quarantined")
+        await _state(request).sync()
         return {"lifted": node_id}
 
-    @router.post("/v1/nodes/assign")
-    async def assign(request: Request) -> AssignResponse:
+    @router.post("/v1/nodes/assign", response_model=AssignResponse)
+    async def assign(request: Request) -> AssignResponse | Response:
         state = _state(request)
         ask = await parse_model(request, AssignRequest, limit=64 * 1024)
+        if not state.leads:  # placement is the leader's alone (issue 53)
+            return await _ask_leader(state, request, ask)
         await state.rescan()  # a model copied in since the last scan gets this node
         placement = state.balancer.assign(ask)
         costs = state.costs[placement.model_id]
@@ -193,7 +207,8 @@ def nodes_router() -> APIRouter:
             _need_operator(request, f"removing node {node_id!r} (not its own leave)")
         if not state.registry.remove(node_id):
             raise NotFound(f"unknown node {node_id!r}")
-        state.balancer.plan_moves()
+        state.plan_moves()
+        await state.sync()
         return {"removed": node_id}
 
     @router.get("/v1/route")
@@ -219,6 +234,31 @@ def nodes_router() -> APIRouter:
         )
 
     return router
+
+
+async def _ask_leader(state: TrackerState, request: Request, ask: AssignRequest) -> Response:
+    """An assignment asked of a follower, answered by the leader's placement (the ask as
+    parsed here, with the caller's credentials)."""
+    holder = await state.election.leader()
+    if holder is None:
+        raise NoLeader(
+            "no tracker leads the swarm right now (one is elected within "
+            f"{state.election.ttl_s:.0f}s); ask again", code="no_leader",
+        )  # fmt: skip
+    url = holder.partition("#")[0].rstrip("/") + "/v1/nodes/assign"
+    drop = {"host", "content-length", "content-type", "content-encoding", "connection",
+            "transfer-encoding"}  # fmt: skip
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+    headers["content-type"] = "application/json"
+    try:
+        answer = await state.client.post(url, content=ask.model_dump_json(), headers=headers)
+    except httpx.HTTPError as exc:
+        raise NoLeader(
+            f"the leader tracker at {url} did not answer ({type(exc).__name__}); ask again",
+            code="no_leader",
+        ) from exc
+    kept = {k: v for k, v in answer.headers.items() if k.lower() == "content-type"}
+    return Response(answer.content, status_code=answer.status_code, headers=kept)
 
 
 def _certificate(state: TrackerState, record: NodeRecord | None) -> str | None:
