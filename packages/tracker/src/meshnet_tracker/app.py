@@ -32,16 +32,9 @@ from meshnet_tracker.state import TrackerState
 from meshnet_tracker.store.base import Store, StoreError
 from meshnet_tracker.store.election import Election
 from meshnet_tracker.store.replica import PREFIX, RegistryReplica
+from meshnet_tracker.store.spec import open_store
 
 logger = logging.getLogger(__name__)
-
-
-def open_store(spec: str) -> Store:
-    """The store ``--store`` names (etcd://HOST:PORT[,...]); a ValueError when it names none.
-    LEAD: s1's ``store.spec`` (also its TLS files for etcds://, when settings carry them)."""
-    from meshnet_tracker.store.spec import open_store as open_named
-
-    return open_named(spec)
 
 
 def create_app(
@@ -53,7 +46,7 @@ def create_app(
     swarm's other trackers. ``clock``: the registry's and the election's (tests)."""
     owns_store = store is None and settings.store is not None
     if owns_store:
-        store = open_store(settings.store)
+        store = open_store(settings.store)  # plain etcd:// (etcds:// client files: not yet flags)
     registry = Registry(settings.heartbeat_interval_s, clock=clock)
     client = swarm_async_client(  # identity answers under a byte limit (docs/adr/0032)
         timeout=httpx.Timeout(settings.proxy_timeout_s, connect=5.0),
