@@ -53,3 +53,28 @@ def test_a_node_moves_to_the_second_tracker_when_the_first_dies(tiny_snapshot, s
     assert "tracker's key changed" not in log  # one swarm, one key: the kept key holds
     assert completion(second) == expected
     assert node.popen.poll() is None
+
+
+def test_a_request_on_a_tracker_that_dies_ends_its_generation_on_the_head(
+    tiny_snapshot, swarm_factory
+):
+    """The request is lost with the tracker's connection, and only it: the head sees its
+    client (the tracker) gone and ends the generation, which would otherwise run a minute
+    (200 steps of 300 ms), rather than leave it orphaned."""
+    tiny_snapshot("llama")
+    swarm = swarm_factory()
+    tracker = swarm.tracker().wait_healthy()
+    head = swarm.node(tracker, MODEL, 0, 6, "--step-delay-ms", "300").wait_healthy()
+    wait_for(lambda: covered(tracker, MODEL), timeout=30)
+    body = {**BODY, "max_tokens": 200, "stream": True}
+    with (
+        pytest.raises(httpx.HTTPError),
+        httpx.stream("POST", f"{tracker.url}/v1/completions", json=body, timeout=60) as resp,
+    ):
+        for line in resp.iter_lines():
+            if line.startswith("data: "):  # the generation runs on the head
+                assert httpx.get(f"{head.url}/v1/node").json()["active_sessions"] == 1
+                tracker.kill()
+    wait_for(lambda: httpx.get(f"{head.url}/v1/node").json()["active_sessions"] == 0, 20)
+    ended = [line for line in head.log().splitlines() if "generation done" in line]
+    assert len(ended) == 1 and "finish=cancelled" in ended[0], ended
