@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 from fastapi.testclient import TestClient
+from signed_evidence import MODEL, announcement
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.protocol import Evidence
@@ -19,19 +20,9 @@ from meshnet_common.trust.identity import NodeKey
 from meshnet_tracker.app import create_app
 from meshnet_tracker.settings import TrackerSettings
 
-MODEL = "org/trust"
 DIGEST = "ab" * 32
 TOLERANCE = 3.5e-4
 SECRET = "x-meshnet-node-secret"
-
-
-def announcement(node_id: str, start: int = 0, end: int = 4, **changes) -> dict:
-    return {
-        "node_id": node_id, "url": changes.pop("url", f"http://{node_id}.test:8000"),
-        "shard": {"model_id": MODEL, "shard_start": start, "shard_end": end},
-        "num_layers": 4, "quantization": "float32", "device": "cpu",
-        "memory_declared_bytes": 1 << 30, "memory_free_bytes": 1 << 29, **changes,
-    }  # fmt: skip
 
 
 def row(node_id: str, secret: str, value: float, start: int = 0) -> dict:

@@ -11,26 +11,16 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from signed_evidence import evidence
+from signed_evidence import MODEL, announcement, evidence
 
 from meshnet_common.protocol import NodeAnnouncement
 from meshnet_tracker.app import create_app
 from meshnet_tracker.registry import MISSED_HEARTBEATS, Registry
 from meshnet_tracker.settings import TrackerSettings
 
-MODEL = "org/trust"
 SECRET = "x-meshnet-node-secret"
 OPERATOR = {"x-meshnet-operator-token": "op-7"}
 ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-def announcement(node_id: str, start: int = 0, end: int = 4, **changes) -> dict:
-    return {
-        "node_id": node_id, "url": changes.pop("url", f"http://{node_id}.test:8000"),
-        "shard": {"model_id": MODEL, "shard_start": start, "shard_end": end},
-        "num_layers": 4, "quantization": "float32", "device": "cpu",
-        "memory_declared_bytes": 1 << 30, "memory_free_bytes": 1 << 29, **changes,
-    }  # fmt: skip
 
 
 def beat(node_id: str, **changes) -> dict:
