@@ -118,7 +118,7 @@ class Trackers:
     def _settled(self, url: str, outcome, answers: frozenset[int]) -> bool:
         """Whether ``outcome`` (an answer or a transport error) of ``url`` is the call's
         answer; else ``url`` failed and the next tracker is asked."""
-        if isinstance(outcome, httpx.Response) and _answered(outcome, answers):
+        if not isinstance(outcome, httpx.TransportError) and _answered(outcome, answers):
             self.answered(url)
             return True
         self.failed(url, _why(outcome))
@@ -150,14 +150,14 @@ def _answered(resp: httpx.Response, answers: frozenset[int]) -> bool:
 
 
 def _why(last: httpx.Response | httpx.TransportError | None) -> str:
-    if isinstance(last, httpx.Response):
+    if last is not None and not isinstance(last, httpx.TransportError):
         return f"HTTP {last.status_code}"
     return type(last).__name__
 
 
 def _outcome(last: httpx.Response | httpx.TransportError | None) -> httpx.Response:
     """What the caller gets once every round failed: the last 5xx, else the last error."""
-    if isinstance(last, httpx.Response):
+    if last is not None and not isinstance(last, httpx.TransportError):
         return last
     assert last is not None  # a round asks at least one tracker (checked at __init__)
     raise last
