@@ -4,6 +4,10 @@ over between endpoints (requests and watches), and leader election over a real e
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import ssl
+import threading
 from contextlib import aclosing
 
 import httpx
@@ -205,6 +209,41 @@ def test_an_etcds_store_speaks_tls_and_etcd_admits_only_certified_clients(tmp_pa
         asyncio.run(main())
     finally:
         server.stop()
+
+
+def test_a_refused_client_certificate_is_an_endpoint_that_did_not_answer(tmp_path):
+    """Under TLS 1.3 a server refuses a client's certificate after the handshake; the alert
+    reaches the client on its first read, sometimes as a bare ssl.SSLError that httpx does
+    not wrap. Either way the store names the endpoint and raises a StoreError."""
+    pki = make_pki(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=pki["ca"])
+    context.load_cert_chain(pki["server_cert"], pki["server_key"])
+    context.verify_mode = ssl.CERT_REQUIRED
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def refuse_every_client():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the listener closed: the test is over
+                return
+            with contextlib.suppress(ssl.SSLError, OSError):
+                context.wrap_socket(conn, server_side=True).close()
+            conn.close()
+
+    threading.Thread(target=refuse_every_client, daemon=True).start()
+
+    async def main():
+        async with open_store(f"etcds://127.0.0.1:{port}", ca=pki["ca"]) as store:
+            for _ in range(8):  # which error surfaces depends on timing: try it often
+                with pytest.raises(StoreError, match=f"no etcd endpoint answered.*{port}"):
+                    await store.get("k")
+
+    try:
+        asyncio.run(main())
+    finally:
+        listener.close()
 
 
 def test_tls_files_go_with_etcds_only_and_must_load(tmp_path):

@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 
 FAILOVER_STATUSES = frozenset({502, 503, 504})  # the gateway is up, its member is not
 LEASE_NOT_FOUND = 5  # gRPC NOT_FOUND, as the gateway reports an unknown lease
+# What an endpoint that does not answer raises. Under TLS 1.3 a server refuses a client
+# certificate after the handshake, with an alert that httpcore lets through as a bare
+# ssl.SSLError on the first read instead of wrapping it.
+TRANSPORT_ERRORS = (httpx.HTTPError, ssl.SSLError)
 
 
 def _b64(data: bytes) -> str:
@@ -71,7 +75,7 @@ class EtcdStore:
         for url in self.endpoints():
             try:
                 response = await self._client.post(url + path, json=body)
-            except httpx.HTTPError as exc:
+            except TRANSPORT_ERRORS as exc:
                 failures.append(f"{url} ({type(exc).__name__})")
                 continue
             if response.status_code in FAILOVER_STATUSES:
@@ -226,7 +230,7 @@ class _EtcdWatch:
                         failures.clear()
                         self.store.answered(url)
                         self._take(answer.get("result") or {}, url)
-                except httpx.HTTPError as exc:
+                except TRANSPORT_ERRORS as exc:
                     failures.append(f"{url} ({type(exc).__name__})")
                 else:
                     failures.append(f"{url} (stream ended)")
