@@ -6,45 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from baselines import split_greedy
+from program_runs import batched_run, engines, same_run
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.stage import DecodeItem, Stage
+from meshnet_node.engine.stage import Stage
 from meshnet_node.programs import DecodeProgram, StageLayers, decode_programs
 
 PROGRAM_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 PRECISIONS = [Precision.BFLOAT16, Precision.FLOAT32, Precision.INT8, Precision.INT4]
-
-
-def _engines(snapshot, bounds, precision) -> tuple[list[Stage], list[Stage]]:
-    """The same loaded shards run by both engines (the programs call the same modules)."""
-    shards = [load_shard(snapshot, LayerRange(a, b), precision) for a, b in bounds]
-    return [Stage(s, engine="modules") for s in shards], [Stage(s) for s in shards]
-
-
-def _same_run(reference: list[Stage], programs: list[Stage], prompt, steps: int) -> None:
-    """Both engines give the same tokens and logits; every decode step's layers ran as
-    programs (none of these steps has an attention mask)."""
-    assert all(s.layers.engine == "modules" for s in reference)
-    assert all(s.layers.engine == "program" for s in programs)
-    calls = []
-    original = DecodeProgram.__call__
-
-    def counted(self, *args):
-        calls.append(self)
-        return original(self, *args)
-
-    want_tokens, want_logits = split_greedy(reference, prompt, steps)
-    assert not calls
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(DecodeProgram, "__call__", counted)
-        tokens, logits = split_greedy(programs, prompt, steps)
-    layers = sum(len(s.layers.layers) for s in programs)
-    assert len(calls) == (steps - 1) * layers
-    assert tokens == want_tokens
-    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True))
 
 
 @pytest.mark.parametrize("family", PROGRAM_FAMILIES)
@@ -52,8 +23,8 @@ def _same_run(reference: list[Stage], programs: list[Stage], prompt, steps: int)
 def test_programs_give_the_module_path_bit_for_bit(tiny_snapshot, family, precision):
     # a 150-token prompt (chunked, past the tiny sliding window of 48), then decode steps
     prompt = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(3)).tolist()
-    reference, programs = _engines(tiny_snapshot(family), ((0, 3), (3, 6)), precision)
-    _same_run(reference, programs, prompt, 10)
+    reference, programs = engines(tiny_snapshot(family), ((0, 3), (3, 6)), precision)
+    same_run(reference, programs, prompt, 10)
 
 
 @pytest.mark.parametrize("precision", [Precision.BFLOAT16, Precision.FLOAT32])
@@ -61,39 +32,8 @@ def test_programs_at_smollm2_shapes(smollm2_snapshot, precision):
     """The real shapes, split where the determinism test splits them, torch's threads."""
     prompt = [1, 504, 3575, 282, 4649, 314, 260, 1345, 282, 4649, 314]
     bounds = ((0, 10), (10, 20), (20, 30))
-    reference, programs = _engines(smollm2_snapshot, bounds, precision)
-    _same_run(reference, programs, prompt, 24)
-
-
-def _batched_run(stages: list[Stage], prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """Each session's prompt alone, then ``steps`` batched decode steps of all of them."""
-    sids = [f"b{i}" for i in range(len(prompts))]
-    position, last, logits = {}, {}, []
-    for sid, prompt in zip(sids, prompts, strict=True):
-        for stage in stages:
-            stage.open_session(sid)
-        out = stages[0].step(sid, 0, token_ids=torch.tensor([prompt]))
-        for stage in stages[1:]:
-            out = stage.step(sid, 0, hidden=out.hidden)
-        position[sid], last[sid] = len(prompt), out.token.token_id
-    for _ in range(steps):
-        outs = stages[0].step_batch(
-            [DecodeItem(s, position[s], token_ids=torch.tensor([[last[s]]])) for s in sids]
-        )
-        for stage in stages[1:]:
-            outs = stage.step_batch(
-                [
-                    DecodeItem(s, position[s], hidden=o.hidden)
-                    for s, o in zip(sids, outs, strict=True)
-                ]  # fmt: skip
-            )
-        for sid, out in zip(sids, outs, strict=True):
-            logits.append(out.logits)
-            position[sid], last[sid] = position[sid] + 1, out.token.token_id
-    for stage in stages:
-        for sid in sids:
-            stage.close_session(sid)
-    return logits
+    reference, programs = engines(smollm2_snapshot, bounds, precision)
+    same_run(reference, programs, prompt, 24)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +50,7 @@ def test_batched_steps_through_programs_give_the_module_path_bit_for_bit(
 ):
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 60, 17)]
-    reference, programs = _engines(tiny_snapshot(family), ((0, 3), (3, 6)), precision)
+    reference, programs = engines(tiny_snapshot(family), ((0, 3), (3, 6)), precision)
     calls = []
     original = DecodeProgram.rows
 
@@ -118,19 +58,19 @@ def test_batched_steps_through_programs_give_the_module_path_bit_for_bit(
         calls.append(len(contexts))
         return original(self, hidden, contexts)
 
-    want = _batched_run(reference, prompts, 6)
+    want = batched_run(reference, prompts, 6)
     assert not calls
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DecodeProgram, "rows", counted)
-        got = _batched_run(programs, prompts, 6)
+        got = batched_run(programs, prompts, 6)
     assert calls == [3] * (6 * 6)  # every layer of every batched step, all three rows
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_batched_steps_at_smollm2_shapes(smollm2_snapshot):
     prompts = [[1, 504, 3575, 282, 4649, 314], [1, 2683, 314, 3575, 28], [1, 77, 88]]
-    reference, programs = _engines(smollm2_snapshot, ((0, 15), (15, 30)), Precision.BFLOAT16)
-    got, want = _batched_run(programs, prompts, 12), _batched_run(reference, prompts, 12)
+    reference, programs = engines(smollm2_snapshot, ((0, 15), (15, 30)), Precision.BFLOAT16)
+    got, want = batched_run(programs, prompts, 12), batched_run(reference, prompts, 12)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 

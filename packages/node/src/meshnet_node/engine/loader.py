@@ -285,8 +285,9 @@ def load_shard(
 
     names = index.tensors_for(layers)
     packer = plan = None
-    if precision in PACKED:
-        packed_kernels.start(device)  # imported (or built in the background) meanwhile
+    # imported (or built in the background) meanwhile: packed products, and decode
+    # programs' C++ layer steps at every precision (docs/adr/0043)
+    packed_kernels.start(device)
     if precision in PACKED:  # packed Linears first, each read alone (never the range at 16 bit)
         packer = ShardPacker(index, precision, dtype, group_size, native, int4)
         plan = packer.plan(names, full)

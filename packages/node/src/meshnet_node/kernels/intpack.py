@@ -35,6 +35,11 @@ def ready() -> bool:
     return _state["module"] is not None
 
 
+def module() -> types.ModuleType | None:
+    """The built module whose int8/int4 functions were checked (None until then)."""
+    return _state["module"]
+
+
 def unavailable_reason() -> str | None:
     return _state["reason"]
 

@@ -1031,7 +1031,16 @@ void int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64
 
 }  // namespace
 
+// For layer_step.cpp: this file's int4 product, outside its anonymous namespace.
+torch::Tensor packed_int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                 const torch::Tensor& sz, int64_t group, int64_t block_n) {
+  return int4_linear(x, packed, sz, group, block_n);
+}
+
+void register_layer_step(pybind11::module& m);  // layer_step.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_layer_step(m);
   m.attr("lanes") = W;
   m.attr("tile_rows") = kDirectRows;
 #if defined(__AVX512F__)

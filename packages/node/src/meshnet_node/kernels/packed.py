@@ -53,6 +53,7 @@ from meshnet_node.kernels.tolerance import close
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed.cpp")
+LAYER_STEP = Path(__file__).with_name("layer_step.cpp")  # built into the same module
 HEADER = Path(__file__).with_name("omp_for.h")  # included by the source: part of its build key
 NAME = "meshnet_packed"
 # -march=native: the build runs on the machine that uses it (AVX-512 where present, else
@@ -105,7 +106,8 @@ def build_path() -> Path:
     under torch's extension cache (``TORCH_EXTENSIONS_DIR``, else
     ``~/.cache/torch_extensions``)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), HEADER.read_bytes(), repr((CFLAGS, LDFLAGS)).encode(), _cpu_flags(),
+    sources = (SOURCE, LAYER_STEP, HEADER)
+    for part in (*(s.read_bytes() for s in sources), repr((CFLAGS, LDFLAGS)).encode(), _cpu_flags(),
                  torch.__version__.encode(), sys.version.encode()):  # fmt: skip
         key.update(part)
     name = f"{NAME}_{key.hexdigest()[:16]}"
@@ -129,7 +131,7 @@ def _build(path: Path) -> types.ModuleType:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=path.stem, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        name=path.stem, sources=[str(SOURCE), str(LAYER_STEP)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
         build_directory=str(path.parent), verbose=False,
     )  # fmt: skip
 
@@ -183,6 +185,12 @@ def wait(timeout: float | None = None) -> types.ModuleType | None:
     if thread is not None:
         thread.join(timeout)
     return _state["module"]
+
+
+def settled() -> bool:
+    """No build or check under way: what is loaded now stays (nothing, where never started)."""
+    thread = _state["thread"]
+    return thread is None or not thread.is_alive()
 
 
 def unavailable_reason() -> str | None:

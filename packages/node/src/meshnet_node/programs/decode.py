@@ -32,9 +32,12 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from meshnet_node.kernels import packed
 from meshnet_node.kernels.fused_linears import FusedPart
+from meshnet_node.programs.native import layer_step
 
 Products = Callable[[torch.Tensor], list[torch.Tensor]]
+_PENDING = object()  # a program's C++ step not looked for yet
 
 
 @dataclass(frozen=True)
@@ -149,10 +152,13 @@ class DecodeProgram:
     forwards, made as one function (``Layout``: the families it mirrors)."""
 
     __slots__ = ("attn", "eager", "layer_idx", "head_dim", "scaling", "extra", "norm1",
-                 "norms", "qkv", "q_norm", "k_norm", "qk_norm", "rotary", "o", "mlp")  # fmt: skip
+                 "norms", "qkv", "q_norm", "k_norm", "qk_norm", "rotary", "o", "mlp",
+                 "native", "_layer", "_layout")  # fmt: skip
 
     def __init__(self, layer: nn.Module, layout: Layout) -> None:
         attn, mlp = _attention_of(layer), layer.mlp
+        # the layer's C++ step (native.py), looked for until the kernel module settles
+        self.native, self._layer, self._layout = _PENDING, layer, layout
         family = sys.modules[type(attn).__module__]
         self.attn, self.eager = attn, family.eager_attention_forward
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
@@ -198,11 +204,14 @@ class DecodeProgram:
     def __call__(self, hidden: torch.Tensor, cache, mask, position_embeddings) -> torch.Tensor:
         """``hidden`` (1, 1, H) -> the layer's output; appends the step to ``cache``;
         ``mask``: the layer's attention mask (None where the attention needs none)."""
-        residual = hidden
-        q, k, v = self._projected(self.norm1(hidden), *position_embeddings)
+        native = self.native if self.native is not _PENDING else self._native()
+        if native is not None:  # the same calls from C++ (native.py)
+            q, k, v = native.before(hidden, *position_embeddings)
+        else:
+            q, k, v = self._projected(self.norm1(hidden), *position_embeddings)
         k, v = cache.update(k, v, self.layer_idx)
         out, _ = self._attention()(self.attn, q, k, v, mask, dropout=0.0, scaling=self.scaling, **self.extra)  # fmt: skip
-        return self._finish(residual, out)
+        return native.after(hidden, out) if native is not None else self._finish(hidden, out)
 
     def rows(self, hidden: torch.Tensor, contexts: Sequence) -> torch.Tensor:
         """One-token steps of B distinct sessions (B, 1, H), as a batched step runs the
@@ -210,17 +219,29 @@ class DecodeProgram:
         products, norms and rotary over all rows; each row's cache update and attention
         its own, with its mask built before any row's cache grows. ``contexts``: each
         row's ``SessionContext`` (cache, mask, rotary)."""
-        residual = hidden
+        native = self.native if self.native is not _PENDING else self._native()
         cos = torch.cat([c.position_embeddings[0] for c in contexts])
         sin = torch.cat([c.position_embeddings[1] for c in contexts])
-        q, k, v = self._projected(self.norm1(hidden), cos, sin)
+        if native is not None:
+            q, k, v = native.before(hidden, cos, sin)
+        else:
+            q, k, v = self._projected(self.norm1(hidden), cos, sin)
         masks = [c.mask for c in contexts]
         attention, outs = self._attention(), []
         for b, context in enumerate(contexts):
             kb, vb = context.cache.update(k[b : b + 1], v[b : b + 1], self.layer_idx)
             outs.append(attention(self.attn, q[b : b + 1], kb, vb, masks[b], dropout=0.0,
                                   scaling=self.scaling, **self.extra)[0])  # fmt: skip
-        return self._finish(residual, torch.cat(outs))
+        attended = torch.cat(outs)
+        return native.after(hidden, attended) if native is not None else self._finish(hidden, attended)  # fmt: skip
+
+    def _native(self):
+        """The layer's ``LayerStep`` once the kernel module is checked (None for good
+        where it mirrors no such layer, or the module will not come); None meanwhile."""
+        if not packed.settled():
+            return None
+        self.native = layer_step(self._layer, self.attn, self._layout)
+        return self.native
 
     def _projected(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries and keys (rotated; normed first where the family norms them) and
