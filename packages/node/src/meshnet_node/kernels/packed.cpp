@@ -26,6 +26,9 @@
 #include <cstring>
 #include <type_traits>
 
+#ifndef MESHNET_AHEAD
+#define MESHNET_AHEAD 4096  // bytes of a weight stream asked for ahead of the one read
+#endif
 #ifndef MESHNET_INT8_ROWS
 #define MESHNET_INT8_ROWS 4  // int8 bf16 tiles: 4 rows x 4 weight rows (6x4, 8x2 measured no faster)
 #define MESHNET_INT8_NB 4
@@ -36,6 +39,14 @@
 #endif
 
 namespace {
+
+// Ask for a weight stream's bytes MESHNET_AHEAD ahead of where a few-row product reads:
+// the products are too short for the hardware's prefetchers to ramp up on their own (an
+// int4 decode step of SmolLM2 went from 5 to 10 GB/s on one core). A hint: it changes no
+// value, and an address past the weight's end is never read.
+inline void ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + MESHNET_AHEAD, _MM_HINT_T0);
+}
 
 constexpr float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -266,6 +277,7 @@ struct Fp8Direct {
       for (; i + W <= k1; i += W) {
         vf wv[NB];
         for (int j = 0; j < NB; ++j) {
+          ahead(w + j * k + i);
           wv[j] = vmul(fp8(w + j * k + i), vset(scale[j][kb] * kHalfScale));
         }
         for (int r = 0; r < R; ++r) {
@@ -299,6 +311,7 @@ struct Fp4Direct {
     for (int64_t u = 0; u < k / (2 * W); ++u) {
       vf lo[NB], hi[NB];
       for (int j = 0; j < NB; ++j) {
+        ahead(b + j * row_bytes + u * W);
         fp4(b + j * row_bytes + u * W, lo[j], hi[j]);
         const vf s = vset(kPow2.v[e[j * groups + u / per_group]]);
         lo[j] = vmul(lo[j], s), hi[j] = vmul(hi[j], s);
@@ -500,7 +513,10 @@ struct Int8Tile {
     int64_t i = 0;
     for (; i + W <= k; i += W) {
       vf wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = int8s(q + j * k + i);
+      for (int j = 0; j < NB; ++j) {
+        ahead(q + j * k + i);
+        wv[j] = int8s(q + j * k + i);
+      }
       for (int r = 0; r < R; ++r) {
         const vf xv = vload(x + r * k + i);
         for (int j = 0; j < NB; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
@@ -545,6 +561,7 @@ struct Int8Bf16Tile {
       __m512bh wv[NB];
       for (int j = 0; j < NB; ++j) {
         const int8_t* p = q + j * k + i;
+        ahead(p);
         const vf lo = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
         const vf hi = _mm512_cvtepi32_ps(
@@ -700,6 +717,7 @@ struct Int4Tile {
       const uint8_t* p = blk + g * group * half;
       const float* xg = x + g * group;
       for (int64_t kk = 0; kk < group; ++kk, p += half) {
+        ahead(p);
         vf w[V];
         for (int v = 0; v < NV; ++v) int4s(p + v * W, table, w[v], w[NV + v]);
         for (int r = 0; r < R; ++r) {
@@ -777,6 +795,7 @@ struct Int4Bf16Tile {
       const uint8_t* p = blk + g * group * 32;
       const uint16_t* xg = x + g * group;
       for (int64_t kk = 0; kk < group; kk += 2, p += 64) {
+        ahead(p);
         __m512bh w[V];
         codes.decode(p, w);
         for (int r = 0; r < R; ++r) {
