@@ -21,11 +21,14 @@ import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from meshnet_node.kernels.tolerance import close, near
 
 logger = logging.getLogger(__name__)
+
+Q8_BLOCK = 32  # inputs per scale in llama.cpp's Q8_0
 
 _state: dict[str, Any] = {"module": None, "reason": None}
 
@@ -73,6 +76,13 @@ class TorchLowbit:
     @staticmethod
     def int4_linear(x: Tensor, packed: Tensor, scale_zero: Tensor, group: int, block_n: int):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zero.to(x.dtype))
+
+    @staticmethod
+    def q8_0_linear(x: Tensor, q: Tensor, d: Tensor) -> Tensor:
+        """The definition: the float32 matrix, ``q * d`` per 32 inputs (exact)."""
+        n, k = q.shape
+        w = (q.float().view(n, k // Q8_BLOCK, Q8_BLOCK) * d[..., None]).view(n, k)
+        return F.linear(x.float(), w).to(x.dtype)
 
     @staticmethod
     def int4_dequantize(packed: Tensor, scale_zero: Tensor, group: int, block_n: int, out: Tensor):
@@ -123,6 +133,21 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, *, _module: Any = None) -> 
     else:
         xin = rows.contiguous() if rows.dtype is torch.bfloat16 else rows.float().contiguous()
         y = impl.int8_linear(xin, q.contiguous(), scale.contiguous()).to(x.dtype)
+    return y.view(*x.shape[:-1], n)
+
+
+def q8_0_linear(x: Tensor, q: Tensor, d: Tensor, *, _module: Any = None) -> Tensor:
+    """``x @ W.T`` in ``x``'s dtype for llama.cpp's Q8_0 blocks: ``q`` int8 [N, K], ``d``
+    float32 [N, K / 32] (the blocks' f16 scales), ``W = q * d`` per 32 inputs. Rows
+    independent of each other."""
+    impl = _lowbit(_module, x.device)
+    n, k = q.shape
+    rows = x.reshape(-1, k)
+    if impl is TorchLowbit:
+        y = impl.q8_0_linear(rows, q, d)
+    else:
+        xin = rows.contiguous() if rows.dtype is torch.bfloat16 else rows.float().contiguous()
+        y = impl.q8_0_linear(xin, q, d).to(x.dtype)
     return y.view(*x.shape[:-1], n)
 
 
@@ -188,7 +213,7 @@ def int8_probe(n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[Tensor, T
 
 
 def agrees_with_reference(module: Any) -> str | None:
-    """None if ``module``'s int8 / int4 functions agree with torch's on probes: the int4
+    """None if ``module``'s int8 / int4 / Q8_0 functions agree with torch's on probes: the int4
     unpacking bit for bit, the products within float32 rounding of the exact one and of
     torch's kernel, each row alone bit-equal to the rows together."""
     gen = torch.Generator().manual_seed(1)
@@ -226,4 +251,22 @@ def agrees_with_reference(module: Any) -> str | None:
             alone = [int8_linear(x[i : i + 1], q, scale, _module=module) for i in range(len(x))]
             if not torch.equal(torch.cat(alone), ours):
                 return f"int8 product: rows alone differ from rows together ({n}x{k})"
+        q, d = q8_0_probe(n, k, seed)
+        weight = q.double() * d.double().repeat_interleave(Q8_BLOCK, 1)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(9, k, generator=gen).to(dtype)
+            ours = q8_0_linear(x, q, d, _module=module)
+            theirs = TorchLowbit.q8_0_linear(x, q, d)
+            if not (close(ours, x, weight, None) and near(ours, theirs, x, weight)):
+                return f"Q8_0 product differs ({n}x{k}, {dtype})"
+            alone = [q8_0_linear(x[i : i + 1], q, d, _module=module) for i in range(len(x))]
+            if not torch.equal(torch.cat(alone), ours):
+                return f"Q8_0 product: rows alone differ from rows together ({n}x{k})"
     return None
+
+
+def q8_0_probe(n: int, k: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Random Q8_0 codes [N, K] and f16 scales (as float32) [N, K / 32]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    return q, (torch.rand(n, k // Q8_BLOCK, generator=gen) * 0.01 + 1e-4).half().float()

@@ -652,6 +652,132 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
   return int8_linear_t<float>(x, q, scale);
 }
 
+// Q8_0 (llama.cpp's 8-bit blocks, kept as shipped): every 32 weights of a row share one
+// scale d (an f16, exact in float32), W = d * q. Per block, in = sum x * q over its 32
+// inputs (exact products, float32 sums), then acc += d * in; the lanes are summed at the
+// end. A row's order is fixed whatever the rows around it.
+constexpr int64_t kQ8Block = 32;
+
+template <int R, int NB>
+struct Q8Tile {
+  static void run(const float* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
+                  const float* d) {
+    const int64_t blocks = k / kQ8Block;
+    vf acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      vf in[R][NB];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NB; ++j) in[r][j] = vzero();
+      for (int64_t i = b * kQ8Block; i < (b + 1) * kQ8Block; i += W) {
+        vf wv[NB];
+        for (int j = 0; j < NB; ++j) {
+          ahead(q + j * k + i);
+          wv[j] = Int8Tile<1, 1>::int8s(q + j * k + i);
+        }
+        for (int r = 0; r < R; ++r) {
+          const vf xv = vload(x + r * k + i);
+          for (int j = 0; j < NB; ++j) in[r][j] = vfma(wv[j], xv, in[r][j]);
+        }
+      }
+      for (int j = 0; j < NB; ++j) {
+        const vf dv = vset(d[j * blocks + b]);
+        for (int r = 0; r < R; ++r) acc[r][j] = vfma(dv, in[r][j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
+  }
+};
+
+#if defined(MESHNET_INT8_BF16)
+// bf16 rows: a block's 32 int8 weights become 32 bf16 (exact) and one vdpbf16ps multiplies
+// them with the block's 32 inputs in pairs.
+template <int R, int NB>
+struct Q8Bf16Tile {
+  static void run(const uint16_t* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
+                  const float* d) {
+    static_assert(2 * W == kQ8Block, "one vdpbf16ps per block");
+    const int64_t blocks = k / kQ8Block;
+    vf acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t i = b * kQ8Block;
+      __m512bh wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        const int8_t* p = q + j * k + i;
+        ahead(p);
+        const vf lo = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        const vf hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
+        wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
+        for (int j = 0; j < NB; ++j) {
+          const vf in = _mm512_dpbf16_ps(vzero(), wv[j], xv);
+          acc[r][j] = vfma(vset(d[j * blocks + b]), in, acc[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
+  }
+};
+#endif
+
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() &&
+                  q.size(1) % kQ8Block == 0,
+              "q must be int8 [N, K], K a multiple of 32, contiguous");
+  const int64_t n = q.size(0), k = q.size(1), rows = x.size(0);
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.dim() == 2 &&
+                  d.size(0) == n && d.size(1) == k / kQ8Block,
+              "d must be float32 [N, K / 32], contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be float32 or bf16 [M, K], contiguous");
+  auto y = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = k / kQ8Block;
+#if defined(MESHNET_INT8_BF16)
+  if (x.scalar_type() == torch::kBFloat16) {
+    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+      auto direct = [&](int64_t j, auto nb) {
+        constexpr int C = decltype(nb)::value;
+        for (int64_t r0 = 0; r0 < rows; r0 += kInt8Bf16Rows) {
+          by_rows<kInt8Bf16Rows, Q8Bf16Tile, C>(std::min<int64_t>(kInt8Bf16Rows, rows - r0),
+                                                xb + r0 * k, yp + r0 * n + j, n, k, qp + j * k,
+                                                dp + j * blocks);
+        }
+      };
+      product_range(n0, n1, direct);
+    });
+    return y;
+  }
+#endif
+  const auto xf = x.to(torch::kFloat32);  // bf16 without AVX-512 BF16: float32 products
+  const float* xp = xf.data_ptr<float>();
+  meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+    auto direct = [&](int64_t j, auto nb) {
+      constexpr int NB = decltype(nb)::value;
+      for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
+        by_rows<kDirectRows, Q8Tile, NB>(std::min<int64_t>(kDirectRows, rows - r0),
+                                         xp + r0 * k, yp + r0 * n + j, n, k, qp + j * k,
+                                         dp + j * blocks);
+      }
+    };
+    product_range(n0, n1, direct);
+  });
+  return y;
+}
+
 // int4 in torch's CPU packing: bytes [N/B, K, B/2] (B = block_n); byte j of (block, k)
 // holds row j of the block in its low nibble, row B/2 + j in its high one. W[n, k] =
 // (code - 8) * scale[g, n] + zero[g, n], scale_zero [K/group, N, 2].
@@ -1077,6 +1203,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_linear", &mxfp4_linear, "y = x @ dequant(w).T + bias, float32 (few rows)");
   m.def("mxfp4_dequantize", &mxfp4_dequantize, "dequantized MXFP4 weight into out");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T, float32 (few rows)");
+  m.def("q8_0_linear", &q8_0_linear, "y = x @ (q * d per 32).T, float32 (Q8_0 blocks)");
   m.def("int4_linear", &int4_linear, "y = x @ dequant(torch int4 packing).T, float32");
   m.def("int4_dequantize", &int4_dequantize, "torch's CPU int4 packing into out (bf16/f32)");
 }

@@ -43,6 +43,7 @@ import torch
 from gguf import quants
 
 from meshnet_node.lowbit.packed import Codes, Int4Weight, Int8Weight, quantized_chunks
+from meshnet_node.lowbit.shipped import Q8Weight
 
 GROUP = 32  # every 4-bit GGUF format scales groups of 32 weights
 # format name -> (weights per block, bytes per block), as ggml lays them out
@@ -206,3 +207,15 @@ class GgufTensors:
             return rows
         n = rows.shape[0]
         return rows.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(n, -1)
+
+
+def q8_0_lm_head(index) -> Q8Weight | None:
+    """The LM head of a GGUF checkpoint whose output (or tied embedding) is Q8_0, in its
+    blocks (docs/adr/0043); None for any other checkpoint or type."""
+    if getattr(index, "gguf", None) is None:
+        return None
+    name = "lm_head.weight" if "lm_head.weight" in index.tensors else index.naming.tied_embedding
+    info = index.tensors.get(name)
+    if info is None or info.dtype != "Q8_0" or len(info.shape) != 2:
+        return None
+    return Q8Weight.from_blocks(GgufTensors(index).raw(name))

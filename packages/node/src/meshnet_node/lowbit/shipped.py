@@ -1,11 +1,12 @@
-"""Weights in the formats checkpoints ship (FP8 with block scales, MXFP4), kept in those bytes,
-and plain matrices where a format does not apply (``DenseWeight``)."""
+"""Weights in the formats checkpoints ship (FP8 with block scales, MXFP4, GGUF's Q8_0), kept
+in those bytes, and plain matrices where a format does not apply (``DenseWeight``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from meshnet_node.kernels import intpack
 from meshnet_node.kernels import packed as kernels
 from meshnet_node.lowbit.packed import wide_call
 
@@ -56,6 +57,38 @@ class Mxfp4Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         return kernels.mxfp4_dequantize(self.blocks, self.scales, out).to(dtype)
+
+
+class Q8Weight:
+    """llama.cpp's Q8_0 blocks as shipped: ``q`` int8 ``[out, in]`` and each 32 inputs' f16
+    scale ``d`` (float32, exact) ``[out, in / 32]``: ``W = q * d``. A GGUF's Q8_0 LM head
+    (docs/adr/0043): half bf16's bytes, and the file's values rather than bf16's rounding."""
+
+    fmt = "q8_0"
+    BLOCK_BYTES = 2 + intpack.Q8_BLOCK  # an f16 scale, then 32 int8 codes
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
+        self.q, self.d = q.contiguous(), d.float().contiguous()
+        self.out_features, self.in_features = self.q.shape
+
+    @classmethod
+    def from_blocks(cls, raw: torch.Tensor) -> Q8Weight:
+        """From a GGUF Q8_0 tensor's bytes ``[rows, bytes per row]``."""
+        blocks = raw.reshape(raw.shape[0], -1, cls.BLOCK_BYTES)
+        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1)
+        return cls(q, d.float())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"q": self.q, "d": self.d}
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return intpack.q8_0_linear(x, self.q, self.d)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.float().view(n, k // intpack.Q8_BLOCK, intpack.Q8_BLOCK) * self.d[..., None]
+        return w.view(n, k).to(dtype)
 
 
 class DenseWeight:
