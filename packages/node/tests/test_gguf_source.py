@@ -20,6 +20,7 @@ from meshnet_common.precision import Precision, native_format_name, resolve_prec
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels.fused_linears import FusedPart
+from meshnet_node.lowbit.gguf_blocks import GgufTensors, q8_0_lm_head
 from meshnet_node.lowbit.modules import PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight
 
@@ -124,6 +125,24 @@ def test_split_int4_from_the_blocks_gives_transformers_tokens(gguf_path):
         ref = hf(torch.tensor([PROMPT + tokens[:-1]])).logits[0, len(PROMPT) - 1 :]
     ours = torch.stack([row.reshape(-1) for row in logits])
     torch.testing.assert_close(ours, ref, rtol=0, atol=2e-4)
+
+
+def test_a_q8_0_lm_head_stays_in_its_blocks(gguf_path, index):
+    """SmolLM2's output is its tied Q8_0 embedding: the tail keeps those blocks (their
+    values exactly as the gguf package dequantizes them); the head's embedding stays dense;
+    a bf16 node keeps a dense LM head."""
+    name = index.naming.tied_embedding
+    weight = q8_0_lm_head(index)
+    assert weight is not None and weight.fmt == "q8_0"
+    assert torch.equal(weight.dequantize(), GgufTensors(index).dense(name, torch.float32))
+    tail = load_shard(gguf_path, LayerRange(29, 30), Precision.INT4)
+    head = tail.modules.lm_head
+    assert isinstance(head, PackedLinear) and head.packed.fmt == "q8_0"
+    assert torch.equal(head.packed.q, weight.q) and torch.equal(head.packed.d, weight.d)
+    dense = load_shard(gguf_path, LayerRange(29, 30), Precision.BFLOAT16)
+    assert isinstance(dense.modules.lm_head, torch.nn.Linear)
+    first = load_shard(gguf_path, LayerRange(0, 1), Precision.INT4)
+    assert first.modules.lm_head is None and first.modules.embed.weight.dtype is torch.bfloat16
 
 
 def test_a_middle_node_holds_its_layers_at_a_third_of_bf16(gguf_path, index):

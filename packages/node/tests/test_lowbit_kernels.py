@@ -81,6 +81,30 @@ def test_int8_linear_equals_the_product_and_torchs(kernel, n, k, dtype):
             assert intpack.near(ours, intpack.TorchLowbit.int8_linear(x, q, scale), x, weight)
 
 
+@pytest.mark.parametrize(("n", "k"), [(49152, 576), (576, 1536), (96, 64), (17, 96)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q8_0_linear_equals_the_product_and_the_definition(kernel, n, k, dtype):
+    """llama.cpp's Q8_0 blocks (an LM head's shape first): within float32 rounding of the
+    exact product and of the float32 definition; each row alone gives the rows' bits, on
+    any thread count."""
+    q, d = intpack.q8_0_probe(n, k, seed=n)
+    weight = q.double() * d.double().repeat_interleave(intpack.Q8_BLOCK, 1)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(9, k, generator=gen).to(dtype)
+    ours = intpack.q8_0_linear(x, q, d, _module=kernel)
+    assert ours.dtype is dtype and ours.shape == (9, n)
+    assert intpack.close(ours, x, weight, None)
+    assert intpack.near(ours, intpack.TorchLowbit.q8_0_linear(x, q, d), x, weight)
+    alone = [intpack.q8_0_linear(x[i : i + 1], q, d, _module=kernel) for i in range(9)]
+    assert torch.equal(torch.cat(alone), ours)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(intpack.q8_0_linear(x, q, d, _module=kernel), ours)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_alone_equal_rows_together_whatever_the_threads(kernel, dtype):
     """A decode row gives the same bits alone, in a batch of any size, on any thread count."""
