@@ -17,18 +17,32 @@
 
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <optional>
 #include <utility>
 #include <vector>
 
 namespace py = pybind11;
 
-torch::Tensor packed_int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                 const torch::Tensor& sz, int64_t group, int64_t block_n);
+void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
+                      const torch::Tensor& sz, int64_t group, int64_t block_n, float* y);
 
 namespace {
 
 using torch::Tensor;
+
+using c10::BFloat16;
+
+// ATen's elementwise ops on bf16 compute in float32 and round each result to bf16 (to
+// nearest even): `round` does the same, so a loop of these equals the ops' chain bit for bit.
+template <typename T>
+inline T round(float v) {
+  return static_cast<T>(v);  // BFloat16(float) rounds to nearest even; float: itself
+}
+
+bool fused_dtype(const Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kFloat32;
+}
 
 // x @ W.T as the stage's module computes it.
 struct Product {
@@ -36,16 +50,69 @@ struct Product {
   Tensor packed, sz, bias;  // int4: torch's CPU packing, contiguous scale_zero, bias or undefined
   int64_t group = 0, block_n = 0, in_features = 0, out_features = 0;
 
+  bool native() const { return call.is_none(); }
+
+  // The float32 products of x's rows into a buffer of this thread (int4 only).
+  const float* rows_into(const Tensor& x, int64_t& rows) const {
+    const auto flat = x.reshape({-1, in_features});
+    const auto xin = flat.scalar_type() == torch::kBFloat16 ? flat.contiguous()
+                                                              : flat.to(torch::kFloat32).contiguous();
+    rows = xin.size(0);
+    thread_local std::vector<float> y;
+    y.resize(static_cast<size_t>(rows * out_features));
+    packed_int4_into(xin, packed, sz, group, block_n, y.data());
+    return y.data();
+  }
+
+  // Columns [a, b) of the product as intpack.int4_linear and PackedLinear.forward give
+  // them: cast to x's dtype, then the bias added in that dtype; shape (*x.shape[:-1], b - a).
+  template <typename T>
+  void emit(const float* y, int64_t rows, int64_t a, int64_t b, Tensor& out) const {
+    T* o = out.data_ptr<T>();
+    const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
+    const int64_t w = b - a;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = a; j < b; ++j) {
+        T v = round<T>(y[r * out_features + j]);
+        if (bp != nullptr) v = round<T>(static_cast<float>(v) + static_cast<float>(bp[j]));
+        o[r * w + (j - a)] = v;
+      }
+    }
+  }
+
+  // Whether `emit` serves x: the kernel's dtypes, and a bias already in x's dtype.
+  bool emits(const Tensor& x) const {
+    return native() && fused_dtype(x) && (!bias.defined() || bias.scalar_type() == x.scalar_type());
+  }
+
+  std::vector<Tensor> parts(const Tensor& x, const std::vector<std::pair<int64_t, int64_t>>& bounds) const {
+    int64_t rows = 0;
+    const float* y = rows_into(x, rows);
+    auto shape = x.sizes().vec();
+    std::vector<Tensor> out;
+    for (const auto& [a, b] : bounds) {
+      shape.back() = b - a;
+      auto part = torch::empty(shape, x.options());
+      if (x.scalar_type() == torch::kBFloat16) {
+        emit<BFloat16>(y, rows, a, b, part);
+      } else {
+        emit<float>(y, rows, a, b, part);
+      }
+      out.push_back(part);
+    }
+    return out;
+  }
+
   Tensor operator()(const Tensor& x) const {
-    if (!call.is_none()) return call(x).cast<Tensor>();
+    if (!native()) return call(x).cast<Tensor>();
+    if (emits(x)) return parts(x, {{0, out_features}})[0];
     // PackedLinear.forward -> Int4Weight.matmul -> intpack.int4_linear, call for call
     auto shape = x.sizes().vec();
     const auto rows = x.reshape({-1, shape.back()});
-    const auto flat = rows.reshape({-1, in_features});
-    const auto xin = flat.scalar_type() == torch::kBFloat16 ? flat.contiguous()
-                                                              : flat.to(torch::kFloat32).contiguous();
-    auto out = packed_int4_linear(xin, packed, sz, group, block_n).to(rows.scalar_type());
-    out = out.view({rows.size(0), out_features});
+    int64_t n = 0;
+    const float* y = rows_into(rows, n);
+    auto out = torch::from_blob(const_cast<float*>(y), {n, out_features}, torch::kFloat32)
+                   .to(rows.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     if (bias.defined()) out = out + bias.to(out.scalar_type());
     shape.back() = out_features;
     return out.view(shape);
@@ -82,6 +149,7 @@ struct Siblings {
   std::vector<Tensor> operator()(const Tensor& x) const {
     std::vector<Tensor> out;
     if (!bounds.empty()) {
+      if (members[0].emits(x)) return members[0].parts(x, bounds);  // no whole product
       const auto product = members[0](x);
       for (const auto& [a, b] : bounds) out.push_back(product.slice(-1, a, b).contiguous());
       return out;
@@ -91,23 +159,112 @@ struct Siblings {
   }
 };
 
-// transformers' LlamaRMSNorm.forward (and the copies other families keep of it).
+// transformers' LlamaRMSNorm.forward (and the copies other families keep of it):
+//   x = hidden.to(float32); variance = x.pow(2).mean(-1, keepdim=True)
+//   x = x * torch.rsqrt(variance + eps); return weight * x.to(hidden.dtype)
+// The mean stays ATen's (a reduction: its order is ATen's); the rest are elementwise ops
+// done in a loop with their roundings: pow(2) is x * x in ATen, rsqrt is 1 / sqrt (both
+// IEEE-exact), `variance + eps` adds eps as float32.
 struct Norm {
   Tensor weight;
   double eps;
 
-  Tensor operator()(const Tensor& hidden) const {
+  Tensor aten(const Tensor& hidden) const {
     const auto dtype = hidden.scalar_type();
     auto x = hidden.to(torch::kFloat32);
     const auto variance = x.pow(2).mean({-1}, /*keepdim=*/true);
     x = x * torch::rsqrt(variance + eps);
     return weight * x.to(dtype);
   }
+
+  template <typename T>
+  Tensor fused(const Tensor& hidden) const {
+    const int64_t h = hidden.size(-1), rows = hidden.numel() / h;
+    const T* in = hidden.data_ptr<T>();
+    auto squares = torch::empty(hidden.sizes(), hidden.options().dtype(torch::kFloat32));
+    float* sq = squares.data_ptr<float>();
+    for (int64_t i = 0; i < rows * h; ++i) {
+      const float v = static_cast<float>(in[i]);
+      sq[i] = v * v;
+    }
+    const auto variance = squares.mean({-1}, /*keepdim=*/true);
+    const float* var = variance.data_ptr<float>();
+    const T* w = weight.data_ptr<T>();
+    auto out = torch::empty(hidden.sizes(), hidden.options());
+    T* o = out.data_ptr<T>();
+    const float e = static_cast<float>(eps);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / std::sqrt(var[r] + e);
+      for (int64_t j = 0; j < h; ++j) {
+        const T normed = round<T>(static_cast<float>(in[r * h + j]) * inv);
+        o[r * h + j] = round<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+      }
+    }
+    return out;
+  }
+
+  Tensor operator()(const Tensor& hidden) const {
+    const bool same = hidden.scalar_type() == weight.scalar_type() && fused_dtype(hidden) &&
+                      hidden.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 &&
+                      weight.size(0) == hidden.size(-1);
+    if (!same) return aten(hidden);
+    return hidden.scalar_type() == torch::kBFloat16 ? fused<BFloat16>(hidden) : fused<float>(hidden);
+  }
 };
 
-Tensor rotate_half(const Tensor& x) {
+// apply_rotary_pos_emb on one product part: `part` (B, 1, heads * D) contiguous, cos and sin
+// (B or 1, 1, D) -> (part.view(B, 1, heads, D).transpose(1, 2) * cos.unsqueeze(1)) +
+// (rotate_half(...) * sin.unsqueeze(1)), (B, heads, 1, D): the products and the sum each
+// rounded to the dtype as ATen's three ops round them (rotate_half's negation is exact).
+Tensor rotary_aten(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   const auto half = x.size(-1) / 2;
-  return torch::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+  const auto rotated = torch::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+  return (x * c) + (rotated * s);
+}
+
+template <typename T>
+Tensor rotary_fused(const Tensor& part, int64_t heads, int64_t d, const Tensor& cos,
+                    const Tensor& sin) {
+  const int64_t batch = part.size(0), half = d / 2;
+  auto out = torch::empty({batch, heads, 1, d}, part.options());
+  const T* x = part.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t rope_rows = cos.size(0);
+  for (int64_t b = 0; b < batch; ++b) {
+    const T* c = cp + (rope_rows == 1 ? 0 : b) * d;
+    const T* s = sp + (rope_rows == 1 ? 0 : b) * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xi = x + (b * heads + h) * d;
+      T* oi = o + (b * heads + h) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float rot = j < half ? -static_cast<float>(xi[j + half]) : static_cast<float>(xi[j - half]);
+        const T a = round<T>(static_cast<float>(xi[j]) * static_cast<float>(c[j]));
+        const T r = round<T>(rot * static_cast<float>(s[j]));
+        oi[j] = round<T>(static_cast<float>(a) + static_cast<float>(r));
+      }
+    }
+  }
+  return out;
+}
+
+Tensor rotary(const Tensor& part, int64_t d, const Tensor& cos, const Tensor& sin) {
+  auto shape = part.sizes().vec();
+  shape.back() = -1;
+  shape.push_back(d);
+  const auto dtype = part.scalar_type();
+  const bool fusable = fused_dtype(part) && cos.scalar_type() == dtype &&
+                       sin.scalar_type() == dtype && part.dim() == 3 && part.size(1) == 1 &&
+                       part.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
+                       cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(1) == 1 &&
+                       cos.size(2) == d && d % 2 == 0 &&
+                       (cos.size(0) == 1 || cos.size(0) == part.size(0));
+  if (!fusable) return rotary_aten(part.view(shape).transpose(1, 2), cos, sin);
+  const int64_t heads = part.size(2) / d;
+  return dtype == torch::kBFloat16 ? rotary_fused<BFloat16>(part, heads, d, cos, sin)
+                                   : rotary_fused<float>(part, heads, d, cos, sin);
 }
 
 struct LayerStep {
@@ -123,12 +280,8 @@ struct LayerStep {
     auto shape = x.sizes().vec();
     shape.back() = -1;
     shape.push_back(head_dim);
-    const auto q = parts[0].view(shape).transpose(1, 2);
-    const auto k = parts[1].view(shape).transpose(1, 2);
-    const auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-    auto q_embed = (q * c) + (rotate_half(q) * s);
-    auto k_embed = (k * c) + (rotate_half(k) * s);
-    return {q_embed, k_embed, parts[2].view(shape).transpose(1, 2)};
+    return {rotary(parts[0], head_dim, cos, sin), rotary(parts[1], head_dim, cos, sin),
+            parts[2].view(shape).transpose(1, 2)};
   }
 
   // DecodeProgram._finish for pre-norm layers: output projection, residuals, the MLP.

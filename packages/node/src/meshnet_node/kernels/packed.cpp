@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #ifndef MESHNET_AHEAD
 #define MESHNET_AHEAD 4096  // bytes of a weight stream asked for ahead of the one read
@@ -1013,8 +1014,11 @@ void check_int4(const torch::Tensor& packed, const torch::Tensor& sz, int64_t gr
               "packed must be uint8 holding N * K / 2 bytes, contiguous");
 }
 
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const torch::Tensor& sz, int64_t group, int64_t block_n) {
+// x @ W.T into yp [rows, N] float32 (x float32 or bf16 [rows, K], contiguous). The sum of
+// each row's inputs per group (the zero's weight) is taken in k order from x's values as
+// float32 (bf16 widened exactly).
+void int4_into(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
+               int64_t group, int64_t block_n, float* yp) {
   int64_t n, k;
   check_int4(packed, sz, group, block_n, n, k);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
@@ -1022,20 +1026,23 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
                   x.is_contiguous() && x.size(1) == k,
               "x must be float32 or bf16 [M, K], contiguous");
   const int64_t rows = x.size(0), groups = k / group;
-  // sum of each row's inputs per group, k ascending: the zero's weight
-  const auto xf = bf16 ? x.to(torch::kFloat32) : x;
-  auto xsum = torch::empty({rows, groups}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  float* xs = xsum.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.0f;
-      for (int64_t i = 0; i < group; ++i) s += xp[r * k + g * group + i];
-      xs[r * groups + g] = s;
+  thread_local std::vector<float> xsum_buf;
+  xsum_buf.resize(static_cast<size_t>(rows * groups));
+  float* xs = xsum_buf.data();
+  auto sums = [&](auto* xv) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < group; ++i) s += static_cast<float>(xv[r * k + g * group + i]);
+        xs[r * groups + g] = s;
+      }
     }
+  };
+  if (bf16) {
+    sums(x.data_ptr<c10::BFloat16>());
+  } else {
+    sums(x.data_ptr<float>());
   }
-  auto y = torch::empty({rows, n}, xf.options());
-  float* yp = y.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   auto dispatch = [&](auto* sp) {
 #if defined(MESHNET_INT4_BF16)
@@ -1045,6 +1052,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
       return;
     }
 #endif
+    const auto xf = bf16 ? x.to(torch::kFloat32) : x;  // bf16 without the bf16 tiles
+    const float* xp = xf.data_ptr<float>();
     if (block_n == 4 * W) {
       int4_linear_blocks<2>(xp, xs, yp, rows, k, n, group, pp, sp);
     } else if (block_n == 2 * W) {
@@ -1062,6 +1071,13 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
   } else {
     dispatch(sz.data_ptr<float>());
   }
+}
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& sz, int64_t group, int64_t block_n) {
+  TORCH_CHECK(sz.dim() == 3, "scale_zero must be [K/group, N, 2]");
+  auto y = torch::empty({x.size(0), sz.size(1)}, x.options().dtype(torch::kFloat32));
+  int4_into(x, packed, sz, group, block_n, y.data_ptr<float>());
   return y;
 }
 
@@ -1176,10 +1192,11 @@ void int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64
 
 }  // namespace
 
-// For layer_step.cpp: this file's int4 product, outside its anonymous namespace.
-torch::Tensor packed_int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                 const torch::Tensor& sz, int64_t group, int64_t block_n) {
-  return int4_linear(x, packed, sz, group, block_n);
+// For layer_step.cpp: this file's int4 product into a float32 buffer, outside its
+// anonymous namespace.
+void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
+                      const torch::Tensor& sz, int64_t group, int64_t block_n, float* y) {
+  int4_into(x, packed, sz, group, block_n, y);
 }
 
 void register_layer_step(pybind11::module& m);  // layer_step.cpp
