@@ -153,12 +153,13 @@ class DecodeProgram:
 
     __slots__ = ("attn", "eager", "layer_idx", "head_dim", "scaling", "extra", "norm1",
                  "norms", "qkv", "q_norm", "k_norm", "qk_norm", "rotary", "o", "mlp",
-                 "native", "_layer", "_layout")  # fmt: skip
+                 "native", "_layer", "_layout", "_config", "_function")  # fmt: skip
 
     def __init__(self, layer: nn.Module, layout: Layout) -> None:
         attn, mlp = _attention_of(layer), layer.mlp
         # the layer's C++ step (native.py), looked for until the kernel module settles
         self.native, self._layer, self._layout = _PENDING, layer, layout
+        self._config, self._function = None, None  # the attention function (_attention)
         family = sys.modules[type(attn).__module__]
         self.attn, self.eager = attn, family.eager_attention_forward
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
@@ -258,8 +259,15 @@ class DecodeProgram:
         return q, k, v.view(shape).transpose(1, 2)
 
     def _attention(self) -> Callable:
-        """The attention function transformers picks for the module now."""
-        return ALL_ATTENTION_FUNCTIONS.get_interface(self.attn.config._attn_implementation, self.eager)  # fmt: skip
+        """The attention function transformers picks for the module's config, found once
+        per config object: reading a transformers config's attribute costs ~20 us, and a
+        node sets each attention module's implementation once, at load (a module given
+        another config is looked up again)."""
+        config = self.attn.config
+        if config is not self._config:
+            self._function = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, self.eager)  # fmt: skip
+            self._config = config
+        return self._function
 
     def _finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The output projection, the residuals, the norms around them and the MLP."""
