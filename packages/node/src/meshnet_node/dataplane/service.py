@@ -170,6 +170,17 @@ class NodeService:
             owner=owner, sample=sample, drafts=drafts, rows=rows,
         )  # fmt: skip
 
+    async def run(self, stage: Stage, step: Step, tensor: torch.Tensor) -> StepOutput:
+        """Run ``step`` on ``stage`` with its input ``tensor`` (token ids on a head, hidden
+        states elsewhere): a hop's parsed step, or the head's own "hop 0" (its route the
+        hops after it), the one type every hop's pass starts from (docs/adr/0040)."""
+        token_ids, hidden = (tensor, None) if stage.shard.is_head else (None, tensor)
+        return await self.run_stage(
+            stage, step.session_id, step.position, token_ids=token_ids, hidden=hidden,
+            owner=step.session_key, sample=step.sample, drafts=step.draft_ids,
+            guess_from=step.guess_from,
+        )  # fmt: skip
+
     # -- ordering of pipelined chunks --------------------------------------------------------
 
     def _turn(self, session_id: str) -> asyncio.Condition:
@@ -366,11 +377,7 @@ class NodeService:
         # call here costs tens of microseconds per hop on a CPU that idled (docs/adr/0011).
         tensor = stage.check_inputs(token_ids, hidden, values=False)
         if (tensor.shape[1] == 1 or req.drafts) and req.chunk == 0:  # a decode step
-            return await self.run_stage(
-                stage, req.session_id, req.position, token_ids=token_ids, hidden=hidden,
-                owner=req.session_key, sample=req.sample, drafts=req.draft_ids,
-                guess_from=req.guess_from,
-            )  # fmt: skip
+            return await self.run(stage, req, tensor)
         stage.check_inputs(token_ids, hidden)  # a bad chunk must not spoil a merged pass
         waiting = self._waiting.setdefault(req.session_id, {})
         if req.position in waiting:

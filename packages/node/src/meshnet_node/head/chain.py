@@ -140,7 +140,8 @@ class HeadPasses:
             index = 0
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 last = hi == len(ids)
-                out = await self.local(stage, session_id, key, ids[lo:hi], lo, last)
+                piece = Step(session_id, key, lo, route=route, sample=last, ids=tuple(ids[lo:hi]))
+                out = await self.local(stage, piece)
                 if not route:
                     result = as_result(out)
                     continue
@@ -163,24 +164,16 @@ class HeadPasses:
                     task.cancel()
             raise
 
-    async def local(
-        self, stage, session_id, key, token_ids, position, sample, drafts=0, guess_from=None,
-    ) -> StepOutput:  # fmt: skip
-        """One pass through the head's own layers (``sample``: a token comes out of it)."""
+    async def local(self, stage, step: Step) -> StepOutput:
+        """``step`` through the head's own layers: its "hop 0", the same type every hop
+        runs (its ``ids`` the input, its ``route`` the hops after the head); a sampled step
+        puts a token out of it."""
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
-        self.service.count_served(int(sample))  # a sampled step: one more token through here
-        out = await self.service.run_stage(
-            stage,
-            session_id,
-            position,
-            token_ids=torch.tensor([token_ids], dtype=torch.int64),
-            owner=key,
-            sample=sample,
-            drafts=tuple(token_ids[len(token_ids) - drafts :]) if drafts else (),
-            guess_from=guess_from,
-        )
-        if (session := stage.sessions.peek(session_id)) is not None:
-            stage.sessions.note_ids(session, position, token_ids)  # names its cached blocks
+        self.service.count_served(int(step.sample))  # a sampled step: one more token here
+        ids = list(step.ids or ())
+        out = await self.service.run(stage, step, torch.tensor([ids], dtype=torch.int64))
+        if (session := stage.sessions.peek(step.session_id)) is not None:
+            stage.sessions.note_ids(session, step.position, ids)  # names its cached blocks
         return out
 
     async def send(self, hop: str, out: StepOutput, step: Step) -> StepResult:
@@ -207,16 +200,14 @@ class HeadPasses:
         # The head splits concurrent sessions into one micro-batch per stage that can compute
         # at the same time as the others (stages sharing this machine: as many as its CPUs run).
         self.service.set_micro_batches(self.concurrent_stages(route))
-        out = await self.local(
-            stage, session_id, key, token_ids, position, True, drafts, guess_from
-        )
-        if not route:  # head is also the tail
-            return as_result(out)
         step = Step(
-            session_id, key, position, route=route[1:], sample=True, ids=tuple(token_ids),
+            session_id, key, position, route=route, sample=True, ids=tuple(token_ids),
             drafts=drafts, guess_from=guess_from,
         )  # fmt: skip
-        result = await self.send(route[0], out, step)
+        out = await self.local(stage, step)
+        if not route:  # head is also the tail
+            return as_result(out)
+        result = await self.send(route[0], out, replace(step, route=route[1:]))
         result.compute_ms.insert(0, out.compute_s * 1000)
         return result
 

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from meshnet_common.coverage_wait import wait_for_coverage
 from meshnet_common.errors import CapacityExceeded, HopError, ModelNotCovered
@@ -175,9 +176,10 @@ class Failover:
         try:
             await self.passes.prefill(stage, sid, key, request, route, sends=sends)
             for number, (position, inputs, drafts) in enumerate(passes, start=1):
-                out = await self.passes.local(stage, sid, key, inputs, position, True, drafts)
-                step = Step(sid, key, position, route=route[1:], sample=True,
+                step = Step(sid, key, position, route=route, sample=True,
                             ids=tuple(inputs), drafts=drafts, replay_pass=number)  # fmt: skip
+                out = await self.passes.local(stage, step)
+                step = replace(step, route=route[1:])
                 sends.append(asyncio.ensure_future(self.passes.send(route[0], out, step)))
             await asyncio.gather(*sends)
         except BaseException:
