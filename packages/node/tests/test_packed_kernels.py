@@ -4,6 +4,7 @@ pure-torch fallback both equal the checkpoints' definition, within float32 round
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +199,24 @@ def test_no_kernel_off_x86_or_off_the_cpu(monkeypatch):
     monkeypatch.setattr(packed.platform, "machine", lambda: "aarch64")
     assert not packed.applies("cpu")
     assert not packed.start("cpu")
+
+
+def test_a_build_left_half_done_by_a_killed_process_blocks_no_later_one(tmp_path, monkeypatch):
+    """torch's builder locks its folder with a file a killed builder leaves behind: each
+    build runs in a folder of its own, and the module moves into place whole."""
+    from torch.utils import cpp_extension
+
+    path = tmp_path / "meshnet_packed_x" / "meshnet_packed_x.so"
+    path.parent.mkdir()
+    (path.parent / "lock").touch()  # what a builder killed mid-build leaves
+    seen = {}
+
+    def load(name, sources, build_directory, **kwargs):
+        seen["folder"] = Path(build_directory)
+        assert seen["folder"].parent == path.parent and not (seen["folder"] / "lock").exists()
+        (seen["folder"] / f"{name}.so").write_bytes(b"module")
+        return "the module"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert packed._build(path) == "the module"
+    assert path.read_bytes() == b"module" and not seen["folder"].exists()

@@ -163,7 +163,7 @@ struct Siblings {
 //   x = hidden.to(float32); variance = x.pow(2).mean(-1, keepdim=True)
 //   x = x * torch.rsqrt(variance + eps); return weight * x.to(hidden.dtype)
 // The mean stays ATen's (a reduction: its order is ATen's); the rest are elementwise ops
-// done in a loop with their roundings: pow(2) is x * x in ATen, rsqrt is 1 / sqrt (both
+// done in a loop with their roundings: squaring is x * x in ATen, rsqrt is 1 / sqrt (both
 // IEEE-exact), `variance + eps` adds eps as float32.
 struct Norm {
   Tensor weight;

@@ -37,6 +37,7 @@ import importlib.util
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
 import types
@@ -127,13 +128,22 @@ def _import(path: Path) -> types.ModuleType:
 
 
 def _build(path: Path) -> types.ModuleType:
+    """Build in a folder of this process's own, then move the module into ``path`` at once:
+    torch's builder locks its folder with a file that a process killed mid-build leaves
+    behind, and every later build there would wait on it for ever."""
     from torch.utils import cpp_extension  # imported only to build: it pulls in setuptools
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=path.stem, sources=[str(SOURCE), str(LAYER_STEP)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-        build_directory=str(path.parent), verbose=False,
-    )  # fmt: skip
+    own = path.parent / f"build-{os.getpid()}-{threading.get_ident()}"
+    own.mkdir(parents=True, exist_ok=True)
+    try:
+        module = cpp_extension.load(
+            name=path.stem, sources=[str(SOURCE), str(LAYER_STEP)], extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS, build_directory=str(own), verbose=False,
+        )  # fmt: skip
+        os.replace(own / path.name, path)  # atomic: others import a whole module or build
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
+    return module
 
 
 def _load(path: Path) -> None:
@@ -143,6 +153,10 @@ def _load(path: Path) -> None:
         last = (str(exc).strip().splitlines() or [""])[-1]  # a compiler's last line
         reason = f"not built ({type(exc).__name__}: {last})"
         intpack.not_built(reason)
+        _state["reason"] = reason
+        logger.warning("%s kernel %s: packed products stay torch's (FP8/MXFP4 slow) and "
+                       "decode layer steps stay Python", NAME, reason)  # fmt: skip
+        return
     else:
         intpack.install(module)
         differs = agrees_with_reference(module)
