@@ -13,9 +13,12 @@ from meshnet_node.programs import DecodeProgram
 
 
 def engines(snapshot, bounds, precision, dtype=None) -> tuple[list[Stage], list[Stage]]:
-    """The same loaded shards run by both engines (the programs call the same modules)."""
+    """The same loaded shards run by the modules and the program engines (the programs call
+    the same modules)."""
     shards = [load_shard(snapshot, LayerRange(a, b), precision, dtype=dtype) for a, b in bounds]
-    return [Stage(s, engine="modules") for s in shards], [Stage(s) for s in shards]
+    return [Stage(s, engine="modules") for s in shards], [
+        Stage(s, engine="program") for s in shards
+    ]
 
 
 def same_run(reference: list[Stage], programs: list[Stage], prompt, steps: int) -> None:

@@ -89,6 +89,6 @@ def test_a_hooked_layer_keeps_the_module_path(tiny_snapshot):
 
 def test_an_unknown_engine_is_refused(tiny_snapshot):
     shard = load_shard(tiny_snapshot("llama"), LayerRange(0, 2), Precision.FLOAT32)
-    with pytest.raises(ValueError, match="engine must be one of program, modules"):
+    with pytest.raises(ValueError, match="engine must be one of native, program, modules"):
         StageLayers(shard.modules.layers, shard.layer_types, shard.adapter.call_layer,
                     shard.adapter.call_layer_batched, "fast")  # fmt: skip

@@ -85,9 +85,9 @@ class ShardSettings(listening.ListenSettings):
         "against torch before use, ADR-0030)", group=MODEL, action="bool",
     )  # fmt: skip
     engine: str = knob(
-        "program", "decode steps of dense layers (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3) as "
-        "flat programs (same numbers, ~15% faster) or transformers' modules (ADR-0041)",
-        group=MODEL, choices=("program", "modules"),
+        "native", "native: packed low-bit Llama/Mistral/Qwen2 stages in C++ with own attention "
+        "(ADR-0044), others as program: decode steps with transformers' numbers (ADR-0041)",
+        group=MODEL, choices=("native", "program", "modules"),
     )  # fmt: skip
     widen_bf16: bool = knob(
         False, "on a CPU without bfloat16 arithmetic (no AVX-512), multiply calls of many rows "

@@ -70,7 +70,7 @@ class Stage:
         max_sessions: int = 256,
         output_fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
         prefix_cache: PrefixCache | None = None,  # finished sessions' prefixes (ADR-0035)
-        engine: str = "program",  # one-token steps through decode programs (ADR-0041)
+        engine: str = "native",  # the stage's passes' path (ADR-0041, 0044: StageLayers)
     ) -> None:
         self.shard = shard
         adapter = shard.adapter

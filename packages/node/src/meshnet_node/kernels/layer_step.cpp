@@ -17,7 +17,11 @@
 
 #include <pybind11/stl.h>
 
+#include "fixed_order.h"
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -203,6 +207,9 @@ struct Norm {
     return out;
   }
 
+  // The native engine's norm (fixed_norm): hidden's dtype is the weight's, H whole lanes.
+  Tensor fixed(const Tensor& hidden_in) const;
+
   Tensor operator()(const Tensor& hidden) const {
     const bool same = hidden.scalar_type() == weight.scalar_type() && fused_dtype(hidden) &&
                       hidden.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 &&
@@ -211,6 +218,20 @@ struct Norm {
     return hidden.scalar_type() == torch::kBFloat16 ? fused<BFloat16>(hidden) : fused<float>(hidden);
   }
 };
+
+// defined below fixed_norm
+template <typename T>
+Tensor fixed_norm(const Tensor& hidden, const Tensor& weight, double eps);
+
+Tensor Norm::fixed(const Tensor& hidden_in) const {
+  const auto hidden = hidden_in.contiguous();
+  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type() && fused_dtype(hidden) &&
+                  weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == hidden.size(-1) &&
+                  hidden.size(-1) % meshnet::fixed::kLanes == 0,
+              "native layer: a norm of the hidden states' dtype over whole 16-lane blocks");
+  return hidden.scalar_type() == torch::kBFloat16 ? fixed_norm<BFloat16>(hidden, weight, eps)
+                                                  : fixed_norm<float>(hidden, weight, eps);
+}
 
 // apply_rotary_pos_emb on one product part: `part` (B, 1, heads * D) contiguous, cos and sin
 // (B or 1, 1, D) -> (part.view(B, 1, heads, D).transpose(1, 2) * cos.unsqueeze(1)) +
@@ -267,6 +288,68 @@ Tensor rotary(const Tensor& part, int64_t d, const Tensor& cos, const Tensor& si
                                    : rotary_fused<float>(part, heads, d, cos, sin);
 }
 
+// -- the native engine's elementwise parts (ADR-0044): fixed-order sums, own exp --------
+
+namespace fixed = meshnet::fixed;
+
+// 16 lanes of `p` (fewer at the end: zeros) as float32
+template <typename T>
+inline fixed::Lanes load_some(const T* p, int64_t count) {
+  if (count >= fixed::kLanes) return fixed::load(p);
+  T part[fixed::kLanes] = {};
+  for (int64_t i = 0; i < count; ++i) part[i] = p[i];
+  return fixed::load(part);
+}
+
+// the first `count` lanes rounded to T (to nearest even for bf16)
+template <typename T>
+inline void store_some(T* p, fixed::Lanes v, int64_t count) {
+  float lanes[fixed::kLanes];
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int64_t i = 0; i < std::min<int64_t>(count, fixed::kLanes); ++i) p[i] = round<T>(lanes[i]);
+}
+
+// out[i] = f(a[i], b[i]) rounded to the dtype, 16 lanes at a time; a and b alike.
+template <typename F>
+Tensor lanes_map(const Tensor& a_in, const Tensor& b_in, F f) {
+  const auto a = a_in.contiguous(), b = b_in.contiguous();
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && fused_dtype(a),
+              "native layer: two like bf16 or float32 tensors");
+  auto out = torch::empty(a.sizes(), a.options());
+  const int64_t n = a.numel();
+  auto run = [&](auto* pa, auto* pb, auto* po) {
+    for (int64_t i = 0; i < n; i += fixed::kLanes) {
+      store_some(po + i, f(load_some(pa + i, n - i), load_some(pb + i, n - i)), n - i);
+    }
+  };
+  if (a.scalar_type() == torch::kBFloat16) {
+    run(a.data_ptr<BFloat16>(), b.data_ptr<BFloat16>(), out.data_ptr<BFloat16>());
+  } else {
+    run(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
+}
+
+// transformers' RMS norm with its roundings, the mean of squares summed in the fixed order:
+// x * rsqrt(sum(x^2) / H + eps) rounded to the dtype, then the weight's product rounded.
+template <typename T>
+Tensor fixed_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+  const int64_t h = hidden.size(-1), rows = hidden.numel() / h;
+  const T* in = hidden.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  auto out = torch::empty(hidden.sizes(), hidden.options());
+  T* o = out.data_ptr<T>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float variance = fixed::squares(in + r * h, h) / static_cast<float>(h);
+    const float inv = 1.0f / std::sqrt(variance + static_cast<float>(eps));
+    for (int64_t j = 0; j < h; ++j) {
+      const T normed = round<T>(static_cast<float>(in[r * h + j]) * inv);
+      o[r * h + j] = round<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+    }
+  }
+  return out;
+}
+
 struct LayerStep {
   Norm input_norm, post_norm;
   int64_t head_dim;
@@ -282,6 +365,40 @@ struct LayerStep {
     shape.push_back(head_dim);
     return {rotary(parts[0], head_dim, cos, sin), rotary(parts[1], head_dim, cos, sin),
             parts[2].view(shape).transpose(1, 2)};
+  }
+
+  // The native engine's parts around its attention: `before` and `after` with the norms'
+  // sums, the residuals and the activation in the fixed order (fixed_order.h); products
+  // and rotary as above.
+  std::vector<Tensor> native_before(const Tensor& hidden, const Tensor& cos, const Tensor& sin) const {
+    const auto x = input_norm.fixed(hidden);
+    const auto parts = qkv(x);
+    auto shape = x.sizes().vec();
+    shape.back() = -1;
+    shape.push_back(head_dim);
+    return {rotary(parts[0], head_dim, cos, sin), rotary(parts[1], head_dim, cos, sin),
+            parts[2].view(shape).transpose(1, 2)};
+  }
+
+  Tensor native_after(const Tensor& residual, const Tensor& attended) const {
+    auto shape = residual.sizes().vec();
+    shape.back() = -1;
+    const auto plus = [](fixed::Lanes a, fixed::Lanes b) { return a + b; };
+    const auto hidden = lanes_map(residual, o(attended.reshape(shape).contiguous()), plus);
+    const auto gate_up_parts = gate_up(post_norm.fixed(hidden));
+    const bool bf16 = hidden.scalar_type() == torch::kBFloat16;
+    // act_fn(gate) * up: the activation rounded to the dtype before the product
+    const auto act = lanes_map(gate_up_parts[0], gate_up_parts[1], [bf16](fixed::Lanes g, fixed::Lanes u) {
+      fixed::Lanes a = fixed::silu(g);
+      if (bf16) {
+        float lanes[fixed::kLanes];
+        std::memcpy(lanes, &a, sizeof lanes);
+        for (auto& v : lanes) v = static_cast<float>(static_cast<BFloat16>(v));
+        std::memcpy(&a, lanes, sizeof lanes);
+      }
+      return a * u;
+    });
+    return lanes_map(hidden, down(act), plus);
   }
 
   // DecodeProgram._finish for pre-norm layers: output projection, residuals, the MLP.
@@ -321,5 +438,9 @@ void register_layer_step(py::module& m) {
            py::arg("post_eps"), py::arg("head_dim"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"))
       .def("before", &LayerStep::before, "(hidden, cos, sin) -> [q, k, v] rotated, (B, h, 1, D)")
-      .def("after", &LayerStep::after, "(residual, attended) -> the layer's output");
+      .def("after", &LayerStep::after, "(residual, attended) -> the layer's output")
+      .def("native_before", &LayerStep::native_before,
+           "the native engine's before: norm summed in the fixed order (ADR-0044)")
+      .def("native_after", &LayerStep::native_after,
+           "the native engine's after: norm, residuals and SiLU in the fixed order");
 }

@@ -1200,9 +1200,11 @@ void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 void register_layer_step(pybind11::module& m);  // layer_step.cpp
+void register_attention(pybind11::module& m);  // attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_step(m);
+  register_attention(m);
   m.attr("lanes") = W;
   m.attr("tile_rows") = kDirectRows;
 #if defined(__AVX512F__)

@@ -54,8 +54,10 @@ from meshnet_node.kernels.tolerance import close
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed.cpp")
-LAYER_STEP = Path(__file__).with_name("layer_step.cpp")  # built into the same module
-HEADER = Path(__file__).with_name("omp_for.h")  # included by the source: part of its build key
+# built into the same module: layer steps, and the native engine's attention
+PARTS = (Path(__file__).with_name("layer_step.cpp"), Path(__file__).with_name("attention.cpp"))
+# included by the sources: part of the build key
+HEADERS = (Path(__file__).with_name("omp_for.h"), Path(__file__).with_name("fixed_order.h"))
 NAME = "meshnet_packed"
 # -march=native: the build runs on the machine that uses it (AVX-512 where present, else
 # AVX2); the CPU's flags are part of the cache key, so a copied cache cannot mismatch.
@@ -107,7 +109,7 @@ def build_path() -> Path:
     under torch's extension cache (``TORCH_EXTENSIONS_DIR``, else
     ``~/.cache/torch_extensions``)."""
     key = hashlib.sha256()
-    sources = (SOURCE, LAYER_STEP, HEADER)
+    sources = (SOURCE, *PARTS, *HEADERS)
     for part in (*(s.read_bytes() for s in sources), repr((CFLAGS, LDFLAGS)).encode(), _cpu_flags(),
                  torch.__version__.encode(), sys.version.encode()):  # fmt: skip
         key.update(part)
@@ -137,7 +139,7 @@ def _build(path: Path) -> types.ModuleType:
     own.mkdir(parents=True, exist_ok=True)
     try:
         module = cpp_extension.load(
-            name=path.stem, sources=[str(SOURCE), str(LAYER_STEP)], extra_cflags=CFLAGS,
+            name=path.stem, sources=[str(s) for s in (SOURCE, *PARTS)], extra_cflags=CFLAGS,
             extra_ldflags=LDFLAGS, build_directory=str(own), verbose=False,
         )  # fmt: skip
         os.replace(own / path.name, path)  # atomic: others import a whole module or build

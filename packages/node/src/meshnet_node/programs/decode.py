@@ -153,12 +153,12 @@ class DecodeProgram:
 
     __slots__ = ("attn", "eager", "layer_idx", "head_dim", "scaling", "extra", "norm1",
                  "norms", "qkv", "q_norm", "k_norm", "qk_norm", "rotary", "o", "mlp",
-                 "native", "_layer", "_layout", "_config", "_function")  # fmt: skip
+                 "native", "_layer", "layout", "_config", "_function")  # fmt: skip
 
     def __init__(self, layer: nn.Module, layout: Layout) -> None:
         attn, mlp = _attention_of(layer), layer.mlp
         # the layer's C++ step (native.py), looked for until the kernel module settles
-        self.native, self._layer, self._layout = _PENDING, layer, layout
+        self.native, self._layer, self.layout = _PENDING, layer, layout
         self._config, self._function = None, None  # the attention function (_attention)
         family = sys.modules[type(attn).__module__]
         self.attn, self.eager = attn, family.eager_attention_forward
@@ -241,7 +241,7 @@ class DecodeProgram:
         where it mirrors no such layer, or the module will not come); None meanwhile."""
         if not packed.settled():
             return None
-        self.native = layer_step(self._layer, self.attn, self._layout)
+        self.native = layer_step(self._layer, self.attn, self.layout)
         return self.native
 
     def _projected(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

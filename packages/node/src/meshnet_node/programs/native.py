@@ -26,7 +26,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.models.llama import modeling_llama
 
-from meshnet_node.kernels import intpack
+from meshnet_node.kernels import intpack, packed
 from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.lowbit.modules import PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight
@@ -136,3 +136,65 @@ def layer_step(layer: nn.Module, attn: nn.Module, layout: Any) -> Any | None:
         gate_up=_siblings(kernels, [mlp.gate_proj, mlp.up_proj]),
         down=_product(kernels, mlp.down_proj),
     )  # fmt: skip
+
+
+class NativeStep:
+    """A layer of the native engine (docs/adr/0044): its ``LayerStep`` around the kernel
+    module's own attention (``attend``), for any rows: a prompt chunk's positions, one
+    session's step, a batched step's sessions, a verification pass's drafts. Each row's
+    result is the same bits whatever rows share its pass, the thread count or the split:
+    every part computes a row alone in an order its code fixes. Its numbers are not
+    transformers' (the attention is not torch's SDPA): the engine is only for packed
+    low-bit stages (``native_steps``), whose reference is a dequantized model anyway."""
+
+    __slots__ = ("step", "attend", "layer_idx", "scaling")
+
+    def __init__(self, step: Any, attend: Any, layer_idx: int, scaling: float) -> None:
+        self.step, self.attend, self.layer_idx, self.scaling = step, attend, layer_idx, scaling
+
+    def __call__(self, hidden, cos, sin, groups) -> Any:
+        """``hidden`` (N, 1, H): rows; ``cos``/``sin`` (N, 1, D) their rotary; ``groups``:
+        consecutive rows of one session as ``(cache, count)``, in position order. Appends
+        each row's keys and values to its cache; row ``i`` of a group of ``count`` whose
+        cache then holds ``n`` sees its first ``n - count + 1 + i``."""
+        q, k, v = self.step.native_before(hidden, cos, sin)  # (N, heads, 1, D), (N, kv, 1, D)
+        keys, values, visible, start = [], [], [], 0
+        for cache, count in groups:
+            end = start + count
+            kk, vv = cache.update(k[start:end].transpose(0, 2), v[start:end].transpose(0, 2), self.layer_idx)  # fmt: skip
+            n = kk.shape[2]
+            keys += [kk] * count
+            values += [vv] * count
+            visible += range(n - count + 1, n + 1)
+            start = end
+        return self.step.native_after(hidden, self.attend(q, keys, values, visible, self.scaling))
+
+
+def _packed(layer: nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) for m in layer.modules())
+
+
+def native_steps(layers, programs, layer_types) -> list[NativeStep] | None:
+    """The native engine's step for every layer, or None where it does not apply: layers
+    with packed low-bit weights on the CPU, every one with a ``LayerStep``, full (not
+    sliding) attention, head and hidden dimensions of whole 16-lane blocks. Waits for the kernel
+    module (built once per machine): which engine a stage runs is settled before its first
+    pass and never changes, so every pass of it computes alike."""
+    if not layers or not all(_packed(layer) for layer in layers):
+        return None
+    if any(t != "full_attention" for t in layer_types):
+        return None
+    weight = next(p for p in layers[0].parameters())
+    if weight.device.type != "cpu" or not packed.start(weight.device) or packed.wait() is None:
+        return None
+    kernels = intpack.module()
+    if kernels is None or not hasattr(kernels, "attend"):
+        return None
+    steps = []
+    for layer, program in zip(layers, programs, strict=True):
+        step = layer_step(layer, program.attn, program.layout)
+        whole = program.head_dim % 16 == 0 and layer.input_layernorm.weight.shape[-1] % 16 == 0
+        if step is None or program.extra.get("sliding_window") is not None or not whole:
+            return None
+        steps.append(NativeStep(step, kernels.attend, program.layer_idx, program.scaling))
+    return steps

@@ -1,0 +1,155 @@
+"""The native engine (docs/adr/0044): packed low-bit stages run every pass through C++
+layer steps around the kernel module's own attention. A row's numbers are fixed by the
+code: the same bits whatever the split, the chunking of a prompt, the rows sharing a batch
+or a verification pass, and the thread count; within float tolerance of transformers'
+modules, with the same greedy tokens on real prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from baselines import split_greedy
+from program_runs import batched_run
+
+from meshnet_common.layers import LayerRange
+from meshnet_common.models.gguf_import import smollm2_gguf_path
+from meshnet_common.precision import Precision
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.stage import Stage
+from meshnet_node.kernels import intpack, packed
+
+PROMPTS = [[1, 504, 3575, 282, 4649, 314], [1, 504, 1345, 3458, 6707, 359]]
+THIRDS = ((0, 10), (10, 20), (20, 30))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    packed.start()
+    if packed.wait() is None:
+        pytest.skip(f"the kernel module is not available here: {packed.unavailable_reason()}")
+    return intpack.module()
+
+
+@pytest.fixture(scope="module")
+def smollm2(kernels):
+    """SmolLM2's Q4_1 GGUF as int4 bf16 shards: whole, and in thirds."""
+    path = smollm2_gguf_path()
+
+    def shards(bounds):
+        return [load_shard(path, LayerRange(a, b), Precision.INT4, dtype=torch.bfloat16) for a, b in bounds]  # fmt: skip
+
+    return shards(((0, 30),)), shards(THIRDS)
+
+
+def _stages(shards, engine="native"):
+    stages = [Stage(s, engine=engine) for s in shards]
+    assert all(s.layers.engine == engine for s in stages)
+    return stages
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _caches(n_rows, kv_heads=3, d=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 70, 300][:n_rows]
+    keys = [torch.randn(1, kv_heads, n, d, generator=g).to(dtype) for n in lengths]
+    values = [torch.randn(1, kv_heads, n, d, generator=g).to(dtype) for n in lengths]
+    q = torch.randn(n_rows, kv_heads * 3, 1, d, generator=g).to(dtype)
+    return q, keys, values, [max(1, n - 2) for n in lengths]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_sdpas_within_float_tolerance(kernels, dtype):
+    q, keys, values, visible = _caches(3, dtype=dtype)
+    out = kernels.attend(q, keys, values, visible, 0.125)
+    for r in range(3):
+        n = visible[r]
+        want = F.scaled_dot_product_attention(
+            q[r : r + 1].float(), keys[r][:, :, :n].float(), values[r][:, :, :n].float(),
+            scale=0.125, enable_gqa=True,
+        ).transpose(1, 2).reshape(1, 1, -1)  # fmt: skip
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(out[r : r + 1].float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_a_rows_attention_is_the_same_bits_alone_in_a_batch_and_on_any_thread_count(kernels):
+    q, keys, values, visible = _caches(3)
+    together = kernels.attend(q, keys, values, visible, 0.125)
+    alone = [kernels.attend(q[r : r + 1], keys[r : r + 1], values[r : r + 1], visible[r : r + 1], 0.125) for r in range(3)]  # fmt: skip
+    assert torch.equal(torch.cat(alone), together)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.attend(q, keys, values, visible, 0.125), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_split_gives_the_unsplit_stages_bits_and_transformers_greedy_tokens(smollm2):
+    whole, thirds = smollm2
+    reference = _stages(whole, "modules")
+    for prompt in PROMPTS:
+        tokens, logits = split_greedy(_stages(whole), prompt, 24)
+        split_tokens, split_logits = split_greedy(_stages(thirds), prompt, 24)
+        assert split_tokens == tokens and _same(split_logits, logits)
+        want_tokens, want_logits = split_greedy(reference, prompt, 24)
+        assert tokens == want_tokens
+        assert torch.allclose(logits[0], want_logits[0], atol=0.5, rtol=0)  # bf16 logits ~20
+
+
+def test_a_prompt_gives_the_same_bits_in_any_chunking(smollm2):
+    whole, _ = smollm2
+    prompt = PROMPTS[0] + PROMPTS[1][1:]
+    _, want = split_greedy(_stages(whole), prompt, 4)
+    for chunk in (1, 3, 7):
+        _, logits = split_greedy(_stages(whole), prompt, 4, chunk_tokens=chunk)
+        assert _same(logits, want), chunk
+
+
+def test_batched_steps_and_drafts_give_each_sessions_own_bits(smollm2):
+    _, thirds = smollm2
+    stages = _stages(thirds)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:4]]
+    batched = batched_run(stages, prompts, 4)
+    for i, prompt in enumerate(prompts):
+        _, alone = split_greedy(stages, prompt, 5)
+        assert _same(batched[i :: len(prompts)], alone[1:]), i
+    # a verification pass: a token and its drafts as rows of one session
+    tokens, logits = split_greedy(stages, PROMPTS[0], 4)
+    for stage in stages:
+        stage.open_session("v")
+    out = stages[0].step("v", 0, token_ids=torch.tensor([PROMPTS[0]]))
+    for stage in stages[1:]:
+        out = stage.step("v", 0, hidden=out.hidden)
+    rows = torch.tensor([tokens[:3]])
+    out = stages[0].step("v", len(PROMPTS[0]), token_ids=rows, drafts=tuple(tokens[1:3]))
+    for stage in stages[1:]:
+        out = stage.step("v", len(PROMPTS[0]), hidden=out.hidden, drafts=tuple(tokens[1:3]))
+    assert out.token.token_id == tokens[1] and [t.token_id for t in out.more] == tokens[2:4]
+
+
+def test_the_thread_count_changes_no_bit(smollm2):
+    whole, _ = smollm2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _, one = split_greedy(_stages(whole), PROMPTS[1], 6)
+        torch.set_num_threads(2)
+        _, two = split_greedy(_stages(whole), PROMPTS[1], 6)
+    finally:
+        torch.set_num_threads(threads)
+    assert _same(one, two)
+
+
+def test_only_packed_pre_norm_stages_take_it(tiny_snapshot, kernels):
+    for family, precision, engine in (
+        ("llama", Precision.INT4, "native"),
+        ("qwen2", Precision.INT8, "native"),
+        ("llama", Precision.BFLOAT16, "program"),  # transformers' numbers: decode programs
+        ("gemma2", Precision.INT4, "program"),  # sandwich norms: not mirrored in C++
+    ):
+        shard = load_shard(tiny_snapshot(family), LayerRange(0, 2), precision)
+        assert Stage(shard).layers.engine == engine, (family, precision)
