@@ -6,6 +6,7 @@ modules, with the same greedy tokens on real prompts."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,3 +154,52 @@ def test_only_packed_pre_norm_stages_take_it(tiny_snapshot, kernels):
     ):
         shard = load_shard(tiny_snapshot(family), LayerRange(0, 2), precision)
         assert Stage(shard).layers.engine == engine, (family, precision)
+
+
+def _exp_fixed(x: np.ndarray) -> np.ndarray:
+    """attention.cpp's exp_fixed, op for op in float32."""
+    f = np.float32
+    shift = f(12582912.0)
+    n = (x * f(1.44269504088896341) + shift) - shift
+    r = (x - n * f(0.693145751953125)) - n * f(1.428606765330187045e-06)
+    p = np.full_like(x, f(1.0) / f(720.0))
+    for c in (f(1.0) / f(120.0), f(1.0) / f(24.0), f(1.0) / f(6.0), f(0.5), f(1.0), f(1.0)):
+        p = p * r + c
+    out = (p.view(np.int32) + (n.astype(np.int32) << 23)).view(np.float32)
+    return np.where(x < f(-87.0), f(0.0), out)
+
+
+def _attend_reference(q, keys, values, visible, scaling):
+    """The order attention.cpp documents, in numpy float32: 16-lane dot products folded by
+    halves, exp_fixed, values summed key by key, the division last."""
+    f = np.float32
+    rows, heads, _, d = q.shape
+    out = np.zeros((rows, heads * d), dtype=np.float32)
+    for r in range(rows):
+        kv = keys[r].shape[1]
+        for h in range(heads):
+            g = h // (heads // kv)
+            qh = q[r, h, 0].float().numpy()
+            k = keys[r][0, g, : visible[r]].float().numpy()
+            v = values[r][0, g, : visible[r]].float().numpy()
+            lanes = np.zeros((k.shape[0], 16), dtype=np.float32)
+            for i in range(0, d, 16):
+                lanes = lanes + qh[i : i + 16] * k[:, i : i + 16]
+            for width in (8, 4, 2, 1):
+                lanes[:, :width] = lanes[:, :width] + lanes[:, width : 2 * width]
+            scores = lanes[:, 0] * f(scaling)
+            p = _exp_fixed(scores - scores.max())
+            acc, total = np.zeros(d, dtype=np.float32), f(0.0)
+            for j in range(k.shape[0]):
+                acc = acc + p[j] * v[j]
+                total = total + p[j]
+            out[r, h * d : (h + 1) * d] = acc / total
+    return torch.from_numpy(out).unsqueeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "kv_heads", "d"), [(2, 2, 32), (3, 3, 64)])
+def test_attention_computes_in_the_order_its_code_documents(kernels, dtype, rows, kv_heads, d):
+    q, keys, values, visible = _caches(rows, kv_heads=kv_heads, d=d, dtype=dtype, seed=3)
+    got = kernels.attend(q, keys, values, visible, 0.17)
+    assert torch.equal(got, _attend_reference(q, keys, values, visible, 0.17).to(dtype))

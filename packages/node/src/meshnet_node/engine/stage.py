@@ -427,9 +427,11 @@ class Stage:
             hidden = inputs.to(device=device, dtype=shard.activation_dtype)  # (1, T, H)
         cache = session.cache
         first = session.first_layer
-        masks = build_masks(
-            shard.stage_config, shard.layer_types, hidden, cache, position_ids, first
-        )
+        masks = (  # the native engine attends by position: it reads no mask
+            {}
+            if self.layers.native is not None
+            else build_masks(shard.stage_config, shard.layer_types, hidden, cache, position_ids, first)
+        )  # fmt: skip
         rotary = shard.adapter.position_embeddings(
             mods.rotary, hidden, position_ids, shard.layer_types[first:]
         )

@@ -38,6 +38,28 @@ inline Lanes load(const BFloat16* p) {
 }
 inline void store(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
 
+// Lanes rounded to bf16 to nearest even, as c10::BFloat16(float) rounds (NaN: 0x7FC0).
+inline Halves to_bf16(Lanes v) {
+  Bits bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  Bits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  rounded = v != v ? Bits{} + 0x7FC0u : rounded;
+  return __builtin_convertvector(rounded, Halves);
+}
+inline void store(BFloat16* p, Lanes v) {
+  const Halves h = to_bf16(v);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// Lanes through the dtype T: bf16's rounding, or float32's nothing.
+inline Lanes rounded(Lanes v, const float*) { return v; }
+inline Lanes rounded(Lanes v, const BFloat16*) {
+  const Bits bits = __builtin_convertvector(to_bf16(v), Bits) << 16;
+  Lanes out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 // e^x lane by lane for x <= 0 (below -87: 0): x = n ln2 + r with n rounded to nearest even
 // (adding and taking away 1.5 * 2^23), a degree-6 Taylor polynomial of e^r (|r| <= ln2 / 2,
 // error < 2 ulp), scaled by 2^n through the exponent bits (n >= -126: a normal number).

@@ -28,6 +28,12 @@
 
 namespace py = pybind11;
 
+namespace meshnet {
+torch::Tensor attend_rows(const torch::Tensor& q, std::vector<torch::Tensor> keys,
+                          std::vector<torch::Tensor> values, const std::vector<int64_t>& visible,
+                          double scaling);  // attention.cpp
+}  // namespace meshnet
+
 void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
                       const torch::Tensor& sz, int64_t group, int64_t block_n, float* y);
 
@@ -53,6 +59,19 @@ struct Product {
   py::object call;  // a Python forward, or None for the int4 kernel below
   Tensor packed, sz, bias;  // int4: torch's CPU packing, contiguous scale_zero, bias or undefined
   int64_t group = 0, block_n = 0, in_features = 0, out_features = 0;
+  // int4: calls of more rows than wide_rows go to the module's forward (`wide`), which may
+  // dequantize for a GEMM in a prompt's pass (lowbit.packed.WIDE_ROWS); none where unset
+  py::object wide;
+  int64_t wide_rows = 0;
+
+  bool goes_wide(const Tensor& x) const {
+    return wide_rows > 0 && x.numel() / std::max<int64_t>(1, x.size(-1)) > wide_rows;
+  }
+
+  Tensor forward_of(const py::object& forward, const Tensor& x) const {
+    py::gil_scoped_acquire gil;  // a stack of native layers runs without it
+    return forward(x).cast<Tensor>();
+  }
 
   bool native() const { return call.is_none(); }
 
@@ -86,7 +105,8 @@ struct Product {
 
   // Whether `emit` serves x: the kernel's dtypes, and a bias already in x's dtype.
   bool emits(const Tensor& x) const {
-    return native() && fused_dtype(x) && (!bias.defined() || bias.scalar_type() == x.scalar_type());
+    return native() && !goes_wide(x) && fused_dtype(x) &&
+           (!bias.defined() || bias.scalar_type() == x.scalar_type());
   }
 
   std::vector<Tensor> parts(const Tensor& x, const std::vector<std::pair<int64_t, int64_t>>& bounds) const {
@@ -108,7 +128,8 @@ struct Product {
   }
 
   Tensor operator()(const Tensor& x) const {
-    if (!native()) return call(x).cast<Tensor>();
+    if (!native()) return forward_of(call, x);
+    if (goes_wide(x)) return forward_of(wide, x);
     if (emits(x)) return parts(x, {{0, out_features}})[0];
     // PackedLinear.forward -> Int4Weight.matmul -> intpack.int4_linear, call for call
     auto shape = x.sizes().vec();
@@ -130,10 +151,13 @@ Product python_product(py::object call) {
 }
 
 Product int4_product(Tensor packed, Tensor sz, int64_t group, int64_t block_n,
-                     int64_t in_features, int64_t out_features, std::optional<Tensor> bias) {
+                     int64_t in_features, int64_t out_features, std::optional<Tensor> bias,
+                     py::object wide, int64_t wide_rows) {
   TORCH_CHECK(sz.is_contiguous(), "scale_zero must be contiguous");
   Product p;
   p.call = py::none();
+  p.wide = std::move(wide);
+  p.wide_rows = p.wide.is_none() ? 0 : wide_rows;
   p.packed = std::move(packed);
   p.sz = std::move(sz);
   p.group = group;
@@ -304,6 +328,7 @@ inline fixed::Lanes load_some(const T* p, int64_t count) {
 // the first `count` lanes rounded to T (to nearest even for bf16)
 template <typename T>
 inline void store_some(T* p, fixed::Lanes v, int64_t count) {
+  if (count >= fixed::kLanes) return fixed::store(p, v);
   float lanes[fixed::kLanes];
   std::memcpy(lanes, &v, sizeof lanes);
   for (int64_t i = 0; i < std::min<int64_t>(count, fixed::kLanes); ++i) p[i] = round<T>(lanes[i]);
@@ -342,9 +367,9 @@ Tensor fixed_norm(const Tensor& hidden, const Tensor& weight, double eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float variance = fixed::squares(in + r * h, h) / static_cast<float>(h);
     const float inv = 1.0f / std::sqrt(variance + static_cast<float>(eps));
-    for (int64_t j = 0; j < h; ++j) {
-      const T normed = round<T>(static_cast<float>(in[r * h + j]) * inv);
-      o[r * h + j] = round<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+    for (int64_t j = 0; j < h; j += fixed::kLanes) {  // h: whole lanes (Norm::fixed)
+      const fixed::Lanes normed = fixed::rounded(fixed::load(in + r * h + j) * inv, in);
+      fixed::store(o + r * h + j, fixed::load(w + j) * normed);
     }
   }
   return out;
@@ -389,14 +414,8 @@ struct LayerStep {
     const bool bf16 = hidden.scalar_type() == torch::kBFloat16;
     // act_fn(gate) * up: the activation rounded to the dtype before the product
     const auto act = lanes_map(gate_up_parts[0], gate_up_parts[1], [bf16](fixed::Lanes g, fixed::Lanes u) {
-      fixed::Lanes a = fixed::silu(g);
-      if (bf16) {
-        float lanes[fixed::kLanes];
-        std::memcpy(lanes, &a, sizeof lanes);
-        for (auto& v : lanes) v = static_cast<float>(static_cast<BFloat16>(v));
-        std::memcpy(&a, lanes, sizeof lanes);
-      }
-      return a * u;
+      const fixed::Lanes a = fixed::silu(g);
+      return (bf16 ? fixed::rounded(a, static_cast<const BFloat16*>(nullptr)) : a) * u;
     });
     return lanes_map(hidden, down(act), plus);
   }
@@ -412,6 +431,116 @@ struct LayerStep {
   }
 };
 
+// The native engine's stack (ADR-0044): rows through layers in one call, the interpreter
+// out of the loop and the GIL released while they compute.
+
+// Rows k, v (count, kv, 1, D) appended to a transformers DynamicLayer as its `update` would,
+// into a buffer with room for `grow` more positions kept in the layer's dict: its keys and
+// values become views of the buffer's first positions, so a step copies its own rows, not
+// the whole cache as torch.cat does. A layer whose tensors are not views of its buffer (new,
+// filled from a prefix, grown past it) moves into a new one; a crop leaves a shorter view and
+// the next rows overwrite what it dropped. Needs the GIL.
+std::pair<Tensor, Tensor> append_rows(py::handle layer, const Tensor& k_rows, const Tensor& v_rows,
+                                      int64_t grow) {
+  const auto k = k_rows.transpose(0, 2), v = v_rows.transpose(0, 2);  // (1, kv, count, D)
+  if (!layer.attr("is_initialized").cast<bool>()) layer.attr("lazy_initialization")(k, v);
+  const auto keys = layer.attr("keys").cast<Tensor>(), values = layer.attr("values").cast<Tensor>();
+  const int64_t count = k.size(2), n = keys.dim() == 4 ? keys.size(2) : 0;
+  py::dict state = layer.attr("__dict__");
+  Tensor kbuf, vbuf;
+  if (state.contains("_meshnet_buffers")) {
+    auto pair = state["_meshnet_buffers"].cast<std::pair<Tensor, Tensor>>();
+    kbuf = pair.first, vbuf = pair.second;
+  }
+  const bool moved = !kbuf.defined() || kbuf.size(2) < n + count ||
+                     (n > 0 && (keys.data_ptr() != kbuf.data_ptr() || values.data_ptr() != vbuf.data_ptr()));
+  if (moved) {
+    const std::vector<int64_t> shape{k.size(0), k.size(1), n + count + grow, k.size(3)};
+    kbuf = torch::empty(shape, k.options());
+    vbuf = torch::empty(shape, v.options());
+    if (n > 0) {
+      kbuf.slice(2, 0, n).copy_(keys);
+      vbuf.slice(2, 0, n).copy_(values);
+    }
+    state["_meshnet_buffers"] = py::make_tuple(kbuf, vbuf);
+  }
+  kbuf.slice(2, n, n + count).copy_(k);
+  vbuf.slice(2, n, n + count).copy_(v);
+  auto kview = kbuf.slice(2, 0, n + count), vview = vbuf.slice(2, 0, n + count);
+  layer.attr("keys") = kview;
+  layer.attr("values") = vview;
+  return {kview, vview};
+}
+
+// A session's `count` rows (a prompt chunk of more than wide_rows) attended as the module
+// path attends them: torch's SDPA over its cache, each row masked to the positions up to
+// its own (q: (count, heads, 1, D) -> (count, 1, heads * D)).
+Tensor sdpa_rows(const Tensor& q, const Tensor& keys, const Tensor& values, double scaling) {
+  const int64_t count = q.size(0), n = keys.size(2);
+  const auto rows = torch::arange(count, torch::kLong).unsqueeze(1) + (n - count);
+  const auto mask = torch::arange(n, torch::kLong).unsqueeze(0) <= rows;  // (count, n)
+  const auto out = at::scaled_dot_product_attention(q.permute({2, 1, 0, 3}), keys, values, mask, 0.0,
+                                                    false, scaling, /*enable_gqa=*/true);
+  return out.permute({2, 0, 1, 3}).reshape({count, 1, -1});  // (1, heads, count, D) -> rows
+}
+
+// Rows (N, 1, H) through `steps` (layer indices `indices` of the caches, attention scalings
+// `scalings`); `caches`: consecutive rows of one session as (DynamicCache, count), in
+// position order; row i of a group of `count` whose cache then holds n sees its first
+// n - count + 1 + i positions. A group of more than `wide_rows` rows (a long prompt chunk)
+// attends through torch's SDPA, as its products go through a GEMM: such a pass's rows are
+// not computed alone.
+Tensor native_stack(const std::vector<LayerStep*>& steps, const std::vector<int64_t>& indices,
+                    const std::vector<double>& scalings, Tensor hidden, const Tensor& cos,
+                    const Tensor& sin, const std::vector<std::pair<py::object, int64_t>>& caches,
+                    int64_t grow, int64_t wide_rows) {
+  std::vector<py::object> layer_lists;
+  bool wide = false;
+  for (const auto& group : caches) {
+    layer_lists.push_back(group.first.attr("layers"));
+    wide = wide || group.second > wide_rows;
+  }
+  for (size_t i = 0; i < steps.size(); ++i) {
+    std::vector<Tensor> qkv;
+    {
+      py::gil_scoped_release free;
+      qkv = steps[i]->native_before(hidden, cos, sin);
+    }
+    std::vector<Tensor> keys, values, parts;
+    std::vector<int64_t> visible;
+    int64_t start = 0;
+    for (size_t g = 0; g < caches.size(); ++g) {
+      const int64_t count = caches[g].second;
+      const py::object layer = layer_lists[g][py::int_(indices[i])];
+      auto [kk, vv] = append_rows(layer, qkv[1].slice(0, start, start + count),
+                                  qkv[2].slice(0, start, start + count), grow);
+      const int64_t n = kk.size(2);
+      if (wide) {  // each group on its own: a long one through SDPA
+        py::gil_scoped_release free;
+        const auto q = qkv[0].slice(0, start, start + count);
+        std::vector<int64_t> seen(count);
+        for (int64_t t = 0; t < count; ++t) seen[t] = n - count + 1 + t;
+        parts.push_back(count > wide_rows ? sdpa_rows(q, kk, vv, scalings[i])
+                                          : meshnet::attend_rows(q, std::vector<Tensor>(count, kk),
+                                                                 std::vector<Tensor>(count, vv), seen,
+                                                                 scalings[i]));
+      } else {
+        for (int64_t t = 0; t < count; ++t) {
+          keys.push_back(kk);
+          values.push_back(vv);
+          visible.push_back(n - count + 1 + t);
+        }
+      }
+      start += count;
+    }
+    py::gil_scoped_release free;
+    const auto attended = wide ? torch::cat(parts)
+                               : meshnet::attend_rows(qkv[0], std::move(keys), std::move(values), visible, scalings[i]);
+    hidden = steps[i]->native_after(hidden, attended);
+  }
+  return hidden;
+}
+
 }  // namespace
 
 void register_layer_step(py::module& m) {
@@ -420,6 +549,7 @@ void register_layer_step(py::module& m) {
       .def_static("int4", &int4_product, py::arg("packed"), py::arg("scale_zero"),
                   py::arg("group"), py::arg("block_n"), py::arg("in_features"),
                   py::arg("out_features"), py::arg("bias") = std::nullopt,
+                  py::arg("wide") = py::none(), py::arg("wide_rows") = 0,
                   "the int4 kernel, called as intpack.int4_linear calls it")
       .def("__call__", &Product::operator());
   py::class_<Siblings>(m, "Siblings")
@@ -443,4 +573,8 @@ void register_layer_step(py::module& m) {
            "the native engine's before: norm summed in the fixed order (ADR-0044)")
       .def("native_after", &LayerStep::native_after,
            "the native engine's after: norm, residuals and SiLU in the fixed order");
+  m.def("native_stack", &native_stack, py::arg("steps"), py::arg("indices"), py::arg("scalings"),
+        py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("grow"),
+        py::arg("wide_rows"),
+        "rows through native layer steps, their caches appended and attended (ADR-0044)");
 }

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from meshnet_node.programs.decode import DecodeProgram, decode_programs
-from meshnet_node.programs.native import NativeStep, native_steps
+from meshnet_node.programs.native import NativeStack, native_stack
 
 ENGINES = ("native", "program", "modules")
 
@@ -17,7 +17,7 @@ class StageLayers:
     """A stage's decoder layers, run for one pass.
 
     - ``engine="native"`` (docs/adr/0044): every pass of a packed low-bit stage whose layers
-      all have ``NativeStep``s runs through them (prompt chunks, steps, batches, drafts);
+      all have C++ steps runs through its ``NativeStack`` (prompt chunks, steps, batches, drafts);
       other stages run as with ``"program"``.
     - ``engine="program"``: a one-token step, and a batched step of distinct sessions,
       through each layer's ``DecodeProgram`` (where every layer has one): transformers'
@@ -33,11 +33,11 @@ class StageLayers:
         self.layers, self.layer_types = list(layers), list(layer_types)
         self.call_layer, self.call_batched = call_layer, call_batched
         self.programs: list[DecodeProgram] | None = None
-        self.native: list[NativeStep] | None = None
+        self.native: NativeStack | None = None
         if engine != "modules":
             self.programs = decode_programs(self.layers)
         if engine == "native" and self.programs is not None:
-            self.native = native_steps(self.layers, self.programs, self.layer_types)
+            self.native = native_stack(self.layers, self.programs, self.layer_types)
 
     @property
     def engine(self) -> str:
@@ -52,7 +52,7 @@ class StageLayers:
     ) -> torch.Tensor:  # fmt: skip
         """``hidden`` (1, T, H) through layers ``first..`` (local), each appending to
         ``cache``; ``masks`` and ``rotary`` by attention type (``build_masks``)."""
-        if self.native is not None:  # the T positions as rows of one session
+        if self.native is not None and first < len(self.layers):  # positions as rows
             rows = hidden.shape[1]
             cos, sin = (t[0].unsqueeze(1) for t in rotary[self.layer_types[first]])
             out = self._native(hidden[0].unsqueeze(1), first, cos, sin, [(cache, rows)])
@@ -79,7 +79,7 @@ class StageLayers:
         rows are distinct sessions whose attention modules would each run once for all
         rows, as written (``together_plain``): then through the programs. The native
         engine takes every batch: rows of one session (drafts) are consecutive."""
-        if self.native is not None:
+        if self.native is not None and first < len(self.layers):
             contexts = rows_for(self.layer_types[first])
             cos = torch.cat([c.position_embeddings[0] for c in contexts])
             sin = torch.cat([c.position_embeddings[1] for c in contexts])
@@ -100,8 +100,6 @@ class StageLayers:
         return hidden
 
     def _native(self, rows: torch.Tensor, first: int, cos, sin, groups) -> torch.Tensor:
-        """Rows (N, 1, H) through the native steps of layers ``first..`` (one rotary for
+        """Rows (N, 1, H) through the native stack from layer ``first`` (one rotary for
         them all: the engine runs full attention only)."""
-        for step in self.native[first:]:  # type: ignore[index]
-            rows = step(rows, cos, sin, groups)
-        return rows
+        return self.native(first, rows, cos, sin, groups)  # type: ignore[misc]

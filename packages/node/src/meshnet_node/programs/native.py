@@ -29,7 +29,7 @@ from transformers.models.llama import modeling_llama
 from meshnet_node.kernels import intpack, packed
 from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.lowbit.modules import PackedLinear
-from meshnet_node.lowbit.packed import Int4Weight
+from meshnet_node.lowbit.packed import WIDE_ROWS, Int4Weight
 
 
 def _same_code(a: Any, b: Any) -> bool:
@@ -83,8 +83,9 @@ def _llama_rotary(family: Any) -> bool:
 
 
 def _product(kernels: Any, module: nn.Module) -> Any:
-    """``module``'s product: the int4 kernel where its one-row call reaches that kernel,
-    else its own forward."""
+    """``module``'s product: the int4 kernel where its one-row call reaches that kernel
+    (its own forward for calls of more rows than ``WIDE_ROWS``: a prompt's pass may take a
+    GEMM there), else its own forward."""
     weight = getattr(module, "packed", None)
     if type(module) is PackedLinear and type(weight) is Int4Weight:
         block = intpack.int4_block_n(weight.out_features)
@@ -93,6 +94,7 @@ def _product(kernels: Any, module: nn.Module) -> Any:
             return kernels.Product.int4(
                 weight.packed, weight.scale_zero.contiguous(), weight.group, block,
                 weight.in_features, weight.out_features, bias,
+                wide=module.forward, wide_rows=WIDE_ROWS[weight.fmt],
             )  # fmt: skip
     return kernels.Product.python(module.forward)
 
@@ -138,48 +140,51 @@ def layer_step(layer: nn.Module, attn: nn.Module, layout: Any) -> Any | None:
     )  # fmt: skip
 
 
-class NativeStep:
-    """A layer of the native engine (docs/adr/0044): its ``LayerStep`` around the kernel
-    module's own attention (``attend``), for any rows: a prompt chunk's positions, one
-    session's step, a batched step's sessions, a verification pass's drafts. Each row's
-    result is the same bits whatever rows share its pass, the thread count or the split:
-    every part computes a row alone in an order its code fixes. Its numbers are not
-    transformers' (the attention is not torch's SDPA): the engine is only for packed
-    low-bit stages (``native_steps``), whose reference is a dequantized model anyway."""
+GROW = 64  # positions a layer's cache buffer holds beyond its rows when it moves
 
-    __slots__ = ("step", "attend", "layer_idx", "scaling")
 
-    def __init__(self, step: Any, attend: Any, layer_idx: int, scaling: float) -> None:
-        self.step, self.attend, self.layer_idx, self.scaling = step, attend, layer_idx, scaling
+class NativeStack:
+    """The native engine's layers of a stage (docs/adr/0044): each layer's ``LayerStep``
+    around the kernel module's own attention, run for any rows in one call of
+    ``native_stack`` (a prompt chunk's positions, one session's step, a batched step's
+    sessions, a verification pass's drafts) that appends each row's keys and values to its
+    cache (a buffer with room to grow, the cache's tensors views of it) and releases the
+    GIL while the layers compute. Each row's result is the same bits whatever rows share
+    its pass, the thread count or the split: every part computes a row alone in an order
+    its code fixes. Its numbers are not transformers' (the attention is not torch's SDPA):
+    the engine is only for packed low-bit stages (``native_stack``), whose reference is a
+    dequantized model anyway."""
 
-    def __call__(self, hidden, cos, sin, groups) -> Any:
-        """``hidden`` (N, 1, H): rows; ``cos``/``sin`` (N, 1, D) their rotary; ``groups``:
-        consecutive rows of one session as ``(cache, count)``, in position order. Appends
-        each row's keys and values to its cache; row ``i`` of a group of ``count`` whose
-        cache then holds ``n`` sees its first ``n - count + 1 + i``."""
-        q, k, v = self.step.native_before(hidden, cos, sin)  # (N, heads, 1, D), (N, kv, 1, D)
-        keys, values, visible, start = [], [], [], 0
-        for cache, count in groups:
-            end = start + count
-            kk, vv = cache.update(k[start:end].transpose(0, 2), v[start:end].transpose(0, 2), self.layer_idx)  # fmt: skip
-            n = kk.shape[2]
-            keys += [kk] * count
-            values += [vv] * count
-            visible += range(n - count + 1, n + 1)
-            start = end
-        return self.step.native_after(hidden, self.attend(q, keys, values, visible, self.scaling))
+    def __init__(
+        self, kernels: Any, steps: list, indices: list[int], scalings: list[float]
+    ) -> None:
+        self.run_stack = kernels.native_stack
+        self.steps, self.indices, self.scalings = steps, indices, scalings
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __call__(self, first: int, hidden, cos, sin, groups) -> Any:
+        """``hidden`` (N, 1, H): rows through layers ``first..``; ``cos``/``sin`` (N, 1, D)
+        their rotary; ``groups``: consecutive rows of one session as ``(cache, count)``, in
+        position order (row ``i`` of a group of ``count`` whose cache then holds ``n`` sees
+        its first ``n - count + 1 + i`` positions)."""
+        return self.run_stack(
+            self.steps[first:], self.indices[first:], self.scalings[first:], hidden, cos, sin,
+            [(cache, count) for cache, count in groups], GROW, WIDE_ROWS["int4"],
+        )  # fmt: skip
 
 
 def _packed(layer: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in layer.modules())
 
 
-def native_steps(layers, programs, layer_types) -> list[NativeStep] | None:
-    """The native engine's step for every layer, or None where it does not apply: layers
-    with packed low-bit weights on the CPU, every one with a ``LayerStep``, full (not
-    sliding) attention, head and hidden dimensions of whole 16-lane blocks. Waits for the kernel
-    module (built once per machine): which engine a stage runs is settled before its first
-    pass and never changes, so every pass of it computes alike."""
+def native_stack(layers, programs, layer_types) -> NativeStack | None:
+    """The native engine's stack of a stage's layers, or None where it does not apply:
+    layers with packed low-bit weights on the CPU, every one with a ``LayerStep``, full (not
+    sliding) attention, head and hidden dimensions of whole 16-lane blocks. Waits for the
+    kernel module (built once per machine): which engine a stage runs is settled before its
+    first pass and never changes, so every pass of it computes alike."""
     if not layers or not all(_packed(layer) for layer in layers):
         return None
     if any(t != "full_attention" for t in layer_types):
@@ -188,7 +193,7 @@ def native_steps(layers, programs, layer_types) -> list[NativeStep] | None:
     if weight.device.type != "cpu" or not packed.start(weight.device) or packed.wait() is None:
         return None
     kernels = intpack.module()
-    if kernels is None or not hasattr(kernels, "attend"):
+    if kernels is None or not hasattr(kernels, "native_stack"):
         return None
     steps = []
     for layer, program in zip(layers, programs, strict=True):
@@ -196,5 +201,5 @@ def native_steps(layers, programs, layer_types) -> list[NativeStep] | None:
         whole = program.head_dim % 16 == 0 and layer.input_layernorm.weight.shape[-1] % 16 == 0
         if step is None or program.extra.get("sliding_window") is not None or not whole:
             return None
-        steps.append(NativeStep(step, kernels.attend, program.layer_idx, program.scaling))
-    return steps
+        steps.append(step)
+    return NativeStack(kernels, steps, [p.layer_idx for p in programs], [p.scaling for p in programs])  # fmt: skip
