@@ -151,9 +151,42 @@ def test_only_packed_pre_norm_stages_take_it(tiny_snapshot, kernels):
         ("qwen2", Precision.INT8, "native"),
         ("llama", Precision.BFLOAT16, "program"),  # transformers' numbers: decode programs
         ("gemma2", Precision.INT4, "program"),  # sandwich norms: not mirrored in C++
+        ("mistral", Precision.INT4, "program"),  # a sliding window: not this attention
+        ("qwen2", Precision.INT4, "native"),  # layers 0-1 attend in full
     ):
         shard = load_shard(tiny_snapshot(family), LayerRange(0, 2), precision)
         assert Stage(shard).layers.engine == engine, (family, precision)
+
+
+# whole and split, by family: the tiny Qwen2's layers 3-5 slide (max_window_layers 3), so
+# its tail keeps the program engine and only its first three layers are split
+BOUNDS = {
+    "llama": (((0, 6),), ((0, 2), (2, 4), (4, 6))),
+    "qwen2": (((0, 3), (3, 6)), ((0, 1), (1, 3), (3, 6))),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("precision", [Precision.INT4, Precision.INT8], ids=lambda p: p.value)
+def test_packed_tiny_models_split_as_unsplit_and_near_the_modules(tiny_snapshot, kernels, family, precision):  # fmt: skip
+    """A prompt of 150 rows (one chunk of 128, over the 96 rows that keep the GEMM, then 22
+    row by row) and 8 tokens; Qwen2's projections carry biases."""
+    snapshot = tiny_snapshot(family)
+    prompt = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def stages(bounds, engine="native"):
+        out = [Stage(load_shard(snapshot, LayerRange(a, b), precision), engine=engine) for a, b in bounds]  # fmt: skip
+        full = [all(t == "full_attention" for t in s.shard.layer_types) for s in out]
+        want = [engine if f or engine == "modules" else "program" for f in full]
+        assert [s.layers.engine for s in out] == want
+        return out
+
+    whole, split = BOUNDS[family]
+    tokens, logits = split_greedy(stages(whole), prompt, 8)
+    split_tokens, split_logits = split_greedy(stages(split), prompt, 8)
+    assert split_tokens == tokens and _same(split_logits, logits)
+    _, reference = split_greedy(stages(whole, "modules"), prompt, 1)
+    assert torch.allclose(logits[0], reference[0], atol=0.05, rtol=0.02)
 
 
 def _exp_fixed(x: np.ndarray) -> np.ndarray:
