@@ -381,9 +381,8 @@ struct LayerStep {
   Siblings qkv, gate_up;
   Product o, down;
 
-  // DecodeProgram._projected after the layer's input norm; rotary as apply_rotary_pos_emb.
-  std::vector<Tensor> before(const Tensor& hidden, const Tensor& cos, const Tensor& sin) const {
-    const auto x = input_norm(hidden);
+  // DecodeProgram._projected of the normed input x; rotary as apply_rotary_pos_emb.
+  std::vector<Tensor> projected(const Tensor& x, const Tensor& cos, const Tensor& sin) const {
     const auto parts = qkv(x);
     auto shape = x.sizes().vec();
     shape.back() = -1;
@@ -392,17 +391,16 @@ struct LayerStep {
             parts[2].view(shape).transpose(1, 2)};
   }
 
+  // DecodeProgram._projected after the layer's input norm.
+  std::vector<Tensor> before(const Tensor& hidden, const Tensor& cos, const Tensor& sin) const {
+    return projected(input_norm(hidden), cos, sin);
+  }
+
   // The native engine's parts around its attention: `before` and `after` with the norms'
   // sums, the residuals and the activation in the fixed order (fixed_order.h); products
   // and rotary as above.
   std::vector<Tensor> native_before(const Tensor& hidden, const Tensor& cos, const Tensor& sin) const {
-    const auto x = input_norm.fixed(hidden);
-    const auto parts = qkv(x);
-    auto shape = x.sizes().vec();
-    shape.back() = -1;
-    shape.push_back(head_dim);
-    return {rotary(parts[0], head_dim, cos, sin), rotary(parts[1], head_dim, cos, sin),
-            parts[2].view(shape).transpose(1, 2)};
+    return projected(input_norm.fixed(hidden), cos, sin);
   }
 
   Tensor native_after(const Tensor& residual, const Tensor& attended) const {
