@@ -438,6 +438,25 @@ struct LayerStep {
 // the whole cache as torch.cat does. A layer whose tensors are not views of its buffer (new,
 // filled from a prefix, grown past it) moves into a new one; a crop leaves a shorter view and
 // the next rows overwrite what it dropped. Needs the GIL.
+// Rows (count, kv, 1, D) into positions [n, n + count) of a contiguous (1, kv, cap, D)
+// buffer of their dtype: a memcpy per row and head where each head's D values lie together.
+void copy_rows(const Tensor& rows, Tensor& buffer, int64_t n) {
+  const int64_t count = rows.size(0), kv = rows.size(1), d = rows.size(3), cap = buffer.size(2);
+  if (rows.stride(3) != 1 || rows.scalar_type() != buffer.scalar_type()) {
+    buffer.slice(2, n, n + count).copy_(rows.transpose(0, 2));
+    return;
+  }
+  const auto size = rows.element_size();
+  const auto* src = static_cast<const char*>(rows.data_ptr());
+  auto* dst = static_cast<char*>(buffer.data_ptr());
+  for (int64_t b = 0; b < count; ++b) {
+    for (int64_t g = 0; g < kv; ++g) {
+      std::memcpy(dst + ((g * cap + n + b) * d) * size,
+                  src + (b * rows.stride(0) + g * rows.stride(1)) * size, static_cast<size_t>(d * size));
+    }
+  }
+}
+
 std::pair<Tensor, Tensor> append_rows(py::handle layer, const Tensor& k_rows, const Tensor& v_rows,
                                       int64_t grow) {
   const auto k = k_rows.transpose(0, 2), v = v_rows.transpose(0, 2);  // (1, kv, count, D)
@@ -462,8 +481,8 @@ std::pair<Tensor, Tensor> append_rows(py::handle layer, const Tensor& k_rows, co
     }
     state["_meshnet_buffers"] = py::make_tuple(kbuf, vbuf);
   }
-  kbuf.slice(2, n, n + count).copy_(k);
-  vbuf.slice(2, n, n + count).copy_(v);
+  copy_rows(k_rows, kbuf, n);
+  copy_rows(v_rows, vbuf, n);
   auto kview = kbuf.slice(2, 0, n + count), vview = vbuf.slice(2, 0, n + count);
   layer.attr("keys") = kview;
   layer.attr("values") = vview;
