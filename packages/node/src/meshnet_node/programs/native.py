@@ -15,10 +15,15 @@ interpreter between them. Built only where the layer is exactly what the C++ mir
 
 Anything else keeps the Python program; so does a process whose kernel module is not
 built (yet): both give the same bits, so a stage may switch once it is.
+
+The native engine (``NativeStack``, docs/adr/0044) runs every pass of a packed low-bit
+stage through the same steps' ``native_before``/``native_after`` around the module's own
+attention, in one C++ call: its own numbers, the same bits under any schedule.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -30,6 +35,8 @@ from meshnet_node.kernels import intpack, packed
 from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.lowbit.modules import PackedLinear
 from meshnet_node.lowbit.packed import WIDE_ROWS, Int4Weight
+
+logger = logging.getLogger(__name__)
 
 
 def _same_code(a: Any, b: Any) -> bool:
@@ -190,7 +197,11 @@ def native_stack(layers, programs, layer_types) -> NativeStack | None:
     if any(t != "full_attention" for t in layer_types):
         return None
     weight = next(p for p in layers[0].parameters())
-    if weight.device.type != "cpu" or not packed.start(weight.device) or packed.wait() is None:
+    if weight.device.type != "cpu" or not packed.start(weight.device):
+        return None
+    if not packed.settled():
+        logger.info("native engine: waiting for the kernel module's one-time build on this machine")
+    if packed.wait() is None:
         return None
     kernels = intpack.module()
     if kernels is None or not hasattr(kernels, "native_stack"):
