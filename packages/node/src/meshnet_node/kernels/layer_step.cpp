@@ -284,7 +284,17 @@ Tensor rotary_fused(const Tensor& part, int64_t heads, int64_t d, const Tensor& 
     for (int64_t h = 0; h < heads; ++h) {
       const T* xi = x + (b * heads + h) * d;
       T* oi = o + (b * heads + h) * d;
-      for (int64_t j = 0; j < d; ++j) {
+      int64_t j = 0;
+      if (half % meshnet::fixed::kLanes == 0) {  // 16 lanes at a time, the same operations
+        namespace fx = meshnet::fixed;
+        for (; j < d; j += fx::kLanes) {
+          const fx::Lanes rot = j < half ? -fx::load(xi + j + half) : fx::load(xi + j - half);
+          const fx::Lanes a = fx::rounded(fx::load(xi + j) * fx::load(c + j), xi);
+          const fx::Lanes r = fx::rounded(rot * fx::load(s + j), xi);
+          fx::store(oi + j, a + r);
+        }
+      }
+      for (; j < d; ++j) {
         const float rot = j < half ? -static_cast<float>(xi[j + half]) : static_cast<float>(xi[j - half]);
         const T a = round<T>(static_cast<float>(xi[j]) * static_cast<float>(c[j]));
         const T r = round<T>(rot * static_cast<float>(s[j]));
