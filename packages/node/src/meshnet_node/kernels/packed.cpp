@@ -49,6 +49,19 @@ inline void ahead(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + MESHNET_AHEAD, _MM_HINT_T0);
 }
 
+// An int4 block's scale-zero pairs for a group lie n columns apart from the group before:
+// a stride no hardware prefetcher follows, one miss per group (measured: products of a
+// SmolLM2 Q4_1 step 1.6x slower than the same products back to back). Asks for the `cols`
+// pairs of group g + kScalesAhead while group g computes. No value changes.
+constexpr int64_t kScalesAhead = 8;
+template <typename S>
+inline void scales_ahead(const S* sz, int64_t g, int64_t groups, int64_t n, int64_t cols) {
+  const int64_t bytes = cols * 2 * static_cast<int64_t>(sizeof(S));
+  if (g + kScalesAhead >= groups) return;
+  const char* p = reinterpret_cast<const char*>(sz + (g + kScalesAhead) * n * 2);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 constexpr float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 constexpr int64_t kGroup = 32;  // MXFP4 elements per scale (16 bytes)
@@ -838,6 +851,7 @@ struct Int4Tile {
     const vf table = codes_table();
     alignas(64) float acc[R][V * W] = {};
     for (int64_t g = 0; g < groups; ++g) {
+      scales_ahead(sz, g, groups, n, V * W);
       vf in[R][V];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < V; ++v) in[r][v] = vzero();
@@ -916,6 +930,7 @@ struct Int4Bf16Tile {
     const int64_t groups = k / group;
     alignas(64) float acc[R][V * W] = {};
     for (int64_t g = 0; g < groups; ++g) {
+      scales_ahead(sz, g, groups, n, V * W);
       vf in[R][V];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < V; ++v) in[r][v] = vzero();
