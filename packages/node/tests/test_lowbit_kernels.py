@@ -106,9 +106,11 @@ def test_q8_0_linear_equals_the_product_and_the_definition(kernel, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_alone_equal_rows_together_whatever_the_threads(kernel, dtype):
-    """A decode row gives the same bits alone, in a batch of any size, on any thread count."""
-    n, k, group = 1536, 576, 64
+@pytest.mark.parametrize("n", [1536, 576, 960])  # 24, 9 and 15 blocks of 64: halves on 2 threads
+def test_rows_alone_equal_rows_together_whatever_the_threads(kernel, dtype, n):
+    """A decode row gives the same bits alone, in a batch of any size, on any thread count
+    (an odd number of blocks is split into half blocks among the threads)."""
+    k, group = 576, 64
     block = block_of(n)
     _, pk, sz = intpack.int4_probe(n, k, group, dtype, seed=3)
     q, scale = intpack.int8_probe(n, k + 8, dtype, seed=3)  # a width with a scalar tail
@@ -123,8 +125,10 @@ def test_rows_alone_equal_rows_together_whatever_the_threads(kernel, dtype):
         assert torch.equal(together[5:21], call(x[5:21]))
         threads = torch.get_num_threads()
         try:
-            torch.set_num_threads(1)
-            assert torch.equal(together, call(x))
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                assert torch.equal(together, call(x))
+                assert torch.equal(together[:1], call(x[:1]))
         finally:
             torch.set_num_threads(threads)
 

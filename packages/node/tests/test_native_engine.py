@@ -132,6 +132,23 @@ def test_batched_steps_and_drafts_give_each_sessions_own_bits(smollm2):
     assert out.token.token_id == tokens[1] and [t.token_id for t in out.more] == tokens[2:4]
 
 
+def test_a_refused_pass_changes_no_cache(smollm2):
+    """The stack reads every layer's cache before its layers run and writes them after:
+    a pass refused (one session's rows as two groups) leaves the session as it was."""
+    whole, _ = smollm2
+    (stage,) = _stages(whole)
+    session = stage.open_session("r")
+    stage.step("r", 0, token_ids=torch.tensor([PROMPTS[0]]))
+    before = [(layer.keys, layer.values) for layer in session.cache.layers]
+    rows = torch.zeros(2, 1, stage.shard.config.hidden_size, dtype=torch.bfloat16)
+    cos = sin = torch.ones(2, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="one group"):
+        stage.layers.native(0, rows, cos, sin, [(session.cache, 1), (session.cache, 1)])
+    after = [(layer.keys, layer.values) for layer in session.cache.layers]
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(before, after, strict=True))
+    assert session.cache.get_seq_length() == len(PROMPTS[0])
+
+
 def test_the_thread_count_changes_no_bit(smollm2):
     whole, _ = smollm2
     threads = torch.get_num_threads()

@@ -94,8 +94,15 @@ struct Product {
     T* o = out.data_ptr<T>();
     const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
     const int64_t w = b - a;
+    namespace fx = meshnet::fixed;
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = a; j < b; ++j) {
+      int64_t j = a;
+      for (; j + fx::kLanes <= b; j += fx::kLanes) {  // 16 at a time: the same roundings
+        fx::Lanes v = fx::rounded(fx::load(y + r * out_features + j), o);
+        if (bp != nullptr) v = fx::rounded(v + fx::load(bp + j), o);
+        fx::store(o + r * w + (j - a), v);
+      }
+      for (; j < b; ++j) {
         T v = round<T>(y[r * out_features + j]);
         if (bp != nullptr) v = round<T>(static_cast<float>(v) + static_cast<float>(bp[j]));
         o[r * w + (j - a)] = v;
@@ -442,12 +449,6 @@ struct LayerStep {
 // The native engine's stack (ADR-0044): rows through layers in one call, the interpreter
 // out of the loop and the GIL released while they compute.
 
-// Rows k, v (count, kv, 1, D) appended to a transformers DynamicLayer as its `update` would,
-// into a buffer with room for `grow` more positions kept in the layer's dict: its keys and
-// values become views of the buffer's first positions, so a step copies its own rows, not
-// the whole cache as torch.cat does. A layer whose tensors are not views of its buffer (new,
-// filled from a prefix, grown past it) moves into a new one; a crop leaves a shorter view and
-// the next rows overwrite what it dropped. Needs the GIL.
 // Rows (count, kv, 1, D) into positions [n, n + count) of a contiguous (1, kv, cap, D)
 // buffer of their dtype: a memcpy per row and head where each head's D values lie together.
 void copy_rows(const Tensor& rows, Tensor& buffer, int64_t n) {
@@ -467,37 +468,68 @@ void copy_rows(const Tensor& rows, Tensor& buffer, int64_t n) {
   }
 }
 
-std::pair<Tensor, Tensor> append_rows(py::handle layer, const Tensor& k_rows, const Tensor& v_rows,
-                                      int64_t grow) {
-  const auto k = k_rows.transpose(0, 2), v = v_rows.transpose(0, 2);  // (1, kv, count, D)
-  if (!layer.attr("is_initialized").cast<bool>()) layer.attr("lazy_initialization")(k, v);
-  const auto keys = layer.attr("keys").cast<Tensor>(), values = layer.attr("values").cast<Tensor>();
-  const int64_t count = k.size(2), n = keys.dim() == 4 ? keys.size(2) : 0;
-  py::dict state = layer.attr("__dict__");
-  Tensor kbuf, vbuf;
-  if (state.contains("_meshnet_buffers")) {
-    auto pair = state["_meshnet_buffers"].cast<std::pair<Tensor, Tensor>>();
-    kbuf = pair.first, vbuf = pair.second;
-  }
-  const bool moved = !kbuf.defined() || kbuf.size(2) < n + count ||
-                     (n > 0 && (keys.data_ptr() != kbuf.data_ptr() || values.data_ptr() != vbuf.data_ptr()));
-  if (moved) {
-    const std::vector<int64_t> shape{k.size(0), k.size(1), n + count + grow, k.size(3)};
-    kbuf = torch::empty(shape, k.options());
-    vbuf = torch::empty(shape, v.options());
-    if (n > 0) {
-      kbuf.slice(2, 0, n).copy_(keys);
-      vbuf.slice(2, 0, n).copy_(values);
+// A layer's cache in the native engine: its keys and values in a buffer with room for `grow`
+// more positions, kept in the transformers DynamicLayer's dict; the layer's keys and values
+// are views of the buffer's first positions, so a step copies its own rows instead of
+// torch.cat-ing the whole cache. A layer whose tensors are not views of its buffer (new,
+// filled from a prefix, grown past it) moves into a new one; a crop leaves a shorter view and
+// the next rows overwrite what it dropped.
+//
+// A pass touches Python twice per layer and session: `read` before the layers run (with the
+// GIL), `publish` after all of them ran (with the GIL); in between, `append` copies the
+// rows into the buffer without it. A pass that fails in between changes no layer.
+struct CacheSlot {
+  py::object layer;
+  bool initialized = false;
+  Tensor keys, values, kbuf, vbuf;  // keys/values: the layer's (n > 0); buffers: its, or new
+  int64_t n = 0;  // positions the layer holds before the pass
+  bool moved = false;
+
+  static CacheSlot read(py::object layer) {
+    CacheSlot slot;
+    slot.layer = std::move(layer);
+    slot.initialized = slot.layer.attr("is_initialized").cast<bool>();
+    if (!slot.initialized) return slot;
+    slot.keys = slot.layer.attr("keys").cast<Tensor>();
+    slot.values = slot.layer.attr("values").cast<Tensor>();
+    slot.n = slot.keys.dim() == 4 ? slot.keys.size(2) : 0;
+    py::dict state = slot.layer.attr("__dict__");
+    if (state.contains("_meshnet_buffers")) {
+      auto pair = state["_meshnet_buffers"].cast<std::pair<Tensor, Tensor>>();
+      slot.kbuf = std::move(pair.first), slot.vbuf = std::move(pair.second);
     }
-    state["_meshnet_buffers"] = py::make_tuple(kbuf, vbuf);
+    return slot;
   }
-  copy_rows(k_rows, kbuf, n);
-  copy_rows(v_rows, vbuf, n);
-  auto kview = kbuf.slice(2, 0, n + count), vview = vbuf.slice(2, 0, n + count);
-  layer.attr("keys") = kview;
-  layer.attr("values") = vview;
-  return {kview, vview};
-}
+
+  // Rows k, v (count, kv, 1, D) after the layer's n positions, as DynamicLayer.update
+  // would append them; returns the keys and values the rows attend to. No GIL needed.
+  std::pair<Tensor, Tensor> append(const Tensor& k_rows, const Tensor& v_rows, int64_t grow) {
+    const int64_t count = k_rows.size(0);
+    moved = !kbuf.defined() || kbuf.size(2) < n + count ||
+            (n > 0 && (keys.data_ptr() != kbuf.data_ptr() || values.data_ptr() != vbuf.data_ptr()));
+    if (moved) {
+      const std::vector<int64_t> shape{1, k_rows.size(1), n + count + grow, k_rows.size(3)};
+      kbuf = torch::empty(shape, k_rows.options());
+      vbuf = torch::empty(shape, v_rows.options());
+      if (n > 0) {
+        kbuf.slice(2, 0, n).copy_(keys);
+        vbuf.slice(2, 0, n).copy_(values);
+      }
+    }
+    copy_rows(k_rows, kbuf, n);
+    copy_rows(v_rows, vbuf, n);
+    keys = kbuf.slice(2, 0, n + count), values = vbuf.slice(2, 0, n + count);
+    return {keys, values};
+  }
+
+  // The layer's keys and values become the views `append` made (GIL held).
+  void publish() {
+    if (!initialized) layer.attr("lazy_initialization")(keys, values);
+    if (moved) layer.attr("__dict__")["_meshnet_buffers"] = py::make_tuple(kbuf, vbuf);
+    layer.attr("keys") = keys;
+    layer.attr("values") = values;
+  }
+};
 
 // A session's `count` rows (a prompt chunk of more than wide_rows) attended as the module
 // path attends them: torch's SDPA over its cache, each row masked to the positions up to
@@ -521,49 +553,53 @@ Tensor native_stack(const std::vector<LayerStep*>& steps, const std::vector<int6
                     const std::vector<double>& scalings, Tensor hidden, const Tensor& cos,
                     const Tensor& sin, const std::vector<std::pair<py::object, int64_t>>& caches,
                     int64_t grow, int64_t wide_rows) {
-  std::vector<py::object> layer_lists;
   bool wide = false;
-  for (const auto& group : caches) {
-    layer_lists.push_back(group.first.attr("layers"));
+  std::vector<std::vector<CacheSlot>> slots(steps.size());  // [layer][group]
+  for (size_t g = 0; g < caches.size(); ++g) {
+    const auto& group = caches[g];
+    for (size_t h = 0; h < g; ++h) {
+      TORCH_CHECK(!caches[h].first.is(group.first), "native_stack: a session's rows are one group");
+    }
+    const py::object layers = group.first.attr("layers");
+    for (size_t i = 0; i < steps.size(); ++i) slots[i].push_back(CacheSlot::read(layers[py::int_(indices[i])]));
     wide = wide || group.second > wide_rows;
   }
-  for (size_t i = 0; i < steps.size(); ++i) {
-    std::vector<Tensor> qkv;
-    {
-      py::gil_scoped_release free;
-      qkv = steps[i]->native_before(hidden, cos, sin);
-    }
-    std::vector<Tensor> keys, values, parts;
-    std::vector<int64_t> visible;
-    int64_t start = 0;
-    for (size_t g = 0; g < caches.size(); ++g) {
-      const int64_t count = caches[g].second;
-      const py::object layer = layer_lists[g][py::int_(indices[i])];
-      auto [kk, vv] = append_rows(layer, qkv[1].slice(0, start, start + count),
-                                  qkv[2].slice(0, start, start + count), grow);
-      const int64_t n = kk.size(2);
-      if (wide) {  // each group on its own: a long one through SDPA
-        py::gil_scoped_release free;
-        const auto q = qkv[0].slice(0, start, start + count);
-        std::vector<int64_t> seen(count);
-        for (int64_t t = 0; t < count; ++t) seen[t] = n - count + 1 + t;
-        parts.push_back(count > wide_rows ? sdpa_rows(q, kk, vv, scalings[i])
-                                          : meshnet::attend_rows(q, std::vector<Tensor>(count, kk),
-                                                                 std::vector<Tensor>(count, vv), seen,
-                                                                 scalings[i]));
-      } else {
-        for (int64_t t = 0; t < count; ++t) {
-          keys.push_back(kk);
-          values.push_back(vv);
-          visible.push_back(n - count + 1 + t);
+  {
+    py::gil_scoped_release free;  // the whole stack: products that need Python take it back
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const auto qkv = steps[i]->native_before(hidden, cos, sin);
+      std::vector<Tensor> keys, values, parts;
+      std::vector<int64_t> visible;
+      int64_t start = 0;
+      for (size_t g = 0; g < caches.size(); ++g) {
+        const int64_t count = caches[g].second;
+        auto [kk, vv] = slots[i][g].append(qkv[1].slice(0, start, start + count),
+                                           qkv[2].slice(0, start, start + count), grow);
+        const int64_t n = kk.size(2);
+        if (wide) {  // each group on its own: a long one through SDPA
+          const auto q = qkv[0].slice(0, start, start + count);
+          std::vector<int64_t> seen(count);
+          for (int64_t t = 0; t < count; ++t) seen[t] = n - count + 1 + t;
+          parts.push_back(count > wide_rows ? sdpa_rows(q, kk, vv, scalings[i])
+                                            : meshnet::attend_rows(q, std::vector<Tensor>(count, kk),
+                                                                   std::vector<Tensor>(count, vv), seen,
+                                                                   scalings[i]));
+        } else {
+          for (int64_t t = 0; t < count; ++t) {
+            keys.push_back(kk);
+            values.push_back(vv);
+            visible.push_back(n - count + 1 + t);
+          }
         }
+        start += count;
       }
-      start += count;
+      const auto attended = wide ? torch::cat(parts)
+                                 : meshnet::attend_rows(qkv[0], std::move(keys), std::move(values), visible, scalings[i]);
+      hidden = steps[i]->native_after(hidden, attended);
     }
-    py::gil_scoped_release free;
-    const auto attended = wide ? torch::cat(parts)
-                               : meshnet::attend_rows(qkv[0], std::move(keys), std::move(values), visible, scalings[i]);
-    hidden = steps[i]->native_after(hidden, attended);
+  }
+  for (auto& layer : slots) {
+    for (auto& slot : layer) slot.publish();
   }
   return hidden;
 }

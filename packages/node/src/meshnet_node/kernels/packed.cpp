@@ -907,30 +907,33 @@ struct Bf16Codes {
     off = _mm512_set1_epi32(0x10001000);
     low4 = _mm512_set1_epi8(0x0F);
   }
-  // 64 bytes: k's 32 then k+1's -> columns 0-15, 16-31 (low nibbles), 32-47, 48-63 (high)
-  void decode(const uint8_t* p, __m512bh* w) const {
-    const vi src = _mm512_loadu_si512(p);
-    for (int q = 0; q < 2; ++q) {
-      const vi d = _mm512_permutexvar_epi8(dup[q], src);
-      const vi lo = _mm512_or_si512(_mm512_and_si512(d, low4), off);
-      const vi hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(d, 4), low4), off);
-      w[q] = (__m512bh)_mm512_permutexvar_epi8(lo, table);
-      w[2 + q] = (__m512bh)_mm512_permutexvar_epi8(hi, table);
-    }
+  // 64 bytes: k's 32 then k+1's -> columns 0-15, 16-31 (low nibbles), 32-47, 48-63 (high).
+  // Half q of a block (columns 16q..16q+15 and 32+16q..32+16q+15) comes from one vpermb of
+  // the bytes: w[0] the low nibbles' columns, w[1] the high ones'.
+  void decode_half(const vi& src, int q, __m512bh* w) const {
+    const vi d = _mm512_permutexvar_epi8(dup[q], src);
+    const vi lo = _mm512_or_si512(_mm512_and_si512(d, low4), off);
+    const vi hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(d, 4), low4), off);
+    w[0] = (__m512bh)_mm512_permutexvar_epi8(lo, table);
+    w[1] = (__m512bh)_mm512_permutexvar_epi8(hi, table);
   }
 };
 
-template <int R>
+// Halves [Q0, Q0 + QS) of one 64-column block (both: the whole block) against R rows of x.
+// Each column's sum is the same operations in the same order whichever columns share the
+// call, so a block computed as two halves (on two threads) gives the whole block's bits.
+template <int R, int QS, int Q0>
 struct Int4Bf16Tile {
   template <typename S>
   static void run(const uint16_t* x, const float* xsum, float* y, int64_t ystride, int64_t k,
                   int64_t group, const uint8_t* blk, const S* sz, int64_t n,
                   const Bf16Codes& codes) {
-    constexpr int V = 4;
+    constexpr int V = 2 * QS;  // vector s: column vector col(s) of the block's four
+    constexpr int col[4] = {Q0, 2 + Q0, Q0 + 1, 3 + Q0};
     const int64_t groups = k / group;
     alignas(64) float acc[R][V * W] = {};
     for (int64_t g = 0; g < groups; ++g) {
-      scales_ahead(sz, g, groups, n, V * W);
+      scales_ahead(sz, g, groups, n, 4 * W);
       vf in[R][V];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < V; ++v) in[r][v] = vzero();
@@ -938,8 +941,9 @@ struct Int4Bf16Tile {
       const uint16_t* xg = x + g * group;
       for (int64_t kk = 0; kk < group; kk += 2, p += 64) {
         ahead(p);
+        const vi src = _mm512_loadu_si512(p);
         __m512bh w[V];
-        codes.decode(p, w);
+        for (int q = 0; q < QS; ++q) codes.decode_half(src, Q0 + q, w + 2 * q);
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, xg + r * k + kk, sizeof pair);
@@ -949,42 +953,63 @@ struct Int4Bf16Tile {
       }
       for (int v = 0; v < V; ++v) {
         vf s, z;
-        scale_zero(sz + (g * n + v * W) * 2, s, z);
+        scale_zero(sz + (g * n + col[v] * W) * 2, s, z);
         for (int r = 0; r < R; ++r) {
           float* a = acc[r] + v * W;
           vstore(a, vfma(z, vset(xsum[r * groups + g]), vfma(s, in[r][v], vload(a))));
         }
       }
     }
-    for (int r = 0; r < R; ++r) std::memcpy(y + r * ystride, acc[r], sizeof acc[r]);
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < V; ++v) {
+        std::memcpy(y + r * ystride + col[v] * W, acc[r] + v * W, sizeof(float) * W);
+      }
+    }
   }
 };
 
 constexpr int kBf16Rows = 4;
 
+// Block b's halves [Q0, Q0 + QS) for every row, kBf16Rows rows a tile.
+template <int QS, int Q0, typename S>
+void int4_bf16_block(const uint16_t* xp, const float* xsum, float* yp, int64_t rows, int64_t k,
+                     int64_t n, int64_t group, const uint8_t* pp, const S* sp, int64_t b,
+                     const Bf16Codes& codes) {
+  constexpr int64_t B = 64;
+  const int64_t groups = k / group;
+  for (int64_t r0 = 0; r0 < rows; r0 += kBf16Rows) {
+    const int64_t tile = std::min<int64_t>(kBf16Rows, rows - r0);
+    auto call = [&](auto rr) {
+      constexpr int R = decltype(rr)::value;
+      Int4Bf16Tile<R, QS, Q0>::run(xp + r0 * k, xsum + r0 * groups, yp + r0 * n + b * B, n, k,
+                                   group, pp + b * B * (k / 2), sp + b * B * 2, n, codes);
+    };
+    switch (tile) {
+      case 1: call(std::integral_constant<int, 1>{}); break;
+      case 2: call(std::integral_constant<int, 2>{}); break;
+      case 3: call(std::integral_constant<int, 3>{}); break;
+      case 4: call(std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
+// The blocks split in halves among the threads (half-block units, ceil(units / threads) a
+// thread): 9 blocks on two threads are 4.5 each, not 5 and 4. A thread's units that make a
+// whole block run as one; a half at either end of its range runs alone.
 template <typename S>
 void int4_bf16_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t rows,
                       int64_t k, int64_t n, int64_t group, const uint8_t* pp, const S* sp) {
-  constexpr int64_t B = 64;
-  const int64_t groups = k / group;
+  const int64_t units = 2 * (n / 64);
   const Bf16Codes codes;
-  meshnet::parallel_for(0, n / B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t r0 = 0; r0 < rows; r0 += kBf16Rows) {
-        const int64_t tile = std::min<int64_t>(kBf16Rows, rows - r0);
-        auto call = [&](auto rr) {
-          constexpr int R = decltype(rr)::value;
-          Int4Bf16Tile<R>::run(xp + r0 * k, xsum + r0 * groups, yp + r0 * n + b * B, n, k,
-                               group, pp + b * B * (k / 2), sp + b * B * 2, n, codes);
-        };
-        switch (tile) {
-          case 1: call(std::integral_constant<int, 1>{}); break;
-          case 2: call(std::integral_constant<int, 2>{}); break;
-          case 3: call(std::integral_constant<int, 3>{}); break;
-          case 4: call(std::integral_constant<int, 4>{}); break;
-        }
-      }
+  meshnet::parallel_for(0, units, 1, [&](int64_t u, int64_t end) {
+    if (u % 2 == 1 && u < end) {
+      int4_bf16_block<1, 1>(xp, xsum, yp, rows, k, n, group, pp, sp, u / 2, codes);
+      ++u;
     }
+    for (; u + 2 <= end; u += 2) {
+      int4_bf16_block<2, 0>(xp, xsum, yp, rows, k, n, group, pp, sp, u / 2, codes);
+    }
+    if (u < end) int4_bf16_block<1, 0>(xp, xsum, yp, rows, k, n, group, pp, sp, u / 2, codes);
   });
 }
 #endif
