@@ -66,6 +66,29 @@ def test_int4_linear_equals_the_product_and_torchs(kernel, n, k, group, dtype):
         assert intpack.near(ours, theirs, x, weight), rows
 
 
+@pytest.mark.parametrize(("n", "k", "group"), [(576, 576, 32), (1536, 2048, 128), (960, 1536, 64)])
+def test_int4_bf16_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k, group):
+    """Where the CPU has AVX-512 VNNI, bf16 rows meet int4 weights as two int8 digits per 32
+    inputs (d = max |x| / 127, then the rest in steps of d / 254): each input within
+    max |x| / 64516 of its value, so the float32 product within that times the weights'
+    magnitudes (plus float32 rounding), where one digit (llama.cpp's Q8 inputs) is 254
+    times further."""
+    if not getattr(kernel, "int4_vnni", False):
+        pytest.skip("no AVX-512 VNNI here: bf16 rows take the bf16 tiles (exact products)")
+    block = block_of(n)
+    codes, pk, sz = intpack.int4_probe(n, k, group, torch.bfloat16, seed=k)
+    weight = intpack.int4_weight(codes, sz, group)  # float64 (N, K)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(group)).bfloat16()
+    ours = kernel.int4_linear(x, pk, sz, group, block).double()  # float32 before any cast
+    xd = x.double()
+    exact = xd @ weight.T
+    top = xd.abs().view(3, k // 32, 32).amax(-1)  # (rows, K / 32)
+    per_block = weight.abs().view(n, k // 32, 32).sum(-1)  # (N, K / 32)
+    bound = (top / 64516) @ per_block.T + 1e-5 * (xd.abs() @ weight.abs().T)
+    assert bool(((ours - exact).abs() <= bound).all())
+    assert not bool(((ours - exact).abs() <= bound / 254).all())  # two digits, not exact
+
+
 @pytest.mark.parametrize(("n", "k"), INT8_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_linear_equals_the_product_and_torchs(kernel, n, k, dtype):

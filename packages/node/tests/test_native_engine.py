@@ -92,13 +92,30 @@ def test_a_rows_attention_is_the_same_bits_alone_in_a_batch_and_on_any_thread_co
 def test_a_split_gives_the_unsplit_stages_bits_and_transformers_greedy_tokens(smollm2):
     whole, thirds = smollm2
     reference = _stages(whole, "modules")
+    float32 = [
+        load_shard(smollm2_gguf_path(), LayerRange(0, 30), Precision.INT4, dtype=torch.float32)
+    ]
     for prompt in PROMPTS:
         tokens, logits = split_greedy(_stages(whole), prompt, 24)
         split_tokens, split_logits = split_greedy(_stages(thirds), prompt, 24)
         assert split_tokens == tokens and _same(split_logits, logits)
         want_tokens, want_logits = split_greedy(reference, prompt, 24)
-        assert tokens == want_tokens
-        assert torch.allclose(logits[0], want_logits[0], atol=0.5, rtol=0)  # bf16 logits ~20
+        _same_tokens_but_at_ties(tokens, want_tokens, want_logits)
+        # within bf16's error of the module path computed in float32 (logits ~20)
+        _, exact = split_greedy(_stages(float32, "modules"), prompt, 1)
+        assert torch.allclose(logits[0], exact[0], atol=0.5, rtol=0)
+
+
+def _same_tokens_but_at_ties(tokens, want_tokens, want_logits, margin=0.125):
+    """Greedy tokens equal to the reference's, except from a position where the reference's
+    two best logits are within ``margin`` (a tie in bf16: ~2 units in the last place at
+    SmolLM2's scale) and ours is one of the two; the texts part there."""
+    for i, (token, want) in enumerate(zip(tokens, want_tokens, strict=True)):
+        if token != want:
+            best = torch.topk(want_logits[i].float(), 2)
+            assert float(best.values[0] - best.values[1]) <= margin, (i, token, want)
+            assert token in best.indices.tolist(), (i, token, want)
+            return
 
 
 def test_a_prompt_gives_the_same_bits_in_any_chunking(smollm2):
