@@ -69,10 +69,8 @@ def test_int4_linear_equals_the_product_and_torchs(kernel, n, k, group, dtype):
 @pytest.mark.parametrize(("n", "k", "group"), [(576, 576, 32), (1536, 2048, 128), (960, 1536, 64)])
 def test_int4_bf16_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k, group):
     """Where the CPU has AVX-512 VNNI, bf16 rows meet int4 weights as two int8 digits per 32
-    inputs (d = max |x| / 127, then the rest in steps of d / 254): each input within
-    max |x| / 64516 of its value, so the float32 product within that times the weights'
-    magnitudes (plus float32 rounding), where one digit (llama.cpp's Q8 inputs) is 254
-    times further."""
+    inputs (d = max |x| / 127, then the rest in steps of d / 254): one digit (llama.cpp's
+    Q8 inputs) would be 254 times further from the exact product."""
     if not getattr(kernel, "int4_vnni", False):
         pytest.skip("no AVX-512 VNNI here: bf16 rows take the bf16 tiles (exact products)")
     block = block_of(n)
@@ -80,13 +78,35 @@ def test_int4_bf16_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k, 
     weight = intpack.int4_weight(codes, sz, group)  # float64 (N, K)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(group)).bfloat16()
     ours = kernel.int4_linear(x, pk, sz, group, block).double()  # float32 before any cast
-    xd = x.double()
+    _within_two_digits(ours, x.double(), weight)
+
+
+def _within_two_digits(ours, xd, weight):
+    """The float32 product of rows taken as two int8 digits per 32 (each input within
+    max |x| / 64516) within that times the weights' magnitudes plus float32 rounding, and
+    not within a bound 254 times tighter (the digits are in use, not exact inputs)."""
+    n, k = weight.shape
     exact = xd @ weight.T
-    top = xd.abs().view(3, k // 32, 32).amax(-1)  # (rows, K / 32)
+    top = xd.abs().view(len(xd), k // 32, 32).amax(-1)  # (rows, K / 32)
     per_block = weight.abs().view(n, k // 32, 32).sum(-1)  # (N, K / 32)
     bound = (top / 64516) @ per_block.T + 1e-5 * (xd.abs() @ weight.abs().T)
     assert bool(((ours - exact).abs() <= bound).all())
-    assert not bool(((ours - exact).abs() <= bound / 254).all())  # two digits, not exact
+    assert not bool(((ours - exact).abs() <= bound / 254).all())
+
+
+@pytest.mark.parametrize(("n", "k"), [(49152, 576), (576, 1536), (100, 64)])
+def test_q8_0_bf16_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k):
+    """Q8_0 blocks (a GGUF's LM head) against bf16 rows take them as the same two digits
+    where the CPU has AVX-512 VNNI (ADR-0045): vpdpbusd on the codes with their sign bit
+    flipped, from -128 times the digits' sums."""
+    if not getattr(kernel, "int4_vnni", False):
+        pytest.skip("no AVX-512 VNNI here: bf16 rows take the bf16 tiles (exact products)")
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    d = torch.rand(n, k // 32, generator=gen) * 0.01
+    weight = (q.double().view(n, k // 32, 32) * d.double().unsqueeze(-1)).view(n, k)
+    x = torch.randn(3, k, generator=gen).bfloat16()
+    _within_two_digits(kernel.q8_0_linear(x, q, d).double(), x.double(), weight)
 
 
 @pytest.mark.parametrize(("n", "k"), INT8_CASES)

@@ -743,6 +743,11 @@ struct Q8Bf16Tile {
 };
 #endif
 
+// Q8_0 blocks against bf16 rows as two int8 digits (AVX-512 VNNI; defined below): false
+// where it does not apply (no VNNI, K not whole 64s), y untouched.
+bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
+                    int64_t k, float* y);
+
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() &&
                   q.size(1) % kQ8Block == 0,
@@ -759,6 +764,7 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   const float* dp = d.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = k / kQ8Block;
+  if (q8_0_vnni_into(x, qp, dp, n, k, yp)) return y;
 #if defined(MESHNET_INT8_BF16)
   if (x.scalar_type() == torch::kBFloat16) {
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
@@ -1030,6 +1036,7 @@ void int4_bf16_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t 
 // the high ones 32+j0..: half q of the block (j0 = 16q), as in the bf16 tile.
 constexpr int64_t kQ8Inputs = 32;  // inputs per scale of the quantized rows
 constexpr int kVnniRows = 2;  // two int32 sums a row and vector: 2 x 4 x 2 registers
+constexpr int kQ8VnniRows = 2;
 
 struct VnniGather {
   vi idx[2], low4;
@@ -1221,6 +1228,105 @@ void int4_vnni_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t 
     }
     if (u < end) int4_vnni_block<1, 0>(x, xsum, yp, rows, k, n, group, pp, sp, u / 2, gather);
   });
+}
+
+// Q8_0 weights (int8 codes, a float scale per 32 of a row) against rows as two int8 digits.
+// 64 codes of one output row meet the 64 digits of the same k: vpdpbusd adds, in each of 16
+// lanes, four products of (code + 128) (the codes' sign bit flipped: unsigned) and the
+// digit, starting from -128 times the four digits' sum, so the lane holds the exact sum of
+// code * digit. Lanes 0-7 are one block of 32, 8-15 the next: each lane is made float and
+// scaled by its block's input and weight scales, and summed into a float32 lane; a row's 16
+// lanes meet at the end in _mm512_reduce_add_ps's fixed order.
+struct Q8Lanes {  // one row's inputs: digits, and per 64 k the lanes' start and scales
+  const int8_t* q;
+  const int8_t* q2;
+  const int32_t* start;  // chunks x 16: -128 * (four digits summed)
+  const int32_t* start2;
+  const float* d;  // chunks x 16: the input scale of the lane's block
+  const float* d2;
+};
+
+template <int R, int NB>
+struct Q8VnniTile {
+  static void run(const Q8Lanes* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
+                  const float* d) {
+    const int64_t chunks = k / 64, blocks = k / kQ8Block;
+    const vi flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const vi halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    vf acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+    for (int64_t c = 0; c < chunks; ++c) {
+      vi w[NB];
+      vf dw[NB];
+      for (int j = 0; j < NB; ++j) {
+        const int8_t* p = q + j * k + c * 64;
+        ahead(p);
+        w[j] = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
+        double pair;  // the row's two block scales of this chunk
+        std::memcpy(&pair, d + j * blocks + 2 * c, sizeof pair);
+        dw[j] = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const Q8Lanes& in = x[r];
+        const vi q1 = _mm512_loadu_si512(in.q + c * 64), q2 = _mm512_loadu_si512(in.q2 + c * 64);
+        const vi s1 = _mm512_loadu_si512(in.start + c * W), s2 = _mm512_loadu_si512(in.start2 + c * W);
+        const vf d1 = vload(in.d + c * W), d2 = vload(in.d2 + c * W);
+        for (int j = 0; j < NB; ++j) {
+          const vf f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s1, w[j], q1)), d1);
+          const vf f = vfma(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s2, w[j], q2)), d2, f1);
+          acc[r][j] = vfma(f, dw[j], acc[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
+  }
+};
+
+bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
+                    int64_t k, float* y) {
+  if (x.scalar_type() != torch::kBFloat16 || k % 64 != 0) return false;
+  const int64_t rows = x.size(0), chunks = k / 64, blocks = k / kQ8Block;
+  thread_local std::vector<int8_t> q1, q2;
+  thread_local std::vector<float> scales, d1, d2;
+  thread_local std::vector<int32_t> sum8, sum8_2, start1, start2;
+  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  quantize_rows(xb, rows, k, q1, q2, scales, sum8, sum8_2);
+  const auto lanes = static_cast<size_t>(rows * chunks * W);
+  start1.resize(lanes), start2.resize(lanes), d1.resize(lanes), d2.resize(lanes);
+  std::vector<Q8Lanes> inputs(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t l = 0; l < W; ++l) {
+        const int64_t at = r * k + c * 64 + 4 * l, lane = (r * chunks + c) * W + l;
+        int32_t a = 0, b = 0;
+        for (int i = 0; i < 4; ++i) a += q1[at + i], b += q2[at + i];
+        const float scale = scales[r * blocks + 2 * c + l / 8];
+        start1[lane] = -128 * a, start2[lane] = -128 * b;
+        d1[lane] = scale, d2[lane] = scale / 254.0f;
+      }
+    }
+    const auto off = static_cast<size_t>(r * chunks * W);
+    inputs[r] = {q1.data() + r * k, q2.data() + r * k, start1.data() + off, start2.data() + off,
+                 d1.data() + off, d2.data() + off};
+  }
+  meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+    auto direct = [&](int64_t j, auto nb) {
+      constexpr int C = decltype(nb)::value;
+      for (int64_t r0 = 0; r0 < rows; r0 += kQ8VnniRows) {
+        by_rows<kQ8VnniRows, Q8VnniTile, C>(std::min<int64_t>(kQ8VnniRows, rows - r0),
+                                            inputs.data() + r0, y + r0 * n + j, n, k,
+                                            q + j * k, d + j * blocks);
+      }
+    };
+    product_range(n0, n1, direct);
+  });
+  return true;
+}
+#else
+bool q8_0_vnni_into(const torch::Tensor&, const int8_t*, const float*, int64_t, int64_t, float*) {
+  return false;
 }
 #endif
 
