@@ -845,6 +845,32 @@ inline void scale_zero(const S* p, vf& s, vf& z) {
 }
 #endif
 
+// A group finished in a 64-column int4 tile (bf16 or VNNI) of V of a block's four column
+// vectors (col[v]) and R rows: acc += scale * in + zero * (the group's inputs summed).
+template <int R, int V, typename S>
+inline void add_group(float (&acc)[R][V * W], const vf (&in)[R][V], const S* sz, int64_t g,
+                      int64_t n, const int (&col)[4], const float* xsum, int64_t groups) {
+  for (int v = 0; v < V; ++v) {
+    vf s, z;
+    scale_zero(sz + (g * n + col[v] * W) * 2, s, z);
+    for (int r = 0; r < R; ++r) {
+      float* a = acc[r] + v * W;
+      vstore(a, vfma(z, vset(xsum[r * groups + g]), vfma(s, in[r][v], vload(a))));
+    }
+  }
+}
+
+// The tile's sums into y: column vector col[v] of each row.
+template <int R, int V>
+inline void store_tile(const float (&acc)[R][V * W], float* y, int64_t ystride,
+                       const int (&col)[4]) {
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) {
+      std::memcpy(y + r * ystride + col[v] * W, acc[r] + v * W, sizeof(float) * W);
+    }
+  }
+}
+
 // One block of B = 2 * NV * W columns against R rows of x.
 template <int R, int NV>
 struct Int4Tile {
@@ -957,20 +983,9 @@ struct Int4Bf16Tile {
           for (int v = 0; v < V; ++v) in[r][v] = _mm512_dpbf16_ps(in[r][v], w[v], xb);
         }
       }
-      for (int v = 0; v < V; ++v) {
-        vf s, z;
-        scale_zero(sz + (g * n + col[v] * W) * 2, s, z);
-        for (int r = 0; r < R; ++r) {
-          float* a = acc[r] + v * W;
-          vstore(a, vfma(z, vset(xsum[r * groups + g]), vfma(s, in[r][v], vload(a))));
-        }
-      }
+      add_group<R, V>(acc, in, sz, g, n, col, xsum, groups);
     }
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < V; ++v) {
-        std::memcpy(y + r * ystride + col[v] * W, acc[r] + v * W, sizeof(float) * W);
-      }
-    }
+    store_tile<R, V>(acc, y, ystride, col);
   }
 };
 
@@ -1120,20 +1135,9 @@ struct Int4VnniTile {
           }
         }
       }
-      for (int v = 0; v < V; ++v) {
-        vf s, z;
-        scale_zero(sz + (g * n + col[v] * W) * 2, s, z);
-        for (int r = 0; r < R; ++r) {
-          float* a = acc[r] + v * W;
-          vstore(a, vfma(z, vset(xsum[r * groups + g]), vfma(s, in[r][v], vload(a))));
-        }
-      }
+      add_group<R, V>(acc, in, sz, g, n, col, xsum, groups);
     }
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < V; ++v) {
-        std::memcpy(y + r * ystride + col[v] * W, acc[r] + v * W, sizeof(float) * W);
-      }
-    }
+    store_tile<R, V>(acc, y, ystride, col);
   }
 };
 
