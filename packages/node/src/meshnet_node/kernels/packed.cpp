@@ -1037,13 +1037,14 @@ void int4_bf16_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define MESHNET_INT4_VNNI 1
-// bf16 rows as int8 against 64-column blocks (AVX-512 VNNI + VBMI), as llama.cpp computes a
-// Q4 block against Q8 inputs: each row's inputs are quantized per 32 (d = max |x| / 127, q =
-// x / d rounded to nearest even), and vpdpbusd adds four products of codes (0-15, unsigned)
-// and q (signed) into int32 lanes: exact integers, in any order. Per 32 inputs the sum
-// becomes float once, (sum - 8 * sum q) * d, and per group acc += scale * that + zero *
-// (the group's inputs summed as float32, as the other tiles do). Twelve instructions for
-// 256 weights, against forty in the bf16 tile.
+// bf16 rows as int8 against 64-column blocks (AVX-512 VNNI + VBMI, ADR-0045), as llama.cpp
+// computes a Q4 block against Q8 inputs but with two digits: each row's inputs per 32 as
+// q * d + q2 * d / 254 (quantize_rows), and vpdpbusd adds four products of codes (0-15,
+// unsigned) and a digit (signed) into int32 lanes: exact integers, in any order. Per 32
+// inputs the two sums become float once, (sum - 8 * sum q) * d then (sum2 - 8 * sum q2) *
+// d / 254, and per group acc += scale * that + zero * (the group's inputs summed as
+// float32, as the other tiles do). Sixteen instructions for 256 weights, against forty in
+// the bf16 tile.
 //
 // Four k of a 64-column block are 128 bytes of torch's packing (byte j of k: column j's
 // code in its low nibble, column 32 + j's in its high one). One vpermt2b gathers, for 16
