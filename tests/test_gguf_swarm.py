@@ -2,7 +2,8 @@
 processes: the tracker finds it in its models dir (``ORG/NAME/FILE.gguf``) and serves the
 first layers itself, a node is given the file (``--model-path FILE.gguf``), and a node with
 no model joins and receives only its layers' bytes of the file, as a GGUF of its own. The
-swarm's greedy text equals one process serving the whole file at the same precision."""
+swarm's greedy text equals one process serving the whole file at the same precision (int4
+blocks computed in float32: ``--dtype auto`` on a GGUF)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def gguf_models(tmp_path):
 
 def _one_process_texts(path) -> list[str]:
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    stage = Stage(load_shard(path, LayerRange(0, 30), Precision.INT4, dtype=torch.bfloat16))
+    # --dtype auto (every process's default) computes a GGUF in float32 (ADR-0046)
+    stage = Stage(load_shard(path, LayerRange(0, 30), Precision.INT4, dtype=torch.float32))
     texts = []
     for prompt in PROMPTS:
         tokens, _ = split_greedy([stage], tokenizer(prompt).input_ids, NEW_TOKENS)
@@ -82,6 +84,8 @@ def test_gguf_served_by_layer_range_over_processes(gguf_models, tmp_path):
         coverage = httpx.get(f"{tracker.url}/v1/coverage", timeout=5).json()["models"]
         nodes = [n for m in coverage for n in m.get("nodes", ())]
         assert nodes and {n["quantization"] for n in nodes} == {"int4"}  # auto: Q4_1 -> int4
+        # --dtype auto: every process computes the GGUF in float32, the assigned node too
+        assert {n["dtype"] for n in nodes} == {"float32"}
 
         want = _one_process_texts(gguf)
         for prompt, expected in zip(PROMPTS, want, strict=True):

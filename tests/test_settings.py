@@ -118,13 +118,16 @@ def tracker(*argv: str) -> TrackerSettings:
 
 
 def test_quantization_dtype_and_group_size(monkeypatch):
-    """--quantization defaults to auto; --dtype picks the compute precision on its own;
-    --quantization float32 stays the alias for float32 weights and compute."""
+    """--quantization and --dtype default to auto (--dtype auto: float32 for a GGUF);
+    --dtype picks the compute precision on its own; --quantization float32 stays the alias
+    for float32 weights and compute."""
     from meshnet_common.precision import Precision
 
     got = node()
-    assert (got.quantization, got.dtype, got.quant_group_size) == ("auto", "bfloat16", 64)
+    assert (got.quantization, got.dtype, got.quant_group_size) == ("auto", "auto", 64)
     assert got.precision_for(None) is Precision.BFLOAT16
+    assert got.compute_dtype_for(Precision.INT4) == "bfloat16"
+    assert got.compute_dtype_for(Precision.INT4, gguf=True) == "float32"
     assert got.precision_for("fp8") is Precision.FP8  # a shipped format stays packed
     alias = node("--quantization", "float32")
     assert alias.precision_for(None) is Precision.FLOAT32
@@ -132,11 +135,14 @@ def test_quantization_dtype_and_group_size(monkeypatch):
     assert alias.compute_dtype_for(Precision.FLOAT32) == "float32"
     int4 = node("--quantization", "int4", "--dtype", "float32", "--quant-group-size", "32")
     assert int4.precision_for("fp8") is Precision.INT4 and int4.quant_group_size == 32
-    assert int4.precision_fields(Precision.INT4) == {
+    assert int4.precision_fields(Precision.INT4, int4.compute_dtype_for(Precision.INT4)) == {
         "quantization": Precision.INT4, "dtype": "float32", "quant_group_size": 32,
     }  # fmt: skip
     assert (
-        node("--quantization", "int8").precision_fields(Precision.INT8)["quant_group_size"] is None
+        node("--quantization", "int8").precision_fields(Precision.INT8, "bfloat16")[
+            "quant_group_size"
+        ]
+        is None
     )
     assert node("--dtype", "float32").precision_for(None) is Precision.FLOAT32
     monkeypatch.setenv("MESHNET_QUANTIZATION", "INT8")
@@ -170,4 +176,6 @@ def test_help_lists_the_quantization_flags():
     for build in (node_parser, tracker_parser):
         text = build().format_help()
         assert "--quantization {auto,bfloat16,float32,int8,int4,nf4,fp8,mxfp4}" in text
-        assert "--dtype {bfloat16,float32}" in text and "--quant-group-size {32,64,128}" in text
+        assert (
+            "--dtype {auto,bfloat16,float32}" in text and "--quant-group-size {32,64,128}" in text
+        )

@@ -3,6 +3,7 @@ which tensors each precision quantizes, and what a layer range then costs."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,11 @@ def test_compute_dtype_names_and_labels():
     assert compute_dtype_name(P.FLOAT32, "bfloat16") == "float32"
     assert compute_dtype_name(P.INT4, "float32") == "float32"
     assert compute_dtype_name(P.INT4) == "bfloat16"
+    # auto (--dtype's default): float32 for a GGUF, as llama.cpp computes it (ADR-0046)
+    assert compute_dtype_name(P.INT4, "auto") == "bfloat16"
+    assert compute_dtype_name(P.INT4, "auto", gguf=True) == "float32"
+    assert compute_dtype_name(P.INT8, None, gguf=True) == "float32"
+    assert compute_dtype_name(P.INT4, "bfloat16", gguf=True) == "bfloat16"  # as asked
     assert describe_precision(P.INT4, "bfloat16", 64) == "int4 g64"
     assert describe_precision(P.INT8, "bfloat16", 64) == "int8"  # a group only for int4
     assert describe_precision(P.FP8, "float32") == "fp8 · float32"
@@ -227,6 +233,22 @@ def test_a_float32_compute_dtype_widens_what_is_not_quantized_and_the_kv_cache(s
     assert int8_f32 - int8 == 2 * (unquantized + rows)
     assert costs.kv_bytes(2, 100, P.INT8, dtype="float32") == 2 * costs.kv_bytes(2, 100, P.INT8)
     assert costs.kv_bytes(2, 100, P.FLOAT32) == costs.kv_bytes(2, 100, P.BFLOAT16, dtype="float32")
+
+
+def test_auto_prices_a_gguf_in_float32_and_anything_else_in_bfloat16(snapshots):
+    """--dtype auto (the default): a GGUF computes in float32 (ADR-0046), so the tracker
+    and the node price its unquantized tensors and KV cache at 4 bytes."""
+    costs = _costs(snapshots, "llama")
+    assert not costs.gguf
+    gguf = dataclasses.replace(costs, gguf=True)
+    for precision in (P.INT4, P.INT8):
+        auto = gguf.weight_bytes(MIDDLE, precision, dtype="auto")
+        assert auto == costs.weight_bytes(MIDDLE, precision, dtype="float32")
+        assert costs.weight_bytes(MIDDLE, precision, dtype="auto") == costs.weight_bytes(
+            MIDDLE, precision, dtype="bfloat16"
+        )
+        assert gguf.weight_bytes(MIDDLE, precision, dtype="bfloat16") < auto  # as asked
+    assert gguf.kv_bytes(2, 100, P.INT4, dtype="auto") == 2 * costs.kv_bytes(2, 100, P.INT4)
 
 
 @pytest.mark.parametrize("key", ["mixtral", "gpt_oss", "gpt_oss-mxfp4", "deepseek_v3-fp8"])

@@ -19,6 +19,7 @@ from meshnet_common.models.gguf_import import smollm2_gguf_path
 from meshnet_common.precision import Precision, native_format_name, resolve_precision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
+from meshnet_node.kernels import intpack
 from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.lowbit.gguf_blocks import GgufTensors, q8_0_lm_head
 from meshnet_node.lowbit.modules import PackedLinear
@@ -124,7 +125,9 @@ def test_split_int4_from_the_blocks_gives_transformers_tokens(gguf_path):
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT + tokens[:-1]])).logits[0, len(PROMPT) - 1 :]
     ours = torch.stack([row.reshape(-1) for row in logits])
-    torch.testing.assert_close(ours, ref, rtol=0, atol=2e-4)
+    digits = intpack.module() is not None and intpack.takes_digits(intpack.module())
+    # float32 rows taken as two int8 digits (AVX-512 VNNI, ADR-0045): within ~6e-3 here
+    torch.testing.assert_close(ours, ref, rtol=0, atol=2e-2 if digits else 2e-4)
 
 
 def test_a_q8_0_lm_head_stays_in_its_blocks(gguf_path, index):

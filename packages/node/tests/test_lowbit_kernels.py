@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from meshnet_node.kernels import intpack
+from meshnet_node.kernels.tolerance import digits_bound
 
 INT4_CASES = [  # (N, K, group)
     (576, 576, 32), (576, 576, 64), (1536, 576, 64), (1536, 2048, 128), (2048, 576, 32),
@@ -53,7 +54,10 @@ def test_int4_dequantize_is_torchs_unpacking_bit_for_bit(kernel, n, k, group):
 @pytest.mark.parametrize(("n", "k", "group"), INT4_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int4_linear_equals_the_product_and_torchs(kernel, n, k, group, dtype):
+    """Within float32 rounding of the exact product and of torch's kernel; with rows taken
+    as two int8 digits (AVX-512 VNNI: ADR-0045), within the digits' bound more."""
     block = block_of(n)
+    digits = intpack.takes_digits(kernel)
     codes, pk, sz = intpack.int4_probe(n, k, group, dtype, seed=group)
     weight = intpack.int4_weight(codes, sz, group)
     gen = torch.Generator().manual_seed(n)
@@ -62,21 +66,22 @@ def test_int4_linear_equals_the_product_and_torchs(kernel, n, k, group, dtype):
         ours = intpack.int4_linear(x, pk, sz, group, block, _module=kernel)
         theirs = intpack.TorchLowbit.int4_linear(x, pk, sz, group, block)
         assert ours.dtype is dtype and ours.shape == (rows, n)
-        assert intpack.close(ours, x, weight, None), rows
-        assert intpack.near(ours, theirs, x, weight), rows
+        assert intpack.close(ours, x, weight, None, digits=digits), rows
+        assert intpack.near(ours, theirs, x, weight, digits=digits), rows
 
 
 @pytest.mark.parametrize(("n", "k", "group"), [(576, 576, 32), (1536, 2048, 128), (960, 1536, 64)])
-def test_int4_bf16_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k, group):
-    """Where the CPU has AVX-512 VNNI, bf16 rows meet int4 weights as two int8 digits per 32
-    inputs (d = max |x| / 127, then the rest in steps of d / 254): one digit (llama.cpp's
-    Q8 inputs) would be 254 times further from the exact product."""
-    if not getattr(kernel, "int4_vnni", False):
-        pytest.skip("no AVX-512 VNNI here: bf16 rows take the bf16 tiles (exact products)")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k, group, dtype):
+    """Where the CPU has AVX-512 VNNI, bf16 and float32 rows meet int4 weights as two int8
+    digits per 32 inputs (d = max |x| / 127, then the rest in steps of d / 254): one digit
+    (llama.cpp's Q8 inputs) would be 254 times further from the exact product."""
+    if not intpack.takes_digits(kernel):
+        pytest.skip("no AVX-512 VNNI here: rows take the bf16 or float32 tiles (exact inputs)")
     block = block_of(n)
-    codes, pk, sz = intpack.int4_probe(n, k, group, torch.bfloat16, seed=k)
+    codes, pk, sz = intpack.int4_probe(n, k, group, dtype, seed=k)
     weight = intpack.int4_weight(codes, sz, group)  # float64 (N, K)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(group)).bfloat16()
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(group)).to(dtype)
     ours = kernel.int4_linear(x, pk, sz, group, block).double()  # float32 before any cast
     _within_two_digits(ours, x.double(), weight)
 
@@ -85,27 +90,25 @@ def _within_two_digits(ours, xd, weight):
     """The float32 product of rows taken as two int8 digits per 32 (each input within
     max |x| / 64516) within that times the weights' magnitudes plus float32 rounding, and
     not within a bound 254 times tighter (the digits are in use, not exact inputs)."""
-    n, k = weight.shape
     exact = xd @ weight.T
-    top = xd.abs().view(len(xd), k // 32, 32).amax(-1)  # (rows, K / 32)
-    per_block = weight.abs().view(n, k // 32, 32).sum(-1)  # (N, K / 32)
-    bound = (top / 64516) @ per_block.T + 1e-5 * (xd.abs() @ weight.abs().T)
+    bound = digits_bound(xd, weight) + 1e-5 * (xd.abs() @ weight.abs().T)
     assert bool(((ours - exact).abs() <= bound).all())
     assert not bool(((ours - exact).abs() <= bound / 254).all())
 
 
 @pytest.mark.parametrize(("n", "k"), [(49152, 576), (576, 1536), (100, 64)])
-def test_q8_0_bf16_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k):
-    """Q8_0 blocks (a GGUF's LM head) against bf16 rows take them as the same two digits
-    where the CPU has AVX-512 VNNI (ADR-0045): vpdpbusd on the codes with their sign bit
-    flipped, from -128 times the digits' sums."""
-    if not getattr(kernel, "int4_vnni", False):
-        pytest.skip("no AVX-512 VNNI here: bf16 rows take the bf16 tiles (exact products)")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q8_0_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k, dtype):
+    """Q8_0 blocks (a GGUF's LM head) against bf16 or float32 rows take them as the same
+    two digits where the CPU has AVX-512 VNNI (ADR-0045): vpdpbusd on the codes with their
+    sign bit flipped, from -128 times the digits' sums."""
+    if not intpack.takes_digits(kernel):
+        pytest.skip("no AVX-512 VNNI here: rows take the bf16 or float32 tiles (exact inputs)")
     gen = torch.Generator().manual_seed(n)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     d = torch.rand(n, k // 32, generator=gen) * 0.01
     weight = (q.double().view(n, k // 32, 32) * d.double().unsqueeze(-1)).view(n, k)
-    x = torch.randn(3, k, generator=gen).bfloat16()
+    x = torch.randn(3, k, generator=gen).to(dtype)
     _within_two_digits(kernel.q8_0_linear(x, q, d).double(), x.double(), weight)
 
 
@@ -135,9 +138,10 @@ def test_q8_0_linear_equals_the_product_and_the_definition(kernel, n, k, dtype):
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(9, k, generator=gen).to(dtype)
     ours = intpack.q8_0_linear(x, q, d, _module=kernel)
+    digits = intpack.takes_digits(kernel)
     assert ours.dtype is dtype and ours.shape == (9, n)
-    assert intpack.close(ours, x, weight, None)
-    assert intpack.near(ours, intpack.TorchLowbit.q8_0_linear(x, q, d), x, weight)
+    assert intpack.close(ours, x, weight, None, digits=digits)
+    assert intpack.near(ours, intpack.TorchLowbit.q8_0_linear(x, q, d), x, weight, digits=digits)
     alone = [intpack.q8_0_linear(x[i : i + 1], q, d, _module=kernel) for i in range(9)]
     assert torch.equal(torch.cat(alone), ours)
     threads = torch.get_num_threads()
@@ -276,4 +280,5 @@ def test_blocks_of_other_widths(kernel, block, dtype):
     if block in kernel.int4_blocks:
         x = torch.randn(6, k).to(dtype)
         y = intpack.int4_linear(x, layout, sz, group, block, _module=kernel)
-        assert intpack.close(y, x, intpack.int4_weight(codes, sz, group), None)
+        weight = intpack.int4_weight(codes, sz, group)
+        assert intpack.close(y, x, weight, None, digits=intpack.takes_digits(kernel))

@@ -111,6 +111,7 @@ class ModelCosts:
     kv_elements: int  # per token per layer
     moe: bool = False  # has expert weights (fused 3D tensors once loaded)
     native: str | None = None  # the packed format the checkpoint ships: fp8, mxfp4 or None
+    gguf: bool = False  # a GGUF: --dtype auto computes it in float32
     layer_int8: tuple[int, ...] | None = None  # values int8 quantizes
     layer_int8_rows: tuple[int, ...] | None = None  # their output rows (one scale each)
     layer_int4: tuple[tuple[int, ...], ...] | None = None  # per GROUP_SIZES: values int4 takes
@@ -196,6 +197,7 @@ class ModelCosts:
             kv_elements=kv_elements_per_token_layer(index.config),
             moe=any(".experts." in name for name in index.tensors),
             native=native,
+            gguf=index.gguf is not None,
             layer_int8=tuple(int8),
             layer_int8_rows=tuple(int8_rows),
             layer_int4=tuple(tuple(g) for g in int4),
@@ -244,7 +246,7 @@ class ModelCosts:
     ) -> int:
         """Resident bytes of the range's tensors at ``precision``, computing in ``dtype``
         (default: the precision's own), int4 in groups of ``group_size``."""
-        act = dtype_bytes(compute_dtype_name(precision, dtype))
+        act = dtype_bytes(compute_dtype_name(precision, dtype, gguf=self.gguf))
         prefix = self._prefix
 
         def span(key: str) -> int:
@@ -277,7 +279,7 @@ class ModelCosts:
         self, num_layers: int, tokens: int, precision: Precision, *, dtype: str | None = None
     ) -> int:
         """The KV cache of ``tokens`` over ``num_layers`` layers, held at the compute dtype."""
-        act = dtype_bytes(compute_dtype_name(precision, dtype))
+        act = dtype_bytes(compute_dtype_name(precision, dtype, gguf=self.gguf))
         return num_layers * tokens * self.kv_elements * act
 
     def shard_bytes(

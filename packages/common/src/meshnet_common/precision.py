@@ -16,7 +16,10 @@ if TYPE_CHECKING:  # torch is imported only where a dtype is asked for (never on
 # What --quantization accepts: a precision, or auto (the checkpoint's own packed format if it
 # ships one, else the compute dtype).
 QUANTIZATION_CHOICES = ("auto", "bfloat16", "float32", "int8", "int4", "nf4", "fp8", "mxfp4")
-DTYPE_CHOICES = ("bfloat16", "float32")  # --dtype: activations, norms, embeddings, KV cache
+# --dtype: activations, norms, embeddings, KV cache; auto: float32 for a GGUF (as llama.cpp
+# computes the files it makes), else bfloat16 (docs/adr/0046)
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+AUTO_DTYPE = "auto"
 GROUP_SIZES = (32, 64, 128)  # --quant-group-size: int4 weights sharing one scale and zero
 DEFAULT_GROUP_SIZE = 64
 NATIVE_FORMATS = ("fp8", "mxfp4")  # formats checkpoints ship and nodes keep packed
@@ -97,7 +100,7 @@ class Precision(StrEnum):
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes of one element at a compute dtype name (``bfloat16`` or ``float32``)."""
-    if dtype not in DTYPE_CHOICES:
+    if dtype not in DTYPE_CHOICES or dtype == AUTO_DTYPE:
         raise InvalidRequest(f"unknown compute dtype {dtype!r}; expected bfloat16 or float32")
     return 4 if dtype == "float32" else 2
 
@@ -134,12 +137,17 @@ def resolve_precision(quantization: str, dtype: str, native: str | None) -> Prec
     return precision
 
 
-def compute_dtype_name(precision: Precision, dtype: str | None = None) -> str:
+def compute_dtype_name(
+    precision: Precision, dtype: str | None = None, *, gguf: bool = False
+) -> str:
     """The compute dtype a shard of ``precision`` runs in when ``--dtype`` says ``dtype``
-    (None: the precision's default): float32 weights always compute in float32."""
+    (None or auto: float32 for a ``gguf`` checkpoint, else the precision's default): float32
+    weights always compute in float32."""
     if precision is Precision.FLOAT32:
         return "float32"
-    return dtype or precision.default_dtype
+    if dtype is None or dtype == AUTO_DTYPE:
+        return "float32" if gguf else precision.default_dtype
+    return dtype
 
 
 def native_format_name(config: dict) -> str | None:

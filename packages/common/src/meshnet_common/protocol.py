@@ -55,6 +55,7 @@ Url = Annotated[
 # --quantization, --dtype and --quant-group-size as they travel (meshnet_common.precision).
 Quantization = Literal["auto", "bfloat16", "float32", "int8", "int4", "nf4", "fp8", "mxfp4"]
 ComputeDtype = Literal["bfloat16", "float32"]
+RequestedDtype = Literal["auto", "bfloat16", "float32"]  # --dtype as asked (auto: ADR-0046)
 GroupSize = Literal[32, 64, 128]
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -469,7 +470,7 @@ class AssignRequest(Strict):
     # What the node asks for: auto (each model's shipped format, else the compute dtype) or
     # a precision; the tracker resolves it per candidate model.
     quantization: Quantization = "bfloat16"
-    dtype: ComputeDtype = "bfloat16"
+    dtype: RequestedDtype = "auto"
     quant_group_size: GroupSize = 64
     kv_tokens: int = Field(gt=0, le=1 << 24)
     held_models: tuple[ModelId, ...] = ()
@@ -484,3 +485,4 @@ class AssignResponse(Strict):
     sources: tuple[Url, ...] = ()
     memory_bytes: int = Field(ge=0, default=0)  # what the shard needs (weights + KV budget)
     quantization: Precision | None = None  # the node's request resolved for this model
+    dtype: ComputeDtype | None = None  # and its compute dtype (auto resolved: ADR-0046)

@@ -45,7 +45,7 @@ def node_router() -> APIRouter:
     async def info(request: Request):
         service = _service(request)
         shard = service.stage.shard
-        declared = service.settings.precision_fields(shard.precision)
+        declared = service.settings.precision_fields(shard.precision, shard.dtype_name)
         return {
             "model_id": service.model_id,
             "shard_start": shard.layers.start,

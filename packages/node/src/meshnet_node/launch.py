@@ -122,6 +122,7 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
         sources: tuple[str, ...] = ()
         need: int | None = None
         assigned: Precision | None = None
+        assigned_dtype: str | None = None  # the tracker's resolution of --dtype auto
         model_id = settings.model_id
         if model_id is None:
             logger.info("offering the tracker %s", offer.describe())
@@ -129,7 +130,7 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
             sources, need = assignment.sources, assignment.memory_bytes or None
             model_id = assignment.shard.model_id
             start, end = assignment.shard.shard_start, assignment.shard.shard_end
-            assigned = assignment.quantization
+            assigned, assigned_dtype = assignment.quantization, assignment.dtype
         else:
             start, end = settings.shard_start, settings.shard_end
         local = local_snapshot(settings, model_id, check_range(start, end, None), trackers)
@@ -137,10 +138,16 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
         layers = check_range(start, end, num_layers)
         index = CheckpointIndex.load(local) if local is not None else None
         precision = expected_precision(settings, index, assigned)
+        if index is not None or assigned_dtype is None:
+            dtype = settings.compute_dtype_for(
+                precision, gguf=index is not None and index.gguf is not None
+            )
+        else:
+            dtype = assigned_dtype
         if index is not None and need is None:
             need = ModelCosts.from_index(index).shard_bytes(
                 layers, precision, settings.kv_budget_tokens,
-                dtype=settings.compute_dtype_for(precision),
+                dtype=dtype,
                 group_size=settings.quant_group_size,
             )  # fmt: skip
         declared = offer.bytes if offer.explicit or need is None else need
@@ -151,8 +158,7 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
             logger.info(
                 "declaring %.2f GiB to the tracker: what layers %s need at %s with a %d-token "
                 "KV budget (offered %s)", declared / 2**30, layers,
-                describe_precision(precision, settings.compute_dtype_for(precision),
-                                   settings.quant_group_size),
+                describe_precision(precision, dtype, settings.quant_group_size),
                 settings.kv_budget_tokens, offer.describe(),
             )  # fmt: skip
         movable = settings.allow_rebalance or explicit[0] is None
@@ -161,7 +167,7 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
             membership = announce_joining(
                 settings, node_id=node_id, url=url, model_id=model_id, num_layers=num_layers,
                 layers=layers, declared=declared, movable=movable, precision=precision,
-                trackers=trackers,
+                dtype=dtype, trackers=trackers,
             )  # fmt: skip
         if settings.load_delay_ms:
             time.sleep(settings.load_delay_ms / 1000)
@@ -207,7 +213,7 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
     shard = runtime.service.stage.shard
     printed = []
 
-    declared = settings.precision_fields(shard.precision)
+    declared = settings.precision_fields(shard.precision, shard.dtype_name)
     weights = describe_precision(shard.precision, declared["dtype"], declared["quant_group_size"])
 
     def ready_line() -> str:

@@ -137,7 +137,7 @@ class NodeRuntime:
                 shard_end=shard.layers.end,
             ),
             num_layers=shard.num_layers,
-            **self.settings.precision_fields(shard.precision),
+            **self.settings.precision_fields(shard.precision, shard.dtype_name),
             device=str(shard.device),
             memory_declared_bytes=self.memory_declared_bytes,
             memory_free_bytes=int(psutil.virtual_memory().available),

@@ -69,7 +69,8 @@ class NodeRequest:
             return None
         return costs.shard_bytes(
             layers, precision, self.kv_tokens,
-            dtype=compute_dtype_name(precision, self.dtype), group_size=self.group_size,
+            dtype=compute_dtype_name(precision, self.dtype, gguf=costs.gguf),
+            group_size=self.group_size,
         )  # fmt: skip
 
     def max_layers_from(self, costs: ModelCosts, start: int, limit: int) -> int:
@@ -79,7 +80,8 @@ class NodeRequest:
             return 0
         return costs.max_layers_from(
             start, limit, self.memory_bytes, precision, self.kv_tokens,
-            dtype=compute_dtype_name(precision, self.dtype), group_size=self.group_size,
+            dtype=compute_dtype_name(precision, self.dtype, gguf=costs.gguf),
+            group_size=self.group_size,
         )  # fmt: skip
 
     def describe(self) -> str:

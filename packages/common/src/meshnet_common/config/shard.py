@@ -62,8 +62,9 @@ class ShardSettings(listening.ListenSettings):
         group=MODEL, choices=QUANTIZATION_CHOICES,
     )  # fmt: skip
     dtype: str = knob(
-        "bfloat16", "compute precision: activations, norms, embeddings and the KV cache "
-        "(float32: twice the memory for those, exact against a float32 reference)",
+        "auto", "compute precision: activations, norms, embeddings and the KV cache "
+        "(float32: twice the memory for those, exact against a float32 reference; auto: "
+        "float32 for a GGUF, as llama.cpp computes it, else bfloat16)",
         group=MODEL, choices=DTYPE_CHOICES,
     )  # fmt: skip
     quant_group_size: int = knob(
@@ -437,18 +438,16 @@ class ShardSettings(listening.ListenSettings):
         InvalidRequest for fp8/mxfp4 asked of a checkpoint that does not ship it."""
         return resolve_precision(self.quantization, self.dtype, native)
 
-    def compute_dtype_for(self, precision: Precision) -> str:
-        """The compute dtype a shard of ``precision`` runs in (float32 for float32)."""
-        return compute_dtype_name(precision, self.dtype)
+    def compute_dtype_for(self, precision: Precision, *, gguf: bool = False) -> str:
+        """The compute dtype a shard of ``precision`` runs in (float32 for float32; auto:
+        float32 for a ``gguf`` checkpoint)."""
+        return compute_dtype_name(precision, self.dtype, gguf=gguf)
 
-    def precision_fields(self, precision: Precision) -> dict:
-        """How a node of ``precision`` declares it (``NodeAnnouncement`` fields): the
-        precision, its compute dtype, and the group size when it is int4."""
-        return {
-            "quantization": precision,
-            "dtype": self.compute_dtype_for(precision),
-            "quant_group_size": self.quant_group_size if precision is Precision.INT4 else None,
-        }
+    def precision_fields(self, precision: Precision, dtype: str) -> dict:
+        """How a node of ``precision`` computing in ``dtype`` (resolved) declares it
+        (``NodeAnnouncement`` fields); the group size only for int4."""
+        group = self.quant_group_size if precision is Precision.INT4 else None
+        return {"quantization": precision, "dtype": dtype, "quant_group_size": group}
 
     def shard_values(self) -> dict:
         """This object's ``ShardSettings`` fields: what a derived node's settings inherit."""

@@ -96,6 +96,11 @@ class LoadedShard:
     def activation_dtype(self) -> torch.dtype:
         return self.dtype
 
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype as ``--dtype`` names it (``bfloat16``, ``float32``)."""
+        return str(self.dtype).removeprefix("torch.")
+
     def parameter_bytes(self) -> int:
         """Bytes of the weights held: parameters and packed weights (buffers of a packed
         module; RoPE's few inverse frequencies count too)."""

@@ -76,7 +76,7 @@ def resolve_precision_for(settings, index: CheckpointIndex) -> tuple[Precision, 
     serves this checkpoint at: auto takes its shipped fp8/mxfp4; InvalidRequest for fp8 or
     mxfp4 asked of a checkpoint that does not ship it."""
     precision = settings.precision_for(native_format_name(index.config))
-    return precision, compute_dtype_name(precision, settings.dtype)
+    return precision, compute_dtype_name(precision, settings.dtype, gguf=index.gguf is not None)
 
 
 def available_bytes(device: str) -> int:

@@ -215,7 +215,10 @@ def int8_probe(n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[Tensor, T
 def agrees_with_reference(module: Any) -> str | None:
     """None if ``module``'s int8 / int4 / Q8_0 functions agree with torch's on probes: the int4
     unpacking bit for bit, the products within float32 rounding of the exact one and of
-    torch's kernel, each row alone bit-equal to the rows together."""
+    torch's kernel, each row alone bit-equal to the rows together. Where the module takes
+    rows as two int8 digits (``int4_vnni``, ADR-0045), int4 and Q8_0 products within their
+    bound (``tolerance.digits_bound``)."""
+    digits = takes_digits(module)
     gen = torch.Generator().manual_seed(1)
     for seed, (n, k, group) in enumerate([(128, 64, 32), (192, 256, 64), (64, 256, 128), (576, 128, 64)]):  # fmt: skip
         block_n = int4_block_n(n)
@@ -233,7 +236,8 @@ def agrees_with_reference(module: Any) -> str | None:
             x = torch.randn(9, k, generator=gen).to(dtype)
             ours = int4_linear(x, pk, sz, group, block_n, _module=module)
             theirs = TorchLowbit.int4_linear(x, pk, sz, group, block_n)
-            if not (close(ours, x, weight, None) and near(ours, theirs, x, weight)):
+            if not (close(ours, x, weight, None, digits=digits)
+                    and near(ours, theirs, x, weight, digits=digits)):  # fmt: skip
                 return f"int4 product differs ({n}x{k}, group {group}, {dtype})"
             alone = [int4_linear(x[i : i + 1], pk, sz, group, block_n, _module=module) for i in range(len(x))]  # fmt: skip
             if not torch.equal(torch.cat(alone), ours):
@@ -257,12 +261,19 @@ def agrees_with_reference(module: Any) -> str | None:
             x = torch.randn(9, k, generator=gen).to(dtype)
             ours = q8_0_linear(x, q, d, _module=module)
             theirs = TorchLowbit.q8_0_linear(x, q, d)
-            if not (close(ours, x, weight, None) and near(ours, theirs, x, weight)):
+            if not (close(ours, x, weight, None, digits=digits)
+                    and near(ours, theirs, x, weight, digits=digits)):  # fmt: skip
                 return f"Q8_0 product differs ({n}x{k}, {dtype})"
             alone = [q8_0_linear(x[i : i + 1], q, d, _module=module) for i in range(len(x))]
             if not torch.equal(torch.cat(alone), ours):
                 return f"Q8_0 product: rows alone differ from rows together ({n}x{k})"
     return None
+
+
+def takes_digits(module: Any) -> bool:
+    """Whether ``module``'s int4 and Q8_0 products take bf16 and float32 rows as two int8
+    digits per 32 inputs (AVX-512 VNNI and VBMI here, ADR-0045)."""
+    return bool(getattr(module, "int4_vnni", False))
 
 
 def q8_0_probe(n: int, k: int, seed: int) -> tuple[Tensor, Tensor]:

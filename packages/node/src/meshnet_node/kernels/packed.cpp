@@ -743,7 +743,7 @@ struct Q8Bf16Tile {
 };
 #endif
 
-// Q8_0 blocks against bf16 rows as two int8 digits (AVX-512 VNNI; defined below): false
+// Q8_0 blocks against bf16 or float32 rows as two int8 digits (AVX-512 VNNI; defined below): false
 // where it does not apply (no VNNI, K not whole 64s), y untouched.
 bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
                     int64_t k, float* y);
@@ -1037,7 +1037,7 @@ void int4_bf16_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define MESHNET_INT4_VNNI 1
-// bf16 rows as int8 against 64-column blocks (AVX-512 VNNI + VBMI, ADR-0045), as llama.cpp
+// bf16 or float32 rows as int8 against 64-column blocks (AVX-512 VNNI + VBMI, ADR-0045), as llama.cpp
 // computes a Q4 block against Q8 inputs but with two digits: each row's inputs per 32 as
 // q * d + q2 * d / 254 (quantize_rows), and vpdpbusd adds four products of codes (0-15,
 // unsigned) and a digit (signed) into int32 lanes: exact integers, in any order. Per 32
@@ -1142,13 +1142,21 @@ struct Int4VnniTile {
   }
 };
 
-// Each row's bf16 inputs as two int8 digits per 32: d = max |x| / 127, q = x * (1 / d)
+// 16 inputs as float32: bf16 widened (exact), float32 as they are.
+inline vf load_inputs(const uint16_t* x) {
+  const vi wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline vf load_inputs(const float* x) { return _mm512_loadu_ps(x); }
+
+// Each row's inputs (bf16 or float32) as two int8 digits per 32: d = max |x| / 127, q = x * (1 / d)
 // rounded to nearest even (vcvtps2dq under the default rounding; d = 0: all zeros), then
 // the rest x - q * d the same way in steps of d / 254 (|rest| <= d / 2: q2 within 127), and
 // 8 * sum q, 8 * sum q2. An input is then within d / 508 of x (max |x| / 64516), where one
 // digit is within d / 2. The same float32 operations on every lane: the bits do not depend
 // on the thread or the rows.
-void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, std::vector<int8_t>& q,
+template <typename In>
+void quantize_rows(const In* x, int64_t rows, int64_t k, std::vector<int8_t>& q,
                    std::vector<int8_t>& q2, std::vector<float>& d, std::vector<int32_t>& sum8,
                    std::vector<int32_t>& sum8_2) {
   static_assert(kQ8Inputs == 2 * W, "two vectors of inputs a scale");
@@ -1164,10 +1172,7 @@ void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, std::vector<int8_
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = r * k + b * kQ8Inputs;
       vf v[2];
-      for (int h = 0; h < 2; ++h) {
-        const vi wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + at + h * W)));
-        v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-      }
+      for (int h = 0; h < 2; ++h) v[h] = load_inputs(x + at + h * W);
       const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], sign), _mm512_and_ps(v[1], sign)));
       const float scale = top / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
       const float step = scale / 254.0f, inverse2 = step > 0.0f ? 1.0f / step : 0.0f;
@@ -1213,8 +1218,8 @@ void int4_vnni_block(const QuantRows& x, const float* xsum, float* yp, int64_t r
 }
 
 // As int4_bf16_blocks: half-block units shared among the threads.
-template <typename S>
-void int4_vnni_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t rows,
+template <typename In, typename S>
+void int4_vnni_blocks(const In* xp, const float* xsum, float* yp, int64_t rows,
                       int64_t k, int64_t n, int64_t group, const uint8_t* pp, const S* sp) {
   thread_local std::vector<int8_t> q, q2;
   thread_local std::vector<float> d;
@@ -1291,13 +1296,18 @@ struct Q8VnniTile {
 
 bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
                     int64_t k, float* y) {
-  if (x.scalar_type() != torch::kBFloat16 || k % 64 != 0) return false;
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  if ((!bf16 && x.scalar_type() != torch::kFloat32) || k % 64 != 0) return false;
   const int64_t rows = x.size(0), chunks = k / 64, blocks = k / kQ8Block;
   thread_local std::vector<int8_t> q1, q2;
   thread_local std::vector<float> scales, d1, d2;
   thread_local std::vector<int32_t> sum8, sum8_2, start1, start2;
-  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  quantize_rows(xb, rows, k, q1, q2, scales, sum8, sum8_2);
+  if (bf16) {
+    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    quantize_rows(xb, rows, k, q1, q2, scales, sum8, sum8_2);
+  } else {
+    quantize_rows(x.data_ptr<float>(), rows, k, q1, q2, scales, sum8, sum8_2);
+  }
   const auto lanes = static_cast<size_t>(rows * chunks * W);
   start1.resize(lanes), start2.resize(lanes), d1.resize(lanes), d2.resize(lanes);
   std::vector<Q8Lanes> inputs(static_cast<size_t>(rows));
@@ -1407,9 +1417,13 @@ void int4_into(const torch::Tensor& x, const torch::Tensor& packed, const torch:
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   auto dispatch = [&](auto* sp) {
 #if defined(MESHNET_INT4_VNNI)
-    if (bf16 && block_n == 64 && group % kQ8Inputs == 0) {
-      const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-      int4_vnni_blocks(xb, xs, yp, rows, k, n, group, pp, sp);
+    if (block_n == 64 && group % kQ8Inputs == 0) {  // bf16 or float32 rows
+      if (bf16) {
+        const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+        int4_vnni_blocks(xb, xs, yp, rows, k, n, group, pp, sp);
+      } else {
+        int4_vnni_blocks(x.data_ptr<float>(), xs, yp, rows, k, n, group, pp, sp);
+      }
       return;
     }
 #endif

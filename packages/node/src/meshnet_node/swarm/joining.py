@@ -325,14 +325,16 @@ def ask_assignment(
 def announce_joining(
     settings: NodeSettings, *, node_id: str, url: str, model_id: str, num_layers: int,
     layers: LayerRange, declared: int, movable: bool, precision: Precision | None = None,
-    trackers: Trackers | None = None,
+    dtype: str | None = None, trackers: Trackers | None = None,
 ) -> Membership:  # fmt: skip
     """Tell the tracker this node is loading ``layers`` (state joining) and keep heartbeating
     while it loads: placement counts the range as on its way, routing ignores it.
-    ``precision``: what it will serve at (default: --quantization resolved for a plain
-    checkpoint)."""
+    ``precision``, ``dtype``: what it will serve at and compute in (default: --quantization
+    and --dtype resolved for a plain checkpoint)."""
     if precision is None:
         precision = settings.precision_for(None)
+    if dtype is None:
+        dtype = settings.compute_dtype_for(precision)
     announcement = NodeAnnouncement(
         node_id=node_id,
         url=url,
@@ -340,7 +342,7 @@ def announce_joining(
         movable=movable,
         shard=ShardSpec(model_id=model_id, shard_start=layers.start, shard_end=layers.end),
         num_layers=num_layers,
-        **settings.precision_fields(precision),
+        **settings.precision_fields(precision, dtype),
         device=resolve_device(settings.device),
         memory_declared_bytes=declared,
         memory_free_bytes=int(psutil.virtual_memory().available),

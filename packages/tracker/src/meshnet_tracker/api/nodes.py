@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request, Response
 
 from meshnet_common.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet_common.memory import ModelCosts
-from meshnet_common.precision import Precision
+from meshnet_common.precision import Precision, compute_dtype_name
 from meshnet_common.protocol import (
     H_NODE_SECRET,
     H_OPERATOR_TOKEN,
@@ -192,6 +192,9 @@ def nodes_router() -> APIRouter:
             sources=_sources(state, placement.model_id, placement.layers, _own_url(request)),
             memory_bytes=_need(costs, placement, ask),
             quantization=placement.precision,
+            dtype=None
+            if placement.precision is None
+            else compute_dtype_name(placement.precision, ask.dtype, gguf=costs.gguf),
         )
 
     @router.delete("/v1/nodes/{node_id}")
