@@ -12,6 +12,8 @@ serves, as shipped) for:
 - meshnet, one process (a tracker node serving all 30 layers, default flags);
 - meshnet, three processes (a tracker node and two nodes, 10 layers each, default flags).
 
+meshnet computes a GGUF in float32 by default (``--dtype auto``, ADR-0046), as llama.cpp does.
+
 Each figure is the median of ``runs``; ratios are meshnet / llama.cpp, one process to one
 process and three to three. llama-bench times generation alone (``tg``); meshnet's figure
 is 128 tokens over the wall time of a completion whose prompt is 5 tokens. Skipped with one
@@ -186,7 +188,8 @@ def print_peers(res: dict) -> None:
           f"{res['meshnet_3proc']:12.1f}{res['ratio_3proc']:8.2f}")  # fmt: skip
     print(
         "llama.cpp: llama-bench tg (one process -t 2; RPC: two ggml-rpc-server -t 1 and "
-        "the host -t 1); meshnet: default flags, tokens / completion wall time"
+        "the host -t 1); meshnet: default flags (a GGUF in float32: --dtype auto), tokens / "
+        "completion wall time"
     )
 
 

@@ -743,8 +743,8 @@ struct Q8Bf16Tile {
 };
 #endif
 
-// Q8_0 blocks against bf16 or float32 rows as two int8 digits (AVX-512 VNNI; defined below): false
-// where it does not apply (no VNNI, K not whole 64s), y untouched.
+// Q8_0 blocks against bf16 or float32 rows as two int8 digits (AVX-512 VNNI; defined
+// below): false where it does not apply (no VNNI, K not whole 64s), y untouched.
 bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
                     int64_t k, float* y);
 
@@ -1037,14 +1037,14 @@ void int4_bf16_blocks(const uint16_t* xp, const float* xsum, float* yp, int64_t 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define MESHNET_INT4_VNNI 1
-// bf16 or float32 rows as int8 against 64-column blocks (AVX-512 VNNI + VBMI, ADR-0045), as llama.cpp
-// computes a Q4 block against Q8 inputs but with two digits: each row's inputs per 32 as
-// q * d + q2 * d / 254 (quantize_rows), and vpdpbusd adds four products of codes (0-15,
-// unsigned) and a digit (signed) into int32 lanes: exact integers, in any order. Per 32
-// inputs the two sums become float once, (sum - 8 * sum q) * d then (sum2 - 8 * sum q2) *
-// d / 254, and per group acc += scale * that + zero * (the group's inputs summed as
-// float32, as the other tiles do). Sixteen instructions for 256 weights, against forty in
-// the bf16 tile.
+// bf16 or float32 rows as int8 against 64-column blocks (AVX-512 VNNI + VBMI, ADR-0045,
+// 0046), as llama.cpp computes a Q4 block against Q8 inputs but with two digits: each row's
+// inputs per 32 as q * d + q2 * d / 254 (quantize_rows), and vpdpbusd adds four products of
+// codes (0-15, unsigned) and a digit (signed) into int32 lanes: exact integers, in any
+// order. Per 32 inputs the two sums become float once, (sum - 8 * sum q) * d then (sum2 - 8
+// * sum q2) * d / 254, and per group acc += scale * that + zero * (the group's inputs summed
+// as float32, as the other tiles do). Sixteen instructions for 256 weights, against forty
+// in the bf16 tile.
 //
 // Four k of a 64-column block are 128 bytes of torch's packing (byte j of k: column j's
 // code in its low nibble, column 32 + j's in its high one). One vpermt2b gathers, for 16
@@ -1149,12 +1149,12 @@ inline vf load_inputs(const uint16_t* x) {
 }
 inline vf load_inputs(const float* x) { return _mm512_loadu_ps(x); }
 
-// Each row's inputs (bf16 or float32) as two int8 digits per 32: d = max |x| / 127, q = x * (1 / d)
-// rounded to nearest even (vcvtps2dq under the default rounding; d = 0: all zeros), then
-// the rest x - q * d the same way in steps of d / 254 (|rest| <= d / 2: q2 within 127), and
-// 8 * sum q, 8 * sum q2. An input is then within d / 508 of x (max |x| / 64516), where one
-// digit is within d / 2. The same float32 operations on every lane: the bits do not depend
-// on the thread or the rows.
+// Each row's inputs (bf16 or float32) as two int8 digits per 32: d = max |x| / 127, q =
+// x * (1 / d) rounded to nearest even (vcvtps2dq under the default rounding; d = 0: all
+// zeros), then the rest x - q * d the same way in steps of d / 254 (|rest| <= d / 2: q2
+// within 127), and 8 * sum q, 8 * sum q2. An input is then within d / 508 of x (max |x| /
+// 64516), where one digit is within d / 2. The same float32 operations on every lane: the
+// bits do not depend on the thread or the rows.
 template <typename In>
 void quantize_rows(const In* x, int64_t rows, int64_t k, std::vector<int8_t>& q,
                    std::vector<int8_t>& q2, std::vector<float>& d, std::vector<int32_t>& sum8,
