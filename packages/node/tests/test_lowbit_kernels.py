@@ -282,3 +282,39 @@ def test_blocks_of_other_widths(kernel, block, dtype):
         y = intpack.int4_linear(x, layout, sz, group, block, _module=kernel)
         weight = intpack.int4_weight(codes, sz, group)
         assert intpack.close(y, x, weight, None, digits=intpack.takes_digits(kernel))
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(576, 576, 32), (1536, 576, 64), (128, 256, 64)])
+def test_float16_scales_give_float32_rows_the_float32_scales_numbers(kernel, n, k, group):
+    """Scales and zeros held in float16 (``Int4Weight.narrowed``: a GGUF's f16 scales in
+    float32 compute) widen exactly: products and unpacking equal those of the same values
+    held in float32, bit for bit, on every row count."""
+    block = block_of(n)
+    codes, pk, sz16 = intpack.int4_probe(n, k, group, torch.float16, seed=n)
+    sz32 = sz16.float()
+    gen = torch.Generator().manual_seed(k)
+    for rows in (1, 2, 3, 9):
+        x = torch.randn(rows, k, generator=gen)
+        want = intpack.int4_linear(x, pk, sz32, group, block, _module=kernel)
+        assert torch.equal(intpack.int4_linear(x, pk, sz16, group, block, _module=kernel), want)
+    for out_dtype in DTYPES:
+        want = torch.empty(n, k, dtype=out_dtype)
+        intpack.int4_dequantize(pk, sz32, group, block, want, _module=kernel)
+        got = torch.empty(n, k, dtype=out_dtype)
+        assert torch.equal(intpack.int4_dequantize(pk, sz16, group, block, got, _module=kernel), want)  # fmt: skip
+
+
+def test_a_weight_narrows_its_scales_only_where_float16_holds_them():
+    from meshnet_node.lowbit.packed import Int4Weight, stacked
+
+    codes, pk, sz16 = intpack.int4_probe(128, 64, 32, torch.float16, seed=3)
+    exact = Int4Weight(pk, sz16.float(), 32, (128, 64))
+    assert exact.narrowed().scale_zero.dtype is torch.float16
+    assert torch.equal(exact.narrowed().scale_zero.float(), exact.scale_zero)
+    inexact = Int4Weight(pk, exact.scale_zero + 1e-6, 32, (128, 64))  # not float16 values
+    assert inexact.narrowed() is inexact
+    bf16 = Int4Weight(pk, sz16.bfloat16(), 32, (128, 64))
+    assert bf16.narrowed() is bf16  # only float32 compute narrows
+    both = stacked([exact.narrowed(), inexact])  # parts of one fused product
+    assert both is not None and both.scale_zero.dtype is torch.float32
+    assert torch.equal(both.scale_zero[:, :128], exact.scale_zero)

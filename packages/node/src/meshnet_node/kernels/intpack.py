@@ -157,7 +157,8 @@ def int4_linear(
 ) -> Tensor:  # fmt: skip
     """``x @ W.T`` in ``x``'s dtype for int4 in torch's CPU packing (``packed`` from
     ``_convert_weight_to_int4pack_for_cpu``, ``block_n`` rows a block: ``int4_block_n``),
-    ``scale_zero`` [K/group, N, 2] (bf16 or float32). Rows independent of each other."""
+    ``scale_zero`` [K/group, N, 2] (bf16, float32, or float16 for float32 rows). Rows
+    independent of each other."""
     impl = _lowbit(_module, x.device)
     if block_n not in getattr(impl, "int4_blocks", ()):  # a layout the kernel does not read
         impl = TorchLowbit
@@ -224,8 +225,8 @@ def agrees_with_reference(module: Any) -> str | None:
         block_n = int4_block_n(n)
         if block_n is None:
             return f"torch's int4 packing of {n} rows is not one this module knows"
-        for dtype in (torch.float32, torch.bfloat16):
-            codes, pk, sz = int4_probe(n, k, group, dtype, seed)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # of the scales; float16
+            codes, pk, sz = int4_probe(n, k, group, dtype, seed)  # serves float32 rows
             for out_dtype in (torch.float32, torch.bfloat16):
                 ref = torch.empty(n, k, dtype=out_dtype)
                 TorchLowbit.int4_dequantize(pk, sz, group, block_n, ref)
@@ -233,7 +234,9 @@ def agrees_with_reference(module: Any) -> str | None:
                 if not torch.equal(int4_dequantize(pk, sz, group, block_n, out, _module=module), ref):  # fmt: skip
                     return f"int4 unpacking differs ({n}x{k}, group {group}, {dtype} -> {out_dtype})"  # fmt: skip
             weight = int4_weight(codes, sz, group)
-            x = torch.randn(9, k, generator=gen).to(dtype)
+            x = torch.randn(9, k, generator=gen).to(
+                torch.bfloat16 if dtype is torch.bfloat16 else torch.float32
+            )
             ours = int4_linear(x, pk, sz, group, block_n, _module=module)
             theirs = TorchLowbit.int4_linear(x, pk, sz, group, block_n)
             if not (close(ours, x, weight, None, digits=digits)

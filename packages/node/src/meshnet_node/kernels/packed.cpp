@@ -515,6 +515,7 @@ void mxfp4_dequantize(const torch::Tensor& blocks, const torch::Tensor& scales,
 // bf16 or float32 scales, read as float32
 inline float as_float(float v) { return v; }
 inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float as_float(c10::Half v) { return static_cast<float>(v); }  // exact
 
 // int8: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]; R rows x NB weight rows a tile.
 template <int R, int NB>
@@ -816,12 +817,19 @@ inline void int4s(const uint8_t* p, vf table, vf& lo, vf& hi) {
 }
 inline vf codes_table() { return _mm512_loadu_ps(kCodes); }
 // W (scale, zero) pairs -> W scales, W zeros
-inline void scale_zero(const float* p, vf& s, vf& z) {
-  const vf a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + W);
+inline void pairs_apart(vf a, vf b, vf& s, vf& z) {  // a: pairs 0..W/2-1, b: the rest
   const vi even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const vi odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   s = _mm512_permutex2var_ps(a, even, b);
   z = _mm512_permutex2var_ps(a, odd, b);
+}
+inline void scale_zero(const float* p, vf& s, vf& z) {
+  pairs_apart(_mm512_loadu_ps(p), _mm512_loadu_ps(p + W), s, z);
+}
+inline void scale_zero(const c10::Half* p, vf& s, vf& z) {  // f16 widened exactly
+  const vi v = _mm512_loadu_si512(p);
+  pairs_apart(_mm512_cvtph_ps(_mm512_castsi512_si256(v)),
+              _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)), s, z);
 }
 inline void scale_zero(const c10::BFloat16* p, vf& s, vf& z) {
   const vi v = _mm512_loadu_si512(p);  // lane i: scale_i | zero_i << 16
@@ -1375,8 +1383,9 @@ void int4_linear_blocks(const float* xp, const float* xsum, float* yp, int64_t r
 void check_int4(const torch::Tensor& packed, const torch::Tensor& sz, int64_t group,
                 int64_t block_n, int64_t& n, int64_t& k) {
   TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous() &&
-                  (sz.scalar_type() == torch::kBFloat16 || sz.scalar_type() == torch::kFloat32),
-              "scale_zero must be [K/group, N, 2], bf16 or float32, contiguous");
+                  (sz.scalar_type() == torch::kBFloat16 || sz.scalar_type() == torch::kFloat32 ||
+                   sz.scalar_type() == torch::kHalf),
+              "scale_zero must be [K/group, N, 2], bf16, float32 or float16, contiguous");
   n = sz.size(1), k = sz.size(0) * group;
   TORCH_CHECK(group > 0 && block_n > 0 && block_n % 2 == 0 && n % block_n == 0,
               "block_n must divide N");
@@ -1450,6 +1459,8 @@ void int4_into(const torch::Tensor& x, const torch::Tensor& packed, const torch:
   };
   if (sz.scalar_type() == torch::kBFloat16) {
     dispatch(sz.data_ptr<c10::BFloat16>());
+  } else if (sz.scalar_type() == torch::kHalf) {
+    dispatch(sz.data_ptr<c10::Half>());
   } else {
     dispatch(sz.data_ptr<float>());
   }
@@ -1567,6 +1578,8 @@ void int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64
   };
   if (sz.scalar_type() == torch::kBFloat16) {
     run(sz.data_ptr<c10::BFloat16>());
+  } else if (sz.scalar_type() == torch::kHalf) {
+    run(sz.data_ptr<c10::Half>());
   } else {
     run(sz.data_ptr<float>());
   }

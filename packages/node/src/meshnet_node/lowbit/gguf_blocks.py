@@ -116,7 +116,8 @@ def int4_weight(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Int4Weight:
     weights, size = BLOCKS[fmt]
     shape = (raw.shape[0], raw.shape[1] // size * weights)
     chunks = int4_chunks(raw, fmt, dtype)
-    return Int4Weight.from_codes(chunks, shape, GROUP, dtype, aligned=shape[0] % CHUNK_ROWS == 0)
+    weight = Int4Weight.from_codes(chunks, shape, GROUP, dtype, aligned=shape[0] % CHUNK_ROWS == 0)
+    return weight.narrowed()  # float32 compute: f16 scales and zeros where exact
 
 
 def dequantized_chunks(raw: torch.Tensor, fmt: str) -> Iterator[tuple[int, torch.Tensor]]:

@@ -160,7 +160,8 @@ class Int8Weight:
 class Int4Weight:
     """Group-wise asymmetric int4 in torch's CPU packing: ``W[n, k] = (q - 8) * scale + zero``
     per group of ``group`` inputs, ``scale_zero`` ``[in / group, out, 2]`` in the compute dtype
-    (``aten._weight_int4pack_mm_for_cpu``'s form)."""
+    (``aten._weight_int4pack_mm_for_cpu``'s form), or in float16 where a float32 one holds
+    only float16 values (``narrowed``: half the bytes, the same numbers)."""
 
     fmt = "int4"
 
@@ -207,6 +208,16 @@ class Int4Weight:
                 codes_all[start : start + rows] = codes
         return cls(packed if chunked else _pack(codes_all), scale_zero, group, (n, k))
 
+    def narrowed(self) -> Int4Weight:
+        """This weight with its float32 scales and zeros held in float16 where every one of
+        them is a float16 value (a GGUF's Q4_0 blocks: f16 scales, zeros 0; most Q4_1
+        tensors): the products read half the bytes per group and compute the same numbers
+        (float16 widens to float32 exactly). Any other weight as it is."""
+        sz = self.scale_zero
+        if sz.dtype is not torch.float32 or not torch.equal(sz.half().float(), sz):
+            return self
+        return Int4Weight(self.packed, sz.half(), self.group, (self.out_features, self.in_features))
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed, "scale_zero": self.scale_zero}
 
@@ -223,10 +234,9 @@ class Int4Weight:
             w = torch.empty(self.out_features, self.in_features, device=self.packed.device)
             return self._unpack_into(w, block).to(dtype)
         # Any layout: the kernel applied to the identity is the matrix (slow; tests only).
-        eye = torch.eye(self.in_features, dtype=self.scale_zero.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            eye, self.packed, self.group, self.scale_zero
-        )
+        sz = self.scale_zero.float() if self.scale_zero.dtype is torch.float16 else self.scale_zero
+        eye = torch.eye(self.in_features, dtype=sz.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, sz)
         return out.t().contiguous().to(dtype)
 
     def _unpack_into(self, out: torch.Tensor, block: int | None) -> torch.Tensor:
@@ -251,13 +261,19 @@ def stacked(weights: Sequence[PackedWeight]) -> PackedWeight | None:
     n = sum(w.out_features for w in weights)
     block = intpack.int4_block_n(n)
     if block is None or any(
-        w.group != first.group or w.scale_zero.dtype != first.scale_zero.dtype
-        or w.out_features % block or intpack.int4_block_n(w.out_features) != block
+        w.group != first.group or w.out_features % block or intpack.int4_block_n(w.out_features) != block
         for w in weights
     ):  # fmt: skip
         return None
+    dtypes = {w.scale_zero.dtype for w in weights}
+    if dtypes == {torch.float16, torch.float32}:  # some parts narrowed: float32 (exact)
+        dtypes = {torch.float32}
+    elif len(dtypes) > 1:
+        return None
+    (dtype,) = dtypes
     return Int4Weight(
-        torch.cat([w.packed for w in weights]), torch.cat([w.scale_zero for w in weights], 1),
+        torch.cat([w.packed for w in weights]),
+        torch.cat([w.scale_zero.to(dtype) for w in weights], 1),
         first.group, (n, first.in_features),
     )  # fmt: skip
 
