@@ -35,9 +35,9 @@ def test_the_heads_pass_runs_from_the_step_the_next_hop_gets(tiny_snapshot):
         service = NodeService(stage, settings, model_id=settings.model_id)
         original = service.run
 
-        async def recorded(stage_, step, tensor):
+        async def recorded(stage_, step, tensor, ahead=None):
             ran.append((step, tensor))
-            return await original(stage_, step, tensor)
+            return await original(stage_, step, tensor, ahead)
 
         async def send(hop, out, step):  # the rest of the chain: not here
             sent.append((hop, step))

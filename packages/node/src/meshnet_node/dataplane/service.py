@@ -33,6 +33,7 @@ from meshnet_node.dataplane import answer_bytes
 from meshnet_node.dataplane.links import HopLinks
 from meshnet_node.dataplane.steps import Step, StepAnswer, stale_guess
 from meshnet_node.dataplane.streams import StreamHops
+from meshnet_node.engine.ahead import Ahead
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.scheduling.scheduler import ComputeScheduler
 from meshnet_node.settings import NodeSettings
@@ -158,11 +159,15 @@ class NodeService:
         sample: bool = True,
         drafts: tuple[int, ...] = (),
         guess_from: int | None = None,
+        ahead: Ahead | None = None,
     ) -> StepOutput:
-        """Submit a step to the scheduler; single-token decode steps may be batched."""
+        """Submit a step to the scheduler; single-token decode steps may be batched (or, on
+        a stage that is head and tail, run ahead: ``ahead``, ADR-0047)."""
         tensor = token_ids if token_ids is not None else hidden
         if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
-            item = DecodeItem(session_id, position, token_ids, hidden, owner, sample, guess_from)
+            item = DecodeItem(
+                session_id, position, token_ids, hidden, owner, sample, guess_from, ahead
+            )
             return await self.scheduler.decode(stage, item)
         rows = tensor.shape[1] if tensor is not None and tensor.dim() >= 2 else 1
         return await self.scheduler.rows(
@@ -170,15 +175,18 @@ class NodeService:
             owner=owner, sample=sample, drafts=drafts, rows=rows,
         )  # fmt: skip
 
-    async def run(self, stage: Stage, step: Step, tensor: torch.Tensor) -> StepOutput:
+    async def run(
+        self, stage: Stage, step: Step, tensor: torch.Tensor, ahead: Ahead | None = None
+    ) -> StepOutput:
         """Run ``step`` on ``stage`` with its input ``tensor`` (token ids on a head, hidden
         states elsewhere): a hop's parsed step, or the head's own "hop 0" (its route the
-        hops after it), the one type every hop's pass starts from (docs/adr/0040)."""
+        hops after it), the one type every hop's pass starts from (docs/adr/0040).
+        ``ahead``: a head that is the tail lets the step run ahead (ADR-0047)."""
         token_ids, hidden = (tensor, None) if stage.shard.is_head else (None, tensor)
         return await self.run_stage(
             stage, step.session_id, step.position, token_ids=token_ids, hidden=hidden,
             owner=step.session_key, sample=step.sample, drafts=step.draft_ids,
-            guess_from=step.guess_from,
+            guess_from=step.guess_from, ahead=ahead,
         )  # fmt: skip
 
     # -- ordering of pipelined chunks --------------------------------------------------------

@@ -6,6 +6,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
 from meshnet_node.lowbit.packed import prompt_calls
 from meshnet_node.programs import StageLayers
 
+if TYPE_CHECKING:
+    from meshnet_node.engine.ahead import Ahead
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = defaults.CHUNK_TOKENS
@@ -41,6 +45,7 @@ class DecodeItem:
     owner: str | None = None
     sample: bool = True
     guess_from: int | None = None  # a guess step (ADR-0019): may be rewound back to here
+    ahead: Ahead | None = None  # head and tail: may run on with what it samples (ADR-0047)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from meshnet_node.caching.blocks import BLOCK_TOKENS
 from meshnet_node.caching.reuse import PrefixReuse
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import OpenSpec, Step
+from meshnet_node.engine.ahead import Ahead
 from meshnet_node.engine.stage import Stage, StepOutput
 from meshnet_node.retry import RetryBudget
 from meshnet_node.scheduling.micro_batches import micro_batches
@@ -164,14 +165,16 @@ class HeadPasses:
                     task.cancel()
             raise
 
-    async def local(self, stage, step: Step) -> StepOutput:
+    async def local(self, stage, step: Step, ahead: Ahead | None = None) -> StepOutput:
         """``step`` through the head's own layers: its "hop 0", the same type every hop
         runs (its ``ids`` the input, its ``route`` the hops after the head); a sampled step
-        puts a token out of it."""
+        puts a token out of it (more where it ran ``ahead``, ADR-0047)."""
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
         self.service.count_served(int(step.sample))  # a sampled step: one more token here
         ids = list(step.ids or ())
-        out = await self.service.run(stage, step, torch.tensor([ids], dtype=torch.int64))
+        out = await self.service.run(stage, step, torch.tensor([ids], dtype=torch.int64), ahead)
+        if ahead is not None and out.more:  # the steps it ran ahead: their inputs cached too
+            ids += [t.token_id for t in [out.token, *out.more][:-1]]  # type: ignore[union-attr]
         if (session := stage.sessions.peek(step.session_id)) is not None:
             stage.sessions.note_ids(session, step.position, ids)  # names its cached blocks
         return out
@@ -193,10 +196,12 @@ class HeadPasses:
 
     async def step(
         self, stage, session_id, key, token_ids, position, route, drafts=0, guess_from=None,
+        ahead: Ahead | None = None,
     ) -> StepResult:  # fmt: skip
         """One decode step (its last ``drafts`` tokens to verify): local layers, then the
         rest of the chain. Its ids always go along: the tail's penalties count them, and the
-        hop after this head audits it with them (docs/adr/0032)."""
+        hop after this head audits it with them (docs/adr/0032). ``ahead``: with no route,
+        the step may run ahead (ADR-0047)."""
         # The head splits concurrent sessions into one micro-batch per stage that can compute
         # at the same time as the others (stages sharing this machine: as many as its CPUs run).
         self.service.set_micro_batches(self.concurrent_stages(route))
@@ -204,7 +209,7 @@ class HeadPasses:
             session_id, key, position, route=route, sample=True, ids=tuple(token_ids),
             drafts=drafts, guess_from=guess_from,
         )  # fmt: skip
-        out = await self.local(stage, step)
+        out = await self.local(stage, step, None if route else ahead)
         if not route:  # head is also the tail
             return as_result(out)
         result = await self.send(route[0], out, replace(step, route=route[1:]))

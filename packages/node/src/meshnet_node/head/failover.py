@@ -16,6 +16,7 @@ from meshnet_common.errors import CapacityExceeded, HopError, ModelNotCovered
 from meshnet_common.protocol import StepResult
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import Step
+from meshnet_node.engine.ahead import Ahead
 from meshnet_node.engine.stage import Stage
 from meshnet_node.head.chain import Chain, GenerationRequest, HeadPasses
 from meshnet_node.retry import BanList, Clock, RetryPolicy
@@ -102,10 +103,12 @@ class Failover:
         token: int | None,
         reroute: Reroute | None,
         drafts: list[int] | None = None,
+        ahead: Ahead | None = None,
     ) -> StepResult:
         """Prefill (``token`` None) or one decode step (with ``drafts`` for the chain to
-        verify), failing over to a new route if a hop dies: bounded attempts, capped
-        exponential backoff, an overall deadline. A replay verifies no drafts."""
+        verify, or running ``ahead`` where the head is the tail: ADR-0047), failing over to
+        a new route if a hop dies: bounded attempts, capped exponential backoff, an overall
+        deadline. A replay verifies no drafts."""
         if chain.budget is None:  # the limits hold for the whole request, not per step
             chain.budget = self.policy.start(self.clock)
         while True:
@@ -126,9 +129,9 @@ class Failover:
                 inputs = [token, *(drafts or ())]
                 result = await self.passes.step(
                     stage, chain.session_id, chain.key, inputs, len(history), chain.route,
-                    drafts=len(drafts or ()),
+                    drafts=len(drafts or ()), ahead=ahead,
                 )  # fmt: skip
-                chain.passes.append((len(history), inputs, len(drafts or ())))
+                chain.passes.append((len(history), inputs, len(drafts or ())))  # ahead: no route
                 return result
             except HopError as exc:
                 may_retry = chain.budget.failed()

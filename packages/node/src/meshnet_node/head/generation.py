@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from meshnet_common.errors import HopError, ModelNotCovered
 from meshnet_common.protocol import StepResult
 from meshnet_node.dataplane.service import NodeService
+from meshnet_node.engine.ahead import AHEAD_TOKENS, Ahead
 from meshnet_node.head.chain import Chain, GenerationRequest, HeadPasses
 from meshnet_node.head.failover import FAILOVER_BAN_S, FAILOVER_POLICY, Failover, Reroute
 from meshnet_node.head.params import sampling_defaults
@@ -224,9 +225,10 @@ class HeadGenerator:
                     else:
                         drafts = speculation.propose([*history, token], k)
                 drafted_at = time.perf_counter()
+                ahead = self._ahead(chain, request, produced, history) if not drafts else None
                 try:
                     result = await self.failover.advance(
-                        stage, chain, request, history, token, reroute, drafts
+                        stage, chain, request, history, token, reroute, drafts, ahead
                     )
                 finally:
                     elapsed = time.perf_counter() - started
@@ -241,17 +243,21 @@ class HeadGenerator:
                             "version?); start it with the swarm's version or the head with "
                             "--speculative off", status=502,
                         )  # fmt: skip
+                    kept = len(result.more or ())
                     timings.add(elapsed - drafting_s, result.compute_ms, len(chain.route))
                     if not drafts:  # a plain step: what the tracker's cost model predicts
-                        self.route_times.add(chain.route, elapsed - drafting_s)
-                    kept = len(result.more or ())
+                        self.route_times.add(chain.route, (elapsed - drafting_s) / (1 + kept))
                     self.service.count_served(kept)  # the kept drafts: tokens here too
                     if speculation is not None:
                         compute_s = (  # every hop's compute, and the drafting
                             sum(result.compute_ms) / 1000 + drafting_s
                             if result.compute_ms else None
                         )  # fmt: skip
-                        speculation.settle(len(drafts), kept, elapsed, compute_s)
+                        steps = 1 if drafts else 1 + kept  # ran ahead (ADR-0047): per step
+                        speculation.settle(
+                            len(drafts), kept if drafts else 0, elapsed / steps,
+                            None if compute_s is None else compute_s / steps,
+                        )  # fmt: skip
                     if drafts:
                         metrics.draft_tokens.inc(len(drafts))
                         metrics.accepted_tokens.inc(kept)
@@ -266,6 +272,21 @@ class HeadGenerator:
                 if rest := flight.finish():
                     metrics.tokens_per_step.observe(rest)
             await self.passes.close(stage, chain.session_id, chain.key, chain.route)
+
+    def _ahead(
+        self, chain: Chain, request: GenerationRequest, produced: int, history: list[int]
+    ) -> Ahead | None:
+        """How far a plain step may run ahead: only where this head is the tail (no route)
+        and no audit replays steps one by one (ADR-0047)."""
+        if chain.route or self.verifier is not None:
+            return None
+        room = min(
+            request.max_tokens - produced - 1, self.context_window - len(history) - 2, AHEAD_TOKENS
+        )  # fmt: skip
+        if room < 1:
+            return None
+        ends = request.stop_ids if request.ignore_eos else request.stop_ids | self.eos
+        return Ahead(room, frozenset(ends))
 
     async def _guessed_step(
         self, stage, chain: Chain, request: GenerationRequest, history: list[int], token: int,

@@ -12,10 +12,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from meshnet_node.engine.ahead import run_ahead, steps_of
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.scheduling.policy import DECODE, ROWS, WORK, Pass, PassQueue, Run, Wait
 
 logger = logging.getLogger(__name__)
+
+AHEAD_S = 0.05  # a pass that runs ahead (ADR-0047) stops after this long: the head streams
 
 
 class Turns(Protocol):
@@ -47,10 +50,24 @@ def _timed(
     return result, time.perf_counter() - started
 
 
-def _decode_call(stage: Stage, items: list[DecodeItem]) -> Callable[[], object]:
+def _decode_call(
+    stage: Stage, items: list[DecodeItem], waiting: Callable[[], bool]
+) -> Callable[[], object]:
+    """The pass of decode steps ``items``: batched, one step, or one step that runs ahead
+    (ADR-0047) while nothing else is ``waiting``, its session the stage's only one."""
     if len(items) > 1:
         return functools.partial(stage.step_batch, items)
     item = items[0]
+    if item.ahead is not None and item.sample and len(stage.sessions) == 1:
+
+        def ahead() -> StepOutput:
+            deadline = time.perf_counter() + AHEAD_S
+            return run_ahead(
+                stage, item, item.ahead,  # type: ignore[arg-type]
+                lambda: not waiting() and time.perf_counter() < deadline,
+            )  # fmt: skip
+
+        return ahead
     return functools.partial(
         stage.step, item.session_id, item.position, token_ids=item.token_ids,
         hidden=item.hidden, owner=item.owner, sample=item.sample, guess_from=item.guess_from,
@@ -154,7 +171,8 @@ class ComputeScheduler:
     async def _run(self, run: Run, loop: asyncio.AbstractEventLoop) -> None:
         first = run.passes[0]
         if first.kind == DECODE:
-            call = _decode_call(first.stage, [p.item for p in run.passes])  # type: ignore[misc]
+            items = [p.item for p in run.passes]
+            call = _decode_call(first.stage, items, lambda: bool(self.queue.entries))  # type: ignore[arg-type]
         else:
             call = first.call  # type: ignore[assignment]
         timed = functools.partial(_timed, call, self.before_pass, self.turns if run.turn else None)
@@ -169,6 +187,8 @@ class ComputeScheduler:
             for out in results:
                 if isinstance(out, StepOutput):
                     out.compute_s = compute_s  # a batch shares it
+            if first.kind == DECODE and isinstance(result, StepOutput):
+                compute_s /= steps_of(result)  # the queue's times: one step's (ADR-0047)
         finally:
             self.running = None
             self.queue.ran(run, started, loop.time(), compute_s)
