@@ -31,6 +31,7 @@ from meshnet_node.engine.families import (
     adapter_for,
     attention_module,
 )
+from meshnet_node.engine.huge_pages import hold_in_huge_pages
 from meshnet_node.engine.quantization import quantize_linears
 from meshnet_node.engine.row_attention import enable_together, widen_attention
 from meshnet_node.kernels import bf16_dot
@@ -370,6 +371,8 @@ def load_shard(
         # Refuse to serve a half-materialized model (e.g. a checkpoint missing tensors).
         raise ModelError(f"{index.root}: still on the meta device after loading: {meta_left[:5]}")
     modules.eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        hold_in_huge_pages(modules)  # read once a step: in 2 MiB pages (ADR-0048)
     if precision in (Precision.INT8, Precision.INT4):
         # One int8/int4 kernel for the node's life (meshnet's, or torch's where it is not
         # built): a session's products never change implementation between its steps or
