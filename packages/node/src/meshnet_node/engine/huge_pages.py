@@ -13,14 +13,15 @@ Measured on the 2-core AMX Xeon (KVM): SmolLM2 Q4_1's 120 int4 products of a tok
 
 Tensors keep their values, shapes, strides and which of them share memory (a fused
 product's parts stay views of it): each storage is copied once, and every tensor over it
-becomes the same view of the copy. Storages move one by one, so the old ones go back as
-the new ones fill: memory does not double. Nothing moves off the CPU, nor anything small.
+becomes the same view of the copy. Storages move one by one, and freed memory goes back
+to the OS as the copies fill: memory does not double. Nothing moves off the CPU, nor anything small.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -29,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 SMALLEST = 64 << 10  # storages below this stay where they are
+# Shards whose weights are fewer stay where they are: a few times what the TLB reaches on
+# ordinary pages (~8 MiB), and the move's passing memory (one part-filled huge page, the
+# storage in copy, what was freed since the last release) would be a large share of them.
+LEAST_WEIGHTS = 64 << 20
 ALIGN = 64  # each storage starts on a cache line (and on any element's alignment)
 
 
@@ -45,13 +50,16 @@ def _storages(modules: nn.Module) -> dict[int, int]:
     return found
 
 
-def hold_in_huge_pages(modules: nn.Module) -> int:
+def hold_in_huge_pages(modules: nn.Module, release: Callable[[], None] | None = None) -> int:
     """Move ``modules``' weights into one huge-page arena; the bytes moved (0: nothing was,
-    where the platform has no ``MADV_HUGEPAGE`` or the weights are too few)."""
+    where the platform has no ``MADV_HUGEPAGE`` or the weights are under 64 MiB). ``release``
+    hands freed memory back to the OS (``loader.release_freed_memory``): called every
+    1/64th of the weights moved, so the old copies go back as the new ones fill (glibc keeps
+    freed small blocks in its heap until then)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     storages = _storages(modules)
     total = sum(-(-n // ALIGN) * ALIGN for n in storages.values())
-    if advice is None or total < HUGE_PAGE:
+    if advice is None or total < LEAST_WEIGHTS:
         return 0
     arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -61,6 +69,7 @@ def hold_in_huge_pages(modules: nn.Module) -> int:
     base = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the mapping alive
     start = (-base.data_ptr()) % HUGE_PAGE
     placed: dict[int, int] = {}  # old storage address -> its copy's byte offset in the arena
+    every, since = max(HUGE_PAGE, total // 64), 0
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type != "cpu" or tensor.is_meta:
@@ -71,12 +80,16 @@ def hold_in_huge_pages(modules: nn.Module) -> int:
             return tensor
         at = placed.get(key)
         if at is None:
-            nonlocal start
+            nonlocal start, since
+            if release is not None and since >= every:
+                release()  # the storages moved so far, back to the OS
+                since = 0
             at = placed[key] = start
             nbytes = storage.nbytes()
             old = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
             base[at : at + nbytes].copy_(old)
             start += -(-nbytes // ALIGN) * ALIGN
+            since += nbytes
         size = tensor.element_size()
         return torch.empty(0, dtype=tensor.dtype).set_(
             base.untyped_storage(), (at + tensor.storage_offset() * size) // size,

@@ -372,7 +372,7 @@ def load_shard(
         raise ModelError(f"{index.root}: still on the meta device after loading: {meta_left[:5]}")
     modules.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
-        hold_in_huge_pages(modules)  # read once a step: in 2 MiB pages (ADR-0048)
+        hold_in_huge_pages(modules, release_freed_memory)  # in 2 MiB pages (ADR-0048)
     if precision in (Precision.INT8, Precision.INT4):
         # One int8/int4 kernel for the node's life (meshnet's, or torch's where it is not
         # built): a session's products never change implementation between its steps or
