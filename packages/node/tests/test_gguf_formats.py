@@ -2,9 +2,9 @@
 (``meshnet_common.tiny.gguf_files``): split over stages = one stage at the same precision (bit for bit, float32),
 equal to the HF model holding what the runtime holds (the blocks as they are, or rounded as
 ``gguf_blocks`` says) within float32 rounding, and close to the HF model built from the
-file's dequantized weights — Q4_0, Q4_1 and Q4_K are int4 as they are (within float32
-rounding), Q5_K, Q6_K and Q8_0 int8 rounded to a scale per row (close, not exact), a
-Q4_K_M mix int4 with its Q6_K tensors rounded to group 32, a Q5_K_M mix int8."""
+file's dequantized weights — Q4_0, Q4_1 and Q4_K are int4 as they are and Q6_K and Q8_0
+kept in their values (within float32 rounding; a Q4_K_M mix is both), Q5_K int8 rounded to
+a scale per row (close, not exact; a Q5_K_M mix too)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,22 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.gguf_index import KEPT_BLOCKS
 from meshnet_common.precision import Precision, native_format_name, resolve_precision
 from meshnet_common.tiny.gguf_files import write_gguf
 from meshnet_common.tiny.snapshots import make_tiny
 from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.preflight import weight_bytes
 from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import intpack
-from meshnet_node.lowbit.gguf_blocks import BLOCKS, GgufTensors, int4_weight, int8_weight
+from meshnet_node.lowbit.gguf_blocks import (
+    BLOCKS,
+    KEPT,
+    GgufTensors,
+    int4_weight,
+    int8_weight,
+    kept_weight,
+)
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # (family, format, the runtime ``auto`` serves it in): every family in the 4-bit formats and
@@ -45,10 +54,11 @@ NEW_TOKENS = 6
 # The HF model of what the runtime holds: float32 rounding (int4 zeros, int8 products).
 HELD_ATOL = 1e-5
 # The HF model of the file's dequantized values: int4 from 4-bit blocks is exact up to the
-# zero's float32 rounding; int8 rounds each weight to its row's scale; a Q4_K_M mix's Q6_K
-# tensors are rounded to int4.
-ATOL = {"int4": 1e-5, "int8": 0.1, "mix": 0.5}
-# Where the CPU has AVX-512 VNNI, int4 and Q8_0 products take float32 rows as two int8
+# zero's float32 rounding, Q6_K and Q8_0 kept in their values exact; int8 rounds each of the
+# Q5 types' weights to its row's scale.
+ATOL = {"exact": 1e-5, "rounded": 0.1}
+ROUNDED = ("Q5_K", "Q5_K_M")
+# Where the CPU has AVX-512 VNNI, int4 and Q8 products take float32 rows as two int8
 # digits per 32 inputs (ADR-0045): within max |x| / 64516 of each input, not float32's.
 DIGITS_ATOL = 2e-4
 
@@ -111,7 +121,9 @@ def _held(index: CheckpointIndex, reader: GgufTensors) -> dict[str, torch.Tensor
         if index.layer_of(name) is None or len(info.shape) != 2 or info.dtype == "F32":
             continue
         raw = reader.raw(name)
-        if runtime == "int8":
+        if info.dtype in KEPT:
+            out[name] = kept_weight(raw, info.dtype).dequantize()
+        elif runtime == "int8":
             out[name] = int8_weight(raw, info.dtype, torch.float32).dequantize()
         elif info.dtype not in BLOCKS:  # (4-bit blocks: as the gguf package dequantizes)
             out[name] = int4_weight(raw, info.dtype, torch.float32).dequantize()
@@ -139,8 +151,8 @@ def test_split_equals_one_stage_and_the_dequantized_model(gguf_file, family, fmt
             assert tokens == want
             torch.testing.assert_close(logits, ref, rtol=0, atol=_atol(HELD_ATOL))
         else:
-            tol = _atol(ATOL["mix" if fmt == "Q4_K_M" else runtime])
-            assert fmt == "Q4_K_M" or tokens == want
+            tol = _atol(ATOL["rounded" if fmt in ROUNDED else "exact"])
+            assert tokens == want
             torch.testing.assert_close(logits, ref, rtol=0, atol=tol)
 
 
@@ -215,3 +227,37 @@ def test_auto_serves_a_mix_in_the_runtime_of_most_of_its_bytes(gguf_file, fmt, r
         assert {fmt[:4], "Q6_K"} <= types
         assert index.tensors["model.layers.0.mlp.down_proj.weight"].dtype == "Q6_K"
         assert index.tensors["model.embed_tokens.weight"].dtype == fmt[:4]  # (tied)
+
+
+@pytest.mark.parametrize(("fmt", "kept"), [("Q4_K_M", "q6_k"), ("Q6_K", "q6_k"), ("Q8_0", "q8_0")])
+def test_q6_k_and_q8_0_tensors_are_kept_in_their_values(gguf_file, fmt, kept):
+    """A Q4_K_M file's Q6_K projections, and every projection of a Q6_K or Q8_0 file, are
+    held as int8 codes with a scale per 16 or 32 weights (docs/adr/0049): the values the
+    ``gguf`` package dequantizes, bit for bit; the siblings of one such format still fuse."""
+    path = gguf_file("llama", fmt)
+    index = CheckpointIndex.load(path)
+    precision = resolve_precision("auto", "float32", native_format_name(index.config))
+    layer = load_shard(path, LayerRange(0, 1), precision, dtype=torch.float32).modules.layers[0]
+    down = layer.mlp.down_proj
+    assert down.packed.fmt == kept
+    want = GgufTensors(index).dense("model.layers.0.mlp.down_proj.weight", torch.float32)
+    assert torch.equal(down.packed.dequantize(), want)
+    if fmt != "Q4_K_M":  # gate and up of one format: one product
+        assert getattr(layer.mlp.gate_proj, "group", None) is not None
+    assert set(KEPT) == set(KEPT_BLOCKS)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K_M", "Q6_K", "Q8_0", "Q4_K"])
+def test_a_gguf_range_is_priced_as_it_is_held(gguf_file, fmt):
+    """The memory the tracker plans for a range is what the node holds: kept Q6_K / Q8_0
+    matrices at one byte a weight and a float32 scale per block, int4 at half a byte and
+    a scale and zero per 32."""
+    path = gguf_file("llama", fmt)
+    index = CheckpointIndex.load(path)
+    precision = resolve_precision("auto", "float32", native_format_name(index.config))
+    layers = LayerRange(1, 3)
+    shard = load_shard(path, layers, precision, dtype=torch.float32)
+    held = {t.data_ptr(): t.numel() * t.element_size()
+            for t in (*shard.modules.parameters(), *shard.modules.buffers())}  # fmt: skip
+    expected = weight_bytes(index, layers, precision, dtype="float32", group_size=32)
+    assert sum(held.values()) == pytest.approx(expected, rel=0.02)

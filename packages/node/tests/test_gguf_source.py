@@ -21,7 +21,7 @@ from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import intpack
 from meshnet_node.kernels.fused_linears import FusedPart
-from meshnet_node.lowbit.gguf_blocks import GgufTensors, q8_0_lm_head
+from meshnet_node.lowbit.gguf_blocks import GgufTensors, kept_lm_head
 from meshnet_node.lowbit.modules import PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight
 
@@ -135,7 +135,7 @@ def test_a_q8_0_lm_head_stays_in_its_blocks(gguf_path, index):
     values exactly as the gguf package dequantizes them); the head's embedding stays dense;
     a bf16 node keeps a dense LM head."""
     name = index.naming.tied_embedding
-    weight = q8_0_lm_head(index)
+    weight = kept_lm_head(index)
     assert weight is not None and weight.fmt == "q8_0"
     assert torch.equal(weight.dequantize(), GgufTensors(index).dense(name, torch.float32))
     tail = load_shard(gguf_path, LayerRange(29, 30), Precision.INT4)

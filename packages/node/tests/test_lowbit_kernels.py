@@ -98,18 +98,19 @@ def _within_two_digits(ours, xd, weight):
 
 @pytest.mark.parametrize(("n", "k"), [(49152, 576), (576, 1536), (100, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_q8_0_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k, dtype):
-    """Q8_0 blocks (a GGUF's LM head) against bf16 or float32 rows take them as the same
-    two digits where the CPU has AVX-512 VNNI (ADR-0045): vpdpbusd on the codes with their
-    sign bit flipped, from -128 times the digits' sums."""
+@pytest.mark.parametrize("block", [32, 16])
+def test_q8_rows_as_two_int8_digits_are_within_their_bound(kernel, n, k, dtype, block):
+    """Q8_0 blocks (a GGUF's LM head) and Q6_K's sub-blocks of 16 against bf16 or float32
+    rows take them as the same two digits where the CPU has AVX-512 VNNI (ADR-0045):
+    vpdpbusd on the codes with their sign bit flipped, from -128 times the digits' sums."""
     if not intpack.takes_digits(kernel):
         pytest.skip("no AVX-512 VNNI here: rows take the bf16 or float32 tiles (exact inputs)")
     gen = torch.Generator().manual_seed(n)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    d = torch.rand(n, k // 32, generator=gen) * 0.01
-    weight = (q.double().view(n, k // 32, 32) * d.double().unsqueeze(-1)).view(n, k)
+    d = torch.rand(n, k // block, generator=gen) * 0.01
+    weight = (q.double().view(n, k // block, block) * d.double().unsqueeze(-1)).view(n, k)
     x = torch.randn(3, k, generator=gen).to(dtype)
-    _within_two_digits(kernel.q8_0_linear(x, q, d).double(), x.double(), weight)
+    _within_two_digits(kernel.q8_linear(x, q, d).double(), x.double(), weight)
 
 
 @pytest.mark.parametrize(("n", "k"), INT8_CASES)
@@ -129,25 +130,26 @@ def test_int8_linear_equals_the_product_and_torchs(kernel, n, k, dtype):
 
 @pytest.mark.parametrize(("n", "k"), [(49152, 576), (576, 1536), (96, 64), (17, 96)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_q8_0_linear_equals_the_product_and_the_definition(kernel, n, k, dtype):
-    """llama.cpp's Q8_0 blocks (an LM head's shape first): within float32 rounding of the
-    exact product and of the float32 definition; each row alone gives the rows' bits, on
-    any thread count."""
-    q, d = intpack.q8_0_probe(n, k, seed=n)
-    weight = q.double() * d.double().repeat_interleave(intpack.Q8_BLOCK, 1)
+@pytest.mark.parametrize("block", [32, 16])
+def test_q8_linear_equals_the_product_and_the_definition(kernel, n, k, dtype, block):
+    """llama.cpp's Q8_0 blocks (an LM head's shape first) and Q6_K's sub-blocks of 16:
+    within float32 rounding of the exact product and of the float32 definition; each row
+    alone gives the rows' bits, on any thread count."""
+    q, d = intpack.q8_probe(n, k, seed=n, block=block)
+    weight = q.double() * d.double().repeat_interleave(block, 1)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(9, k, generator=gen).to(dtype)
-    ours = intpack.q8_0_linear(x, q, d, _module=kernel)
+    ours = intpack.q8_linear(x, q, d, _module=kernel)
     digits = intpack.takes_digits(kernel)
     assert ours.dtype is dtype and ours.shape == (9, n)
     assert intpack.close(ours, x, weight, None, digits=digits)
-    assert intpack.near(ours, intpack.TorchLowbit.q8_0_linear(x, q, d), x, weight, digits=digits)
-    alone = [intpack.q8_0_linear(x[i : i + 1], q, d, _module=kernel) for i in range(9)]
+    assert intpack.near(ours, intpack.TorchLowbit.q8_linear(x, q, d), x, weight, digits=digits)
+    alone = [intpack.q8_linear(x[i : i + 1], q, d, _module=kernel) for i in range(9)]
     assert torch.equal(torch.cat(alone), ours)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(intpack.q8_0_linear(x, q, d, _module=kernel), ours)
+        assert torch.equal(intpack.q8_linear(x, q, d, _module=kernel), ours)
     finally:
         torch.set_num_threads(threads)
 

@@ -16,6 +16,8 @@ from program_runs import batched_run
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.gguf_import import smollm2_gguf_path
 from meshnet_common.precision import Precision
+from meshnet_common.tiny.gguf_files import write_gguf
+from meshnet_common.tiny.snapshots import make_tiny
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import intpack, packed
@@ -221,6 +223,35 @@ def test_packed_tiny_models_split_as_unsplit_and_near_the_modules(tiny_snapshot,
     assert split_tokens == tokens and _same(split_logits, logits)
     _, reference = split_greedy(stages(whole, "modules"), prompt, 1)
     assert torch.allclose(logits[0], reference[0], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_q4_k_m_files_kept_q6_k_products_run_native(tmp_path, kernels, dtype):
+    """A Q4_K_M file's Q6_K projections (kept as ``Q8Weight``, docs/adr/0049) take the
+    native Q8 product: the same bits as their module's forward for any rows; split over
+    three stages the native engine gives the unsplit stage's bits, near the modules'."""
+    snapshot = make_tiny(tmp_path, "llama", "tiny/llama", layers=4, hidden=256, intermediate=512)
+    path = write_gguf(snapshot, tmp_path / "llama-Q4_K_M.gguf", "Q4_K_M")
+    shard = load_shard(path, LayerRange(0, 4), Precision.INT4, dtype=dtype)
+    down = shard.modules.layers[0].mlp.down_proj
+    assert down.packed.fmt == "q6_k"
+    product = kernels.Product.q8(down.packed.q, down.packed.d)
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 3, 130):
+        x = torch.randn(rows, 1, down.in_features, generator=gen).to(dtype)
+        assert torch.equal(product(x), down(x)), rows
+    prompt = list(range(3, 40))
+
+    def stages(bounds, engine="native"):
+        made = [Stage(load_shard(path, LayerRange(a, b), Precision.INT4, dtype=dtype), engine=engine) for a, b in bounds]  # fmt: skip
+        assert all(s.layers.engine == engine for s in made)
+        return made
+
+    tokens, logits = split_greedy(stages(((0, 4),)), prompt, 6)
+    split_tokens, split_logits = split_greedy(stages(((0, 1), (1, 3), (3, 4))), prompt, 6)
+    assert split_tokens == tokens and _same(split_logits, logits)
+    _, reference = split_greedy(stages(((0, 4),), "modules"), prompt, 1)
+    assert torch.allclose(logits[0].float(), reference[0].float(), atol=0.05, rtol=0.02)
 
 
 def _exp_fixed(x: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ from functools import cached_property
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
+from meshnet_common.models.gguf_index import KEPT_BLOCKS
 from meshnet_common.models.int4_formats import int4_format
 from meshnet_common.precision import (
     DEFAULT_GROUP_SIZE,
@@ -47,6 +48,7 @@ _SCALES = (
 )  # fmt: skip
 NF4_BYTES_PER_PARAM = 0.5 + 4.0 / 64  # 4 bit + one fp32 absmax per 64-weight block
 FP8_SCALE_BYTES = 4  # weight_scale_inv is float32, one per block
+KEPT_SCALE_BYTES = 4  # a kept GGUF block's scale, float32
 
 
 def _logical(
@@ -120,6 +122,9 @@ class ModelCosts:
     layer_int4_groups: tuple[tuple[int, ...], ...] | None = None
     layer_packed: tuple[int, ...] | None = None  # values stored packed (fp8 / mxfp4)
     layer_packed_bytes: tuple[int, ...] | None = None  # their bytes, scales included
+    # a GGUF's Q6_K / Q8_0 matrices, kept in their values at int8 and int4 (docs/adr/0049)
+    layer_kept: tuple[int, ...] | None = None
+    layer_kept_bytes: tuple[int, ...] | None = None  # int8 codes and float32 block scales
 
     def refusal(self, precision: Precision) -> str | None:
         """Why this model cannot be served at ``precision`` (None: it can)."""
@@ -141,6 +146,7 @@ class ModelCosts:
         names = index.tensors.keys()
         quantizable, other = [0] * n, [0] * n
         int8, int8_rows, packed, packed_bytes = [0] * n, [0] * n, [0] * n, [0] * n
+        kept_values, kept_bytes = [0] * n, [0] * n
         int4 = [[0] * n for _ in GROUP_SIZES]
         int4_groups = [[0] * n for _ in GROUP_SIZES]
         try:
@@ -158,6 +164,12 @@ class ModelCosts:
                 quantizable[layer] += numel
             else:
                 other[layer] += numel
+            kept = KEPT_BLOCKS.get(info.dtype) if index.gguf is not None else None
+            if kept is not None and quantized_tensor(logical, shape, Precision.INT8, gpt2=gpt2):
+                # int8 codes and a float32 scale per block, at int8 and int4 alike
+                kept_values[layer] += numel
+                kept_bytes[layer] += numel + KEPT_SCALE_BYTES * numel // kept
+                continue
             if quantized_tensor(logical, shape, Precision.INT8, gpt2=gpt2):
                 int8[layer] += numel
                 _out, width = linear_widths(logical, shape, gpt2=gpt2)
@@ -204,6 +216,8 @@ class ModelCosts:
             layer_int4_groups=tuple(tuple(g) for g in int4_groups),
             layer_packed=tuple(packed),
             layer_packed_bytes=tuple(packed_bytes),
+            layer_kept=tuple(kept_values),
+            layer_kept_bytes=tuple(kept_bytes),
         )
 
     @cached_property
@@ -219,6 +233,8 @@ class ModelCosts:
             "int8_rows": self.layer_int8_rows or zeros,
             "packed": self.layer_packed or zeros,
             "packed_bytes": self.layer_packed_bytes or zeros,
+            "kept": self.layer_kept or zeros,
+            "kept_bytes": self.layer_kept_bytes or zeros,
         }
         for i, group in enumerate(GROUP_SIZES):
             values = self.layer_int4[i] if self.layer_int4 is not None else self.layer_quantizable
@@ -273,6 +289,9 @@ class ModelCosts:
         elif precision.is_native:
             quantized = span("packed")
             packed = span("packed_bytes")
+        if precision in (Precision.INT8, Precision.INT4):  # a GGUF's Q6_K / Q8_0 as held
+            quantized += span("kept")
+            packed += span("kept_bytes")
         return int(packed + (values - quantized) * act)
 
     def kv_bytes(

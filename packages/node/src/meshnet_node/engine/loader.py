@@ -39,7 +39,7 @@ from meshnet_node.kernels import packed as packed_kernels
 from meshnet_node.kernels.fused_linears import fuse_siblings
 from meshnet_node.kernels.row_stable import route_alone, route_rows
 from meshnet_node.lowbit.gguf_blocks import GROUP as GGUF_GROUP
-from meshnet_node.lowbit.gguf_blocks import GgufTensors, q8_0_lm_head
+from meshnet_node.lowbit.gguf_blocks import GgufTensors, kept_lm_head
 from meshnet_node.lowbit.int4_checkpoints import Int4Linears
 from meshnet_node.lowbit.loading import PACKED, ShardPacker
 from meshnet_node.lowbit.modules import PackedLinear
@@ -336,7 +336,7 @@ def load_shard(
     if missing:
         raise ModelError(f"{index.root}: checkpoint lacks tensors for {missing[:5]}")
     if is_tail and precision in (Precision.INT8, Precision.INT4) and torch.device(device).type == "cpu":  # fmt: skip
-        shipped = q8_0_lm_head(index)  # a GGUF's Q8_0 output, kept in its blocks (ADR-0043)
+        shipped = kept_lm_head(index)  # a GGUF's Q8_0 / Q6_K output, in its values (ADR-0043)
         if shipped is not None:
             modules.lm_head = PackedLinear(shipped, None)
     if packer is not None:

@@ -29,6 +29,7 @@ from meshnet_node.kernels.tolerance import close, near
 logger = logging.getLogger(__name__)
 
 Q8_BLOCK = 32  # inputs per scale in llama.cpp's Q8_0
+Q6_K_BLOCK = 16  # inputs per scale in Q6_K's sub-blocks
 
 _state: dict[str, Any] = {"module": None, "reason": None}
 
@@ -78,10 +79,10 @@ class TorchLowbit:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zero.to(x.dtype))
 
     @staticmethod
-    def q8_0_linear(x: Tensor, q: Tensor, d: Tensor) -> Tensor:
-        """The definition: the float32 matrix, ``q * d`` per 32 inputs (exact)."""
+    def q8_linear(x: Tensor, q: Tensor, d: Tensor) -> Tensor:
+        """The definition: the float32 matrix, ``q * d`` per block of inputs (exact)."""
         n, k = q.shape
-        w = (q.float().view(n, k // Q8_BLOCK, Q8_BLOCK) * d[..., None]).view(n, k)
+        w = (q.float().view(n, d.shape[1], -1) * d[..., None]).view(n, k)
         return F.linear(x.float(), w).to(x.dtype)
 
     @staticmethod
@@ -136,18 +137,19 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, *, _module: Any = None) -> 
     return y.view(*x.shape[:-1], n)
 
 
-def q8_0_linear(x: Tensor, q: Tensor, d: Tensor, *, _module: Any = None) -> Tensor:
-    """``x @ W.T`` in ``x``'s dtype for llama.cpp's Q8_0 blocks: ``q`` int8 [N, K], ``d``
-    float32 [N, K / 32] (the blocks' f16 scales), ``W = q * d`` per 32 inputs. Rows
+def q8_linear(x: Tensor, q: Tensor, d: Tensor, *, _module: Any = None) -> Tensor:
+    """``x @ W.T`` in ``x``'s dtype for int8 codes in blocks: ``q`` int8 [N, K], ``d``
+    float32 [N, K / B], ``W = q * d`` per B inputs, B = 32 (llama.cpp's Q8_0, ``d`` its f16
+    scales) or 16 (Q6_K's sub-blocks, ``d`` each one's f16 times its int8 scale). Rows
     independent of each other."""
     impl = _lowbit(_module, x.device)
     n, k = q.shape
     rows = x.reshape(-1, k)
     if impl is TorchLowbit:
-        y = impl.q8_0_linear(rows, q, d)
+        y = impl.q8_linear(rows, q, d)
     else:
         xin = rows.contiguous() if rows.dtype is torch.bfloat16 else rows.float().contiguous()
-        y = impl.q8_0_linear(xin, q, d).to(x.dtype)
+        y = impl.q8_linear(xin, q, d).to(x.dtype)
     return y.view(*x.shape[:-1], n)
 
 
@@ -214,10 +216,10 @@ def int8_probe(n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[Tensor, T
 
 
 def agrees_with_reference(module: Any) -> str | None:
-    """None if ``module``'s int8 / int4 / Q8_0 functions agree with torch's on probes: the int4
+    """None if ``module``'s int8 / int4 / Q8 functions agree with torch's on probes: the int4
     unpacking bit for bit, the products within float32 rounding of the exact one and of
     torch's kernel, each row alone bit-equal to the rows together. Where the module takes
-    rows as two int8 digits (``int4_vnni``, ADR-0045), int4 and Q8_0 products within their
+    rows as two int8 digits (``int4_vnni``, ADR-0045), int4 and Q8 products within their
     bound (``tolerance.digits_bound``)."""
     digits = takes_digits(module)
     gen = torch.Generator().manual_seed(1)
@@ -258,29 +260,30 @@ def agrees_with_reference(module: Any) -> str | None:
             alone = [int8_linear(x[i : i + 1], q, scale, _module=module) for i in range(len(x))]
             if not torch.equal(torch.cat(alone), ours):
                 return f"int8 product: rows alone differ from rows together ({n}x{k})"
-        q, d = q8_0_probe(n, k, seed)
-        weight = q.double() * d.double().repeat_interleave(Q8_BLOCK, 1)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(9, k, generator=gen).to(dtype)
-            ours = q8_0_linear(x, q, d, _module=module)
-            theirs = TorchLowbit.q8_0_linear(x, q, d)
-            if not (close(ours, x, weight, None, digits=digits)
-                    and near(ours, theirs, x, weight, digits=digits)):  # fmt: skip
-                return f"Q8_0 product differs ({n}x{k}, {dtype})"
-            alone = [q8_0_linear(x[i : i + 1], q, d, _module=module) for i in range(len(x))]
-            if not torch.equal(torch.cat(alone), ours):
-                return f"Q8_0 product: rows alone differ from rows together ({n}x{k})"
+        for block in (Q8_BLOCK, Q6_K_BLOCK):  # Q8_0's blocks and Q6_K's sub-blocks
+            q, d = q8_probe(n, k, seed, block)
+            weight = q.double() * d.double().repeat_interleave(block, 1)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(9, k, generator=gen).to(dtype)
+                ours = q8_linear(x, q, d, _module=module)
+                theirs = TorchLowbit.q8_linear(x, q, d)
+                if not (close(ours, x, weight, None, digits=digits)
+                        and near(ours, theirs, x, weight, digits=digits)):  # fmt: skip
+                    return f"Q8 product differs ({n}x{k}, blocks of {block}, {dtype})"
+                alone = [q8_linear(x[i : i + 1], q, d, _module=module) for i in range(len(x))]
+                if not torch.equal(torch.cat(alone), ours):
+                    return f"Q8 product: rows alone differ from rows together ({n}x{k}, {block})"
     return None
 
 
 def takes_digits(module: Any) -> bool:
-    """Whether ``module``'s int4 and Q8_0 products take bf16 and float32 rows as two int8
+    """Whether ``module``'s int4 and Q8 products take bf16 and float32 rows as two int8
     digits per 32 inputs (AVX-512 VNNI and VBMI here, ADR-0045)."""
     return bool(getattr(module, "int4_vnni", False))
 
 
-def q8_0_probe(n: int, k: int, seed: int) -> tuple[Tensor, Tensor]:
-    """Random Q8_0 codes [N, K] and f16 scales (as float32) [N, K / 32]."""
+def q8_probe(n: int, k: int, seed: int, block: int = Q8_BLOCK) -> tuple[Tensor, Tensor]:
+    """Random int8 codes [N, K] and f16 scales (as float32) [N, K / block]."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    return q, (torch.rand(n, k // Q8_BLOCK, generator=gen) * 0.01 + 1e-4).half().float()
+    return q, (torch.rand(n, k // block, generator=gen) * 0.01 + 1e-4).half().float()

@@ -10,9 +10,10 @@
 // and the attention function transformers picks) stays in Python, between `before` and
 // `after`: it is where families and caches differ.
 //
-// Products are `Product`s: the int4 kernel of this module called as intpack.int4_linear
-// calls it (reshape, contiguous rows, float32 product cast back), or any Python callable
-// (the stage's own module forward) where the weight is another kind.
+// Products are `Product`s: the int4 or Q8 kernel of this module called as
+// intpack.int4_linear / intpack.q8_linear call it (reshape, contiguous rows, float32 product
+// cast back), or any Python callable (the stage's own module forward) where the weight is
+// another kind.
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
@@ -36,6 +37,8 @@ torch::Tensor attend_rows(const torch::Tensor& q, std::vector<torch::Tensor> key
 
 void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
                       const torch::Tensor& sz, int64_t group, int64_t block_n, float* y);
+void packed_q8_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                    float* y);  // packed.cpp
 
 namespace {
 
@@ -56,8 +59,9 @@ bool fused_dtype(const Tensor& t) {
 
 // x @ W.T as the stage's module computes it.
 struct Product {
-  py::object call;  // a Python forward, or None for the int4 kernel below
+  py::object call;  // a Python forward, or None for the int4 / Q8 kernel below
   Tensor packed, sz, bias;  // int4: torch's CPU packing, contiguous scale_zero, bias or undefined
+  Tensor q8, q8_scales;  // Q8 (Q8_0, Q6_K kept: lowbit.shipped.Q8Weight): codes and scales
   int64_t group = 0, block_n = 0, in_features = 0, out_features = 0;
   // int4: calls of more rows than wide_rows go to the module's forward (`wide`), which may
   // dequantize for a GEMM in a prompt's pass (lowbit.packed.WIDE_ROWS); none where unset
@@ -75,7 +79,7 @@ struct Product {
 
   bool native() const { return call.is_none(); }
 
-  // The float32 products of x's rows into a buffer of this thread (int4 only).
+  // The float32 products of x's rows into a buffer of this thread (int4 or Q8 only).
   const float* rows_into(const Tensor& x, int64_t& rows) const {
     const auto flat = x.reshape({-1, in_features});
     const auto xin = flat.scalar_type() == torch::kBFloat16 ? flat.contiguous()
@@ -83,7 +87,11 @@ struct Product {
     rows = xin.size(0);
     thread_local std::vector<float> y;
     y.resize(static_cast<size_t>(rows * out_features));
-    packed_int4_into(xin, packed, sz, group, block_n, y.data());
+    if (q8.defined()) {
+      packed_q8_into(xin, q8, q8_scales, y.data());
+    } else {
+      packed_int4_into(xin, packed, sz, group, block_n, y.data());
+    }
     return y.data();
   }
 
@@ -138,7 +146,7 @@ struct Product {
     if (!native()) return forward_of(call, x);
     if (goes_wide(x)) return forward_of(wide, x);
     if (emits(x)) return parts(x, {{0, out_features}})[0];
-    // PackedLinear.forward -> Int4Weight.matmul -> intpack.int4_linear, call for call
+    // PackedLinear.forward -> Int4Weight / Q8Weight.matmul -> intpack's product, call for call
     auto shape = x.sizes().vec();
     const auto rows = x.reshape({-1, shape.back()});
     int64_t n = 0;
@@ -171,6 +179,25 @@ Product int4_product(Tensor packed, Tensor sz, int64_t group, int64_t block_n,
   p.block_n = block_n;
   p.in_features = in_features;
   p.out_features = out_features;
+  if (bias) p.bias = *bias;
+  return p;
+}
+
+Product q8_product(Tensor q, Tensor d, std::optional<Tensor> bias) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() &&
+                  q.size(1) % 32 == 0,
+              "q must be int8 [N, K], K a multiple of 32, contiguous");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.dim() == 2 &&
+                  d.size(0) == q.size(0) &&
+                  (d.size(1) * 32 == q.size(1) || d.size(1) * 16 == q.size(1)),
+              "d must be float32 [N, K / 32] or [N, K / 16], contiguous");
+  Product p;
+  p.call = py::none();
+  p.wide = py::none();
+  p.q8 = std::move(q);
+  p.q8_scales = std::move(d);
+  p.in_features = p.q8.size(1);
+  p.out_features = p.q8.size(0);
   if (bias) p.bias = *bias;
   return p;
 }
@@ -614,6 +641,8 @@ void register_layer_step(py::module& m) {
                   py::arg("out_features"), py::arg("bias") = std::nullopt,
                   py::arg("wide") = py::none(), py::arg("wide_rows") = 0,
                   "the int4 kernel, called as intpack.int4_linear calls it")
+      .def_static("q8", &q8_product, py::arg("q"), py::arg("d"), py::arg("bias") = std::nullopt,
+                  "the Q8 kernel (Q8_0, Q6_K kept), called as intpack.q8_linear calls it")
       .def("__call__", &Product::operator());
   py::class_<Siblings>(m, "Siblings")
       .def(py::init([](std::vector<Product> members) { return Siblings{std::move(members), {}}; }))

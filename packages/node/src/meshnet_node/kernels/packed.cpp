@@ -667,105 +667,110 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
   return int8_linear_t<float>(x, q, scale);
 }
 
-// Q8_0 (llama.cpp's 8-bit blocks, kept as shipped): every 32 weights of a row share one
-// scale d (an f16, exact in float32), W = d * q. Per block, in = sum x * q over its 32
-// inputs (exact products, float32 sums), then acc += d * in; the lanes are summed at the
-// end. A row's order is fixed whatever the rows around it.
+// Int8 codes with a float32 scale per block of B weights of a row, W = d * q: llama.cpp's
+// Q8_0 as shipped (B = 32, d its f16 scale) and Q6_K (B = 16, d = the super-block's f16
+// times the sub-block's int8 scale, q = code - 32; both exact in float32). Per block, in =
+// sum x * q over its B inputs (exact products, float32 sums), then acc += d * in; the lanes
+// are summed at the end. A row's order is fixed whatever the rows around it.
 constexpr int64_t kQ8Block = 32;
 
-template <int R, int NB>
-struct Q8Tile {
-  static void run(const float* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
-                  const float* d) {
-    const int64_t blocks = k / kQ8Block;
-    vf acc[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      vf in[R][NB];
+template <int64_t B>
+struct Q8 {
+  static_assert(B == 16 || B == 32, "blocks of 16 or 32 weights");
+
+  template <int R, int NB>
+  struct Tile {
+    static void run(const float* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
+                    const float* d) {
+      const int64_t blocks = k / B;
+      vf acc[R][NB];
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NB; ++j) in[r][j] = vzero();
-      for (int64_t i = b * kQ8Block; i < (b + 1) * kQ8Block; i += W) {
-        vf wv[NB];
+        for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+      for (int64_t b = 0; b < blocks; ++b) {
+        vf in[R][NB];
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < NB; ++j) in[r][j] = vzero();
+        for (int64_t i = b * B; i < (b + 1) * B; i += W) {
+          vf wv[NB];
+          for (int j = 0; j < NB; ++j) {
+            ahead(q + j * k + i);
+            wv[j] = Int8Tile<1, 1>::int8s(q + j * k + i);
+          }
+          for (int r = 0; r < R; ++r) {
+            const vf xv = vload(x + r * k + i);
+            for (int j = 0; j < NB; ++j) in[r][j] = vfma(wv[j], xv, in[r][j]);
+          }
+        }
         for (int j = 0; j < NB; ++j) {
-          ahead(q + j * k + i);
-          wv[j] = Int8Tile<1, 1>::int8s(q + j * k + i);
-        }
-        for (int r = 0; r < R; ++r) {
-          const vf xv = vload(x + r * k + i);
-          for (int j = 0; j < NB; ++j) in[r][j] = vfma(wv[j], xv, in[r][j]);
+          const vf dv = vset(d[j * blocks + b]);
+          for (int r = 0; r < R; ++r) acc[r][j] = vfma(dv, in[r][j], acc[r][j]);
         }
       }
-      for (int j = 0; j < NB; ++j) {
-        const vf dv = vset(d[j * blocks + b]);
-        for (int r = 0; r < R; ++r) acc[r][j] = vfma(dv, in[r][j], acc[r][j]);
-      }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
-  }
-};
+  };
 
 #if defined(MESHNET_INT8_BF16)
-// bf16 rows: a block's 32 int8 weights become 32 bf16 (exact) and one vdpbf16ps multiplies
-// them with the block's 32 inputs in pairs.
-template <int R, int NB>
-struct Q8Bf16Tile {
-  static void run(const uint16_t* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
-                  const float* d) {
-    static_assert(2 * W == kQ8Block, "one vdpbf16ps per block");
-    const int64_t blocks = k / kQ8Block;
-    vf acc[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t i = b * kQ8Block;
-      __m512bh wv[NB];
-      for (int j = 0; j < NB; ++j) {
-        const int8_t* p = q + j * k + i;
-        ahead(p);
-        const vf lo = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-        const vf hi = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
-        wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
+  // bf16 rows: 32 int8 weights become 32 bf16 (exact) and one vdpbf16ps multiplies them
+  // with 32 inputs in pairs: lane l holds inputs 2l and 2l + 1, so at B = 16 lanes 0-7 are
+  // one block and 8-15 the next, each scaled by its own d.
+  template <int R, int NB>
+  struct Bf16Tile {
+    static void run(const uint16_t* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
+                    const float* d) {
+      static_assert(2 * W == kQ8Block, "one vdpbf16ps per 32 inputs");
+      const int64_t chunks = k / kQ8Block, blocks = k / B;
+      const vi halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      vf acc[R][NB];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t i = c * kQ8Block;
+        __m512bh wv[NB];
+        vf dv[NB];
         for (int j = 0; j < NB; ++j) {
-          const vf in = _mm512_dpbf16_ps(vzero(), wv[j], xv);
-          acc[r][j] = vfma(vset(d[j * blocks + b]), in, acc[r][j]);
+          const int8_t* p = q + j * k + i;
+          ahead(p);
+          const vf lo = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+          const vf hi = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
+          wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
+          if constexpr (B == kQ8Block) {
+            dv[j] = vset(d[j * blocks + c]);
+          } else {
+            double pair;  // the two blocks' scales of these 32 inputs
+            std::memcpy(&pair, d + j * blocks + 2 * c, sizeof pair);
+            dv[j] = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
+          for (int j = 0; j < NB; ++j) {
+            const vf in = _mm512_dpbf16_ps(vzero(), wv[j], xv);
+            acc[r][j] = vfma(dv[j], in, acc[r][j]);
+          }
         }
       }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
-  }
-};
+  };
 #endif
+};
 
-// Q8_0 blocks against bf16 or float32 rows as two int8 digits (AVX-512 VNNI; defined
+// Q8 blocks against bf16 or float32 rows as two int8 digits (AVX-512 VNNI; defined
 // below): false where it does not apply (no VNNI, K not whole 64s), y untouched.
-bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
-                    int64_t k, float* y);
+template <int64_t B>
+bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
+                  int64_t k, float* y);
 
-torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() &&
-                  q.size(1) % kQ8Block == 0,
-              "q must be int8 [N, K], K a multiple of 32, contiguous");
-  const int64_t n = q.size(0), k = q.size(1), rows = x.size(0);
-  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.dim() == 2 &&
-                  d.size(0) == n && d.size(1) == k / kQ8Block,
-              "d must be float32 [N, K / 32], contiguous");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
-                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
-              "x must be float32 or bf16 [M, K], contiguous");
-  auto y = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* dp = d.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = k / kQ8Block;
-  if (q8_0_vnni_into(x, qp, dp, n, k, yp)) return y;
+template <int64_t B>
+void q8_linear_into(const torch::Tensor& x, const int8_t* qp, const float* dp, int64_t n,
+                    int64_t k, float* yp) {
+  const int64_t rows = x.size(0), blocks = k / B;
+  if (q8_vnni_into<B>(x, qp, dp, n, k, yp)) return;
 #if defined(MESHNET_INT8_BF16)
   if (x.scalar_type() == torch::kBFloat16) {
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
@@ -773,14 +778,14 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const 
       auto direct = [&](int64_t j, auto nb) {
         constexpr int C = decltype(nb)::value;
         for (int64_t r0 = 0; r0 < rows; r0 += kInt8Bf16Rows) {
-          by_rows<kInt8Bf16Rows, Q8Bf16Tile, C>(std::min<int64_t>(kInt8Bf16Rows, rows - r0),
-                                                xb + r0 * k, yp + r0 * n + j, n, k, qp + j * k,
-                                                dp + j * blocks);
+          by_rows<kInt8Bf16Rows, Q8<B>::template Bf16Tile, C>(
+              std::min<int64_t>(kInt8Bf16Rows, rows - r0), xb + r0 * k, yp + r0 * n + j, n, k,
+              qp + j * k, dp + j * blocks);
         }
       };
       product_range(n0, n1, direct);
     });
-    return y;
+    return;
   }
 #endif
   const auto xf = x.to(torch::kFloat32);  // bf16 without AVX-512 BF16: float32 products
@@ -789,13 +794,37 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& q, const 
     auto direct = [&](int64_t j, auto nb) {
       constexpr int NB = decltype(nb)::value;
       for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
-        by_rows<kDirectRows, Q8Tile, NB>(std::min<int64_t>(kDirectRows, rows - r0),
-                                         xp + r0 * k, yp + r0 * n + j, n, k, qp + j * k,
-                                         dp + j * blocks);
+        by_rows<kDirectRows, Q8<B>::template Tile, NB>(
+            std::min<int64_t>(kDirectRows, rows - r0), xp + r0 * k, yp + r0 * n + j, n, k,
+            qp + j * k, dp + j * blocks);
       }
     };
     product_range(n0, n1, direct);
   });
+}
+
+// y = x @ W.T, float32, for int8 codes q [N, K] and float32 scales d [N, K / B]: the block
+// size B (16 or 32) is K over d's columns.
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() &&
+                  q.size(1) % kQ8Block == 0,
+              "q must be int8 [N, K], K a multiple of 32, contiguous");
+  const int64_t n = q.size(0), k = q.size(1), rows = x.size(0);
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.dim() == 2 &&
+                  d.size(0) == n && (d.size(1) == k / 32 || d.size(1) == k / 16),
+              "d must be float32 [N, K / 32] or [N, K / 16], contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be float32 or bf16 [M, K], contiguous");
+  auto y = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (d.size(1) == k / 16) {
+    q8_linear_into<16>(x, qp, dp, n, k, yp);
+  } else {
+    q8_linear_into<32>(x, qp, dp, n, k, yp);
+  }
   return y;
 }
 
@@ -1248,12 +1277,14 @@ void int4_vnni_blocks(const In* xp, const float* xsum, float* yp, int64_t rows,
   });
 }
 
-// Q8_0 weights (int8 codes, a float scale per 32 of a row) against rows as two int8 digits.
+// Q8 weights (int8 codes, a float scale per block of B = 32 or 16 of a row) against rows as
+// two int8 digits (per 32 inputs).
 // 64 codes of one output row meet the 64 digits of the same k: vpdpbusd adds, in each of 16
 // lanes, four products of (code + 128) (the codes' sign bit flipped: unsigned) and the
 // digit, starting from -128 times the four digits' sum, so the lane holds the exact sum of
-// code * digit. Lanes 0-7 are one block of 32, 8-15 the next: each lane is made float and
-// scaled by its block's input and weight scales, and summed into a float32 lane; a row's 16
+// code * digit. Lanes 0-7 are one block of 32 inputs, 8-15 the next (and at B = 16 lanes
+// 0-3, 4-7, ... each one block of weights): each lane is made float and scaled by its
+// block's input and weight scales, and summed into a float32 lane; a row's 16
 // lanes meet at the end in _mm512_reduce_add_ps's fixed order.
 struct Q8Lanes {  // one row's inputs: digits, and per 64 k the lanes' start and scales
   const int8_t* q;
@@ -1264,49 +1295,59 @@ struct Q8Lanes {  // one row's inputs: digits, and per 64 k the lanes' start and
   const float* d2;
 };
 
-template <int R, int NB>
-struct Q8VnniTile {
-  static void run(const Q8Lanes* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
-                  const float* d) {
-    const int64_t chunks = k / 64, blocks = k / kQ8Block;
-    const vi flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    const vi halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    vf acc[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
-    for (int64_t c = 0; c < chunks; ++c) {
-      vi w[NB];
-      vf dw[NB];
-      for (int j = 0; j < NB; ++j) {
-        const int8_t* p = q + j * k + c * 64;
-        ahead(p);
-        w[j] = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
-        double pair;  // the row's two block scales of this chunk
-        std::memcpy(&pair, d + j * blocks + 2 * c, sizeof pair);
-        dw[j] = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
-      }
-      for (int r = 0; r < R; ++r) {
-        const Q8Lanes& in = x[r];
-        const vi q1 = _mm512_loadu_si512(in.q + c * 64), q2 = _mm512_loadu_si512(in.q2 + c * 64);
-        const vi s1 = _mm512_loadu_si512(in.start + c * W), s2 = _mm512_loadu_si512(in.start2 + c * W);
-        const vf d1 = vload(in.d + c * W), d2 = vload(in.d2 + c * W);
+template <int64_t B>
+struct Q8Vnni {
+  template <int R, int NB>
+  struct Tile {
+    static void run(const Q8Lanes* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
+                    const float* d) {
+      const int64_t chunks = k / 64, blocks = k / B;
+      const vi flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      const vi halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const vi quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+      vf acc[R][NB];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+      for (int64_t c = 0; c < chunks; ++c) {
+        vi w[NB];
+        vf dw[NB];
         for (int j = 0; j < NB; ++j) {
-          const vf f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s1, w[j], q1)), d1);
-          const vf f = vfma(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s2, w[j], q2)), d2, f1);
-          acc[r][j] = vfma(f, dw[j], acc[r][j]);
+          const int8_t* p = q + j * k + c * 64;
+          ahead(p);
+          w[j] = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
+          if constexpr (B == kQ8Block) {
+            double pair;  // the row's two block scales of this chunk
+            std::memcpy(&pair, d + j * blocks + 2 * c, sizeof pair);
+            dw[j] = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+          } else {  // four blocks of 16: lanes 0-3, 4-7, 8-11, 12-15
+            const vf four = _mm512_castps128_ps512(_mm_loadu_ps(d + j * blocks + 4 * c));
+            dw[j] = _mm512_permutexvar_ps(quarters, four);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const Q8Lanes& in = x[r];
+          const vi q1 = _mm512_loadu_si512(in.q + c * 64), q2 = _mm512_loadu_si512(in.q2 + c * 64);
+          const vi s1 = _mm512_loadu_si512(in.start + c * W), s2 = _mm512_loadu_si512(in.start2 + c * W);
+          const vf d1 = vload(in.d + c * W), d2 = vload(in.d2 + c * W);
+          for (int j = 0; j < NB; ++j) {
+            const vf f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s1, w[j], q1)), d1);
+            const vf f = vfma(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s2, w[j], q2)), d2, f1);
+            acc[r][j] = vfma(f, dw[j], acc[r][j]);
+          }
         }
       }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
-  }
+  };
 };
 
-bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
-                    int64_t k, float* y) {
+template <int64_t B>
+bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
+                  int64_t k, float* y) {
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   if ((!bf16 && x.scalar_type() != torch::kFloat32) || k % 64 != 0) return false;
-  const int64_t rows = x.size(0), chunks = k / 64, blocks = k / kQ8Block;
+  const int64_t rows = x.size(0), chunks = k / 64, blocks = k / B, xblocks = k / kQ8Block;
   thread_local std::vector<int8_t> q1, q2;
   thread_local std::vector<float> scales, d1, d2;
   thread_local std::vector<int32_t> sum8, sum8_2, start1, start2;
@@ -1325,7 +1366,7 @@ bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int
         const int64_t at = r * k + c * 64 + 4 * l, lane = (r * chunks + c) * W + l;
         int32_t a = 0, b = 0;
         for (int i = 0; i < 4; ++i) a += q1[at + i], b += q2[at + i];
-        const float scale = scales[r * blocks + 2 * c + l / 8];
+        const float scale = scales[r * xblocks + 2 * c + l / 8];  // per 32 inputs
         start1[lane] = -128 * a, start2[lane] = -128 * b;
         d1[lane] = scale, d2[lane] = scale / 254.0f;
       }
@@ -1338,9 +1379,9 @@ bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int
     auto direct = [&](int64_t j, auto nb) {
       constexpr int C = decltype(nb)::value;
       for (int64_t r0 = 0; r0 < rows; r0 += kQ8VnniRows) {
-        by_rows<kQ8VnniRows, Q8VnniTile, C>(std::min<int64_t>(kQ8VnniRows, rows - r0),
-                                            inputs.data() + r0, y + r0 * n + j, n, k,
-                                            q + j * k, d + j * blocks);
+        by_rows<kQ8VnniRows, Q8Vnni<B>::template Tile, C>(
+            std::min<int64_t>(kQ8VnniRows, rows - r0), inputs.data() + r0, y + r0 * n + j, n, k,
+            q + j * k, d + j * blocks);
       }
     };
     product_range(n0, n1, direct);
@@ -1348,7 +1389,8 @@ bool q8_0_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int
   return true;
 }
 #else
-bool q8_0_vnni_into(const torch::Tensor&, const int8_t*, const float*, int64_t, int64_t, float*) {
+template <int64_t B>
+bool q8_vnni_into(const torch::Tensor&, const int8_t*, const float*, int64_t, int64_t, float*) {
   return false;
 }
 #endif
@@ -1594,6 +1636,18 @@ void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
   int4_into(x, packed, sz, group, block_n, y);
 }
 
+// q8_linear's product into y (rows x N float32): x contiguous float32 or bf16 rows, q and d
+// as q8_linear checks them (layer_step.cpp's Q8 products).
+void packed_q8_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                    float* y) {
+  const int64_t n = q.size(0), k = q.size(1);
+  if (d.size(1) == k / 16) {
+    q8_linear_into<16>(x, q.data_ptr<int8_t>(), d.data_ptr<float>(), n, k, y);
+  } else {
+    q8_linear_into<32>(x, q.data_ptr<int8_t>(), d.data_ptr<float>(), n, k, y);
+  }
+}
+
 void register_layer_step(pybind11::module& m);  // layer_step.cpp
 void register_attention(pybind11::module& m);  // attention.cpp
 
@@ -1622,7 +1676,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_linear", &mxfp4_linear, "y = x @ dequant(w).T + bias, float32 (few rows)");
   m.def("mxfp4_dequantize", &mxfp4_dequantize, "dequantized MXFP4 weight into out");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T, float32 (few rows)");
-  m.def("q8_0_linear", &q8_0_linear, "y = x @ (q * d per 32).T, float32 (Q8_0 blocks)");
+  m.def("q8_linear", &q8_linear, "y = x @ (q * d per 16 or 32).T, float32 (Q8_0, Q6_K blocks)");
   m.def("int4_linear", &int4_linear, "y = x @ dequant(torch int4 packing).T, float32");
   m.def("int4_dequantize", &int4_dequantize, "torch's CPU int4 packing into out (bf16/f32)");
 }

@@ -18,19 +18,21 @@ Codes sit two a byte: in Q4_0/Q4_1 the low nibbles are a block's first 16 values
 nibbles its last 16; in Q4_K each 32 bytes hold two groups, the low nibbles the first.
 Rows are decoded 256 at a time, so the temporaries stay a few MB whatever the matrix.
 
+Q8_0 and Q6_K are kept in their own values as ``Q8Weight`` (int8 codes, a float32 scale per
+32 or 16 weights: exact, docs/adr/0049) at either precision (``kept_weight``): a Q4_K_M
+file's Q6_K projections and a Q8_0 or Q6_K file's every one.
+
 Every other block type is dequantized (by the ``gguf`` package, in float32: its values
 exactly as llama.cpp computes them) 256 rows at a time and rounded to the asked format
 (``requantized``), so no whole matrix is ever held in float:
 
-- at int8 (``int8_weight``: Q8_0, Q5_0/Q5_1, Q5_K, Q6_K files, whose runtime is int8):
-  ``Int8Weight`` has one symmetric scale per row, the blocks one per 32 (Q8_0, Q5_*) or per
-  16 (Q6_K) weights, so each weight is rounded to its row's grid (at most half a step of
-  ``max |row| / 127``). Not exact: a grouped int8 runtime format would be. 4-bit blocks at
-  int8 (asked) are rounded the same way.
-- at int4 (``int4_weight`` of a non-4-bit type: the Q6_K / Q8_0 tensors of a Q4_K_M or
-  Q4_K_S file, Q2_K / Q3_K / IQ* blocks): rounded to 16 levels per group of 32, as any
-  weight quantized at load (``Int4Weight.quantize``). Q6_K and Q8_0 lose bits there, as
-  they would at int4 anywhere; an int4 node holds its whole range in one format.
+- at int8 (``int8_weight``: Q5_0/Q5_1 and Q5_K files, whose runtime is int8): ``Int8Weight``
+  has one symmetric scale per row, the blocks one per 32 weights, so each weight is rounded
+  to its row's grid (at most half a step of ``max |row| / 127``). Not exact: their offsets
+  do not fit ``Q8Weight``. 4-bit blocks at int8 (asked) are rounded the same way.
+- at int4 (``int4_weight`` of a type neither 4-bit nor kept: Q5_* tensors, Q2_K / Q3_K /
+  IQ* blocks): rounded to 16 levels per group of 32, as any weight quantized at load
+  (``Int4Weight.quantize``).
 """
 
 from __future__ import annotations
@@ -106,6 +108,14 @@ def int4_chunks(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Iterator[Cod
             start, codes.reshape(n, -1).to(torch.int32),
             scale.reshape(n, -1).to(dtype), zero.reshape(n, -1).to(dtype),
         )  # fmt: skip
+
+
+KEPT = {"Q8_0": Q8Weight.from_q8_0, "Q6_K": Q8Weight.from_q6_k}  # kept in their own values
+
+
+def kept_weight(raw: torch.Tensor, fmt: str) -> Q8Weight:
+    """A Q8_0 or Q6_K tensor's bytes ``[out, bytes per row]`` as a ``Q8Weight`` (exact)."""
+    return KEPT[fmt](raw)
 
 
 def int4_weight(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Int4Weight:
@@ -210,13 +220,13 @@ class GgufTensors:
         return rows.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(n, -1)
 
 
-def q8_0_lm_head(index) -> Q8Weight | None:
-    """The LM head of a GGUF checkpoint whose output (or tied embedding) is Q8_0, in its
-    blocks (docs/adr/0043); None for any other checkpoint or type."""
+def kept_lm_head(index) -> Q8Weight | None:
+    """The LM head of a GGUF checkpoint whose output (or tied embedding) is Q8_0 or Q6_K, in
+    its values (docs/adr/0043, 0049); None for any other checkpoint or type."""
     if getattr(index, "gguf", None) is None:
         return None
     name = "lm_head.weight" if "lm_head.weight" in index.tensors else index.naming.tied_embedding
     info = index.tensors.get(name)
-    if info is None or info.dtype != "Q8_0" or len(info.shape) != 2:
+    if info is None or info.dtype not in KEPT or len(info.shape) != 2:
         return None
-    return Q8Weight.from_blocks(GgufTensors(index).raw(name))
+    return kept_weight(GgufTensors(index).raw(name), info.dtype)

@@ -28,9 +28,11 @@ from meshnet_common.precision import Precision, quantized_tensor
 from meshnet_node.lowbit.gguf_blocks import (
     FLOAT_TYPES,
     GROUP,
+    KEPT,
     GgufTensors,
     int4_weight,
     int8_weight,
+    kept_weight,
 )
 from meshnet_node.lowbit.int4_checkpoints import Int4Linears
 from meshnet_node.lowbit.modules import PackedExperts, PackedLinear
@@ -185,6 +187,8 @@ class ShardPacker:
         a GGUF's blocks go straight to int4 / int8 (``_gguf_blocks``)."""
         if stored is None and self._gguf_blocks(name):
             raw, fmt = self._gguf.raw(name), self._gguf.fmt(name)
+            if fmt in KEPT:  # Q8_0, Q6_K: their own values (docs/adr/0049)
+                return kept_weight(raw, fmt)
             if self.precision is Precision.INT8:
                 return int8_weight(raw, fmt, self.dtype)
             return int4_weight(raw, fmt, self.dtype)
@@ -203,12 +207,13 @@ class ShardPacker:
 
     def _gguf_blocks(self, name: str) -> bool:
         """Whether ``name`` is a GGUF block tensor packed from its blocks, 256 rows at a time
-        (``gguf_blocks``): at int4 (group 32) Q4_0/Q4_1/Q4_K as they are and any other type
-        rounded from its values; at int8 any type rounded to a scale per row. Float tensors
-        and shapes int4 cannot hold are read as values and packed as any checkpoint's."""
+        (``gguf_blocks``): Q8_0 and Q6_K kept in their values; at int4 (group 32)
+        Q4_0/Q4_1/Q4_K as they are and any other type rounded from its values; at int8 any
+        other type rounded to a scale per row. Float tensors and shapes int4 cannot hold are
+        read as values and packed as any checkpoint's."""
         if self._gguf is None or self._gguf.fmt(name) in FLOAT_TYPES:
             return False
-        if self.precision is Precision.INT8:
+        if self.precision is Precision.INT8 or self._gguf.fmt(name) in KEPT:
             return True
         shape = tuple(self.index.tensors[name].shape)
         return self.precision is Precision.INT4 and Int4Weight.group_for(shape, GROUP) == GROUP

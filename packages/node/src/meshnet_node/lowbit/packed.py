@@ -247,7 +247,7 @@ class Int4Weight:
 
 def stacked(weights: Sequence[PackedWeight]) -> PackedWeight | None:
     """Sibling weights that read one input as one matrix, their rows one after another
-    (docs/adr/0037): int8 always; int4 where each part is whole blocks of torch's packing
+    (docs/adr/0037): int8 always; a shipped format by its own ``stack``; int4 where each part is whole blocks of torch's packing
     of the stack (the stacked bytes are then that packing). None: formats that do not
     stack. Each output of the products is summed on its own, so the stack's product gives
     every part's outputs bit for bit; ``fused_linears`` checks that once per group."""
@@ -256,8 +256,9 @@ def stacked(weights: Sequence[PackedWeight]) -> PackedWeight | None:
         return None
     if isinstance(first, Int8Weight):
         return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))  # fmt: skip
-    if not isinstance(first, Int4Weight):
-        return None
+    if not isinstance(first, Int4Weight):  # a shipped format stacks where it says so
+        stack = getattr(type(first), "stack", None)
+        return None if stack is None else stack(weights)
     n = sum(w.out_features for w in weights)
     block = intpack.int4_block_n(n)
     if block is None or any(
@@ -283,7 +284,8 @@ def rows_of(weight: PackedWeight, start: int, end: int) -> PackedWeight:
     in prompt chunks)."""
     if isinstance(weight, Int8Weight):
         return Int8Weight(weight.q[start:end], weight.scale[start:end])
-    assert isinstance(weight, Int4Weight)
+    if not isinstance(weight, Int4Weight):
+        return weight.rows(start, end)  # type: ignore[attr-defined]
     return Int4Weight(weight.packed[start:end], weight.scale_zero[:, start:end], weight.group,
                       (end - start, weight.in_features))  # fmt: skip
 

@@ -1,7 +1,10 @@
-"""Weights in the formats checkpoints ship (FP8 with block scales, MXFP4, GGUF's Q8_0), kept
-in those bytes, and plain matrices where a format does not apply (``DenseWeight``)."""
+"""Weights in the formats checkpoints ship (FP8 with block scales, MXFP4, GGUF's Q8_0 and
+Q6_K), kept in those bytes or values, and plain matrices where a format does not apply
+(``DenseWeight``)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,35 +63,98 @@ class Mxfp4Weight:
 
 
 class Q8Weight:
-    """llama.cpp's Q8_0 blocks as shipped: ``q`` int8 ``[out, in]`` and each 32 inputs' f16
-    scale ``d`` (float32, exact) ``[out, in / 32]``: ``W = q * d``. A GGUF's Q8_0 LM head
-    (docs/adr/0043): half bf16's bytes, and the file's values rather than bf16's rounding."""
+    """int8 codes ``q`` ``[out, in]`` with a float32 scale ``d`` per block of a row's inputs
+    ``[out, in / block]``, ``W = q * d``: two GGUF block types as shipped (docs/adr/0043,
+    0049), each exact in this form.
 
-    fmt = "q8_0"
-    BLOCK_BYTES = 2 + intpack.Q8_BLOCK  # an f16 scale, then 32 int8 codes
+    - Q8_0 (``from_q8_0``, block 32): an f16 scale, then 32 int8 codes.
+    - Q6_K (``from_q6_k``, block 16): per 256 weights an f16 ``d``, sixteen int8 sub-scales
+      ``sc`` and 6-bit codes ``c``, ``W = d * sc * (c - 32)``: codes ``c - 32`` in [-32, 31]
+      and scale ``d * sc`` (11 by 7 significant bits: exact in float32).
+
+    Half of bf16's bytes (Q6_K's 1.25 bytes a weight against its 0.82), and the file's own
+    values rather than a rounding of them: a Q4_K_M file's Q6_K projections and output."""
+
+    BLOCK_BYTES = 2 + intpack.Q8_BLOCK  # Q8_0: an f16 scale, then 32 int8 codes
+    Q6_K_BYTES = 210  # per 256 weights: 128 bytes of low nibbles, 64 of high bits, 16, 2
+    CHUNK_ROWS = 256  # rows decoded at once: a few MB of temporaries whatever the matrix
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
         self.q, self.d = q.contiguous(), d.float().contiguous()
         self.out_features, self.in_features = self.q.shape
+        self.block = self.in_features // self.d.shape[1]
+        if self.block not in (intpack.Q8_BLOCK, intpack.Q6_K_BLOCK) or self.d.shape[0] != len(q):
+            raise ValueError(f"q {tuple(q.shape)} and d {tuple(d.shape)}: blocks of 16 or 32")
+
+    @property
+    def fmt(self) -> str:
+        return "q8_0" if self.block == intpack.Q8_BLOCK else "q6_k"
 
     @classmethod
-    def from_blocks(cls, raw: torch.Tensor) -> Q8Weight:
+    def from_q8_0(cls, raw: torch.Tensor) -> Q8Weight:
         """From a GGUF Q8_0 tensor's bytes ``[rows, bytes per row]``."""
         blocks = raw.reshape(raw.shape[0], -1, cls.BLOCK_BYTES)
         d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
         q = blocks[..., 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1)
         return cls(q, d.float())
 
+    @classmethod
+    def from_q6_k(cls, raw: torch.Tensor) -> Q8Weight:
+        """From a GGUF Q6_K tensor's bytes ``[rows, bytes per row]``, ``CHUNK_ROWS`` rows at
+        a time (ggml's ``dequantize_row_q6_K`` layout)."""
+        rows, width = raw.shape
+        if width % cls.Q6_K_BYTES:
+            raise ValueError(f"Q6_K: a row of {width} bytes is not whole blocks of 210")
+        k = width // cls.Q6_K_BYTES * 256
+        q = torch.empty(rows, k, dtype=torch.int8)
+        d = torch.empty(rows, k // intpack.Q6_K_BLOCK, dtype=torch.float32)
+        for start in range(0, rows, cls.CHUNK_ROWS):
+            part = raw[start : start + cls.CHUNK_ROWS]
+            codes, scales = _q6_k(part.reshape(len(part), -1, cls.Q6_K_BYTES))
+            q[start : start + len(part)] = codes.reshape(len(part), k)
+            d[start : start + len(part)] = scales.reshape(len(part), -1)
+        return cls(q, d)
+
+    @staticmethod
+    def stack(weights: Sequence[Q8Weight]) -> Q8Weight | None:
+        """Siblings of one block size as one matrix (``lowbit.packed.stacked``): each output
+        is its row's own sum, so the stack gives every part's outputs bit for bit."""
+        if len({w.block for w in weights}) > 1:
+            return None
+        return Q8Weight(torch.cat([w.q for w in weights]), torch.cat([w.d for w in weights]))
+
+    def rows(self, start: int, end: int) -> Q8Weight:
+        """Rows ``[start, end)``, over this weight's memory."""
+        return Q8Weight(self.q[start:end], self.d[start:end])
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"q": self.q, "d": self.d}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return intpack.q8_0_linear(x, self.q, self.d)
+        return intpack.q8_linear(x, self.q, self.d)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.q.shape
-        w = self.q.float().view(n, k // intpack.Q8_BLOCK, intpack.Q8_BLOCK) * self.d[..., None]
+        w = self.q.float().view(n, k // self.block, self.block) * self.d[..., None]
         return w.view(n, k).to(dtype)
+
+
+def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks ``[rows, n, 210]`` -> codes - 32 (int8 ``[rows, n, 256]``) and each 16
+    weights' scale ``d * sc`` (float32 ``[rows, n, 16]``). In each half of 128 weights, the
+    32 weights of group ``g`` take the low (g 0, 1) or high (g 2, 3) nibbles of ``ql`` bytes
+    ``0..31`` (g 0, 2) or ``32..63`` (g 1, 3), and bits ``2g, 2g + 1`` of ``qh``; a half's
+    scales are in the order of its 16-weight runs."""
+    rows, n = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(rows, n, 2, 2, 32).to(torch.int16)  # half, first/second 32
+    qh = blocks[..., 128:192].reshape(rows, n, 2, 32).to(torch.int16)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [rows, n, 1]
+    first, second = ql[:, :, :, 0], ql[:, :, :, 1]  # [rows, n, 2, 32] each
+    low = torch.stack([first & 15, second & 15, first >> 4, second >> 4], dim=3)  # [.., 4, 32]
+    high = torch.stack([(qh >> (2 * g)) & 3 for g in range(4)], dim=3)
+    codes = (low | (high << 4)) - 32
+    return codes.reshape(rows, n, 256).to(torch.int8), d * sc
 
 
 class DenseWeight:

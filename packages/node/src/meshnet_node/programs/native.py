@@ -11,7 +11,8 @@ interpreter between them. Built only where the layer is exactly what the C++ mir
   every family that copies it has), the activation is ``nn.SiLU``, and the family's
   ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's code;
 - the products are the int4 kernel of the built module (``Int4Weight`` whose one-row call
-  reaches it) or any other module, called back through its own ``forward``.
+  reaches it), its Q8 kernel (``Q8Weight``: a GGUF's Q8_0 / Q6_K), or any other module,
+  called back through its own ``forward``.
 
 Anything else keeps the Python program; so does a process whose kernel module is not
 built (yet): both give the same bits, so a stage may switch once it is.
@@ -35,6 +36,7 @@ from meshnet_node.kernels import intpack, packed
 from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.lowbit.modules import PackedLinear
 from meshnet_node.lowbit.packed import WIDE_ROWS, Int4Weight
+from meshnet_node.lowbit.shipped import Q8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +94,13 @@ def _llama_rotary(family: Any) -> bool:
 def _product(kernels: Any, module: nn.Module) -> Any:
     """``module``'s product: the int4 kernel where its one-row call reaches that kernel
     (its own forward for calls of more rows than ``WIDE_ROWS``: a prompt's pass may take a
-    GEMM there), else its own forward."""
+    GEMM there), the Q8 kernel for a kept Q8_0 / Q6_K weight (every call), else its own
+    forward."""
     weight = getattr(module, "packed", None)
+    kept = type(module) is PackedLinear and type(weight) is Q8Weight
+    if kept and hasattr(kernels.Product, "q8") and weight.q.device.type == "cpu":
+        bias = None if module.bias is None else module.bias.detach()
+        return kernels.Product.q8(weight.q, weight.d, bias)
     if type(module) is PackedLinear and type(weight) is Int4Weight:
         block = intpack.int4_block_n(weight.out_features)
         if block in getattr(kernels, "int4_blocks", ()) and weight.packed.device.type == "cpu":
