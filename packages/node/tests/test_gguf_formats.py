@@ -43,6 +43,9 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 CASES = [
     *((f, fmt, "int4") for f in FAMILIES for fmt in ("Q4_0", "Q4_1", "Q4_K")),
     *((f, "Q8_0", "int8") for f in FAMILIES),
+    ("llama", "Q5_0", "int8"),
+    # rows of 384: llama.cpp's Q5_0 / Q8_0 fallbacks, mostly Q5_0 (as Gemma 3 1B's 1152)
+    *((f, "Q4_K_M", "int8") for f in ("llama-384", "gemma3-384")),
     *((f, fmt, "int8") for f in ("llama", "qwen3_moe") for fmt in ("Q5_K", "Q6_K")),
     ("llama", "Q5_K_M", "int8"),
     *((f, "Q4_K_M", "int4") for f in ("llama", "qwen3_moe")),
@@ -74,8 +77,10 @@ def gguf_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     made: dict[tuple[str, str], Path] = {}
 
-    def snapshot(family: str) -> Path:  # made once, then found
-        return make_tiny(root, family, f"tiny/{family}", layers=4, hidden=256, intermediate=512)
+    def snapshot(family: str) -> Path:  # made once, then found; "llama-384": rows of 384
+        name, _, hidden = family.partition("-")
+        return make_tiny(root, name, f"tiny/{family}", layers=4, hidden=int(hidden or 256),
+                         intermediate=512)  # fmt: skip
 
     def make(family: str, fmt: str) -> Path:
         if (family, fmt) not in made:
@@ -121,11 +126,13 @@ def _held(index: CheckpointIndex, reader: GgufTensors) -> dict[str, torch.Tensor
         if index.layer_of(name) is None or len(info.shape) != 2 or info.dtype == "F32":
             continue
         raw = reader.raw(name)
+        if info.dtype in BLOCKS:  # 4-bit blocks, at int4 and int8: as the gguf package reads
+            continue
         if info.dtype in KEPT:
             out[name] = kept_weight(raw, info.dtype).dequantize()
         elif runtime == "int8":
             out[name] = int8_weight(raw, info.dtype, torch.float32).dequantize()
-        elif info.dtype not in BLOCKS:  # (4-bit blocks: as the gguf package dequantizes)
+        else:
             out[name] = int4_weight(raw, info.dtype, torch.float32).dequantize()
     return out
 
@@ -223,36 +230,48 @@ def test_auto_serves_a_mix_in_the_runtime_of_most_of_its_bytes(gguf_file, fmt, r
     index = CheckpointIndex.load(gguf_file("llama", fmt))
     types = {info.dtype for info in index.tensors.values()}
     assert native_format_name(index.config) == runtime
-    if fmt in ("Q4_K_M", "Q5_K_M"):
+    if fmt in ("Q4_K_M", "Q5_K_M"):  # llama.cpp's use_more_bits: layers 2 and 3 of 4
         assert {fmt[:4], "Q6_K"} <= types
-        assert index.tensors["model.layers.0.mlp.down_proj.weight"].dtype == "Q6_K"
+        assert index.tensors["model.layers.3.mlp.down_proj.weight"].dtype == "Q6_K"
+        assert index.tensors["model.layers.0.mlp.down_proj.weight"].dtype == fmt[:4]
         assert index.tensors["model.embed_tokens.weight"].dtype == fmt[:4]  # (tied)
 
 
-@pytest.mark.parametrize(("fmt", "kept"), [("Q4_K_M", "q6_k"), ("Q6_K", "q6_k"), ("Q8_0", "q8_0")])
-def test_q6_k_and_q8_0_tensors_are_kept_in_their_values(gguf_file, fmt, kept):
-    """A Q4_K_M file's Q6_K projections, and every projection of a Q6_K or Q8_0 file, are
-    held as int8 codes with a scale per 16 or 32 weights (docs/adr/0049): the values the
-    ``gguf`` package dequantizes, bit for bit; the siblings of one such format still fuse."""
-    path = gguf_file("llama", fmt)
+KEPT_CASES = [("llama", "Q4_K_M", 3, "q6_k"), ("llama", "Q6_K", 0, "q6_k"),
+              ("llama", "Q8_0", 0, "q8_0"), ("llama", "Q5_0", 0, "q5_0"),
+              ("llama-384", "Q4_K_M", 0, "int4"), ("llama-384", "Q4_K_M", 3, "q6_k")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "fmt", "layer", "held"), KEPT_CASES)
+def test_gguf_blocks_are_held_in_their_values(gguf_file, family, fmt, layer, held):
+    """Q6_K, Q8_0 and Q5_0 projections are held as int8 codes with a scale per 16 or 32
+    weights, 4-bit blocks as int4 as they are, at int4 and int8 alike (docs/adr/0049): the
+    values the ``gguf`` package dequantizes, bit for bit (Q4_K's zeros to float32's
+    rounding); siblings of one block size still fuse."""
+    path = gguf_file(family, fmt)
     index = CheckpointIndex.load(path)
     precision = resolve_precision("auto", "float32", native_format_name(index.config))
-    layer = load_shard(path, LayerRange(0, 1), precision, dtype=torch.float32).modules.layers[0]
-    down = layer.mlp.down_proj
-    assert down.packed.fmt == kept
-    want = GgufTensors(index).dense("model.layers.0.mlp.down_proj.weight", torch.float32)
-    assert torch.equal(down.packed.dequantize(), want)
-    if fmt != "Q4_K_M":  # gate and up of one format: one product
-        assert getattr(layer.mlp.gate_proj, "group", None) is not None
+    shard = load_shard(path, LayerRange(layer, layer + 1), precision, dtype=torch.float32)
+    mlp = shard.modules.layers[0].mlp
+    assert mlp.down_proj.packed.fmt == held
+    want = GgufTensors(index).dense(f"model.layers.{layer}.mlp.down_proj.weight", torch.float32)
+    got = mlp.down_proj.packed.dequantize()
+    assert torch.equal(got, want) if held != "int4" else torch.allclose(got, want, atol=1e-6)
+    if fmt != "Q4_K_M" or family == "llama-384":  # gate and up of one block size: one product
+        assert getattr(mlp.gate_proj, "group", None) is not None
     assert set(KEPT) == set(KEPT_BLOCKS)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K_M", "Q6_K", "Q8_0", "Q4_K"])
-def test_a_gguf_range_is_priced_as_it_is_held(gguf_file, fmt):
+@pytest.mark.parametrize(
+    ("family", "fmt"),
+    [("llama", "Q4_K_M"), ("llama", "Q6_K"), ("llama", "Q8_0"), ("llama", "Q4_K"),
+     ("llama-384", "Q4_K_M")],
+)  # fmt: skip
+def test_a_gguf_range_is_priced_as_it_is_held(gguf_file, family, fmt):
     """The memory the tracker plans for a range is what the node holds: kept Q6_K / Q8_0
     matrices at one byte a weight and a float32 scale per block, int4 at half a byte and
-    a scale and zero per 32."""
-    path = gguf_file("llama", fmt)
+    a scale and zero per 32 (in an int8 node too)."""
+    path = gguf_file(family, fmt)
     index = CheckpointIndex.load(path)
     precision = resolve_precision("auto", "float32", native_format_name(index.config))
     layers = LayerRange(1, 3)

@@ -233,7 +233,7 @@ def test_a_q4_k_m_files_kept_q6_k_products_run_native(tmp_path, kernels, dtype):
     snapshot = make_tiny(tmp_path, "llama", "tiny/llama", layers=4, hidden=256, intermediate=512)
     path = write_gguf(snapshot, tmp_path / "llama-Q4_K_M.gguf", "Q4_K_M")
     shard = load_shard(path, LayerRange(0, 4), Precision.INT4, dtype=dtype)
-    down = shard.modules.layers[0].mlp.down_proj
+    down = shard.modules.layers[3].mlp.down_proj  # (llama.cpp's Q6_K layers: 2 and 3 of 4)
     assert down.packed.fmt == "q6_k"
     product = kernels.Product.q8(down.packed.q, down.packed.d)
     gen = torch.Generator().manual_seed(3)

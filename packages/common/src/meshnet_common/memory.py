@@ -14,7 +14,7 @@ from functools import cached_property
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.models.gguf_index import KEPT_BLOCKS
+from meshnet_common.models.gguf_index import GGUF_INT4_BLOCKS, KEPT_BLOCKS
 from meshnet_common.models.int4_formats import int4_format
 from meshnet_common.precision import (
     DEFAULT_GROUP_SIZE,
@@ -125,6 +125,7 @@ class ModelCosts:
     # a GGUF's Q6_K / Q8_0 matrices, kept in their values at int8 and int4 (docs/adr/0049)
     layer_kept: tuple[int, ...] | None = None
     layer_kept_bytes: tuple[int, ...] | None = None  # int8 codes and float32 block scales
+    layer_blocks4: tuple[int, ...] | None = None  # a GGUF's 4-bit blocks: int4 at int8 too
 
     def refusal(self, precision: Precision) -> str | None:
         """Why this model cannot be served at ``precision`` (None: it can)."""
@@ -146,7 +147,7 @@ class ModelCosts:
         names = index.tensors.keys()
         quantizable, other = [0] * n, [0] * n
         int8, int8_rows, packed, packed_bytes = [0] * n, [0] * n, [0] * n, [0] * n
-        kept_values, kept_bytes = [0] * n, [0] * n
+        kept_values, kept_bytes, blocks4 = [0] * n, [0] * n, [0] * n
         int4 = [[0] * n for _ in GROUP_SIZES]
         int4_groups = [[0] * n for _ in GROUP_SIZES]
         try:
@@ -170,7 +171,10 @@ class ModelCosts:
                 kept_values[layer] += numel
                 kept_bytes[layer] += numel + KEPT_SCALE_BYTES * numel // kept
                 continue
-            if quantized_tensor(logical, shape, Precision.INT8, gpt2=gpt2):
+            four = index.gguf is not None and info.dtype in GGUF_INT4_BLOCKS
+            if four and quantized_tensor(logical, shape, Precision.INT4, gpt2=gpt2, group_size=32):
+                blocks4[layer] += numel  # int4 as they are at int8 too (docs/adr/0049)
+            elif quantized_tensor(logical, shape, Precision.INT8, gpt2=gpt2):
                 int8[layer] += numel
                 _out, width = linear_widths(logical, shape, gpt2=gpt2)
                 int8_rows[layer] += numel // width  # one scale per output row
@@ -218,6 +222,7 @@ class ModelCosts:
             layer_packed_bytes=tuple(packed_bytes),
             layer_kept=tuple(kept_values),
             layer_kept_bytes=tuple(kept_bytes),
+            layer_blocks4=tuple(blocks4),
         )
 
     @cached_property
@@ -235,6 +240,7 @@ class ModelCosts:
             "packed_bytes": self.layer_packed_bytes or zeros,
             "kept": self.layer_kept or zeros,
             "kept_bytes": self.layer_kept_bytes or zeros,
+            "blocks4": self.layer_blocks4 or zeros,
         }
         for i, group in enumerate(GROUP_SIZES):
             values = self.layer_int4[i] if self.layer_int4 is not None else self.layer_quantizable
@@ -279,6 +285,9 @@ class ModelCosts:
         if precision is Precision.INT8:  # int8 + one scale per output row
             quantized = span("int8")
             packed = quantized + act * span("int8_rows")
+            four = span("blocks4")  # a GGUF's 4-bit blocks: int4, a scale and zero per 32
+            quantized += four
+            packed += four / 2 + 2 * act * four / 32
         elif precision is Precision.INT4:  # 4 bit + a scale and a zero per group
             group = _checked_group(group_size)
             quantized = span(f"int4_{group}")

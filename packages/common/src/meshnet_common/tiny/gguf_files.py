@@ -1,10 +1,10 @@
 """Write a tiny HF snapshot as a GGUF file, the way llama.cpp's converter lays it out: for
 tests of the GGUF source (never a downloaded file).
 
-Layer matrices go to one block format (Q4_0, Q4_1, Q8_0 through the ``gguf`` package's own
-quantizer; Q4_K, Q5_K and Q6_K through ``pack_q4_k`` / ``pack_q5_k`` / ``pack_q6_k`` here, in
-ggml's block layouts, which the ``gguf`` package reads but cannot write) or to a mix of
-types as llama.cpp's Q4_K_M / Q5_K_M (``MIXES``); norms and embeddings stay F32 (a mix
+Layer matrices go to one block format (Q4_0, Q4_1, Q5_0, Q8_0 through the ``gguf``
+package's own quantizer; Q4_K, Q5_K and Q6_K through ``pack_q4_k`` / ``pack_q5_k`` /
+``pack_q6_k`` here, in ggml's block layouts, which the ``gguf`` package reads but cannot
+write) or to a mix of types as llama.cpp's Q4_K_M / Q5_K_M (``MIXES``); norms and embeddings stay F32 (a mix
 quantizes the embedding and ``output`` too). What llama.cpp's converter transforms, this
 does too: Llama's query and key rows interleaved per head (``permute``), Gemma's norms
 stored as ``1 + w``; and it writes Gemma's metadata as that converter does (sliding window,
@@ -23,10 +23,13 @@ import numpy as np
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_index import ARCHITECTURES, gguf_names
 
-BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
-# llama.cpp's K-quant mixes, in outline: the base type, with the value and down projections
-# (and ``output``) at Q6_K; the token embedding at the base type too.
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")
+# llama.cpp's K-quant mixes, in outline: the base type, with ``output`` and the value and down
+# projections of some layers (``_more_bits``) at Q6_K; the token embedding at the base type
+# too. A matrix whose rows are not whole 256s takes llama.cpp's fallback type for the
+# K-quant it would have had (``FALLBACK``: SmolLM2's width 576, Gemma 3 1B's 1152).
 MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _GEMMA = ("gemma2", "gemma3")
 _EXPERT = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")  # fmt: skip
 _ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")
@@ -129,14 +132,24 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, n // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _matrix_type(fmt: str, gguf_name: str) -> str:
-    """The block type of one matrix: ``fmt``, or in a ``*_K_M`` mix llama.cpp's choice in
-    outline (the value and down projections and ``output`` at Q6_K, the rest at the base)."""
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth of the layers, and every
+    third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _matrix_type(fmt: str, gguf_name: str, width: int, layers: int) -> str:
+    """The block type of one matrix of rows of ``width``: ``fmt``, or in a ``*_K_M`` mix
+    llama.cpp's choice in outline (``output`` and, in ``_more_bits`` layers, the value and
+    down projections at Q6_K, the rest at the base; ``FALLBACK`` where the rows are not whole
+    256s)."""
     if fmt not in MIXES:
         return fmt
-    if gguf_name == "output.weight" or any(p in gguf_name for p in (".attn_v.", ".ffn_down")):
-        return "Q6_K"
-    return MIXES[fmt]
+    more = any(p in gguf_name for p in (".attn_v.", ".ffn_down")) and _more_bits(
+        int(gguf_name.split(".")[1]), layers
+    )
+    kind = "Q6_K" if gguf_name == "output.weight" or more else MIXES[fmt]
+    return kind if width % 256 == 0 else FALLBACK[kind]
 
 
 def _blocks(values: np.ndarray, fmt: str) -> np.ndarray:
@@ -219,7 +232,7 @@ def write_gguf(
     _add_metadata(writer, arch, c)
 
     def add_blocks(name: str, values: np.ndarray) -> None:
-        kind = _matrix_type(fmt, name)
+        kind = _matrix_type(fmt, name, values.shape[-1], index.num_layers)
         writer.add_tensor(name, _blocks(values, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
 
     to_gguf = gguf_names(index.num_layers, arch)

@@ -18,20 +18,22 @@ Codes sit two a byte: in Q4_0/Q4_1 the low nibbles are a block's first 16 values
 nibbles its last 16; in Q4_K each 32 bytes hold two groups, the low nibbles the first.
 Rows are decoded 256 at a time, so the temporaries stay a few MB whatever the matrix.
 
-Q8_0 and Q6_K are kept in their own values as ``Q8Weight`` (int8 codes, a float32 scale per
-32 or 16 weights: exact, docs/adr/0049) at either precision (``kept_weight``): a Q4_K_M
-file's Q6_K projections and a Q8_0 or Q6_K file's every one.
+Q8_0, Q6_K and Q5_0 are kept in their own values as ``Q8Weight`` (int8 codes, a float32
+scale per 32 or 16 weights: exact, docs/adr/0049), and 4-bit blocks as ``Int4Weight`` as
+above, at int4 and int8 alike (``kept_weight``, ``int4_weight``): a Q4_K_M file's Q6_K
+projections, llama.cpp's Q5_0 / Q8_0 fallbacks for rows that are not whole 256s, a Q8_0 or
+Q6_K file's every matrix.
 
 Every other block type is dequantized (by the ``gguf`` package, in float32: its values
-exactly as llama.cpp computes them) 256 rows at a time and rounded to the asked format
+exactly as llama.cpp computes them) 256 rows at a time and rounded to the node's format
 (``requantized``), so no whole matrix is ever held in float:
 
-- at int8 (``int8_weight``: Q5_0/Q5_1 and Q5_K files, whose runtime is int8): ``Int8Weight``
-  has one symmetric scale per row, the blocks one per 32 weights, so each weight is rounded
-  to its row's grid (at most half a step of ``max |row| / 127``). Not exact: their offsets
-  do not fit ``Q8Weight``. 4-bit blocks at int8 (asked) are rounded the same way.
-- at int4 (``int4_weight`` of a type neither 4-bit nor kept: Q5_* tensors, Q2_K / Q3_K /
-  IQ* blocks): rounded to 16 levels per group of 32, as any weight quantized at load
+- at int8 (``int8_weight``: Q5_1 and Q5_K, whose runtime is int8): ``Int8Weight`` has one
+  symmetric scale per row, the blocks one per 32 weights with an offset, so each weight is
+  rounded to its row's grid (at most half a step of ``max |row| / 127``). Not exact: their
+  offsets do not fit ``Q8Weight``.
+- at int4 (``int4_weight`` of a type neither 4-bit nor kept: Q5_1 / Q5_K tensors, Q2_K /
+  Q3_K / IQ* blocks): rounded to 16 levels per group of 32, as any weight quantized at load
   (``Int4Weight.quantize``).
 """
 
@@ -110,11 +112,12 @@ def int4_chunks(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Iterator[Cod
         )  # fmt: skip
 
 
-KEPT = {"Q8_0": Q8Weight.from_q8_0, "Q6_K": Q8Weight.from_q6_k}  # kept in their own values
+# kept in their own values (``KEPT_BLOCKS``: the weights per scale)
+KEPT = {"Q8_0": Q8Weight.from_q8_0, "Q6_K": Q8Weight.from_q6_k, "Q5_0": Q8Weight.from_q5_0}
 
 
 def kept_weight(raw: torch.Tensor, fmt: str) -> Q8Weight:
-    """A Q8_0 or Q6_K tensor's bytes ``[out, bytes per row]`` as a ``Q8Weight`` (exact)."""
+    """A Q8_0, Q6_K or Q5_0 tensor's bytes ``[out, bytes per row]`` as a ``Q8Weight`` (exact)."""
     return KEPT[fmt](raw)
 
 

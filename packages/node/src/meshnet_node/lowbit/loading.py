@@ -26,6 +26,7 @@ from meshnet_common.models.int4_formats import Int4Format
 from meshnet_common.models.native_formats import fp8_dequantize, mxfp4_dequantize
 from meshnet_common.precision import Precision, quantized_tensor
 from meshnet_node.lowbit.gguf_blocks import (
+    BLOCKS,
     FLOAT_TYPES,
     GROUP,
     KEPT,
@@ -187,8 +188,10 @@ class ShardPacker:
         a GGUF's blocks go straight to int4 / int8 (``_gguf_blocks``)."""
         if stored is None and self._gguf_blocks(name):
             raw, fmt = self._gguf.raw(name), self._gguf.fmt(name)
-            if fmt in KEPT:  # Q8_0, Q6_K: their own values (docs/adr/0049)
+            if fmt in KEPT:  # Q8_0, Q6_K, Q5_0: their own values (docs/adr/0049)
                 return kept_weight(raw, fmt)
+            if fmt in BLOCKS and self._int4_holds(name):  # 4-bit blocks as they are, at int8 too
+                return int4_weight(raw, fmt, self.dtype)
             if self.precision is Precision.INT8:
                 return int8_weight(raw, fmt, self.dtype)
             return int4_weight(raw, fmt, self.dtype)
@@ -207,16 +210,19 @@ class ShardPacker:
 
     def _gguf_blocks(self, name: str) -> bool:
         """Whether ``name`` is a GGUF block tensor packed from its blocks, 256 rows at a time
-        (``gguf_blocks``): Q8_0 and Q6_K kept in their values; at int4 (group 32)
-        Q4_0/Q4_1/Q4_K as they are and any other type rounded from its values; at int8 any
-        other type rounded to a scale per row. Float tensors and shapes int4 cannot hold are
+        (``gguf_blocks``): Q8_0, Q6_K and Q5_0 kept in their values, Q4_0/Q4_1/Q4_K as
+        they are (int4, group 32) where int4 holds the shape, at int4 and int8 alike; any
+        other type rounded from its values, at int4 to group 32, at int8 to a scale per row. Float tensors and shapes int4 cannot hold are
         read as values and packed as any checkpoint's."""
         if self._gguf is None or self._gguf.fmt(name) in FLOAT_TYPES:
             return False
         if self.precision is Precision.INT8 or self._gguf.fmt(name) in KEPT:
             return True
+        return self.precision is Precision.INT4 and self._int4_holds(name)
+
+    def _int4_holds(self, name: str) -> bool:
         shape = tuple(self.index.tensors[name].shape)
-        return self.precision is Precision.INT4 and Int4Weight.group_for(shape, GROUP) == GROUP
+        return Int4Weight.group_for(shape, GROUP) == GROUP
 
     def pack_linears(self, model: nn.Module, plan: _Plan, after_layer=lambda: None) -> int:
         """Put a PackedLinear in place of each planned Linear; ``after_layer`` runs when a

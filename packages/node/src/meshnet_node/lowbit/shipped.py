@@ -64,31 +64,33 @@ class Mxfp4Weight:
 
 class Q8Weight:
     """int8 codes ``q`` ``[out, in]`` with a float32 scale ``d`` per block of a row's inputs
-    ``[out, in / block]``, ``W = q * d``: two GGUF block types as shipped (docs/adr/0043,
+    ``[out, in / block]``, ``W = q * d``: three GGUF block types as shipped (docs/adr/0043,
     0049), each exact in this form.
 
     - Q8_0 (``from_q8_0``, block 32): an f16 scale, then 32 int8 codes.
     - Q6_K (``from_q6_k``, block 16): per 256 weights an f16 ``d``, sixteen int8 sub-scales
       ``sc`` and 6-bit codes ``c``, ``W = d * sc * (c - 32)``: codes ``c - 32`` in [-32, 31]
       and scale ``d * sc`` (11 by 7 significant bits: exact in float32).
+    - Q5_0 (``from_q5_0``, block 32): an f16 ``d`` and 5-bit codes ``c``, ``W = d * (c - 16)``:
+      codes ``c - 16`` in [-16, 15]. llama.cpp's fallback for Q4_K rows that are not whole
+      256s (a Q4_K_M file of a model whose width is not: SmolLM2, Gemma 3 1B).
 
     Half of bf16's bytes (Q6_K's 1.25 bytes a weight against its 0.82), and the file's own
     values rather than a rounding of them: a Q4_K_M file's Q6_K projections and output."""
 
     BLOCK_BYTES = 2 + intpack.Q8_BLOCK  # Q8_0: an f16 scale, then 32 int8 codes
     Q6_K_BYTES = 210  # per 256 weights: 128 bytes of low nibbles, 64 of high bits, 16, 2
+    Q5_0_BYTES = 22  # per 32 weights: an f16, 4 bytes of fifth bits, 16 of nibbles
     CHUNK_ROWS = 256  # rows decoded at once: a few MB of temporaries whatever the matrix
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, fmt: str | None = None) -> None:
         self.q, self.d = q.contiguous(), d.float().contiguous()
         self.out_features, self.in_features = self.q.shape
         self.block = self.in_features // self.d.shape[1]
         if self.block not in (intpack.Q8_BLOCK, intpack.Q6_K_BLOCK) or self.d.shape[0] != len(q):
             raise ValueError(f"q {tuple(q.shape)} and d {tuple(d.shape)}: blocks of 16 or 32")
-
-    @property
-    def fmt(self) -> str:
-        return "q8_0" if self.block == intpack.Q8_BLOCK else "q6_k"
+        # the file's type, as a format name (a stack of several: "q8")
+        self.fmt = fmt or ("q8_0" if self.block == intpack.Q8_BLOCK else "q6_k")
 
     @classmethod
     def from_q8_0(cls, raw: torch.Tensor) -> Q8Weight:
@@ -115,17 +117,37 @@ class Q8Weight:
             d[start : start + len(part)] = scales.reshape(len(part), -1)
         return cls(q, d)
 
+    @classmethod
+    def from_q5_0(cls, raw: torch.Tensor) -> Q8Weight:
+        """From a GGUF Q5_0 tensor's bytes ``[rows, bytes per row]``: per 32 weights an f16
+        ``d``, four bytes of the codes' fifth bits (little-endian, bit ``i`` for weight
+        ``i``), then 16 bytes of low nibbles (weights 0-15 low, 16-31 high)."""
+        rows, width = raw.shape
+        if width % cls.Q5_0_BYTES:
+            raise ValueError(f"Q5_0: a row of {width} bytes is not whole blocks of 22")
+        blocks = raw.reshape(rows, -1, cls.Q5_0_BYTES)
+        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+        high = blocks[..., 2:6].to(torch.int32)  # [rows, n, 4]: bit i of byte j is weight 8j + i
+        bits = (high[..., :, None] >> torch.arange(8, dtype=torch.int32)) & 1  # [rows, n, 4, 8]
+        low = blocks[..., 6:22]
+        nibbles = torch.cat([low & 15, low >> 4], dim=-1).to(torch.int32)  # [rows, n, 32]
+        codes = (nibbles | (bits.reshape(rows, -1, 32) << 4)) - 16
+        return cls(codes.reshape(rows, -1).to(torch.int8), d, "q5_0")
+
     @staticmethod
     def stack(weights: Sequence[Q8Weight]) -> Q8Weight | None:
-        """Siblings of one block size as one matrix (``lowbit.packed.stacked``): each output
-        is its row's own sum, so the stack gives every part's outputs bit for bit."""
+        """Siblings of one block size as one matrix (``lowbit.packed.stacked``; Q5_0 and
+        Q8_0 too): each output is its row's own sum, so the stack gives every part's outputs
+        bit for bit."""
         if len({w.block for w in weights}) > 1:
             return None
-        return Q8Weight(torch.cat([w.q for w in weights]), torch.cat([w.d for w in weights]))
+        fmts = {w.fmt for w in weights}
+        q, d = torch.cat([w.q for w in weights]), torch.cat([w.d for w in weights])
+        return Q8Weight(q, d, fmts.pop() if len(fmts) == 1 else "q8")
 
     def rows(self, start: int, end: int) -> Q8Weight:
         """Rows ``[start, end)``, over this weight's memory."""
-        return Q8Weight(self.q[start:end], self.d[start:end])
+        return Q8Weight(self.q[start:end], self.d[start:end], self.fmt)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"q": self.q, "d": self.d}
