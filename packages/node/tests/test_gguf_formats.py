@@ -34,6 +34,7 @@ from meshnet_node.lowbit.gguf_blocks import (
     int8_weight,
     kept_weight,
 )
+from meshnet_node.lowbit.gguf_embedding import GgufEmbedding
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # (family, format, the runtime ``auto`` serves it in): every family in the 4-bit formats and
@@ -279,4 +280,30 @@ def test_a_gguf_range_is_priced_as_it_is_held(gguf_file, family, fmt):
     held = {t.data_ptr(): t.numel() * t.element_size()
             for t in (*shard.modules.parameters(), *shard.modules.buffers())}  # fmt: skip
     expected = weight_bytes(index, layers, precision, dtype="float32", group_size=32)
+    assert sum(held.values()) == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("family", "fmt"), [("llama", "Q4_K_M"), ("gemma3-384", "Q4_K_M"), ("llama-384", "Q4_K_M")]
+)
+def test_a_heads_gguf_embedding_stays_in_its_blocks(gguf_file, family, fmt):
+    """A head looks its tokens up in the embedding's blocks (docs/adr/0050): the rows the
+    dense tensor held, bit for bit (Gemma's scale applied as its module does), for a
+    fraction of float32's bytes; the head range is priced as held."""
+    path = gguf_file(family, fmt)
+    index = CheckpointIndex.load(path)
+    precision = resolve_precision("auto", "float32", native_format_name(index.config))
+    shard = load_shard(path, LayerRange(0, 1), precision, dtype=torch.float32)
+    embed = shard.modules.embed
+    assert isinstance(embed, GgufEmbedding)
+    dense = GgufTensors(index).dense("model.embed_tokens.weight", torch.float32)
+    ids = torch.tensor([[3, 9, 4, 200], [0, 1, 2, 3]])
+    want = torch.nn.functional.embedding(ids, dense)
+    if family.startswith("gemma3"):  # Gemma3TextScaledWordEmbedding: rows times sqrt(hidden)
+        want = want * torch.tensor(embed.scale.item())
+    assert torch.equal(embed(ids), want)
+    assert embed.blocks.numel() < dense.numel() * dense.element_size() / 3
+    held = {t.data_ptr(): t.numel() * t.element_size()
+            for t in (*shard.modules.parameters(), *shard.modules.buffers())}  # fmt: skip
+    expected = weight_bytes(index, LayerRange(0, 1), precision, dtype="float32", group_size=32)
     assert sum(held.values()) == pytest.approx(expected, rel=0.02)

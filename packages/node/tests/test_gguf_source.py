@@ -22,6 +22,7 @@ from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import intpack
 from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.lowbit.gguf_blocks import GgufTensors, kept_lm_head
+from meshnet_node.lowbit.gguf_embedding import GgufEmbedding
 from meshnet_node.lowbit.modules import PackedLinear
 from meshnet_node.lowbit.packed import Int4Weight
 
@@ -132,8 +133,8 @@ def test_split_int4_from_the_blocks_gives_transformers_tokens(gguf_path):
 
 def test_a_q8_0_lm_head_stays_in_its_blocks(gguf_path, index):
     """SmolLM2's output is its tied Q8_0 embedding: the tail keeps those blocks (their
-    values exactly as the gguf package dequantizes them); the head's embedding stays dense;
-    a bf16 node keeps a dense LM head."""
+    values exactly as the gguf package dequantizes them), the head's embedding too; a bf16
+    node keeps a dense LM head."""
     name = index.naming.tied_embedding
     weight = kept_lm_head(index)
     assert weight is not None and weight.fmt == "q8_0"
@@ -145,7 +146,9 @@ def test_a_q8_0_lm_head_stays_in_its_blocks(gguf_path, index):
     dense = load_shard(gguf_path, LayerRange(29, 30), Precision.BFLOAT16)
     assert isinstance(dense.modules.lm_head, torch.nn.Linear)
     first = load_shard(gguf_path, LayerRange(0, 1), Precision.INT4)
-    assert first.modules.lm_head is None and first.modules.embed.weight.dtype is torch.bfloat16
+    embed = first.modules.embed  # in its blocks too (docs/adr/0050), rows in bf16
+    assert first.modules.lm_head is None and isinstance(embed, GgufEmbedding)
+    assert embed(torch.tensor([[1, 2]])).dtype is torch.bfloat16
 
 
 def test_a_middle_node_holds_its_layers_at_a_third_of_bf16(gguf_path, index):

@@ -49,6 +49,7 @@ _SCALES = (
 NF4_BYTES_PER_PARAM = 0.5 + 4.0 / 64  # 4 bit + one fp32 absmax per 64-weight block
 FP8_SCALE_BYTES = 4  # weight_scale_inv is float32, one per block
 KEPT_SCALE_BYTES = 4  # a kept GGUF block's scale, float32
+_GGUF_FLOATS = ("F32", "F16", "BF16")
 
 
 def _logical(
@@ -126,6 +127,8 @@ class ModelCosts:
     layer_kept: tuple[int, ...] | None = None
     layer_kept_bytes: tuple[int, ...] | None = None  # int8 codes and float32 block scales
     layer_blocks4: tuple[int, ...] | None = None  # a GGUF's 4-bit blocks: int4 at int8 too
+    head_blocks_numel: int = 0  # a GGUF's block embedding, held in its blocks by a head
+    head_blocks_bytes: int = 0  # (docs/adr/0050): its bytes in the file
 
     def refusal(self, precision: Precision) -> str | None:
         """Why this model cannot be served at ``precision`` (None: it can)."""
@@ -197,6 +200,12 @@ class ModelCosts:
             _numel(index.tensors[t].shape) for t in names if index.layer_of(t) is None
         )
         shared = set(head) & set(tail)
+        # a GGUF head holds its block embedding in its blocks (docs/adr/0050)
+        blocks = [
+            t for t in head
+            if index.gguf is not None and index.layer_of(t) is None
+            and index.tensors[t].dtype not in _GGUF_FLOATS and len(index.tensors[t].shape) == 2
+        ]  # fmt: skip
         try:
             native = native_format_name(index.config)
         except InvalidRequest:
@@ -210,6 +219,8 @@ class ModelCosts:
             tied_numel=sum(
                 _numel(index.tensors[t].shape) for t in shared if index.layer_of(t) is None
             ),
+            head_blocks_numel=sum(_numel(index.tensors[t].shape) for t in blocks),
+            head_blocks_bytes=sum(index.tensors[t].nbytes for t in blocks),
             kv_elements=kv_elements_per_token_layer(index.config),
             moe=any(".experts." in name for name in index.tensors),
             native=native,
@@ -274,12 +285,13 @@ class ModelCosts:
         def span(key: str) -> int:
             return prefix[key][layers.end] - prefix[key][layers.start]
 
-        values = span("total")
-        if layers.is_head():
-            values += self.head_numel
+        values, blocks = span("total"), 0
+        if layers.is_head():  # a GGUF's block embedding at its file bytes (docs/adr/0050)
+            values += self.head_numel - self.head_blocks_numel
+            blocks = self.head_blocks_bytes
         if layers.is_tail(self.num_layers):
             values += self.tail_numel
-            if layers.is_head():
+            if layers.is_head() and not self.head_blocks_numel:
                 values -= self.tied_numel  # one tensor serves both roles
         quantized, packed = 0, 0.0
         if precision is Precision.INT8:  # int8 + one scale per output row
@@ -301,7 +313,7 @@ class ModelCosts:
         if precision in (Precision.INT8, Precision.INT4):  # a GGUF's Q6_K / Q8_0 as held
             quantized += span("kept")
             packed += span("kept_bytes")
-        return int(packed + (values - quantized) * act)
+        return int(packed + blocks + (values - quantized) * act)
 
     def kv_bytes(
         self, num_layers: int, tokens: int, precision: Precision, *, dtype: str | None = None

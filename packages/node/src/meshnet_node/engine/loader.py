@@ -40,6 +40,7 @@ from meshnet_node.kernels.fused_linears import fuse_siblings
 from meshnet_node.kernels.row_stable import route_alone, route_rows
 from meshnet_node.lowbit.gguf_blocks import GROUP as GGUF_GROUP
 from meshnet_node.lowbit.gguf_blocks import GgufTensors, kept_lm_head
+from meshnet_node.lowbit.gguf_embedding import gguf_embedding
 from meshnet_node.lowbit.int4_checkpoints import Int4Linears
 from meshnet_node.lowbit.loading import PACKED, ShardPacker
 from meshnet_node.lowbit.modules import PackedLinear
@@ -285,12 +286,20 @@ def load_shard(
         modules.embed = getattr(base, adapter.embed_attr)
         if adapter.position_embed_attr:
             modules.position_embed = getattr(base, adapter.position_embed_attr)
+    embed_name = f"{adapter.base_attr}.{adapter.embed_attr}.weight"
+    held = None  # a GGUF head's embedding in its blocks, on a CPU (docs/adr/0050)
+    if is_head and torch.device(device).type == "cpu":
+        held = gguf_embedding(index, embed_name, modules.embed, dtype)
+        if held is not None:
+            modules.embed = held
     if is_tail:
         modules.norm = getattr(base, adapter.norm_attr)
         modules.lm_head = full.lm_head
     rotary_cls = type(base.rotary_emb) if adapter.rotary else None
 
     names = index.tensors_for(layers)
+    if held is not None and not (is_tail and "lm_head.weight" not in index.tensors):
+        names = [n for n in names if n != embed_name]  # (a tied LM head still reads it)
     packer = plan = None
     # imported (or built in the background) meanwhile: packed products, and decode
     # programs' C++ layer steps at every precision (docs/adr/0043)
