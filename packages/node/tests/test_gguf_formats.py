@@ -2,9 +2,9 @@
 (``meshnet_common.tiny.gguf_files``): split over stages = one stage at the same precision (bit for bit, float32),
 equal to the HF model holding what the runtime holds (the blocks as they are, or rounded as
 ``gguf_blocks`` says) within float32 rounding, and close to the HF model built from the
-file's dequantized weights — Q4_0, Q4_1 and Q4_K are int4 as they are and Q6_K and Q8_0
-kept in their values (within float32 rounding; a Q4_K_M mix is both), Q5_K int8 rounded to
-a scale per row (close, not exact; a Q5_K_M mix too)."""
+file's dequantized weights within float32 rounding — Q4_0, Q4_1 and Q4_K int4 as they
+are, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 kept in their values, and the Q4_K_M / Q5_K_M mixes
+both (docs/adr/0049)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ CASES = [
     *((f, fmt, "int4") for f in FAMILIES for fmt in ("Q4_0", "Q4_1", "Q4_K")),
     *((f, "Q8_0", "int8") for f in FAMILIES),
     ("llama", "Q5_0", "int8"),
+    ("llama", "Q5_1", "int8"),
     # rows of 384: llama.cpp's Q5_0 / Q8_0 fallbacks, mostly Q5_0 (as Gemma 3 1B's 1152)
     *((f, "Q4_K_M", "int8") for f in ("llama-384", "gemma3-384")),
     *((f, fmt, "int8") for f in ("llama", "qwen3_moe") for fmt in ("Q5_K", "Q6_K")),
@@ -58,10 +59,8 @@ NEW_TOKENS = 6
 # The HF model of what the runtime holds: float32 rounding (int4 zeros, int8 products).
 HELD_ATOL = 1e-5
 # The HF model of the file's dequantized values: int4 from 4-bit blocks is exact up to the
-# zero's float32 rounding, Q6_K and Q8_0 kept in their values exact; int8 rounds each of the
-# Q5 types' weights to its row's scale.
-ATOL = {"exact": 1e-5, "rounded": 0.1}
-ROUNDED = ("Q5_K", "Q5_K_M")
+# zero's float32 rounding, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 kept in their values exact.
+ATOL = 1e-5
 # Where the CPU has AVX-512 VNNI, int4 and Q8 products take float32 rows as two int8
 # digits per 32 inputs (ADR-0045): within max |x| / 64516 of each input, not float32's.
 DIGITS_ATOL = 2e-4
@@ -159,7 +158,7 @@ def test_split_equals_one_stage_and_the_dequantized_model(gguf_file, family, fmt
             assert tokens == want
             torch.testing.assert_close(logits, ref, rtol=0, atol=_atol(HELD_ATOL))
         else:
-            tol = _atol(ATOL["rounded" if fmt in ROUNDED else "exact"])
+            tol = _atol(ATOL)
             assert tokens == want
             torch.testing.assert_close(logits, ref, rtol=0, atol=tol)
 
@@ -240,13 +239,16 @@ def test_auto_serves_a_mix_in_the_runtime_of_most_of_its_bytes(gguf_file, fmt, r
 
 KEPT_CASES = [("llama", "Q4_K_M", 3, "q6_k"), ("llama", "Q6_K", 0, "q6_k"),
               ("llama", "Q8_0", 0, "q8_0"), ("llama", "Q5_0", 0, "q5_0"),
+              ("llama", "Q5_K", 0, "q5_k"), ("llama", "Q5_1", 0, "q5_1"),
+              ("llama", "Q5_K_M", 0, "q5_k"),
               ("llama-384", "Q4_K_M", 0, "int4"), ("llama-384", "Q4_K_M", 3, "q6_k")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "fmt", "layer", "held"), KEPT_CASES)
 def test_gguf_blocks_are_held_in_their_values(gguf_file, family, fmt, layer, held):
-    """Q6_K, Q8_0 and Q5_0 projections are held as int8 codes with a scale per 16 or 32
-    weights, 4-bit blocks as int4 as they are, at int4 and int8 alike (docs/adr/0049): the
+    """Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 projections are held as int8 codes with a scale (and
+    a zero) per 16 or 32 weights, 4-bit blocks as int4 as they are, at int4 and int8 alike
+    (docs/adr/0049): the
     values the ``gguf`` package dequantizes, bit for bit (Q4_K's zeros to float32's
     rounding); siblings of one block size still fuse."""
     path = gguf_file(family, fmt)
@@ -266,7 +268,7 @@ def test_gguf_blocks_are_held_in_their_values(gguf_file, family, fmt, layer, hel
 @pytest.mark.parametrize(
     ("family", "fmt"),
     [("llama", "Q4_K_M"), ("llama", "Q6_K"), ("llama", "Q8_0"), ("llama", "Q4_K"),
-     ("llama-384", "Q4_K_M")],
+     ("llama-384", "Q4_K_M"), ("llama", "Q5_K_M")],
 )  # fmt: skip
 def test_a_gguf_range_is_priced_as_it_is_held(gguf_file, family, fmt):
     """The memory the tracker plans for a range is what the node holds: kept Q6_K / Q8_0

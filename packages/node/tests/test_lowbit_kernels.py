@@ -130,26 +130,30 @@ def test_int8_linear_equals_the_product_and_torchs(kernel, n, k, dtype):
 
 @pytest.mark.parametrize(("n", "k"), [(49152, 576), (576, 1536), (96, 64), (17, 96)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", [32, 16])
-def test_q8_linear_equals_the_product_and_the_definition(kernel, n, k, dtype, block):
-    """llama.cpp's Q8_0 blocks (an LM head's shape first) and Q6_K's sub-blocks of 16:
-    within float32 rounding of the exact product and of the float32 definition; each row
-    alone gives the rows' bits, on any thread count."""
+@pytest.mark.parametrize(("block", "zeros"), [(32, False), (16, False), (32, True), (16, True)])
+def test_q8_linear_equals_the_product_and_the_definition(kernel, n, k, dtype, block, zeros):
+    """llama.cpp's Q8_0 blocks (an LM head's shape first), Q6_K's sub-blocks of 16, and
+    blocks with a zero each (Q5_1, Q5_K): within float32 rounding of the exact product and
+    of the float32 definition; each row alone gives the rows' bits, on any thread count."""
     q, d = intpack.q8_probe(n, k, seed=n, block=block)
-    weight = q.double() * d.double().repeat_interleave(block, 1)
     gen = torch.Generator().manual_seed(k)
+    z = (torch.rand(d.shape, generator=gen) - 0.5) * 0.01 if zeros else None
+    weight = q.double() * d.double().repeat_interleave(block, 1)
+    if z is not None:
+        weight = weight + z.double().repeat_interleave(block, 1)
     x = torch.randn(9, k, generator=gen).to(dtype)
-    ours = intpack.q8_linear(x, q, d, _module=kernel)
+    ours = intpack.q8_linear(x, q, d, z, _module=kernel)
     digits = intpack.takes_digits(kernel)
     assert ours.dtype is dtype and ours.shape == (9, n)
     assert intpack.close(ours, x, weight, None, digits=digits)
-    assert intpack.near(ours, intpack.TorchLowbit.q8_linear(x, q, d), x, weight, digits=digits)
-    alone = [intpack.q8_linear(x[i : i + 1], q, d, _module=kernel) for i in range(9)]
+    theirs = intpack.TorchLowbit.q8_linear(x, q, d, z)
+    assert intpack.near(ours, theirs, x, weight, digits=digits)
+    alone = [intpack.q8_linear(x[i : i + 1], q, d, z, _module=kernel) for i in range(9)]
     assert torch.equal(torch.cat(alone), ours)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(intpack.q8_linear(x, q, d, _module=kernel), ours)
+        assert torch.equal(intpack.q8_linear(x, q, d, z, _module=kernel), ours)
     finally:
         torch.set_num_threads(threads)
 

@@ -226,24 +226,29 @@ def test_packed_tiny_models_split_as_unsplit_and_near_the_modules(tiny_snapshot,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_q4_k_m_files_kept_q6_k_products_run_native(tmp_path, kernels, dtype):
-    """A Q4_K_M file's Q6_K projections (kept as ``Q8Weight``, docs/adr/0049) take the
-    native Q8 product: the same bits as their module's forward for any rows; split over
-    three stages the native engine gives the unsplit stage's bits, near the modules'."""
+@pytest.mark.parametrize(("fmt", "precision"), [("Q4_K_M", Precision.INT4), ("Q5_K_M", Precision.INT8)])  # fmt: skip
+def test_a_k_mixs_kept_products_run_native(tmp_path, kernels, dtype, fmt, precision):
+    """A K-quant mix's Q6_K projections, and a Q5_K_M's Q5_K ones (a zero per block), kept
+    as ``Q8Weight`` (docs/adr/0049), take the native Q8 product: the same bits as their
+    module's forward for any rows; split over three stages the native engine gives the
+    unsplit stage's bits, near the modules'."""
     snapshot = make_tiny(tmp_path, "llama", "tiny/llama", layers=4, hidden=256, intermediate=512)
-    path = write_gguf(snapshot, tmp_path / "llama-Q4_K_M.gguf", "Q4_K_M")
-    shard = load_shard(path, LayerRange(0, 4), Precision.INT4, dtype=dtype)
-    down = shard.modules.layers[3].mlp.down_proj  # (llama.cpp's Q6_K layers: 2 and 3 of 4)
-    assert down.packed.fmt == "q6_k"
-    product = kernels.Product.q8(down.packed.q, down.packed.d)
+    path = write_gguf(snapshot, tmp_path / f"llama-{fmt}.gguf", fmt)
+    shard = load_shard(path, LayerRange(0, 4), precision, dtype=dtype)
+    # llama.cpp's Q6_K layers: 2 and 3 of 4
+    downs = [shard.modules.layers[i].mlp.down_proj for i in (0, 3)]
+    assert [d.packed.fmt for d in downs] == ["int4" if fmt == "Q4_K_M" else "q5_k", "q6_k"]
     gen = torch.Generator().manual_seed(3)
-    for rows in (1, 3, 130):
-        x = torch.randn(rows, 1, down.in_features, generator=gen).to(dtype)
-        assert torch.equal(product(x), down(x)), rows
+    for down in downs[1:] if fmt == "Q4_K_M" else downs:
+        w = down.packed
+        product = kernels.Product.q8(w.q, w.d, None, w.z)
+        for rows in (1, 3, 130):
+            x = torch.randn(rows, 1, down.in_features, generator=gen).to(dtype)
+            assert torch.equal(product(x), down(x)), rows
     prompt = list(range(3, 40))
 
     def stages(bounds, engine="native"):
-        made = [Stage(load_shard(path, LayerRange(a, b), Precision.INT4, dtype=dtype), engine=engine) for a, b in bounds]  # fmt: skip
+        made = [Stage(load_shard(path, LayerRange(a, b), precision, dtype=dtype), engine=engine) for a, b in bounds]  # fmt: skip
         assert all(s.layers.engine == engine for s in made)
         return made
 

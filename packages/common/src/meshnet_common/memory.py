@@ -14,7 +14,7 @@ from functools import cached_property
 from meshnet_common.errors import InvalidRequest
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.models.gguf_index import GGUF_INT4_BLOCKS, KEPT_BLOCKS
+from meshnet_common.models.gguf_index import GGUF_INT4_BLOCKS, KEPT_BLOCKS, KEPT_ZEROS
 from meshnet_common.models.int4_formats import int4_format
 from meshnet_common.precision import (
     DEFAULT_GROUP_SIZE,
@@ -48,7 +48,7 @@ _SCALES = (
 )  # fmt: skip
 NF4_BYTES_PER_PARAM = 0.5 + 4.0 / 64  # 4 bit + one fp32 absmax per 64-weight block
 FP8_SCALE_BYTES = 4  # weight_scale_inv is float32, one per block
-KEPT_SCALE_BYTES = 4  # a kept GGUF block's scale, float32
+KEPT_SCALE_BYTES = 4  # a kept GGUF block's scale (and zero), float32
 _GGUF_FLOATS = ("F32", "F16", "BF16")
 
 
@@ -172,7 +172,8 @@ class ModelCosts:
             if kept is not None and quantized_tensor(logical, shape, Precision.INT8, gpt2=gpt2):
                 # int8 codes and a float32 scale per block, at int8 and int4 alike
                 kept_values[layer] += numel
-                kept_bytes[layer] += numel + KEPT_SCALE_BYTES * numel // kept
+                per_block = KEPT_SCALE_BYTES * (2 if info.dtype in KEPT_ZEROS else 1)
+                kept_bytes[layer] += numel + per_block * numel // kept
                 continue
             four = index.gguf is not None and info.dtype in GGUF_INT4_BLOCKS
             if four and quantized_tensor(logical, shape, Precision.INT4, gpt2=gpt2, group_size=32):

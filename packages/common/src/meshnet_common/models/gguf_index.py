@@ -253,13 +253,14 @@ def _gemma_config(config: dict, meta: dict, arch: str, path: Path) -> None:
 
 
 # ggml types of a layer's weights -> the runtime precision ``auto`` serves them in, by the type
-# holding most bytes: 4-bit and lower blocks as int4 (Q4_0/Q4_1/Q4_K exactly at group 32;
-# Q2_K/Q3_K/IQ* rounded), 5- to 8-bit blocks as int8 (Q5_1/Q5_K rounded to a scale per row;
-# int4 would lose a bit), float tensors at the compute dtype. A mix takes its majority's:
-# Q4_K_M / Q4_K_S int4, Q5_K_M / Q5_K_S and Q6_K int8. At either, Q6_K, Q8_0 and Q5_0 tensors
-# keep their values (``KEPT_BLOCKS``: int8 codes and a scale per 16 or 32 weights), and 4-bit
-# blocks stay int4 as they are (``GGUF_INT4_BLOCKS``, docs/adr/0049).
-KEPT_BLOCKS = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32}  # ggml type -> weights per scale, as held
+# holding most bytes: 4-bit and lower blocks as int4, 5- to 8-bit blocks as int8, float
+# tensors at the compute dtype; a mix takes its majority's (Q4_K_M / Q4_K_S int4, Q5_K_M /
+# Q5_K_S and Q6_K int8). Whatever the node's precision, Q4_0/Q4_1/Q4_K stay int4 as they are
+# (``GGUF_INT4_BLOCKS``) and Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 keep their values (``KEPT_BLOCKS``: int8
+# codes with a scale, and a zero, per block), docs/adr/0049: only Q2_K/Q3_K/IQ* are rounded.
+# ggml type -> weights per scale, as held (and, for Q5_1 / Q5_K, per zero)
+KEPT_BLOCKS = {"Q8_0": 32, "Q6_K": 16, "Q5_0": 32, "Q5_1": 32, "Q5_K": 32}
+KEPT_ZEROS = ("Q5_1", "Q5_K")  # W = q * d + z: a float32 zero per block too
 GGUF_INT4_BLOCKS = ("Q4_0", "Q4_1", "Q4_K")  # held as int4 as they are, at int8 too
 _INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 _FLOAT_TYPES = ("F32", "F16", "BF16")

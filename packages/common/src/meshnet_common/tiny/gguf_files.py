@@ -1,11 +1,12 @@
 """Write a tiny HF snapshot as a GGUF file, the way llama.cpp's converter lays it out: for
 tests of the GGUF source (never a downloaded file).
 
-Layer matrices go to one block format (Q4_0, Q4_1, Q5_0, Q8_0 through the ``gguf``
+Layer matrices go to one block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 through the ``gguf``
 package's own quantizer; Q4_K, Q5_K and Q6_K through ``pack_q4_k`` / ``pack_q5_k`` /
 ``pack_q6_k`` here, in ggml's block layouts, which the ``gguf`` package reads but cannot
-write) or to a mix of types as llama.cpp's Q4_K_M / Q5_K_M (``MIXES``); norms and embeddings stay F32 (a mix
-quantizes the embedding and ``output`` too). What llama.cpp's converter transforms, this
+write) or to a mix of types as llama.cpp's Q4_K_M / Q5_K_M (``MIXES``); norms and
+embeddings stay F32 (a mix quantizes the embedding and ``output`` too, and chooses layers
+and fallbacks as ``llama-quantize`` does). What llama.cpp's converter transforms, this
 does too: Llama's query and key rows interleaved per head (``permute``), Gemma's norms
 stored as ``1 + w``; and it writes Gemma's metadata as that converter does (sliding window,
 soft-caps), plus ``attention.sliding_window_pattern`` where a tiny model's layer pattern is
@@ -23,7 +24,7 @@ import numpy as np
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_index import ARCHITECTURES, gguf_names
 
-BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 # llama.cpp's K-quant mixes, in outline: the base type, with ``output`` and the value and down
 # projections of some layers (``_more_bits``) at Q6_K; the token embedding at the base type
 # too. A matrix whose rows are not whole 256s takes llama.cpp's fallback type for the

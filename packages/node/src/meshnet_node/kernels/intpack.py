@@ -79,11 +79,13 @@ class TorchLowbit:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zero.to(x.dtype))
 
     @staticmethod
-    def q8_linear(x: Tensor, q: Tensor, d: Tensor) -> Tensor:
-        """The definition: the float32 matrix, ``q * d`` per block of inputs (exact)."""
+    def q8_linear(x: Tensor, q: Tensor, d: Tensor, z: Tensor | None = None) -> Tensor:
+        """The definition: the float32 matrix, ``q * d (+ z)`` per block of inputs."""
         n, k = q.shape
-        w = (q.float().view(n, d.shape[1], -1) * d[..., None]).view(n, k)
-        return F.linear(x.float(), w).to(x.dtype)
+        w = q.float().view(n, d.shape[1], -1) * d[..., None]
+        if z is not None:
+            w = w + z[..., None]
+        return F.linear(x.float(), w.view(n, k)).to(x.dtype)
 
     @staticmethod
     def int4_dequantize(packed: Tensor, scale_zero: Tensor, group: int, block_n: int, out: Tensor):
@@ -137,19 +139,22 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, *, _module: Any = None) -> 
     return y.view(*x.shape[:-1], n)
 
 
-def q8_linear(x: Tensor, q: Tensor, d: Tensor, *, _module: Any = None) -> Tensor:
+def q8_linear(
+    x: Tensor, q: Tensor, d: Tensor, z: Tensor | None = None, *, _module: Any = None
+) -> Tensor:
     """``x @ W.T`` in ``x``'s dtype for int8 codes in blocks: ``q`` int8 [N, K], ``d``
     float32 [N, K / B], ``W = q * d`` per B inputs, B = 32 (llama.cpp's Q8_0, ``d`` its f16
-    scales) or 16 (Q6_K's sub-blocks, ``d`` each one's f16 times its int8 scale). Rows
-    independent of each other."""
+    scales) or 16 (Q6_K's sub-blocks, ``d`` each one's f16 times its int8 scale); with
+    zeros ``z`` (float32, ``d``'s shape) ``W = q * d + z`` (Q5_1, Q5_K). Rows independent of
+    each other."""
     impl = _lowbit(_module, x.device)
     n, k = q.shape
     rows = x.reshape(-1, k)
     if impl is TorchLowbit:
-        y = impl.q8_linear(rows, q, d)
+        y = impl.q8_linear(rows, q, d, z)
     else:
         xin = rows.contiguous() if rows.dtype is torch.bfloat16 else rows.float().contiguous()
-        y = impl.q8_linear(xin, q, d).to(x.dtype)
+        y = impl.q8_linear(xin, q, d, z).to(x.dtype)
     return y.view(*x.shape[:-1], n)
 
 
@@ -260,17 +265,21 @@ def agrees_with_reference(module: Any) -> str | None:
             alone = [int8_linear(x[i : i + 1], q, scale, _module=module) for i in range(len(x))]
             if not torch.equal(torch.cat(alone), ours):
                 return f"int8 product: rows alone differ from rows together ({n}x{k})"
-        for block in (Q8_BLOCK, Q6_K_BLOCK):  # Q8_0's blocks and Q6_K's sub-blocks
+        # Q8_0's blocks and Q6_K's sub-blocks, and blocks of 32 with zeros (Q5_1, Q5_K)
+        for block, zeros in ((Q8_BLOCK, False), (Q6_K_BLOCK, False), (Q8_BLOCK, True)):
             q, d = q8_probe(n, k, seed, block)
+            z = (torch.rand(d.shape, generator=gen) - 0.5) * 0.01 if zeros else None
             weight = q.double() * d.double().repeat_interleave(block, 1)
+            if z is not None:
+                weight = weight + z.double().repeat_interleave(block, 1)
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(9, k, generator=gen).to(dtype)
-                ours = q8_linear(x, q, d, _module=module)
-                theirs = TorchLowbit.q8_linear(x, q, d)
+                ours = q8_linear(x, q, d, z, _module=module)
+                theirs = TorchLowbit.q8_linear(x, q, d, z)
                 if not (close(ours, x, weight, None, digits=digits)
                         and near(ours, theirs, x, weight, digits=digits)):  # fmt: skip
                     return f"Q8 product differs ({n}x{k}, blocks of {block}, {dtype})"
-                alone = [q8_linear(x[i : i + 1], q, d, _module=module) for i in range(len(x))]
+                alone = [q8_linear(x[i : i + 1], q, d, z, _module=module) for i in range(len(x))]
                 if not torch.equal(torch.cat(alone), ours):
                     return f"Q8 product: rows alone differ from rows together ({n}x{k}, {block})"
     return None

@@ -38,7 +38,7 @@ torch::Tensor attend_rows(const torch::Tensor& q, std::vector<torch::Tensor> key
 void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
                       const torch::Tensor& sz, int64_t group, int64_t block_n, float* y);
 void packed_q8_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                    float* y);  // packed.cpp
+                    const torch::Tensor& z, float* y);  // packed.cpp
 
 namespace {
 
@@ -61,7 +61,7 @@ bool fused_dtype(const Tensor& t) {
 struct Product {
   py::object call;  // a Python forward, or None for the int4 / Q8 kernel below
   Tensor packed, sz, bias;  // int4: torch's CPU packing, contiguous scale_zero, bias or undefined
-  Tensor q8, q8_scales;  // Q8 (Q8_0, Q6_K kept: lowbit.shipped.Q8Weight): codes and scales
+  Tensor q8, q8_scales, q8_zeros;  // Q8 (lowbit.shipped.Q8Weight): codes, scales, zeros or undefined
   int64_t group = 0, block_n = 0, in_features = 0, out_features = 0;
   // int4: calls of more rows than wide_rows go to the module's forward (`wide`), which may
   // dequantize for a GEMM in a prompt's pass (lowbit.packed.WIDE_ROWS); none where unset
@@ -88,7 +88,7 @@ struct Product {
     thread_local std::vector<float> y;
     y.resize(static_cast<size_t>(rows * out_features));
     if (q8.defined()) {
-      packed_q8_into(xin, q8, q8_scales, y.data());
+      packed_q8_into(xin, q8, q8_scales, q8_zeros, y.data());
     } else {
       packed_int4_into(xin, packed, sz, group, block_n, y.data());
     }
@@ -183,7 +183,7 @@ Product int4_product(Tensor packed, Tensor sz, int64_t group, int64_t block_n,
   return p;
 }
 
-Product q8_product(Tensor q, Tensor d, std::optional<Tensor> bias) {
+Product q8_product(Tensor q, Tensor d, std::optional<Tensor> bias, std::optional<Tensor> z) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() &&
                   q.size(1) % 32 == 0,
               "q must be int8 [N, K], K a multiple of 32, contiguous");
@@ -196,6 +196,12 @@ Product q8_product(Tensor q, Tensor d, std::optional<Tensor> bias) {
   p.wide = py::none();
   p.q8 = std::move(q);
   p.q8_scales = std::move(d);
+  if (z) {
+    TORCH_CHECK(z->scalar_type() == torch::kFloat32 && z->is_contiguous() &&
+                    z->sizes() == p.q8_scales.sizes(),
+                "z must be float32, contiguous, of d's shape");
+    p.q8_zeros = *z;
+  }
   p.in_features = p.q8.size(1);
   p.out_features = p.q8.size(0);
   if (bias) p.bias = *bias;
@@ -642,7 +648,8 @@ void register_layer_step(py::module& m) {
                   py::arg("wide") = py::none(), py::arg("wide_rows") = 0,
                   "the int4 kernel, called as intpack.int4_linear calls it")
       .def_static("q8", &q8_product, py::arg("q"), py::arg("d"), py::arg("bias") = std::nullopt,
-                  "the Q8 kernel (Q8_0, Q6_K kept), called as intpack.q8_linear calls it")
+                  py::arg("z") = std::nullopt,
+                  "the Q8 kernel (a GGUF's kept blocks), called as intpack.q8_linear calls it")
       .def("__call__", &Product::operator());
   py::class_<Siblings>(m, "Siblings")
       .def(py::init([](std::vector<Product> members) { return Siblings{std::move(members), {}}; }))

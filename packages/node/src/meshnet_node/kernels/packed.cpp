@@ -17,6 +17,8 @@
 // AVX2 + FMA + F16C (every x86 server of the last decade).
 #include <torch/extension.h>
 
+#include <pybind11/stl.h>
+
 #include "omp_for.h"
 #include <immintrin.h>
 
@@ -24,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -681,15 +684,17 @@ struct Q8 {
   template <int R, int NB>
   struct Tile {
     static void run(const float* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
-                    const float* d) {
+                    const float* d, const float* z) {
       const int64_t blocks = k / B;
       vf acc[R][NB];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
       for (int64_t b = 0; b < blocks; ++b) {
-        vf in[R][NB];
-        for (int r = 0; r < R; ++r)
+        vf in[R][NB], xs[R];
+        for (int r = 0; r < R; ++r) {
+          xs[r] = vzero();
           for (int j = 0; j < NB; ++j) in[r][j] = vzero();
+        }
         for (int64_t i = b * B; i < (b + 1) * B; i += W) {
           vf wv[NB];
           for (int j = 0; j < NB; ++j) {
@@ -698,12 +703,17 @@ struct Q8 {
           }
           for (int r = 0; r < R; ++r) {
             const vf xv = vload(x + r * k + i);
+            if (z != nullptr) xs[r] = vadd(xs[r], xv);
             for (int j = 0; j < NB; ++j) in[r][j] = vfma(wv[j], xv, in[r][j]);
           }
         }
         for (int j = 0; j < NB; ++j) {
           const vf dv = vset(d[j * blocks + b]);
           for (int r = 0; r < R; ++r) acc[r][j] = vfma(dv, in[r][j], acc[r][j]);
+          if (z != nullptr) {  // W = q * d + z: the block's inputs summed, times its zero
+            const vf zv = vset(z[j * blocks + b]);
+            for (int r = 0; r < R; ++r) acc[r][j] = vfma(zv, xs[r], acc[r][j]);
+          }
         }
       }
       for (int r = 0; r < R; ++r)
@@ -718,17 +728,18 @@ struct Q8 {
   template <int R, int NB>
   struct Bf16Tile {
     static void run(const uint16_t* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
-                    const float* d) {
+                    const float* d, const float* z) {
       static_assert(2 * W == kQ8Block, "one vdpbf16ps per 32 inputs");
       const int64_t chunks = k / kQ8Block, blocks = k / B;
       const vi halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bf16 1.0: exact sums
       vf acc[R][NB];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t i = c * kQ8Block;
         __m512bh wv[NB];
-        vf dv[NB];
+        vf dv[NB], zv[NB];
         for (int j = 0; j < NB; ++j) {
           const int8_t* p = q + j * k + i;
           ahead(p);
@@ -737,24 +748,33 @@ struct Q8 {
           const vf hi = _mm512_cvtepi32_ps(
               _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
           wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
-          if constexpr (B == kQ8Block) {
-            dv[j] = vset(d[j * blocks + c]);
-          } else {
-            double pair;  // the two blocks' scales of these 32 inputs
-            std::memcpy(&pair, d + j * blocks + 2 * c, sizeof pair);
-            dv[j] = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
-          }
+          dv[j] = per_lane(d + j * blocks, c, halves);
+          if (z != nullptr) zv[j] = per_lane(z + j * blocks, c, halves);
         }
         for (int r = 0; r < R; ++r) {
           const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
+          const vf xs = z != nullptr ? _mm512_dpbf16_ps(vzero(), ones, xv) : vzero();
           for (int j = 0; j < NB; ++j) {
             const vf in = _mm512_dpbf16_ps(vzero(), wv[j], xv);
             acc[r][j] = vfma(dv[j], in, acc[r][j]);
+            if (z != nullptr) acc[r][j] = vfma(zv[j], xs, acc[r][j]);
           }
         }
       }
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
+    }
+
+    // A row's per-block values (scales or zeros) for the 32 inputs of chunk c, lane by lane:
+    // one value at B = 32, two (lanes 0-7, 8-15) at B = 16.
+    static vf per_lane(const float* v, int64_t c, const vi& halves) {
+      if constexpr (B == kQ8Block) {
+        return vset(v[c]);
+      } else {
+        double pair;
+        std::memcpy(&pair, v + 2 * c, sizeof pair);
+        return _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+      }
     }
   };
 #endif
@@ -763,14 +783,14 @@ struct Q8 {
 // Q8 blocks against bf16 or float32 rows as two int8 digits (AVX-512 VNNI; defined
 // below): false where it does not apply (no VNNI, K not whole 64s), y untouched.
 template <int64_t B>
-bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
-                  int64_t k, float* y);
+bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, const float* z,
+                  int64_t n, int64_t k, float* y);
 
 template <int64_t B>
-void q8_linear_into(const torch::Tensor& x, const int8_t* qp, const float* dp, int64_t n,
-                    int64_t k, float* yp) {
+void q8_linear_into(const torch::Tensor& x, const int8_t* qp, const float* dp, const float* zp,
+                    int64_t n, int64_t k, float* yp) {
   const int64_t rows = x.size(0), blocks = k / B;
-  if (q8_vnni_into<B>(x, qp, dp, n, k, yp)) return;
+  if (q8_vnni_into<B>(x, qp, dp, zp, n, k, yp)) return;
 #if defined(MESHNET_INT8_BF16)
   if (x.scalar_type() == torch::kBFloat16) {
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
@@ -780,7 +800,7 @@ void q8_linear_into(const torch::Tensor& x, const int8_t* qp, const float* dp, i
         for (int64_t r0 = 0; r0 < rows; r0 += kInt8Bf16Rows) {
           by_rows<kInt8Bf16Rows, Q8<B>::template Bf16Tile, C>(
               std::min<int64_t>(kInt8Bf16Rows, rows - r0), xb + r0 * k, yp + r0 * n + j, n, k,
-              qp + j * k, dp + j * blocks);
+              qp + j * k, dp + j * blocks, zp == nullptr ? nullptr : zp + j * blocks);
         }
       };
       product_range(n0, n1, direct);
@@ -796,16 +816,25 @@ void q8_linear_into(const torch::Tensor& x, const int8_t* qp, const float* dp, i
       for (int64_t r0 = 0; r0 < rows; r0 += kDirectRows) {
         by_rows<kDirectRows, Q8<B>::template Tile, NB>(
             std::min<int64_t>(kDirectRows, rows - r0), xp + r0 * k, yp + r0 * n + j, n, k,
-            qp + j * k, dp + j * blocks);
+            qp + j * k, dp + j * blocks, zp == nullptr ? nullptr : zp + j * blocks);
       }
     };
     product_range(n0, n1, direct);
   });
 }
 
-// y = x @ W.T, float32, for int8 codes q [N, K] and float32 scales d [N, K / B]: the block
-// size B (16 or 32) is K over d's columns.
-torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d) {
+// z, where given: float32 zeros [N, K / B], W = q * d + z per block (Q5_1, Q5_K).
+const float* q8_zeros(const std::optional<torch::Tensor>& z, const torch::Tensor& d) {
+  if (!z || !z->defined()) return nullptr;
+  TORCH_CHECK(z->scalar_type() == torch::kFloat32 && z->is_contiguous() && z->sizes() == d.sizes(),
+              "z must be float32, contiguous, of d's shape");
+  return z->data_ptr<float>();
+}
+
+// y = x @ W.T, float32, for int8 codes q [N, K] and float32 scales d [N, K / B] (and zeros
+// z of d's shape, W = q * d + z): the block size B (16 or 32) is K over d's columns.
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                        const std::optional<torch::Tensor>& z) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() &&
                   q.size(1) % kQ8Block == 0,
               "q must be int8 [N, K], K a multiple of 32, contiguous");
@@ -820,10 +849,11 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const to
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const float* zp = q8_zeros(z, d);
   if (d.size(1) == k / 16) {
-    q8_linear_into<16>(x, qp, dp, n, k, yp);
+    q8_linear_into<16>(x, qp, dp, zp, n, k, yp);
   } else {
-    q8_linear_into<32>(x, qp, dp, n, k, yp);
+    q8_linear_into<32>(x, qp, dp, zp, n, k, yp);
   }
   return y;
 }
@@ -1293,6 +1323,7 @@ struct Q8Lanes {  // one row's inputs: digits, and per 64 k the lanes' start and
   const int32_t* start2;
   const float* d;  // chunks x 16: the input scale of the lane's block
   const float* d2;
+  const float* sum;  // chunks x 16: the lane's four inputs summed, as digits (zeros only)
 };
 
 template <int64_t B>
@@ -1300,7 +1331,7 @@ struct Q8Vnni {
   template <int R, int NB>
   struct Tile {
     static void run(const Q8Lanes* x, float* y, int64_t ystride, int64_t k, const int8_t* q,
-                    const float* d) {
+                    const float* d, const float* z) {
       const int64_t chunks = k / 64, blocks = k / B;
       const vi flip = _mm512_set1_epi8(static_cast<char>(0x80));
       const vi halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -1310,46 +1341,54 @@ struct Q8Vnni {
         for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
       for (int64_t c = 0; c < chunks; ++c) {
         vi w[NB];
-        vf dw[NB];
+        vf dw[NB], zw[NB];
         for (int j = 0; j < NB; ++j) {
           const int8_t* p = q + j * k + c * 64;
           ahead(p);
           w[j] = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
-          if constexpr (B == kQ8Block) {
-            double pair;  // the row's two block scales of this chunk
-            std::memcpy(&pair, d + j * blocks + 2 * c, sizeof pair);
-            dw[j] = _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
-          } else {  // four blocks of 16: lanes 0-3, 4-7, 8-11, 12-15
-            const vf four = _mm512_castps128_ps512(_mm_loadu_ps(d + j * blocks + 4 * c));
-            dw[j] = _mm512_permutexvar_ps(quarters, four);
-          }
+          dw[j] = per_lane(d + j * blocks, c, halves, quarters);
+          if (z != nullptr) zw[j] = per_lane(z + j * blocks, c, halves, quarters);
         }
         for (int r = 0; r < R; ++r) {
           const Q8Lanes& in = x[r];
           const vi q1 = _mm512_loadu_si512(in.q + c * 64), q2 = _mm512_loadu_si512(in.q2 + c * 64);
           const vi s1 = _mm512_loadu_si512(in.start + c * W), s2 = _mm512_loadu_si512(in.start2 + c * W);
           const vf d1 = vload(in.d + c * W), d2 = vload(in.d2 + c * W);
+          const vf xs = z != nullptr ? vload(in.sum + c * W) : vzero();
           for (int j = 0; j < NB; ++j) {
             const vf f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s1, w[j], q1)), d1);
             const vf f = vfma(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s2, w[j], q2)), d2, f1);
             acc[r][j] = vfma(f, dw[j], acc[r][j]);
+            if (z != nullptr) acc[r][j] = vfma(xs, zw[j], acc[r][j]);
           }
         }
       }
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < NB; ++j) y[r * ystride + j] = vsum(acc[r][j]);
     }
+
+    // A row's per-block values (scales or zeros) for chunk c's 16 lanes: two blocks of 32
+    // (lanes 0-7, 8-15) or four of 16 (lanes 0-3, 4-7, 8-11, 12-15).
+    static vf per_lane(const float* v, int64_t c, const vi& halves, const vi& quarters) {
+      if constexpr (B == kQ8Block) {
+        double pair;
+        std::memcpy(&pair, v + 2 * c, sizeof pair);
+        return _mm512_permutexvar_ps(halves, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+      } else {
+        return _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_loadu_ps(v + 4 * c)));
+      }
+    }
   };
 };
 
 template <int64_t B>
-bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64_t n,
-                  int64_t k, float* y) {
+bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, const float* z,
+                  int64_t n, int64_t k, float* y) {
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   if ((!bf16 && x.scalar_type() != torch::kFloat32) || k % 64 != 0) return false;
   const int64_t rows = x.size(0), chunks = k / 64, blocks = k / B, xblocks = k / kQ8Block;
   thread_local std::vector<int8_t> q1, q2;
-  thread_local std::vector<float> scales, d1, d2;
+  thread_local std::vector<float> scales, d1, d2, sums;
   thread_local std::vector<int32_t> sum8, sum8_2, start1, start2;
   if (bf16) {
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
@@ -1359,6 +1398,7 @@ bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64
   }
   const auto lanes = static_cast<size_t>(rows * chunks * W);
   start1.resize(lanes), start2.resize(lanes), d1.resize(lanes), d2.resize(lanes);
+  sums.resize(z != nullptr ? lanes : 0);
   std::vector<Q8Lanes> inputs(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
@@ -1369,11 +1409,12 @@ bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64
         const float scale = scales[r * xblocks + 2 * c + l / 8];  // per 32 inputs
         start1[lane] = -128 * a, start2[lane] = -128 * b;
         d1[lane] = scale, d2[lane] = scale / 254.0f;
+        if (z != nullptr) sums[lane] = static_cast<float>(a) * d1[lane] + static_cast<float>(b) * d2[lane];
       }
     }
     const auto off = static_cast<size_t>(r * chunks * W);
     inputs[r] = {q1.data() + r * k, q2.data() + r * k, start1.data() + off, start2.data() + off,
-                 d1.data() + off, d2.data() + off};
+                 d1.data() + off, d2.data() + off, z != nullptr ? sums.data() + off : nullptr};
   }
   meshnet::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
     auto direct = [&](int64_t j, auto nb) {
@@ -1381,7 +1422,7 @@ bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64
       for (int64_t r0 = 0; r0 < rows; r0 += kQ8VnniRows) {
         by_rows<kQ8VnniRows, Q8Vnni<B>::template Tile, C>(
             std::min<int64_t>(kQ8VnniRows, rows - r0), inputs.data() + r0, y + r0 * n + j, n, k,
-            q + j * k, d + j * blocks);
+            q + j * k, d + j * blocks, z == nullptr ? nullptr : z + j * blocks);
       }
     };
     product_range(n0, n1, direct);
@@ -1390,7 +1431,8 @@ bool q8_vnni_into(const torch::Tensor& x, const int8_t* q, const float* d, int64
 }
 #else
 template <int64_t B>
-bool q8_vnni_into(const torch::Tensor&, const int8_t*, const float*, int64_t, int64_t, float*) {
+bool q8_vnni_into(const torch::Tensor&, const int8_t*, const float*, const float*, int64_t,
+                  int64_t, float*) {
   return false;
 }
 #endif
@@ -1639,12 +1681,13 @@ void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
 // q8_linear's product into y (rows x N float32): x contiguous float32 or bf16 rows, q and d
 // as q8_linear checks them (layer_step.cpp's Q8 products).
 void packed_q8_into(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                    float* y) {
+                    const torch::Tensor& z, float* y) {
   const int64_t n = q.size(0), k = q.size(1);
+  const float* zp = z.defined() ? z.data_ptr<float>() : nullptr;
   if (d.size(1) == k / 16) {
-    q8_linear_into<16>(x, q.data_ptr<int8_t>(), d.data_ptr<float>(), n, k, y);
+    q8_linear_into<16>(x, q.data_ptr<int8_t>(), d.data_ptr<float>(), zp, n, k, y);
   } else {
-    q8_linear_into<32>(x, q.data_ptr<int8_t>(), d.data_ptr<float>(), n, k, y);
+    q8_linear_into<32>(x, q.data_ptr<int8_t>(), d.data_ptr<float>(), zp, n, k, y);
   }
 }
 
@@ -1676,7 +1719,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_linear", &mxfp4_linear, "y = x @ dequant(w).T + bias, float32 (few rows)");
   m.def("mxfp4_dequantize", &mxfp4_dequantize, "dequantized MXFP4 weight into out");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale).T, float32 (few rows)");
-  m.def("q8_linear", &q8_linear, "y = x @ (q * d per 16 or 32).T, float32 (Q8_0, Q6_K blocks)");
+  m.def("q8_linear", &q8_linear, pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("d"),
+        pybind11::arg("z") = std::nullopt,
+        "y = x @ (q * d + z per 16 or 32).T, float32 (Q8_0, Q6_K, Q5_* blocks)");
   m.def("int4_linear", &int4_linear, "y = x @ dequant(torch int4 packing).T, float32");
   m.def("int4_dequantize", &int4_dequantize, "torch's CPU int4 packing into out (bf16/f32)");
 }

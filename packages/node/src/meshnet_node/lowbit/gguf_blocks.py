@@ -18,23 +18,18 @@ Codes sit two a byte: in Q4_0/Q4_1 the low nibbles are a block's first 16 values
 nibbles its last 16; in Q4_K each 32 bytes hold two groups, the low nibbles the first.
 Rows are decoded 256 at a time, so the temporaries stay a few MB whatever the matrix.
 
-Q8_0, Q6_K and Q5_0 are kept in their own values as ``Q8Weight`` (int8 codes, a float32
-scale per 32 or 16 weights: exact, docs/adr/0049), and 4-bit blocks as ``Int4Weight`` as
-above, at int4 and int8 alike (``kept_weight``, ``int4_weight``): a Q4_K_M file's Q6_K
-projections, llama.cpp's Q5_0 / Q8_0 fallbacks for rows that are not whole 256s, a Q8_0 or
-Q6_K file's every matrix.
+Q8_0, Q6_K, Q5_0, Q5_1 and Q5_K are kept in their own values as ``Q8Weight`` (int8 codes, a
+float32 scale per 32 or 16 weights and, for Q5_1 / Q5_K, a zero: exact, docs/adr/0049), and
+4-bit blocks as ``Int4Weight`` as above, at int4 and int8 alike (``kept_weight``,
+``int4_weight``): a Q4_K_M file's Q6_K projections, llama.cpp's Q5_0 / Q8_0 fallbacks for rows
+that are not whole 256s, a Q5_K_M file's Q5_K ones, a Q8_0 or Q6_K file's every matrix.
 
-Every other block type is dequantized (by the ``gguf`` package, in float32: its values
-exactly as llama.cpp computes them) 256 rows at a time and rounded to the node's format
-(``requantized``), so no whole matrix is ever held in float:
-
-- at int8 (``int8_weight``: Q5_1 and Q5_K, whose runtime is int8): ``Int8Weight`` has one
-  symmetric scale per row, the blocks one per 32 weights with an offset, so each weight is
-  rounded to its row's grid (at most half a step of ``max |row| / 127``). Not exact: their
-  offsets do not fit ``Q8Weight``.
-- at int4 (``int4_weight`` of a type neither 4-bit nor kept: Q5_1 / Q5_K tensors, Q2_K /
-  Q3_K / IQ* blocks): rounded to 16 levels per group of 32, as any weight quantized at load
-  (``Int4Weight.quantize``).
+The other block types (Q2_K, Q3_K, IQ*) are dequantized (by the ``gguf`` package, in float32:
+its values exactly as llama.cpp computes them) 256 rows at a time and rounded to the node's
+format (``requantized``), so no whole matrix is ever held in float: at int4 (``int4_weight``)
+to 16 levels per group of 32, as any weight quantized at load (``Int4Weight.quantize``); at
+int8 (``int8_weight``) to one symmetric scale per row (at most half a step of
+``max |row| / 127``).
 """
 
 from __future__ import annotations
@@ -47,7 +42,7 @@ import torch
 from gguf import quants
 
 from meshnet_node.lowbit.packed import Codes, Int4Weight, Int8Weight, quantized_chunks
-from meshnet_node.lowbit.shipped import Q8Weight
+from meshnet_node.lowbit.shipped import Q8Weight, k_scales
 
 GROUP = 32  # every 4-bit GGUF format scales groups of 32 weights
 # format name -> (weights per block, bytes per block), as ggml lays them out
@@ -79,10 +74,7 @@ def _q4_1(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d, dmin = _f16(raw, 0)[..., None], _f16(raw, 2)[..., None]  # [rows, blocks, 1]
-    packed = raw[..., 4:16].to(torch.int32)  # ggml's 6-bit sub-scales and minimums
-    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = torch.cat([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
-    mins = torch.cat([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    sc, mins = k_scales(raw[..., 4:16])  # ggml's 6-bit sub-scales and minimums
     qs = raw[..., 16:144].reshape(*raw.shape[:-1], 4, 32)  # two groups per 32 bytes
     codes = torch.stack([qs & 15, qs >> 4], dim=-2)  # [rows, blocks, 4, 2, 32]
     scale = d * sc.float()  # [rows, blocks, 8]
@@ -113,11 +105,12 @@ def int4_chunks(raw: torch.Tensor, fmt: str, dtype: torch.dtype) -> Iterator[Cod
 
 
 # kept in their own values (``KEPT_BLOCKS``: the weights per scale)
-KEPT = {"Q8_0": Q8Weight.from_q8_0, "Q6_K": Q8Weight.from_q6_k, "Q5_0": Q8Weight.from_q5_0}
+KEPT = {"Q8_0": Q8Weight.from_q8_0, "Q6_K": Q8Weight.from_q6_k, "Q5_0": Q8Weight.from_q5_0,
+        "Q5_1": Q8Weight.from_q5_1, "Q5_K": Q8Weight.from_q5_k}  # fmt: skip
 
 
 def kept_weight(raw: torch.Tensor, fmt: str) -> Q8Weight:
-    """A Q8_0, Q6_K or Q5_0 tensor's bytes ``[out, bytes per row]`` as a ``Q8Weight`` (exact)."""
+    """A Q8_0, Q6_K, Q5_0, Q5_1 or Q5_K tensor's bytes ``[out, bytes per row]`` as a ``Q8Weight`` (exact)."""
     return KEPT[fmt](raw)
 
 

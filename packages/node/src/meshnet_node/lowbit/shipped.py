@@ -64,8 +64,9 @@ class Mxfp4Weight:
 
 class Q8Weight:
     """int8 codes ``q`` ``[out, in]`` with a float32 scale ``d`` per block of a row's inputs
-    ``[out, in / block]``, ``W = q * d``: three GGUF block types as shipped (docs/adr/0043,
-    0049), each exact in this form.
+    ``[out, in / block]``, ``W = q * d``, or with a float32 zero per block ``z``,
+    ``W = q * d + z``: five GGUF block types as shipped (docs/adr/0043, 0049), each exact in
+    this form.
 
     - Q8_0 (``from_q8_0``, block 32): an f16 scale, then 32 int8 codes.
     - Q6_K (``from_q6_k``, block 16): per 256 weights an f16 ``d``, sixteen int8 sub-scales
@@ -74,6 +75,9 @@ class Q8Weight:
     - Q5_0 (``from_q5_0``, block 32): an f16 ``d`` and 5-bit codes ``c``, ``W = d * (c - 16)``:
       codes ``c - 16`` in [-16, 15]. llama.cpp's fallback for Q4_K rows that are not whole
       256s (a Q4_K_M file of a model whose width is not: SmolLM2, Gemma 3 1B).
+    - Q5_1 (``from_q5_1``, block 32): ``W = d * c + m``: codes ``c`` in [0, 31], zero ``m``.
+    - Q5_K (``from_q5_k``, block 32): ``W = d sc c - dmin m``: scale ``d sc``, zero
+      ``-dmin m`` (both exact in float32), as ggml computes it (one rounding, the sum).
 
     Half of bf16's bytes (Q6_K's 1.25 bytes a weight against its 0.82), and the file's own
     values rather than a rounding of them: a Q4_K_M file's Q6_K projections and output."""
@@ -81,14 +85,20 @@ class Q8Weight:
     BLOCK_BYTES = 2 + intpack.Q8_BLOCK  # Q8_0: an f16 scale, then 32 int8 codes
     Q6_K_BYTES = 210  # per 256 weights: 128 bytes of low nibbles, 64 of high bits, 16, 2
     Q5_0_BYTES = 22  # per 32 weights: an f16, 4 bytes of fifth bits, 16 of nibbles
+    Q5_1_BYTES = 24  # per 32 weights: two f16, 4 bytes of fifth bits, 16 of nibbles
+    Q5_K_BYTES = 176  # per 256 weights: two f16, 12 of scales, 32 of fifth bits, 128 nibbles
     CHUNK_ROWS = 256  # rows decoded at once: a few MB of temporaries whatever the matrix
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, fmt: str | None = None) -> None:
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, fmt: str | None = None,
+                 z: torch.Tensor | None = None) -> None:  # fmt: skip
         self.q, self.d = q.contiguous(), d.float().contiguous()
+        self.z = None if z is None else z.float().contiguous()  # zeros: W = q * d + z
         self.out_features, self.in_features = self.q.shape
         self.block = self.in_features // self.d.shape[1]
         if self.block not in (intpack.Q8_BLOCK, intpack.Q6_K_BLOCK) or self.d.shape[0] != len(q):
             raise ValueError(f"q {tuple(q.shape)} and d {tuple(d.shape)}: blocks of 16 or 32")
+        if self.z is not None and self.z.shape != self.d.shape:
+            raise ValueError(f"zeros {tuple(self.z.shape)}: not the scales' {tuple(self.d.shape)}")
         # the file's type, as a format name (a stack of several: "q8")
         self.fmt = fmt or ("q8_0" if self.block == intpack.Q8_BLOCK else "q6_k")
 
@@ -126,39 +136,96 @@ class Q8Weight:
         if width % cls.Q5_0_BYTES:
             raise ValueError(f"Q5_0: a row of {width} bytes is not whole blocks of 22")
         blocks = raw.reshape(rows, -1, cls.Q5_0_BYTES)
-        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
-        high = blocks[..., 2:6].to(torch.int32)  # [rows, n, 4]: bit i of byte j is weight 8j + i
-        bits = (high[..., :, None] >> torch.arange(8, dtype=torch.int32)) & 1  # [rows, n, 4, 8]
-        low = blocks[..., 6:22]
-        nibbles = torch.cat([low & 15, low >> 4], dim=-1).to(torch.int32)  # [rows, n, 32]
-        codes = (nibbles | (bits.reshape(rows, -1, 32) << 4)) - 16
-        return cls(codes.reshape(rows, -1).to(torch.int8), d, "q5_0")
+        codes = _five_bits(blocks[..., 2:6], blocks[..., 6:22]) - 16
+        return cls(codes.reshape(rows, -1), _f16(blocks, 0), "q5_0")
+
+    @classmethod
+    def from_q5_1(cls, raw: torch.Tensor) -> Q8Weight:
+        """From a GGUF Q5_1 tensor's bytes: per 32 weights an f16 ``d`` and ``m``, the fifth
+        bits and nibbles as Q5_0's; ``W = d * c + m``: codes ``c`` in [0, 31], zero ``m``."""
+        rows, width = raw.shape
+        if width % cls.Q5_1_BYTES:
+            raise ValueError(f"Q5_1: a row of {width} bytes is not whole blocks of 24")
+        blocks = raw.reshape(rows, -1, cls.Q5_1_BYTES)
+        d, m = _f16(blocks, 0), _f16(blocks, 2)
+        codes = _five_bits(blocks[..., 4:8], blocks[..., 8:24])
+        return cls(codes.reshape(rows, -1), d, "q5_1", m)
+
+    @classmethod
+    def from_q5_k(cls, raw: torch.Tensor) -> Q8Weight:
+        """From a GGUF Q5_K tensor's bytes: per 256 weights an f16 ``d`` and ``dmin``, eight
+        6-bit scales ``sc`` and minimums ``m`` (Q4_K's packing), 32 bytes of fifth bits (bit
+        ``g`` of byte ``l`` for weight ``l`` of group ``g``) and 128 of nibbles (each 32
+        bytes two groups, the low nibbles the first); ``W = d sc c - dmin m``."""
+        rows, width = raw.shape
+        if width % cls.Q5_K_BYTES:
+            raise ValueError(f"Q5_K: a row of {width} bytes is not whole blocks of 176")
+        blocks = raw.reshape(rows, -1, cls.Q5_K_BYTES)
+        n = blocks.shape[1]
+        d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]  # [rows, n, 1]
+        sc, mins = k_scales(blocks[..., 4:16])  # [rows, n, 8]
+        high = blocks[..., 16:48].to(torch.int32)  # [rows, n, 32]
+        fifth = torch.stack([(high >> g) & 1 for g in range(8)], dim=2)  # [rows, n, 8, 32]
+        qs = blocks[..., 48:176].reshape(rows, n, 4, 32).to(torch.int32)
+        low = torch.stack([qs & 15, qs >> 4], dim=3).reshape(rows, n, 8, 32)
+        codes = (low | (fifth << 4)).reshape(rows, -1).to(torch.int8)
+        scale, zero = d * sc.float(), -(dmin * mins.float())
+        return cls(codes, scale.reshape(rows, -1), "q5_k", zero.reshape(rows, -1))
 
     @staticmethod
     def stack(weights: Sequence[Q8Weight]) -> Q8Weight | None:
         """Siblings of one block size as one matrix (``lowbit.packed.stacked``; Q5_0 and
         Q8_0 too): each output is its row's own sum, so the stack gives every part's outputs
         bit for bit."""
-        if len({w.block for w in weights}) > 1:
+        if len({w.block for w in weights}) > 1 or len({w.z is None for w in weights}) > 1:
             return None
         fmts = {w.fmt for w in weights}
         q, d = torch.cat([w.q for w in weights]), torch.cat([w.d for w in weights])
-        return Q8Weight(q, d, fmts.pop() if len(fmts) == 1 else "q8")
+        z = None if weights[0].z is None else torch.cat([w.z for w in weights])
+        return Q8Weight(q, d, fmts.pop() if len(fmts) == 1 else "q8", z)
 
     def rows(self, start: int, end: int) -> Q8Weight:
         """Rows ``[start, end)``, over this weight's memory."""
-        return Q8Weight(self.q[start:end], self.d[start:end], self.fmt)
+        z = None if self.z is None else self.z[start:end]
+        return Q8Weight(self.q[start:end], self.d[start:end], self.fmt, z)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"q": self.q, "d": self.d}
+        return {"q": self.q, "d": self.d, **({} if self.z is None else {"z": self.z})}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return intpack.q8_linear(x, self.q, self.d)
+        return intpack.q8_linear(x, self.q, self.d, self.z)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.q.shape
         w = self.q.float().view(n, k // self.block, self.block) * self.d[..., None]
+        if self.z is not None:
+            w = w + self.z[..., None]
         return w.view(n, k).to(dtype)
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The f16 at byte ``at`` of every block, as float32 ``[rows, blocks]``."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _five_bits(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1 codes ``[rows, n, 32]`` (int8, 0-31): ``high`` ``[rows, n, 4]`` their fifth
+    bits (bit ``i`` of byte ``j`` for weight ``8j + i``), ``low`` ``[rows, n, 16]`` their
+    nibbles (weights 0-15 low, 16-31 high)."""
+    rows = high.shape[0]
+    bits = (high.to(torch.int32)[..., :, None] >> torch.arange(8, dtype=torch.int32)) & 1
+    nibbles = torch.cat([low & 15, low >> 4], dim=-1).to(torch.int32)
+    return (nibbles | (bits.reshape(rows, -1, 32) << 4)).to(torch.int8)
+
+
+def k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's twelve bytes per 256 weights -> the eight 6-bit scales and minimums
+    (int32 ``[..., 8]`` each), as ggml's ``get_scale_min_k4`` unpacks them."""
+    p = packed.to(torch.int32)
+    low, mid, high = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    sc = torch.cat([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    return sc, mins
 
 
 def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

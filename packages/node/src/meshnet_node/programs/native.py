@@ -100,7 +100,7 @@ def _product(kernels: Any, module: nn.Module) -> Any:
     kept = type(module) is PackedLinear and type(weight) is Q8Weight
     if kept and hasattr(kernels.Product, "q8") and weight.q.device.type == "cpu":
         bias = None if module.bias is None else module.bias.detach()
-        return kernels.Product.q8(weight.q, weight.d, bias)
+        return kernels.Product.q8(weight.q, weight.d, bias, weight.z)
     if type(module) is PackedLinear and type(weight) is Int4Weight:
         block = intpack.int4_block_n(weight.out_features)
         if block in getattr(kernels, "int4_blocks", ()) and weight.packed.device.type == "cpu":
