@@ -564,6 +564,15 @@ struct Int8Tile {
 
 #if defined(__AVX512BF16__)
 #define MESHNET_INT8_BF16 1
+// 32 int8 weights as 32 bf16 (exact: |q| <= 127 has 7 significant bits), in the order
+// vdpbf16ps pairs them with 32 inputs.
+inline __m512bh int8s_bf16(const int8_t* p) {
+  const vf lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const vf hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
 // bf16 rows of x: 32 int8 weights become 32 bf16 (exact: |q| <= 127 has 7 significant
 // bits) and vdpbf16ps multiplies them with 32 inputs in pairs, summing in float32 lanes.
 constexpr int kInt8Bf16Rows = MESHNET_INT8_ROWS, kInt8Bf16NB = MESHNET_INT8_NB;
@@ -580,11 +589,7 @@ struct Int8Bf16Tile {
       for (int j = 0; j < NB; ++j) {
         const int8_t* p = q + j * k + i;
         ahead(p);
-        const vf lo = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-        const vf hi = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
-        wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
+        wv[j] = int8s_bf16(p);
       }
       for (int r = 0; r < R; ++r) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
@@ -743,11 +748,7 @@ struct Q8 {
         for (int j = 0; j < NB; ++j) {
           const int8_t* p = q + j * k + i;
           ahead(p);
-          const vf lo = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-          const vf hi = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + W))));
-          wv[j] = _mm512_cvtne2ps_pbh(hi, lo);
+          wv[j] = int8s_bf16(p);
           dv[j] = per_lane(d + j * blocks, c, halves);
           if (z != nullptr) zv[j] = per_lane(z + j * blocks, c, halves);
         }
