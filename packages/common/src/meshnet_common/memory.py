@@ -123,9 +123,9 @@ class ModelCosts:
     layer_int4_groups: tuple[tuple[int, ...], ...] | None = None
     layer_packed: tuple[int, ...] | None = None  # values stored packed (fp8 / mxfp4)
     layer_packed_bytes: tuple[int, ...] | None = None  # their bytes, scales included
-    # a GGUF's Q6_K / Q8_0 matrices, kept in their values at int8 and int4 (docs/adr/0049)
+    # a GGUF's kept blocks (Q5_*, Q6_K, Q8_0), in their values at int8 and int4 (docs/adr/0049)
     layer_kept: tuple[int, ...] | None = None
-    layer_kept_bytes: tuple[int, ...] | None = None  # int8 codes and float32 block scales
+    layer_kept_bytes: tuple[int, ...] | None = None  # int8 codes, float32 block scales (zeros)
     layer_blocks4: tuple[int, ...] | None = None  # a GGUF's 4-bit blocks: int4 at int8 too
     head_blocks_numel: int = 0  # a GGUF's block embedding, held in its blocks by a head
     head_blocks_bytes: int = 0  # (docs/adr/0050): its bytes in the file

@@ -345,7 +345,7 @@ def load_shard(
     if missing:
         raise ModelError(f"{index.root}: checkpoint lacks tensors for {missing[:5]}")
     if is_tail and precision in (Precision.INT8, Precision.INT4) and torch.device(device).type == "cpu":  # fmt: skip
-        shipped = kept_lm_head(index)  # a GGUF's Q8_0 / Q6_K output, in its values (ADR-0043)
+        shipped = kept_lm_head(index)  # a GGUF's kept output, in its values (ADR-0043, 0049)
         if shipped is not None:
             modules.lm_head = PackedLinear(shipped, None)
     if packer is not None:

@@ -217,8 +217,8 @@ class GgufTensors:
 
 
 def kept_lm_head(index) -> Q8Weight | None:
-    """The LM head of a GGUF checkpoint whose output (or tied embedding) is Q8_0 or Q6_K, in
-    its values (docs/adr/0043, 0049); None for any other checkpoint or type."""
+    """The LM head of a GGUF checkpoint whose output (or tied embedding) is a kept type (Q8_0,
+    Q6_K, Q5_*), in its values (docs/adr/0043, 0049); None for any other checkpoint or type."""
     if getattr(index, "gguf", None) is None:
         return None
     name = "lm_head.weight" if "lm_head.weight" in index.tensors else index.naming.tied_embedding

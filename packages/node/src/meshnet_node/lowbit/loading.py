@@ -188,7 +188,7 @@ class ShardPacker:
         a GGUF's blocks go straight to int4 / int8 (``_gguf_blocks``)."""
         if stored is None and self._gguf_blocks(name):
             raw, fmt = self._gguf.raw(name), self._gguf.fmt(name)
-            if fmt in KEPT:  # Q8_0, Q6_K, Q5_0: their own values (docs/adr/0049)
+            if fmt in KEPT:  # Q5_*, Q6_K, Q8_0: their own values (docs/adr/0049)
                 return kept_weight(raw, fmt)
             if fmt in BLOCKS and self._int4_holds(name):  # 4-bit blocks as they are, at int8 too
                 return int4_weight(raw, fmt, self.dtype)
@@ -210,10 +210,11 @@ class ShardPacker:
 
     def _gguf_blocks(self, name: str) -> bool:
         """Whether ``name`` is a GGUF block tensor packed from its blocks, 256 rows at a time
-        (``gguf_blocks``): Q8_0, Q6_K and Q5_0 kept in their values, Q4_0/Q4_1/Q4_K as
+        (``gguf_blocks``): Q5_*, Q6_K and Q8_0 kept in their values, Q4_0/Q4_1/Q4_K as
         they are (int4, group 32) where int4 holds the shape, at int4 and int8 alike; any
-        other type rounded from its values, at int4 to group 32, at int8 to a scale per row. Float tensors and shapes int4 cannot hold are
-        read as values and packed as any checkpoint's."""
+        other type rounded from its values, at int4 to group 32, at int8 to a scale per row.
+        Float tensors and shapes int4 cannot hold are read as values and packed as any
+        checkpoint's."""
         if self._gguf is None or self._gguf.fmt(name) in FLOAT_TYPES:
             return False
         if self.precision is Precision.INT8 or self._gguf.fmt(name) in KEPT:
