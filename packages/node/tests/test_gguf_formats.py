@@ -266,18 +266,20 @@ def test_gguf_blocks_are_held_in_their_values(gguf_file, family, fmt, layer, hel
 
 
 @pytest.mark.parametrize(
-    ("family", "fmt"),
-    [("llama", "Q4_K_M"), ("llama", "Q6_K"), ("llama", "Q8_0"), ("llama", "Q4_K"),
-     ("llama-384", "Q4_K_M"), ("llama", "Q5_K_M")],
+    ("family", "fmt", "start", "end"),
+    [("llama", "Q4_K_M", 1, 3), ("llama", "Q6_K", 1, 3), ("llama", "Q8_0", 1, 3),
+     ("llama", "Q4_K", 1, 3), ("llama-384", "Q4_K_M", 1, 3), ("llama", "Q5_K_M", 1, 3),
+     ("llama-384", "Q4_K_M", 3, 4), ("llama-384", "Q4_K_M", 0, 4)],
 )  # fmt: skip
-def test_a_gguf_range_is_priced_as_it_is_held(gguf_file, family, fmt):
-    """The memory the tracker plans for a range is what the node holds: kept Q6_K / Q8_0
-    matrices at one byte a weight and a float32 scale per block, int4 at half a byte and
-    a scale and zero per 32 (in an int8 node too)."""
+def test_a_gguf_range_is_priced_as_it_is_held(gguf_file, family, fmt, start, end):
+    """The memory the tracker plans for a range is what the node holds: kept blocks at one
+    byte a weight and a float32 scale (and zero) per block, int4 at half a byte and a scale
+    and zero per 32 (in an int8 node too); a tail's kept LM head (the tied Q5_0 embedding
+    of a model 384 wide) and a head's block embedding as held."""
     path = gguf_file(family, fmt)
     index = CheckpointIndex.load(path)
     precision = resolve_precision("auto", "float32", native_format_name(index.config))
-    layers = LayerRange(1, 3)
+    layers = LayerRange(start, end)
     shard = load_shard(path, layers, precision, dtype=torch.float32)
     held = {t.data_ptr(): t.numel() * t.element_size()
             for t in (*shard.modules.parameters(), *shard.modules.buffers())}  # fmt: skip

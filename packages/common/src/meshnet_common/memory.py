@@ -129,6 +129,8 @@ class ModelCosts:
     layer_blocks4: tuple[int, ...] | None = None  # a GGUF's 4-bit blocks: int4 at int8 too
     head_blocks_numel: int = 0  # a GGUF's block embedding, held in its blocks by a head
     head_blocks_bytes: int = 0  # (docs/adr/0050): its bytes in the file
+    tail_kept_numel: int = 0  # a GGUF's kept-type LM head, held in its values by an int8 /
+    tail_kept_bytes: int = 0  # int4 tail (docs/adr/0049): codes, scales (and zeros)
 
     def refusal(self, precision: Precision) -> str | None:
         """Why this model cannot be served at ``precision`` (None: it can)."""
@@ -207,6 +209,13 @@ class ModelCosts:
             if index.gguf is not None and index.layer_of(t) is None
             and index.tensors[t].dtype not in _GGUF_FLOATS and len(index.tensors[t].shape) == 2
         ]  # fmt: skip
+        # a GGUF tail at int8 / int4 keeps a kept-type LM head in its values (docs/adr/0049)
+        head_name = "lm_head.weight" if "lm_head.weight" in index.tensors else None
+        head_name = head_name or (index.naming.tied_embedding if index.tied_embeddings else None)
+        out_info = index.tensors.get(head_name) if index.gguf is not None and head_name else None
+        out_block = KEPT_BLOCKS.get(out_info.dtype) if out_info is not None else None
+        out_numel = _numel(out_info.shape) if out_block else 0
+        out_scales = KEPT_SCALE_BYTES * (2 if out_block and out_info.dtype in KEPT_ZEROS else 1)
         try:
             native = native_format_name(index.config)
         except InvalidRequest:
@@ -222,6 +231,8 @@ class ModelCosts:
             ),
             head_blocks_numel=sum(_numel(index.tensors[t].shape) for t in blocks),
             head_blocks_bytes=sum(index.tensors[t].nbytes for t in blocks),
+            tail_kept_numel=out_numel,
+            tail_kept_bytes=out_numel + out_scales * out_numel // out_block if out_block else 0,
             kv_elements=kv_elements_per_token_layer(index.config),
             moe=any(".experts." in name for name in index.tensors),
             native=native,
@@ -294,6 +305,9 @@ class ModelCosts:
             values += self.tail_numel
             if layers.is_head() and not self.head_blocks_numel:
                 values -= self.tied_numel  # one tensor serves both roles
+            if precision in (Precision.INT8, Precision.INT4) and self.tail_kept_numel:
+                values -= self.tail_kept_numel  # a GGUF's kept LM head, as held
+                blocks += self.tail_kept_bytes
         quantized, packed = 0, 0.0
         if precision is Precision.INT8:  # int8 + one scale per output row
             quantized = span("int8")
