@@ -45,6 +45,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from meshnet_node.engine.bf16_upcast import upcast_min_rows
+from meshnet_node.kernels import row_sdpa
 from meshnet_node.kernels.fused_linears import FusedPart
 
 RowCall = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (module, row, b) -> output
@@ -232,6 +233,10 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
     )
     if wide:  # --widen-bf16 (ADR-0027): many rows attend in float32, rounded back once
         query = query.float()
+    if not wide:  # the same calls, the rows over the compute thread's team (ADR-0051)
+        attended = row_sdpa.attend(module, original, query, kv, rows.masks, kwargs)
+        if attended is not None:
+            return attended, None
     outs = []
     for b, ((k, v), mask) in enumerate(zip(kv, rows.masks, strict=True)):
         if position_ids is not None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from meshnet_node.kernels import packed
+from meshnet_node.kernels import packed, row_sdpa
 from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.programs.native import layer_step
 
@@ -228,12 +228,17 @@ class DecodeProgram:
         else:
             q, k, v = self._projected(self.norm1(hidden), cos, sin)
         masks = [c.mask for c in contexts]
-        attention, outs = self._attention(), []
-        for b, context in enumerate(contexts):
-            kb, vb = context.cache.update(k[b : b + 1], v[b : b + 1], self.layer_idx)
-            outs.append(attention(self.attn, q[b : b + 1], kb, vb, masks[b], dropout=0.0,
-                                  scaling=self.scaling, **self.extra)[0])  # fmt: skip
-        attended = torch.cat(outs)
+        kv = [c.cache.update(k[b : b + 1], v[b : b + 1], self.layer_idx)
+              for b, c in enumerate(contexts)]  # fmt: skip
+        attention = self._attention()
+        kwargs = {"dropout": 0.0, "scaling": self.scaling, **self.extra}
+        # The function the module's config names (row_attention's wrapper keeps it in the
+        # module: outside a batch it calls just that), from C++ for every row (ADR-0051).
+        attended = row_sdpa.attend(self.attn, self.attn.__dict__.get("_meshnet_attention", attention),
+                                   q, kv, masks, kwargs)  # fmt: skip
+        if attended is None:
+            attended = torch.cat([attention(self.attn, q[b : b + 1], kb, vb, masks[b], **kwargs)[0]
+                                  for b, (kb, vb) in enumerate(kv)])  # fmt: skip
         return native.after(hidden, attended) if native is not None else self._finish(hidden, attended)  # fmt: skip
 
     def _native(self):

@@ -1,0 +1,86 @@
+// The rows of a batched decode step attending each to its own session's cache through
+// torch's own scaled_dot_product_attention, called for each row exactly as transformers'
+// sdpa_attention_forward calls it for a one-token step (docs/adr/0051).
+//
+// Called from Python, once per row, that costs ~27 us a row and layer on this kind of CPU
+// (the wrapper, the dispatcher, a parallel region of the whole team for a 1 x n product):
+// 160 calls a pass for 16 sessions of SmolLM2's 10-layer stage, ~40% of the pass. Here the
+// rows are spread over the calling thread's OpenMP team, one thread per row at a time. Each
+// call inside runs on that one thread: at::parallel_for runs inline within a parallel
+// region, and torch's CPU flash attention computes every (batch, head, query block) item
+// alone, in order over the key blocks, so the thread count never changes its bits. The
+// Python side checks that on probes before it uses this (row_attention.py), as it checks
+// every kernel.
+#include <torch/extension.h>
+
+#include <ATen/ThreadLocalState.h>
+#include <pybind11/stl.h>
+
+#include <exception>
+#include <optional>
+#include <vector>
+
+#include "omp_for.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using torch::Tensor;
+
+// How transformers hands a one-token row's grouped heads to SDPA (sdpa_attention_forward).
+constexpr int64_t kPlain = 0;  // one query head per key head
+constexpr int64_t kGqa = 1;    // enable_gqa=True
+constexpr int64_t kPacked = 2;  // pack_gqa: queries (1, kv_heads, groups, D), no enable_gqa
+
+Tensor one_row(const Tensor& q, const Tensor& k, const Tensor& v,
+               const std::optional<Tensor>& mask, std::optional<double> scale, int64_t mode,
+               int64_t groups) {
+  Tensor query = q;
+  if (mode == kPacked) query = q.reshape({q.size(0), q.size(1) / groups, groups, q.size(3)});
+  Tensor out = at::scaled_dot_product_attention(query, k, v, mask, 0.0, false, scale,
+                                                mode == kGqa);
+  out = out.reshape({out.size(0), -1, 1, v.size(3)});
+  return out.transpose(1, 2).contiguous();
+}
+
+// q (B, heads, 1, D); keys[b], values[b] (1, kv_heads, L_b, D); masks[b] None or a mask
+// for row b as the one-token step builds it. Returns (B, 1, heads, D): each row's
+// attention, as transformers' sdpa_attention_forward returns it for that row alone.
+Tensor rows_sdpa(const Tensor& q, const std::vector<Tensor>& keys,
+                 const std::vector<Tensor>& values, const std::vector<std::optional<Tensor>>& masks,
+                 std::optional<double> scale, int64_t mode, int64_t groups) {
+  const int64_t rows = q.size(0);
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "rows_sdpa: one-token rows (B, heads, 1, D)");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows &&
+                  static_cast<int64_t>(values.size()) == rows &&
+                  static_cast<int64_t>(masks.size()) == rows,
+              "rows_sdpa: one cache and mask per row");
+  TORCH_CHECK(mode >= kPlain && mode <= kPacked && groups >= 1, "rows_sdpa: mode");
+  std::vector<Tensor> outs(rows);
+  std::vector<std::exception_ptr> failed(rows);
+  const at::ThreadLocalState state;  // grad and inference mode, as on the calling thread
+  meshnet::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    const at::ThreadLocalStateGuard guard(state);
+    for (int64_t b = r0; b < r1; ++b) {
+      try {
+        outs[b] = one_row(q.narrow(0, b, 1), keys[b], values[b], masks[b], scale, mode, groups);
+      } catch (...) {
+        failed[b] = std::current_exception();
+      }
+    }
+  });
+  for (const auto& error : failed)
+    if (error) std::rethrow_exception(error);
+  return at::cat(outs, 0);
+}
+
+}  // namespace
+
+void register_rows_sdpa(py::module& m) {
+  m.def("rows_sdpa", &rows_sdpa, py::arg("q"), py::arg("keys"), py::arg("values"),
+        py::arg("masks"), py::arg("scale"), py::arg("mode"), py::arg("groups"),
+        "one-token rows, each through torch's SDPA against its own cache, as transformers "
+        "calls it, the rows over the thread's team -> (B, 1, heads, D)",
+        py::call_guard<py::gil_scoped_release>());
+}
