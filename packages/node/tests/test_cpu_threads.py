@@ -55,7 +55,7 @@ ONE_COMPUTING_THREAD = (
     + r"""
 scheduler = ComputeScheduler()
 assert dedicate(scheduler, None) == 2 and scheduler.threads == 2
-assert scheduler.executor.submit(parallel_op).result() == 2  # the compute thread: two
+assert scheduler.call(parallel_op).result() == 2  # the compute thread: two
 assert parallel_op() == 1 and elsewhere() == 1  # this thread (the loop's) and any other: one
 settled = before + 2  # the compute thread and its one helper
 assert tasks(settles_at=settled) == settled
@@ -109,7 +109,7 @@ def product_then_count():
     weight.matmul(torch.randn(1, 512))
     return torch.get_num_threads()
 
-assert [scheduler.executor.submit(product_then_count).result() for _ in range(2)] == [2, 2]
+assert [scheduler.call(product_then_count).result() for _ in range(2)] == [2, 2]
 print("ok")
 """
 

@@ -20,6 +20,7 @@ memory on its host (``HostClaims``), and ``--threads`` sets the count.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -65,7 +66,7 @@ def dedicate(scheduler, threads: int | None) -> int:
     Call once per process, after the shard loaded (:func:`apart`), on the thread that runs
     the event loop, before the server starts."""
     threads = threads or torch.get_num_threads()
-    scheduler.executor.submit(_own, threads).result()
+    scheduler.call(functools.partial(_own, threads)).result()
     _own(1)  # this thread, and the default of every thread to come
     scheduler.threads = threads
     return threads

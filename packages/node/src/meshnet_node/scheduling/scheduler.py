@@ -1,15 +1,22 @@
 """The node's compute scheduler (docs/adr/0039): one queue of passes (``PassQueue``, which
-decides) and one compute thread, which runs them."""
+decides) and one compute thread, which takes the queue's decisions and runs them.
+
+The compute thread decides for itself: a pass submitted wakes it at once (a condition
+variable), and its results go back to the event loop in one callback. No task of the loop
+stands between (its wake-ups, an executor's futures chained to the loop's: ~0.1 ms each
+way per pass on a CPU whose caches the pass emptied, paid at every hop of every token)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from meshnet_node.engine.ahead import run_ahead, steps_of
@@ -80,25 +87,30 @@ class ComputeScheduler:
     The compute thread is the only thread of the node that computes with the node's torch
     threads (``cpu_threads.dedicate`` gives them to it once, at start-up; every other thread
     computes with one), so a pass computes the same way whichever connection sent it and
-    whenever it runs. The queue (``queue``) decides what runs next; the event loop's thread
-    receives, submits and relays, and never computes a pass.
+    whenever it runs. The queue (``queue``) decides what runs next, asked by the compute
+    thread (under ``_cond``, the lock every change of the queue takes); the event loop's
+    thread receives, submits and relays, and never computes a pass.
 
     ``before_pass``: a fault composed at start-up for tests (``engine.faults.SlowCompute``),
     run on the compute thread before every pass; ``turns``: the host's compute turns (set at
-    start-up where the node has them)."""
+    start-up where the node has them); ``clock``: the queue's clock."""
 
     def __init__(
         self, *, max_batch: int = 32, turn_max_s: float = 0.25, gather_s: float = 0.005,
         before_pass: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.queue = PassQueue(max_batch=max_batch, gather_s=gather_s, turn_max_s=turn_max_s)
         self.threads: int | None = None  # the compute thread's torch threads (None: default)
         self.turns: Turns | None = None
         self.before_pass = before_pass
         self.running: Run | None = None  # the pass computing now
-        self._worker: asyncio.Task | None = None
-        self._arrived: asyncio.Event | None = None
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._waking: asyncio.AbstractEventLoop | None = None  # the loop that will (``_wake``)
 
     # -- what the node submits ---------------------------------------------------------------
 
@@ -117,6 +129,18 @@ class ComputeScheduler:
         thread, in its turn."""
         return await self._submit(Pass(WORK, 0.0, call=functools.partial(fn, *args, **kwargs)))
 
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """``fn()`` on the compute thread before any pass still queued, from any thread (the
+        start-up's ``cpu_threads.dedicate``); its future, to wait on outside a loop."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the node's compute stopped")
+            self._calls.append((fn, done))
+            self._start()
+            self._cond.notify()
+        return done
+
     # -- what the head and the heartbeat read ------------------------------------------------
 
     @property
@@ -128,58 +152,91 @@ class ComputeScheduler:
         """How many micro-batches a head keeps in flight (``micro_batches``)."""
         if depth < 1:
             raise ValueError(f"micro-batches: at least 1, not {depth}")
-        self.queue.depth = depth
+        with self._cond:
+            self.queue.depth = depth
 
-    # -- running -----------------------------------------------------------------------------
+    # -- the loop's side ---------------------------------------------------------------------
 
     def _submit(self, entry: Pass) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        entry.arrived = loop.time()
-        entry.future = loop.create_future()
-        self.queue.add(entry)
-        if self._worker is None or self._worker.done():
-            self._arrived = asyncio.Event()
-            self._worker = asyncio.ensure_future(self._drive())
-        elif self._arrived is not None:
-            self._arrived.set()
+        entry.future = asyncio.get_running_loop().create_future()
+        with self._cond:
+            if self._stopped:
+                entry.future.set_exception(RuntimeError("the node's compute stopped"))
+                return entry.future
+            entry.arrived = self._clock()
+            self.queue.add(entry)
+            self._start()
+        loop = entry.future.get_loop()
+        if self._waking is not loop:  # once the steps submitted in this turn of the loop are in
+            self._waking = loop
+            loop.call_soon(self._wake)
         return entry.future
 
-    async def _drive(self) -> None:
-        """Run what the queue decides until it is empty. A fault of the scheduler itself
-        fails the passes waiting (their requests answer 500) rather than leaving them
-        waiting forever."""
-        try:
-            await self._decide_and_run()
-        except Exception as exc:
-            logger.exception("the compute scheduler failed; the passes waiting fail")
-            self._fail_waiting(exc)
+    def _wake(self) -> None:
+        """Wake the compute thread to decide, with every step this turn of the loop
+        submitted in the queue (steps that arrived together can share a pass)."""
+        self._waking = None
+        with self._cond:
+            self._cond.notify()
 
-    async def _decide_and_run(self) -> None:
-        loop = asyncio.get_running_loop()
-        arrived = self._arrived
+    def _start(self) -> None:
+        """Start the compute thread (under ``_cond``) unless it runs."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="compute", daemon=True)
+            self._thread.start()
+
+    # -- the compute thread ------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """Take what the queue decides, run it, and wait when it says so, until stopped."""
         while True:
-            decision = self.queue.next(loop.time())
-            if decision is None:
-                return
-            if isinstance(decision, Wait):
-                arrived.clear()  # type: ignore[union-attr]
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(arrived.wait(), decision.until - loop.time())  # type: ignore[union-attr]
-                continue
-            await self._run(decision, loop)
+            with self._cond:
+                job = self._next()
+                if job is None:
+                    return
+            if isinstance(job, Run):
+                self._run(job)
+            else:
+                fn, done = job
+                if done.set_running_or_notify_cancel():
+                    try:
+                        done.set_result(fn())
+                    except BaseException as exc:  # handed to the caller
+                        done.set_exception(exc)
 
-    async def _run(self, run: Run, loop: asyncio.AbstractEventLoop) -> None:
+    def _next(self) -> Run | tuple | None:
+        """Under ``_cond``: the next call or pass, waiting as the queue says (None: stop). A
+        fault of the queue itself fails the passes waiting (their requests answer 500)
+        rather than leaving them waiting for ever."""
+        while not self._stopped:
+            if self._calls:
+                return self._calls.popleft()
+            try:
+                decision = self.queue.next(self._clock())
+            except Exception as exc:
+                logger.exception("the compute scheduler failed; the passes waiting fail")
+                failed, self.queue.entries = self.queue.entries, []
+                _deliver(failed, [exc] * len(failed))
+                continue
+            if decision is None:
+                self._cond.wait()
+            elif isinstance(decision, Wait):
+                self._cond.wait(max(0.0, decision.until - self._clock()))
+            else:
+                self.running = decision
+                return decision
+        return None
+
+    def _run(self, run: Run) -> None:
         first = run.passes[0]
         if first.kind == DECODE:
             items = [p.item for p in run.passes]
             call = _decode_call(first.stage, items, lambda: bool(self.queue.entries))  # type: ignore[arg-type]
         else:
             call = first.call  # type: ignore[assignment]
-        timed = functools.partial(_timed, call, self.before_pass, self.turns if run.turn else None)
-        started, compute_s = loop.time(), None
-        self.running = run
+        started, compute_s = self._clock(), None
         try:
-            result, compute_s = await loop.run_in_executor(self.executor, timed)
+            result, compute_s = _timed(call, self.before_pass, self.turns if run.turn else None)
         except Exception as exc:  # the pass failed: every step it held fails with it
             results: list = [exc] * len(run.passes)
         else:
@@ -189,27 +246,42 @@ class ComputeScheduler:
                     out.compute_s = compute_s  # a batch shares it
             if first.kind == DECODE and isinstance(result, StepOutput):
                 compute_s /= steps_of(result)  # the queue's times: one step's (ADR-0047)
-        finally:
+        with self._cond:
             self.running = None
-            self.queue.ran(run, started, loop.time(), compute_s)
-        for entry, outcome in zip(run.passes, results, strict=True):
-            if entry.future is None or entry.future.done():
-                continue
-            if isinstance(outcome, Exception):
-                entry.future.set_exception(outcome)
-            else:
-                entry.future.set_result(outcome)
-
-    def _fail_waiting(self, exc: Exception) -> None:
-        running = self.running.passes if self.running is not None else []
-        for entry in [*running, *self.queue.entries]:
-            if entry.future is not None and not entry.future.done():
-                entry.future.set_exception(exc)
-        self.queue.entries = []
+            self.queue.ran(run, started, self._clock(), compute_s)
+        _deliver(run.passes, results)
 
     def shutdown(self) -> None:
         """Stop: passes still queued fail, the compute thread ends after the one running."""
-        self._fail_waiting(RuntimeError("the node's compute stopped"))
-        if self._worker is not None and not self._worker.done():
-            self._worker.cancel()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            self._stopped = True
+            waiting, self.queue.entries = self.queue.entries, []
+            calls, self._calls = list(self._calls), deque()
+            self._cond.notify_all()
+        stopped = RuntimeError("the node's compute stopped")
+        _deliver(waiting, [stopped] * len(waiting))
+        for _fn, done in calls:
+            if done.set_running_or_notify_cancel():
+                done.set_exception(stopped)
+
+
+def _deliver(passes: list[Pass], outcomes: list) -> None:
+    """Hand each pass its outcome on its own event loop (one callback per loop)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for entry, outcome in zip(passes, outcomes, strict=True):
+        if entry.future is not None:
+            by_loop.setdefault(entry.future.get_loop(), []).append((entry.future, outcome))
+    for loop, pairs in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there
+            loop.call_soon_threadsafe(_settle, pairs)
+
+
+def _settle(pairs: list) -> None:
+    """On the loop: set each future not yet done (a caller that left cancelled its own)."""
+    for future, outcome in pairs:
+        if future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
