@@ -1,16 +1,17 @@
 """The node's compute scheduler (docs/adr/0039): one queue of passes (``PassQueue``, which
-decides) and one compute thread, which takes the queue's decisions and runs them.
+decides) and one compute thread of its own, which runs them.
 
-The compute thread decides for itself: a pass submitted wakes it at once (a condition
-variable), and its results go back to the event loop in one callback. No task of the loop
-stands between (its wake-ups, an executor's futures chained to the loop's: ~0.1 ms each
-way per pass on a CPU whose caches the pass emptied, paid at every hop of every token)."""
+The queue decides on the event loop's thread, at the end of the loop's turn in which steps
+were submitted (steps that arrived together share a pass) and as soon as a pass's results
+are back; the compute thread only runs what it is handed. Between them: a condition
+variable one way, one callback with every result the other. No task of the loop and no
+executor stand between (their wake-ups and chained futures cost ~0.1 ms each way per pass
+on a CPU whose caches the pass emptied, paid at every hop of every token)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import threading
@@ -87,9 +88,8 @@ class ComputeScheduler:
     The compute thread is the only thread of the node that computes with the node's torch
     threads (``cpu_threads.dedicate`` gives them to it once, at start-up; every other thread
     computes with one), so a pass computes the same way whichever connection sent it and
-    whenever it runs. The queue (``queue``) decides what runs next, asked by the compute
-    thread (under ``_cond``, the lock every change of the queue takes); the event loop's
-    thread receives, submits and relays, and never computes a pass.
+    whenever it runs. The queue (``queue``) decides what runs next, on the event loop's
+    thread, which receives, submits and relays, and never computes a pass.
 
     ``before_pass``: a fault composed at start-up for tests (``engine.faults.SlowCompute``),
     run on the compute thread before every pass; ``turns``: the host's compute turns (set at
@@ -104,13 +104,17 @@ class ComputeScheduler:
         self.threads: int | None = None  # the compute thread's torch threads (None: default)
         self.turns: Turns | None = None
         self.before_pass = before_pass
-        self.running: Run | None = None  # the pass computing now
+        self.running: Run | None = None  # the pass computing now (set and cleared on the loop)
         self._clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None  # where passes are submitted
+        self._deciding = False  # a decision is due at the end of the loop's turn
+        self._timer: asyncio.TimerHandle | None = None  # a decision due after a Wait
+        # The compute thread's side: what it is handed, under ``_cond``.
         self._cond = threading.Condition()
+        self._job: Run | None = None
         self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._waking: asyncio.AbstractEventLoop | None = None  # the loop that will (``_wake``)
 
     # -- what the node submits ---------------------------------------------------------------
 
@@ -130,8 +134,8 @@ class ComputeScheduler:
         return await self._submit(Pass(WORK, 0.0, call=functools.partial(fn, *args, **kwargs)))
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """``fn()`` on the compute thread before any pass still queued, from any thread (the
-        start-up's ``cpu_threads.dedicate``); its future, to wait on outside a loop."""
+        """``fn()`` on the compute thread, between passes, from any thread (the start-up's
+        ``cpu_threads.dedicate``); its future, to wait on outside a loop."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopped:
@@ -152,32 +156,63 @@ class ComputeScheduler:
         """How many micro-batches a head keeps in flight (``micro_batches``)."""
         if depth < 1:
             raise ValueError(f"micro-batches: at least 1, not {depth}")
-        with self._cond:
-            self.queue.depth = depth
+        self.queue.depth = depth
 
-    # -- the loop's side ---------------------------------------------------------------------
+    # -- deciding, on the loop ---------------------------------------------------------------
 
     def _submit(self, entry: Pass) -> asyncio.Future:
-        entry.future = asyncio.get_running_loop().create_future()
-        with self._cond:
-            if self._stopped:
-                entry.future.set_exception(RuntimeError("the node's compute stopped"))
-                return entry.future
-            entry.arrived = self._clock()
-            self.queue.add(entry)
-            self._start()
-        loop = entry.future.get_loop()
-        if self._waking is not loop:  # once the steps submitted in this turn of the loop are in
-            self._waking = loop
-            loop.call_soon(self._wake)
+        loop = asyncio.get_running_loop()
+        entry.future = loop.create_future()
+        if self._stopped:
+            entry.future.set_exception(RuntimeError("the node's compute stopped"))
+            return entry.future
+        entry.arrived = self._clock()
+        self.queue.add(entry)
+        if self._loop is not loop:  # another loop (a test's next asyncio.run): start over
+            self._loop, self._deciding, self._timer = loop, False, None
+        if not self._deciding:  # once every step submitted in this turn of the loop is in
+            self._deciding = True
+            loop.call_soon(self._decide)
         return entry.future
 
-    def _wake(self) -> None:
-        """Wake the compute thread to decide, with every step this turn of the loop
-        submitted in the queue (steps that arrived together can share a pass)."""
-        self._waking = None
+    def _decide(self) -> None:
+        """Ask the queue (the compute thread free) and hand it what to run, or come back
+        when the queue says to wait; an arrival or a pass's end decides again."""
+        self._deciding = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.running is not None or self._stopped:
+            return  # decided again once the pass ends
+        try:
+            decision = self.queue.next(self._clock())
+        except Exception as exc:  # a fault of the queue itself: the passes waiting fail
+            logger.exception("the compute scheduler failed; the passes waiting fail")
+            failed, self.queue.entries = self.queue.entries, []
+            _settle([(p.future, exc) for p in failed if p.future is not None])
+            return
+        if decision is None:
+            return
+        if isinstance(decision, Wait):
+            delay = max(0.0, decision.until - self._clock())
+            self._timer = self._loop.call_later(delay, self._decide)  # type: ignore[union-attr]
+            return
+        self.running = decision
         with self._cond:
+            self._job = decision
+            self._start()
             self._cond.notify()
+
+    def _finished(self, run: Run, results: list, started: float, ended: float,
+                  compute_s: float | None) -> None:  # fmt: skip
+        """On the loop: a pass's results to its steps, then the next decision."""
+        self.running = None
+        self.queue.ran(run, started, ended, compute_s)
+        _settle([(p.future, out) for p, out in zip(run.passes, results, strict=True)
+                 if p.future is not None])  # fmt: skip
+        self._decide()
+
+    # -- running, on the compute thread ------------------------------------------------------
 
     def _start(self) -> None:
         """Start the compute thread (under ``_cond``) unless it runs."""
@@ -185,47 +220,27 @@ class ComputeScheduler:
             self._thread = threading.Thread(target=self._serve, name="compute", daemon=True)
             self._thread.start()
 
-    # -- the compute thread ------------------------------------------------------------------
-
     def _serve(self) -> None:
-        """Take what the queue decides, run it, and wait when it says so, until stopped."""
+        """Run what it is handed, calls first, until stopped."""
         while True:
             with self._cond:
-                job = self._next()
-                if job is None:
+                while not (self._stopped or self._calls or self._job is not None):
+                    self._cond.wait()
+                if self._calls:
+                    fn, done = self._calls.popleft()
+                    run = None
+                elif self._job is not None:
+                    run, self._job = self._job, None
+                else:
                     return
-            if isinstance(job, Run):
-                self._run(job)
-            else:
-                fn, done = job
+            if run is None:
                 if done.set_running_or_notify_cancel():
                     try:
                         done.set_result(fn())
                     except BaseException as exc:  # handed to the caller
                         done.set_exception(exc)
-
-    def _next(self) -> Run | tuple | None:
-        """Under ``_cond``: the next call or pass, waiting as the queue says (None: stop). A
-        fault of the queue itself fails the passes waiting (their requests answer 500)
-        rather than leaving them waiting for ever."""
-        while not self._stopped:
-            if self._calls:
-                return self._calls.popleft()
-            try:
-                decision = self.queue.next(self._clock())
-            except Exception as exc:
-                logger.exception("the compute scheduler failed; the passes waiting fail")
-                failed, self.queue.entries = self.queue.entries, []
-                _deliver(failed, [exc] * len(failed))
-                continue
-            if decision is None:
-                self._cond.wait()
-            elif isinstance(decision, Wait):
-                self._cond.wait(max(0.0, decision.until - self._clock()))
             else:
-                self.running = decision
-                return decision
-        return None
+                self._run(run)
 
     def _run(self, run: Run) -> None:
         first = run.passes[0]
@@ -246,34 +261,28 @@ class ComputeScheduler:
                     out.compute_s = compute_s  # a batch shares it
             if first.kind == DECODE and isinstance(result, StepOutput):
                 compute_s /= steps_of(result)  # the queue's times: one step's (ADR-0047)
-        with self._cond:
+        try:
+            self._loop.call_soon_threadsafe(  # type: ignore[union-attr]
+                self._finished, run, results, started, self._clock(), compute_s
+            )
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for these
             self.running = None
-            self.queue.ran(run, started, self._clock(), compute_s)
-        _deliver(run.passes, results)
 
     def shutdown(self) -> None:
         """Stop: passes still queued fail, the compute thread ends after the one running."""
+        self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
+        waiting, self.queue.entries = self.queue.entries, []
+        stopped = RuntimeError("the node's compute stopped")
+        running = self.running.passes if self.running is not None else []
+        _settle([(p.future, stopped) for p in (*running, *waiting) if p.future is not None])
         with self._cond:
-            self._stopped = True
-            waiting, self.queue.entries = self.queue.entries, []
             calls, self._calls = list(self._calls), deque()
             self._cond.notify_all()
-        stopped = RuntimeError("the node's compute stopped")
-        _deliver(waiting, [stopped] * len(waiting))
         for _fn, done in calls:
             if done.set_running_or_notify_cancel():
                 done.set_exception(stopped)
-
-
-def _deliver(passes: list[Pass], outcomes: list) -> None:
-    """Hand each pass its outcome on its own event loop (one callback per loop)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for entry, outcome in zip(passes, outcomes, strict=True):
-        if entry.future is not None:
-            by_loop.setdefault(entry.future.get_loop(), []).append((entry.future, outcome))
-    for loop, pairs in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there
-            loop.call_soon_threadsafe(_settle, pairs)
 
 
 def _settle(pairs: list) -> None:
