@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from meshnet_node.caching.blocks import BLOCK_TOKENS
+from meshnet_node.engine.growing_cache import GrowingLayer
 
 # How long a probe's promise holds an entry for the session about to open there: its opening
 # step comes once every hop before computed the first chunk; a session closed before it
@@ -64,7 +65,8 @@ class CacheStats:
 
 def reusable(cache: DynamicCache) -> bool:
     """Whether a cache of this stage can be cut back to a block boundary and copied."""
-    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+    return bool(cache.layers) and all(type(layer) in (DynamicLayer, GrowingLayer)
+                                      for layer in cache.layers)  # fmt: skip
 
 
 @dataclass

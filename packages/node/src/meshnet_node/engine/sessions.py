@@ -15,6 +15,7 @@ from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, No
 from meshnet_common.protocol import SamplingSpec, validate_session_id
 from meshnet_node.caching.blocks import BLOCK_TOKENS, PrefixPlan, block_hashes
 from meshnet_node.caching.store import PrefixCache, copy_prefix, cut_to_blocks, reusable
+from meshnet_node.engine.growing_cache import session_cache
 from meshnet_node.engine.sampling import Sampler
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         # Finished sessions' prefixes (docs/adr/0035), where this stage's caches can be cut
         # back to a block boundary; they count in the KV budget and give way to sessions.
-        empty = DynamicCache(config=stage_config)
+        empty = session_cache(stage_config)
         self.prefix = prefix_cache if prefix_cache is not None and reusable(empty) else None
         self._reserved_tokens = 0  # tokens promised to steps in flight
         self._lock = threading.Lock()
@@ -212,7 +213,7 @@ class SessionStore:
                 )
             session = Session(
                 session_id=session_id,
-                cache=DynamicCache(config=self._stage_config),
+                cache=session_cache(self._stage_config),
                 sampler=Sampler(sampling, constraint) if sampling is not None else None,
                 owner=owner,
                 peer=peer,

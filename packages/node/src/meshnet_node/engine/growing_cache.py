@@ -1,0 +1,88 @@
+"""A session's KV cache that grows in place (docs/adr/0052).
+
+transformers' ``DynamicLayer.update`` concatenates: every step copies the layer's whole
+cache into a new tensor, so a token at position L costs O(L) copying per layer, per hop
+(SmolLM2 at 2,000 positions: 15 MB a step on each stage of 10 layers, about as much memory
+traffic as the stage's bf16 weights), and a batched step of 16 sessions spends ~10% of its
+pass in those copies at 64 positions already.
+
+``GrowingLayer`` keeps each of a full-attention layer's keys and values, once it holds
+``FROM`` positions, in a buffer with room for ``GROW`` more, writes a step's rows into it
+and hands out views of the positions held: a copy of the whole only every ``GROW``
+positions. The views are what
+attention reads, with the same bits as the contiguous tensors (torch's SDPA reads by
+strides; the families' tests compare split against unsplit transformers bit for bit).
+A crop keeps the buffer unless it would waste more than ``2 * GROW`` positions (a finished
+session cut back to its cached blocks); sliding-window layers keep transformers' own.
+The KV budget counts positions held; the room beyond is at most ``GROW`` positions a layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+GROW = 128  # positions of room a buffer gets beyond what it holds (one prefix-cache block)
+FROM = 256  # a layer holding fewer positions concatenates: at that length it costs less
+
+
+class GrowingLayer(DynamicLayer):
+    """``DynamicLayer`` whose keys and values are views of buffers with room to grow, once
+    it holds ``FROM`` positions (below, a concatenation copies less than a view's set-up
+    costs: ~5 us a call)."""
+
+    _key_buffer: torch.Tensor | None = None
+    _value_buffer: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer, keys = self._key_buffer, self.keys
+        if buffer is not None and keys is not None and keys.data_ptr() == buffer.data_ptr():
+            length = keys.shape[-2]
+            end = length + key_states.shape[-2]
+            if end <= buffer.shape[-2] and self.values.data_ptr() == self._value_buffer.data_ptr():  # type: ignore[union-attr]
+                buffer.narrow(-2, length, end - length).copy_(key_states)
+                self._value_buffer.narrow(-2, length, end - length).copy_(value_states)  # type: ignore[union-attr]
+                self.keys = buffer.narrow(-2, 0, end)
+                self.values = self._value_buffer.narrow(-2, 0, end)  # type: ignore[union-attr]
+                return self.keys, self.values
+        if not self.is_initialized or keys.dim() != key_states.dim() or (
+            keys.shape[-2] + key_states.shape[-2] < FROM
+        ):  # fmt: skip
+            self._key_buffer = self._value_buffer = None
+            return super().update(key_states, value_states)
+        self.keys, self._key_buffer = _grown(keys, key_states)
+        self.values, self._value_buffer = _grown(self.values, value_states)
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if not self.is_initialized or self._key_buffer is None:
+            return
+        if self._key_buffer.shape[-2] - self.keys.shape[-2] > 2 * GROW:  # give the room back
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+            self._key_buffer = self._value_buffer = None
+
+    def reset(self) -> None:
+        self._key_buffer = self._value_buffer = None
+        super().reset()
+
+
+def _grown(held: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A buffer with ``held`` then ``new`` and room for ``GROW`` more positions, and the
+    view of what it holds."""
+    length, end = held.shape[-2], held.shape[-2] + new.shape[-2]
+    buffer = new.new_empty((*new.shape[:-2], end + GROW, new.shape[-1]))
+    buffer.narrow(-2, 0, length).copy_(held)
+    buffer.narrow(-2, length, end - length).copy_(new)
+    return buffer.narrow(-2, 0, end), buffer
+
+
+def session_cache(config: PreTrainedConfig) -> DynamicCache:
+    """transformers' cache for ``config``, its full-attention layers growing in place."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]  # fmt: skip
+    return cache
