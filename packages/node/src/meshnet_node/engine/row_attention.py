@@ -233,7 +233,7 @@ def _rows_attention(module, query, key, value, attention_mask, **kwargs):
     )
     if wide:  # --widen-bf16 (ADR-0027): many rows attend in float32, rounded back once
         query = query.float()
-    if not wide:  # the same calls, the rows over the compute thread's team (ADR-0051)
+    else:  # the same calls, the rows over the compute thread's team (ADR-0051)
         attended = row_sdpa.attend(module, original, query, kv, rows.masks, kwargs)
         if attended is not None:
             return attended, None
