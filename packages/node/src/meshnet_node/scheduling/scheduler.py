@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
@@ -267,6 +268,8 @@ class ComputeScheduler:
             )
         except RuntimeError:  # the loop closed meanwhile: nobody waits for these
             self.running = None
+            with contextlib.suppress(RuntimeError):  # a loop that took over decides again
+                self._loop.call_soon_threadsafe(self._decide)  # type: ignore[union-attr]
 
     def shutdown(self) -> None:
         """Stop: passes still queued fail, the compute thread ends after the one running."""
@@ -290,7 +293,8 @@ def _settle(pairs: list) -> None:
     for future, outcome in pairs:
         if future.done():
             continue
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
+        with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits there
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
