@@ -13,10 +13,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
-from meshnet_node.engine import sessions
-from meshnet_node.engine.growing_cache import FROM, GROW, GrowingLayer, session_cache
+from meshnet_node.engine import growing_cache, sessions
+from meshnet_node.engine.growing_cache import FROM, GROW, GrowingLayer, session_cache, update_rows
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.stage import Stage
+from meshnet_node.engine.stage import DecodeItem, Stage
+from meshnet_node.kernels import packed
 
 
 def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,3 +106,99 @@ def test_a_long_split_run_has_the_bits_of_transformers_cache(tiny_snapshot, fami
     plain = run()
     assert grown[0] == plain[0]
     assert all(torch.equal(a, b) for a, b in zip(grown[1], plain[1], strict=True))
+
+
+@pytest.fixture
+def kernel():
+    packed.start()
+    if packed.wait() is None:
+        pytest.skip(f"the kernel module is not available here: {packed.unavailable_reason()}")
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                       hidden_size=576, head_dim=64)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rows_appended_at_once_hold_what_each_update_holds(kernel, monkeypatch, dtype):
+    """A batched step's rows go into their layers' buffers in one call: the same keys and
+    values as transformers' layer, whatever each row's length; a buffer is written in
+    place while it has room and replaced, held positions copied, when full."""
+    monkeypatch.setattr(growing_cache, "GROW", 3)  # buffers fill within the steps
+    lengths = [1, 5, 40, FROM + 10]
+    caches = [session_cache(_config()) for _ in lengths]
+    plain = [DynamicLayer() for _ in lengths]
+    for seed, (cache, reference, n) in enumerate(zip(caches, plain, lengths, strict=True)):
+        k, v = (t.to(dtype) for t in _rows(n, seed))
+        cache.update(k, v, 1)
+        reference.update(k, v)
+    gen = torch.Generator().manual_seed(7)
+    replaced = 0
+    for _ in range(8):
+        # as a program's projections give them: (B, 1, heads, D) seen as (B, heads, 1, D)
+        k, v = (torch.randn(len(lengths), 1, 3, 64, generator=gen).to(dtype).transpose(1, 2)
+                for _ in range(2))  # fmt: skip
+        before = [c.layers[1]._key_buffer for c in caches]
+        got = update_rows(caches, k, v, 1)
+        for b, (cache, reference) in enumerate(zip(caches, plain, strict=True)):
+            want = reference.update(k[b : b + 1], v[b : b + 1])
+            layer = cache.layers[1]
+            assert all(torch.equal(x, y) for x, y in zip(got[b], want, strict=True))
+            assert layer.keys is got[b][0] and layer.values is got[b][1]
+            assert layer.keys.data_ptr() == layer._key_buffer.data_ptr()
+            assert layer._key_buffer.shape[-2] - layer.keys.shape[-2] <= 3
+            if before[b] is not None and layer._key_buffer is not before[b]:
+                replaced += 1
+                assert layer.keys.shape[-2] - 1 == before[b].shape[-2]  # only when full
+    assert replaced >= len(lengths)  # every row's buffer filled up at least once
+    k, v = _rows(1, 9)  # one session's own step after batched ones: in place
+    caches[0].update(k.to(dtype), v.to(dtype), 1)
+    assert torch.equal(caches[0].layers[1].keys, plain[0].update(k.to(dtype), v.to(dtype))[0])
+
+
+def test_rows_of_other_caches_are_each_their_own_update(kernel):
+    """A row whose layer is not a held GrowingLayer (a sliding window, a fresh layer):
+    every row takes transformers' own update, with the same results."""
+    caches = [session_cache(_config()) for _ in range(2)]
+    caches[1].layers[1] = DynamicSlidingWindowLayer(sliding_window=4)
+    plain = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=4)]
+    for cache, reference in zip(caches, plain, strict=True):
+        cache.update(*_rows(6, 0), 1)
+        reference.update(*_rows(6, 0))
+    k, v = (torch.randn(2, 3, 1, 64).to(torch.bfloat16) for _ in range(2))
+    got = update_rows(caches, k, v, 1)
+    for b, reference in enumerate(plain):
+        assert all(torch.equal(x, y) for x, y in zip(got[b], reference.update(k[b : b + 1], v[b : b + 1]), strict=True))  # fmt: skip
+    assert caches[0].layers[1]._key_buffer is None  # the whole batch took the per-row path
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_rows_grow_in_place_with_one_token_steps_bits(tiny_snapshot, family, kernel):
+    """A bfloat16 middle stage, sessions short and long: every row of a batched step (its
+    cache appended in one call) is the one-token step's output exactly, past buffers
+    filling up too."""
+    stage = Stage(load_shard(tiny_snapshot(family), LayerRange(2, 4), Precision.BFLOAT16))
+    width = stage.shard.hidden_size
+
+    def steps(batched: bool) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(3)
+        lengths = {"a": 3, "b": 60, "c": FROM + GROW - 2}
+        for sid, n in lengths.items():
+            stage.open_session(sid)
+            stage.step(sid, 0, hidden=torch.randn(1, n, width, generator=gen).to(torch.bfloat16))
+        outs = []
+        for _ in range(6):
+            rows = {s: torch.randn(1, 1, width, generator=gen).to(torch.bfloat16) for s in lengths}
+            if batched:
+                got = stage.step_batch([DecodeItem(s, lengths[s], hidden=rows[s]) for s in lengths])
+            else:
+                got = [stage.step(s, lengths[s], hidden=rows[s]) for s in lengths]
+            outs += [g.hidden for g in got]
+            lengths = {s: n + 1 for s, n in lengths.items()}
+        for sid in lengths:
+            stage.close_session(sid)
+        return outs
+
+    alone, together = steps(False), steps(True)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))

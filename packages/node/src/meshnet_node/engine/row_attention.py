@@ -45,6 +45,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from meshnet_node.engine.bf16_upcast import upcast_min_rows
+from meshnet_node.engine.growing_cache import update_rows
 from meshnet_node.kernels import row_sdpa
 from meshnet_node.kernels.fused_linears import FusedPart
 
@@ -211,10 +212,7 @@ class RowCaches:
         if self.held is None or key is not self.held[0] or value is not self.held[1]:
             raise NotTogether  # nothing written yet: the caller can still go row by row
         keys, values, layer_idx, args, kwargs = self.held
-        return [
-            cache.update(keys[b : b + 1], values[b : b + 1], layer_idx, *args, **kwargs)
-            for b, cache in enumerate(self.caches)
-        ]  # fmt: skip
+        return update_rows(self.caches, keys, values, layer_idx, *args, **kwargs)
 
 
 def _rows_attention(module, query, key, value, attention_mask, **kwargs):

@@ -16,8 +16,11 @@
 #include <ATen/ThreadLocalState.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <exception>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "omp_for.h"
@@ -75,6 +78,89 @@ Tensor rows_sdpa(const Tensor& q, const std::vector<Tensor>& keys,
   return at::cat(outs, 0);
 }
 
+// fresh (1, heads, 1, D) into position `at` of buffer (1, heads, L, D), contiguous: a
+// byte copy per head where the dtypes match and fresh's rows are contiguous (the
+// dispatcher's copy_ costs more than the copy of a few hundred bytes), else copy_.
+void write_at(const Tensor& buffer, int64_t at, const Tensor& fresh) {
+  if (buffer.is_contiguous() && fresh.scalar_type() == buffer.scalar_type() &&
+      fresh.stride(3) == 1 && fresh.device().is_cpu() && buffer.size(1) == fresh.size(1) &&
+      buffer.size(3) == fresh.size(3) && buffer.size(0) == 1 && fresh.size(0) == 1) {
+    const int64_t heads = buffer.size(1), d = buffer.size(3), size = buffer.element_size();
+    auto* out = static_cast<char*>(buffer.data_ptr()) + at * d * size;
+    const auto* in = static_cast<const char*>(fresh.data_ptr());
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(out + h * buffer.stride(1) * size, in + h * fresh.stride(1) * size, d * size);
+    return;
+  }
+  buffer.narrow(-2, at, 1).copy_(fresh);
+}
+
+// Row b's keys (or values) after its step: new (1, kv_heads, 1, D) written into its
+// buffer when the buffer holds exactly what the layer holds and has room, else a new
+// buffer with the held positions, the new one and room for `grow` more (as
+// growing_cache._grown). Returns the view of the positions held and the buffer.
+std::pair<Tensor, Tensor> grown(const Tensor& held, const std::optional<Tensor>& buffer,
+                                const Tensor& fresh, int64_t grow) {
+  const int64_t length = held.size(-2);
+  if (buffer.has_value() && buffer->data_ptr() == held.data_ptr() &&
+      length + 1 <= buffer->size(-2)) {
+    write_at(*buffer, length, fresh);
+    return {buffer->narrow(-2, 0, length + 1), *buffer};
+  }
+  auto shape = fresh.sizes().vec();
+  shape[shape.size() - 2] = length + 1 + grow;
+  Tensor made = at::empty(shape, fresh.options());
+  made.narrow(-2, 0, length).copy_(held);
+  write_at(made, length, fresh);
+  return {made.narrow(-2, 0, length + 1), made};
+}
+
+using Grown = std::tuple<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>,
+                         std::vector<Tensor>>;
+
+// One-token rows' keys and values k, v (B, kv_heads, 1, D) appended to each row's own
+// layer cache (keys[b], values[b]: (1, kv_heads, L_b, D), views of key_buffers[b] and
+// value_buffers[b] where those are given): the GrowingLayer update of every row at once.
+// Returns each row's (keys, values, key buffer, value buffer).
+Grown rows_grow(const Tensor& k, const Tensor& v, const std::vector<Tensor>& keys,
+                const std::vector<Tensor>& values,
+                const std::vector<std::optional<Tensor>>& key_buffers,
+                const std::vector<std::optional<Tensor>>& value_buffers, int64_t grow) {
+  const int64_t rows = k.size(0);
+  TORCH_CHECK(k.dim() == 4 && k.size(2) == 1 && v.dim() == 4 && v.size(0) == rows &&
+                  v.size(2) == 1,
+              "rows_grow: one-token rows (B, kv_heads, 1, D)");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == rows &&
+                  static_cast<int64_t>(values.size()) == rows &&
+                  static_cast<int64_t>(key_buffers.size()) == rows &&
+                  static_cast<int64_t>(value_buffers.size()) == rows && grow >= 0,
+              "rows_grow: one cache per row");
+  Grown out;
+  auto& [held_k, held_v, buf_k, buf_v] = out;
+  for (int64_t b = 0; b < rows; ++b)
+    TORCH_CHECK(keys[b].dim() == 4 && values[b].dim() == 4 &&
+                    keys[b].size(-2) == values[b].size(-2),
+                "rows_grow: a row's cache is (1, kv_heads, L, D)");
+  for (auto* list : {&held_k, &held_v, &buf_k, &buf_v}) list->resize(rows);
+  std::vector<std::exception_ptr> failed(rows);
+  const at::ThreadLocalState state;
+  meshnet::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    const at::ThreadLocalStateGuard guard(state);
+    for (int64_t b = r0; b < r1; ++b) {
+      try {
+        std::tie(held_k[b], buf_k[b]) = grown(keys[b], key_buffers[b], k.narrow(0, b, 1), grow);
+        std::tie(held_v[b], buf_v[b]) =
+            grown(values[b], value_buffers[b], v.narrow(0, b, 1), grow);
+      } catch (...) {
+        failed[b] = std::current_exception();
+      }
+    }
+  });
+  for (const auto& error : failed)
+    if (error) std::rethrow_exception(error);
+  return out;
+}
+
 }  // namespace
 
 void register_rows_sdpa(py::module& m) {
@@ -82,5 +168,10 @@ void register_rows_sdpa(py::module& m) {
         py::arg("masks"), py::arg("scale"), py::arg("mode"), py::arg("groups"),
         "one-token rows, each through torch's SDPA against its own cache, as transformers "
         "calls it, the rows over the thread's team -> (B, 1, heads, D)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rows_grow", &rows_grow, py::arg("k"), py::arg("v"), py::arg("keys"),
+        py::arg("values"), py::arg("key_buffers"), py::arg("value_buffers"), py::arg("grow"),
+        "one-token rows' keys and values appended to each row's growing cache -> (keys, "
+        "values, key buffers, value buffers) per row",
         py::call_guard<py::gil_scoped_release>());
 }

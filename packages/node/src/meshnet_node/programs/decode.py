@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from meshnet_node.engine.growing_cache import update_rows
 from meshnet_node.kernels import packed, row_sdpa
 from meshnet_node.kernels.fused_linears import FusedPart
 from meshnet_node.programs.native import layer_step
@@ -228,8 +229,7 @@ class DecodeProgram:
         else:
             q, k, v = self._projected(self.norm1(hidden), cos, sin)
         masks = [c.mask for c in contexts]
-        kv = [c.cache.update(k[b : b + 1], v[b : b + 1], self.layer_idx)
-              for b, c in enumerate(contexts)]  # fmt: skip
+        kv = update_rows([c.cache for c in contexts], k, v, self.layer_idx)
         attention = self._attention()
         kwargs = {"dropout": 0.0, "scaling": self.scaling, **self.extra}
         # The function the module's config names (row_attention's wrapper keeps it in the
