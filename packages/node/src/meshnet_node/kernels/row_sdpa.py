@@ -82,12 +82,14 @@ def attend(
     if kernel is None or not hasattr(kernel, "rows_sdpa"):
         return None
     groups = getattr(module, "num_key_value_groups", 1)
-    modes = {mode_of(groups, k, v, m) for (k, v), m in zip(kv, masks, strict=True)}
+    # The rows' keys and values come from one projection (one head width): the kind of a
+    # row's mask decides its mode, so each kind is looked at once.
+    key, value = kv[0]
+    kinds = {_mask_kind(m): m for m in masks}  # every kind of mask the rows have, probed
+    modes = {mode_of(groups, key, value, m) for m in kinds.values()}
     if len(modes) != 1 or None in modes:
         return None
     mode = modes.pop()
-    key, value = kv[0]
-    kinds = {_mask_kind(m): m for m in masks}  # every kind of mask the rows have, probed
     if not all(_usable(_signature(query, key, value, m, mode, groups), kernel, module,
                        query, key, value, m, mode, groups) for m in kinds.values()):  # fmt: skip
         return None
