@@ -56,6 +56,32 @@ def decode_sessions(stages: list[Stage], batched: bool, steps: int = 8) -> dict[
     return tokens
 
 
+def hidden_steps(stage: Stage, batched: bool, lengths: tuple[int, ...] = (5, 70, 140),
+                 steps: int = 4) -> list[torch.Tensor]:  # fmt: skip
+    """Sessions prefilled to ``lengths`` on a middle stage, then ``steps`` one-token steps of
+    random bf16 rows: each step's hidden output, batched or one session at a time."""
+    width = stage.shard.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    sids = [f"h{i}" for i in range(len(lengths))]
+    for sid, n in zip(sids, lengths, strict=True):
+        stage.open_session(sid)
+        stage.step(sid, 0, hidden=torch.randn(1, n, width, generator=gen).to(torch.bfloat16))
+    position = dict(zip(sids, lengths, strict=True))
+    outs = []
+    for _ in range(steps):
+        rows = {s: torch.randn(1, 1, width, generator=gen).to(torch.bfloat16) for s in sids}
+        if batched:
+            got = stage.step_batch([DecodeItem(s, position[s], hidden=rows[s]) for s in sids])
+        else:
+            got = [stage.step(s, position[s], hidden=rows[s]) for s in sids]
+        outs += [g.hidden for g in got]
+        for s in sids:
+            position[s] += 1
+    for sid in sids:
+        stage.close_session(sid)
+    return outs
+
+
 def draft_plan(step: int, truth: list[int], vocab: int) -> list[int]:
     """Drafts of 1-4 tokens from the true continuation: all right, the last one wrong, or
     the first one wrong, in turn (every accept / reject path of the verification)."""

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from stage_drivers import decode_sessions
+from stage_drivers import decode_sessions, hidden_steps
 
 from meshnet_common.errors import Conflict, NotFound
 from meshnet_common.layers import LayerRange
@@ -118,38 +118,14 @@ def test_a_head_splits_its_sessions_into_one_micro_batch_per_stage(tiny_snapshot
     assert sizes == [6]
 
 
-def _hidden_steps(stage: Stage, batched: bool, steps: int = 4) -> list[torch.Tensor]:
-    """Three sessions of different lengths; each step's hidden output, batched or one by one."""
-    width = stage.shard.hidden_size
-    gen = torch.Generator().manual_seed(3)
-    sids = [f"h{i}" for i in range(3)]
-    for sid, n in zip(sids, (5, 70, 140), strict=True):
-        stage.open_session(sid)
-        stage.step(sid, 0, hidden=torch.randn(1, n, width, generator=gen).to(torch.bfloat16))
-    position = dict(zip(sids, (5, 70, 140), strict=True))
-    outs = []
-    for _ in range(steps):
-        rows = {s: torch.randn(1, 1, width, generator=gen).to(torch.bfloat16) for s in sids}
-        if batched:
-            got = stage.step_batch([DecodeItem(s, position[s], hidden=rows[s]) for s in sids])
-        else:
-            got = [stage.step(s, position[s], hidden=rows[s]) for s in sids]
-        outs += [g.hidden for g in got]
-        for s in sids:
-            position[s] += 1
-    for sid in sids:
-        stage.close_session(sid)
-    return outs
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bfloat16_batched_rows_equal_one_token_steps_bit_for_bit(tiny_snapshot, family):
     """A middle stage in bfloat16: every row of a batched step is the one-token step's
     output exactly. Every family but DeepSeek's (its attention expands the cache it reads)
     runs each attention module once for all rows (``attend_together``)."""
     stage = Stage(load_shard(tiny_snapshot(family), LayerRange(2, 4), Precision.BFLOAT16))
-    alone = _hidden_steps(stage, batched=False)
-    together = _hidden_steps(stage, batched=True)
+    alone = hidden_steps(stage, batched=False)
+    together = hidden_steps(stage, batched=True)
     assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
     modules = [attention_module(layer) for layer in stage.shard.modules.layers]
     assert all("_meshnet_attention" in m.__dict__ for m in modules)  # set up by the loader

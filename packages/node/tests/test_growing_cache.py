@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from baselines import split_greedy
+from stage_drivers import hidden_steps
 from transformers import DynamicCache, LlamaConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -16,7 +17,7 @@ from meshnet_common.precision import Precision
 from meshnet_node.engine import growing_cache, sessions
 from meshnet_node.engine.growing_cache import FROM, GROW, GrowingLayer, session_cache, update_rows
 from meshnet_node.engine.loader import load_shard
-from meshnet_node.engine.stage import DecodeItem, Stage
+from meshnet_node.engine.stage import Stage
 from meshnet_node.kernels import packed
 
 
@@ -174,31 +175,13 @@ def test_rows_of_other_caches_are_each_their_own_update(kernel):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_batched_rows_grow_in_place_with_one_token_steps_bits(tiny_snapshot, family, kernel):
+def test_batched_rows_grow_in_place_with_one_token_steps_bits(tiny_snapshot, family, kernel, monkeypatch):  # fmt: skip
     """A bfloat16 middle stage, sessions short and long: every row of a batched step (its
     cache appended in one call) is the one-token step's output exactly, past buffers
-    filling up too."""
+    filling up too (2 positions of room here)."""
+    monkeypatch.setattr(growing_cache, "GROW", 2)
     stage = Stage(load_shard(tiny_snapshot(family), LayerRange(2, 4), Precision.BFLOAT16))
-    width = stage.shard.hidden_size
-
-    def steps(batched: bool) -> list[torch.Tensor]:
-        gen = torch.Generator().manual_seed(3)
-        lengths = {"a": 3, "b": 60, "c": FROM + GROW - 2}
-        for sid, n in lengths.items():
-            stage.open_session(sid)
-            stage.step(sid, 0, hidden=torch.randn(1, n, width, generator=gen).to(torch.bfloat16))
-        outs = []
-        for _ in range(6):
-            rows = {s: torch.randn(1, 1, width, generator=gen).to(torch.bfloat16) for s in lengths}
-            if batched:
-                got = stage.step_batch([DecodeItem(s, lengths[s], hidden=rows[s]) for s in lengths])
-            else:
-                got = [stage.step(s, lengths[s], hidden=rows[s]) for s in lengths]
-            outs += [g.hidden for g in got]
-            lengths = {s: n + 1 for s, n in lengths.items()}
-        for sid in lengths:
-            stage.close_session(sid)
-        return outs
-
-    alone, together = steps(False), steps(True)
+    lengths = (3, 60, FROM + 7)
+    alone = hidden_steps(stage, batched=False, lengths=lengths, steps=6)
+    together = hidden_steps(stage, batched=True, lengths=lengths, steps=6)
     assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
