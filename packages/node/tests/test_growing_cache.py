@@ -148,7 +148,8 @@ def test_rows_appended_at_once_hold_what_each_update_holds(kernel, monkeypatch, 
             assert all(torch.equal(x, y) for x, y in zip(got[b], want, strict=True))
             assert layer.keys is got[b][0] and layer.values is got[b][1]
             assert layer.keys.data_ptr() == layer._key_buffer.data_ptr()
-            assert layer._key_buffer.shape[-2] - layer.keys.shape[-2] <= 3
+            room = layer._key_buffer.shape[-2] - layer.keys.shape[-2]
+            assert room <= min(3, layer.keys.shape[-2])  # GROW, or as many as it holds
             if before[b] is not None and layer._key_buffer is not before[b]:
                 replaced += 1
                 assert layer.keys.shape[-2] - 1 == before[b].shape[-2]  # only when full

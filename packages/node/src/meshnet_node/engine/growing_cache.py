@@ -19,7 +19,9 @@ The KV budget counts positions held; the room beyond is at most ``GROW`` positio
 A batched decode step appends every row's one position at once (``update_rows``: one C++
 call for all the rows of a layer, ``rows_grow`` in the packed module): its rows go into
 buffers whatever their length, since there the per-row calls from Python, not the copies,
-were the cost (~15 us a row and layer, 2.5 ms of a 16-session pass of 10 layers).
+were the cost (~15 us a row and layer, 2.5 ms of a 16-session pass of 10 layers). A short
+cache's buffer gets room for as many positions as it holds, up to ``GROW``: at most twice
+what the KV budget counts.
 """
 
 from __future__ import annotations

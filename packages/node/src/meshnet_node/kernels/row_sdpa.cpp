@@ -16,6 +16,7 @@
 #include <ATen/ThreadLocalState.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -97,8 +98,9 @@ void write_at(const Tensor& buffer, int64_t at, const Tensor& fresh) {
 
 // Row b's keys (or values) after its step: new (1, kv_heads, 1, D) written into its
 // buffer when the buffer holds exactly what the layer holds and has room, else a new
-// buffer with the held positions, the new one and room for `grow` more (as
-// growing_cache._grown). Returns the view of the positions held and the buffer.
+// buffer with the held positions, the new one and room for as many more, at most `grow`
+// (a short cache at most doubles what it holds; a long one gets `grow` positions, as
+// growing_cache._grown gives). Returns the view of the positions held and the buffer.
 std::pair<Tensor, Tensor> grown(const Tensor& held, const std::optional<Tensor>& buffer,
                                 const Tensor& fresh, int64_t grow) {
   const int64_t length = held.size(-2);
@@ -108,7 +110,7 @@ std::pair<Tensor, Tensor> grown(const Tensor& held, const std::optional<Tensor>&
     return {buffer->narrow(-2, 0, length + 1), *buffer};
   }
   auto shape = fresh.sizes().vec();
-  shape[shape.size() - 2] = length + 1 + grow;
+  shape[shape.size() - 2] = length + 1 + std::min(grow, length + 1);
   Tensor made = at::empty(shape, fresh.options());
   made.narrow(-2, 0, length).copy_(held);
   write_at(made, length, fresh);
