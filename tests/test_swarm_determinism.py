@@ -1,7 +1,8 @@
 """Exact under every schedule (ADR-0038), at real shapes: SmolLM2 split over three real
 processes computing with torch's default threads, six greedy prompts asked twice while
 eight other streams decode, every text equal to one HF process and to each other, in
-bfloat16. Tiny models alone do not exercise the kernels real shapes pick."""
+bfloat16; prompts of several wire chunks scored and continued as HF's one forward does
+(ADR-0053). Tiny models alone do not exercise the kernels real shapes pick."""
 
 from __future__ import annotations
 
@@ -97,3 +98,56 @@ def test_six_prompts_twice_under_eight_streams_equal_hf_and_each_other(reference
     assert len(loaded) == STREAMS * len(PROMPTS)
     wrong = [(prompt, text) for prompt, text in loaded if text != reference[prompt]]
     assert not wrong, f"{len(wrong)} of {len(loaded)} differ, e.g. {wrong[0]}"
+
+
+def _corpus_ids(smollm2_snapshot, offset: int, length: int) -> list[int]:
+    from meshnet_common.tiny.snapshots import CORPUS
+
+    ids = AutoTokenizer.from_pretrained(smollm2_snapshot)(CORPUS * 8).input_ids
+    return ids[offset : offset + length]
+
+
+@pytest.fixture(scope="module")
+def bf16_model(smollm2_snapshot):
+    return AutoModelForCausalLM.from_pretrained(smollm2_snapshot, dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("length", [300, 700])
+def test_long_prompts_score_as_hfs_one_forward(swarm, smollm2_snapshot, bf16_model, length):
+    """Echoed log-probs of a prompt of 3 and 6 wire chunks equal HF's one forward bit for
+    bit, at default flags (the log-likelihoods lm-evaluation-harness asks for)."""
+    prompt = _corpus_ids(smollm2_snapshot, 7, length)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1,
+            "temperature": 0}  # fmt: skip
+    resp = httpx.post(f"{swarm.url}/v1/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    got = resp.json()["choices"][0]["logprobs"]["token_logprobs"][1:length]
+    with torch.inference_mode():
+        logits = bf16_model(torch.tensor([prompt])).logits[0].float()
+    rows = torch.log_softmax(logits, -1)[torch.arange(length - 1), torch.tensor(prompt[1:])]
+    assert got == rows.tolist()
+
+
+def test_a_long_prompt_continues_as_hf_generate(swarm, smollm2_snapshot, bf16_model):
+    """A 400-token prompt (four wire chunks) never seen before: the greedy text and its
+    log-probs equal HF's ``generate`` in bfloat16, at default flags."""
+    prompt = _corpus_ids(smollm2_snapshot, 501, 400)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1}  # fmt: skip
+    resp = httpx.post(f"{swarm.url}/v1/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = bf16_model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=TOKENS,
+            eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :]
+    want = [
+        float(torch.log_softmax(s[0].float(), -1)[t])
+        for s, t in zip(out.scores, tokens, strict=True)
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_snapshot)
+    assert choice["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert choice["logprobs"]["token_logprobs"] == want

@@ -28,7 +28,7 @@ class Sessions:
 def stage(*sids: str, head: bool = False, tail: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
         sessions=Sessions(set(sids)), shard=SimpleNamespace(is_head=head, is_tail=tail),
-        max_chunk_tokens=128, max_merge_tokens=2048,
+        max_chunk_tokens=128,
     )  # fmt: skip
 
 
@@ -185,12 +185,6 @@ def test_only_passes_known_to_be_short_take_a_host_turn(kind, rows, decode_s, ro
     entry.call = None if kind == DECODE else (lambda: None)
     queue.add(entry)
     assert queue.next(1.0).turn is turn
-
-
-def test_a_prompt_pass_takes_a_chunk_while_other_sessions_are_open():
-    queue = PassQueue()
-    assert queue.prompt_tokens(stage("a")) == 2048
-    assert queue.prompt_tokens(stage("a", "b")) == 128
 
 
 def test_another_shard_forgets_the_pass_times():

@@ -110,17 +110,17 @@ def test_smollm2_split_equals_generate(smollm2_snapshot):
     assert tokenizer.decode(paris).startswith(" Paris")
 
 
-@pytest.mark.parametrize(("length", "chunk"), [(128, 128), (300, 512)])
-def test_smollm2_bf16_prompt_of_one_chunk_is_the_unsplit_call_bit_for_bit(smollm2_snapshot, length, chunk):  # fmt: skip
-    """A prompt of up to ``--chunk-tokens`` tokens is computed as the unsplit model computes
-    it, in one call: in bfloat16 at SmolLM2's shapes the last position's logits over three
-    stages equal HF's one forward of the prompt bit for bit (a longer prompt, computed in
-    chunks, is compared with HF in the same chunks above)."""
+@pytest.mark.parametrize("length", [128, 700])
+def test_smollm2_bf16_prompt_is_the_unsplit_call_bit_for_bit(smollm2_snapshot, length):
+    """A prompt is computed as the unsplit model computes it, in one call on every stage
+    (ADR-0053; up to ``--prompt-call-tokens``): in bfloat16 at SmolLM2's shapes the last
+    position's logits over three stages equal HF's one forward of the prompt bit for bit
+    (the tests above feed prompts in wire chunks to both sides)."""
     model = load_reference_model(smollm2_snapshot, torch.bfloat16)
     prompt = prompt_ids(model.config.vocab_size, length=length, seed=5)
     with torch.inference_mode():
         want = model(torch.tensor([prompt]), logits_to_keep=1).logits.reshape(-1)
-    stages = [Stage(load_shard(smollm2_snapshot, LayerRange(a, b), Precision.BFLOAT16),
-                    max_chunk_tokens=chunk) for a, b in ((0, 10), (10, 20), (20, 30))]  # fmt: skip
-    _, logits = split_greedy(stages, prompt, 1, chunk_tokens=chunk)
+    stages = [Stage(load_shard(smollm2_snapshot, LayerRange(a, b), Precision.BFLOAT16))
+              for a, b in ((0, 10), (10, 20), (20, 30))]  # fmt: skip
+    _, logits = split_greedy(stages, prompt, 1, chunk_tokens=length)
     assert torch.equal(logits[0].reshape(-1), want.float())

@@ -581,6 +581,38 @@ def test_chain_of_three_nodes_matches_reference(chain_head, middle, tail, tokeni
     assert [len(n.sessions) for n in nodes] == held  # every hop's session was freed
 
 
+@pytest.mark.parametrize(("length", "call"), [(300, None), (700, 256)])
+def test_a_prompt_is_computed_in_its_calls_on_every_hop(
+    chain_head, middle, tail, tokenizer, reference, monkeypatch, length, call
+):  # fmt: skip
+    """A prompt travels in 128-token wire chunks, but every hop computes it in the calls its
+    head chose (ADR-0053): the whole prompt in one call, as the unsplit model does (up to
+    ``--prompt-call-tokens``: a shorter call cuts it from its start on every hop alike)."""
+    nodes = (chain_head, middle, tail)
+    passes: dict[int, list[tuple[int, int]]] = {i: [] for i in range(3)}
+    for i, node in enumerate(nodes):
+        stage = node.runtime.service.stage
+        real = stage.step
+
+        def spy(session_id, position, *, _real=real, _i=i, **kw):
+            tensor = kw["token_ids"] if kw.get("token_ids") is not None else kw["hidden"]
+            if tensor.shape[1] > 1:  # (1, T) ids or (1, T, H) hidden: a prompt's pass
+                passes[_i].append((position, tensor.shape[1]))
+            return _real(session_id, position, **kw)
+
+        monkeypatch.setattr(stage, "step", spy)
+    if call is not None:
+        monkeypatch.setattr(chain_head.runtime.service.stage, "prompt_call_tokens", call)
+    prompt = [(i * 29) % 400 + 5 for i in range(length)]
+    request = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4, **GREEDY}
+    resp = chain_head.http.post("/v1/completions", json=request)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == greedy_text(tokenizer, reference, prompt, 4)
+    cut = call or length
+    want = [(lo, min(cut, length - lo)) for lo in range(0, length, cut)]
+    assert passes == {0: want, 1: want, 2: want}
+
+
 class AlwaysDraft(DraftPolicy):
     """Always 4 drafts (in-process steps are too fast for the real policy to find drafting
     worth it)."""
@@ -1093,8 +1125,9 @@ def prompt_logprobs(reference, prompt_ids: list[int], top: int):
 
 @pytest.mark.parametrize("node", ["whole", "chain_head"])
 def test_echo_with_logprobs_scores_the_prompt(node, request, tokenizer, reference):
-    """The prompt's own log-probabilities, computed on the tail across prefill chunks
-    (300 tokens: three chunks, pipelined through three nodes), equal the unsplit model's."""
+    """The prompt's own log-probabilities, computed on the tail (300 tokens: three wire
+    chunks, through three nodes), equal the unsplit model's one forward bit for bit: every
+    hop gathers the chunks and computes the prompt in one call, as it does (ADR-0053)."""
     head = request.getfixturevalue(node)
     prompt = [(i * 43) % 400 + 5 for i in range(300)]
     body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4, "logprobs": 2, "echo": True,
@@ -1106,7 +1139,7 @@ def test_echo_with_logprobs_scores_the_prompt(node, request, tokenizer, referenc
     assert len(lp["tokens"]) == len(prompt) + 4
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     want, best = prompt_logprobs(reference, prompt, 2)
-    assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+    assert lp["token_logprobs"][1 : len(prompt)] == want
     tops = lp["top_logprobs"][1 : len(prompt)]
     for k, top in enumerate(tops):  # the two best, plus the prompt token itself
         assert {tokenizer.decode([i]) for i in best[k]} <= set(top)

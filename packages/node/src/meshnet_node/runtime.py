@@ -202,6 +202,7 @@ def load_stage(settings: NodeSettings) -> Stage:
     )  # fmt: skip
     return Stage(
         shard, max_chunk_tokens=settings.chunk_tokens, kv_budget_tokens=settings.kv_budget_tokens,
+        prompt_call_tokens=settings.prompt_call_tokens,
         idle_timeout_s=settings.session_idle_timeout_s, max_sessions=settings.max_sessions,
         output_fault=noisy_outputs(settings.test_only_perturb),  # tests only; None: a real node
         prefix_cache=PrefixCache() if settings.prefix_cache else None, engine=settings.engine,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 KV_BUDGET_TOKENS = 32768  # most tokens a node holds in KV caches across its sessions
 CHUNK_TOKENS = 128  # prefill chunk on the wire (docs/adr/0003)
+PROMPT_CALL_TOKENS = 8192  # a prompt up to this long is one call on every hop (ADR-0053)
 HEARTBEAT_INTERVAL_S = 2.0  # a node's heartbeat; the tracker's value wins once registered
 TURN_TIMEOUT_S = 60.0  # a prefill chunk waits this long for an earlier chunk of its session
 OPEN_TIMEOUT_S = 5.0  # ... and this long when its session is not open yet (chunk 0 is late)

@@ -182,6 +182,14 @@ class ShardSettings(listening.ListenSettings):
 
     # -- data path --
     chunk_tokens: int = knob(defaults.CHUNK_TOKENS, "prefill chunk size, tokens", group=DATA)
+    prompt_call_tokens: int = knob(
+        defaults.PROMPT_CALL_TOKENS, "a prompt up to this many tokens is computed in one call "
+        "on every hop, as the unsplit model computes it (bit for bit); a longer one in calls "
+        "of this many. A head's choice holds for its sessions along the chain. Other "
+        "sessions' decode steps on a node wait while a prompt's call runs there (smaller: "
+        "shorter waits, a prompt longer than it no longer exact); a multiple of "
+        "--chunk-tokens", group=DATA,
+    )  # fmt: skip
     direct_answers: bool = knob(
         True, "a head asks the tail of a 2+ hop route to post each sampled token straight "
         "back to it (hops + 1 link delays per token instead of 2 x hops); the chain's own "

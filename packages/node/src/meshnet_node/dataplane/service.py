@@ -232,6 +232,23 @@ class NodeService:
                     code="wrong_position",
                 ) from exc
 
+    async def wait_for_open(self, req: Step) -> None:
+        """A later chunk of a prompt that overtook the first (which opens the session here:
+        a call's chunks travel on together, ADR-0053) waits for the session to open."""
+
+        def opened() -> bool:
+            return self.stage_for(req.session_id).sessions.peek(req.session_id) is not None
+
+        if opened():
+            return
+        cond = self._turn(req.session_id)
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(opened), self.settings.open_timeout_s)
+            except TimeoutError as exc:
+                self._turns.pop(req.session_id, None)  # nothing will ever wake it
+                raise NotFound(f"unknown session {req.session_id!r}") from exc
+
     async def wait_for_pass(self, req: Step) -> None:
         """A replay's pass n waits until pass n - 1 (or, for the first, the prompt) ran here."""
 
@@ -268,6 +285,8 @@ class NodeService:
         the tail's answer, with this hop's compute time first."""
         if req.replay_pass:  # a replay's passes come back to back: run them in order
             await self.wait_for_pass(req)
+        elif req.chunk and req.open_spec is None:
+            await self.wait_for_open(req)
         stage = self.stage if req.open_spec is not None else self.stage_for(req.session_id)
         # Everything checkable without running layers is checked first: a rejected step
         # must leave the session exactly as it was.
@@ -296,6 +315,7 @@ class NodeService:
                 req.session_id, sampling=spec.sampling if stage.shard.is_tail else None,
                 owner=req.session_key, start_layer=req.start_layer, record=record,
                 keep=PrefixPlan(spec.prefix_seed, spec.prompt_tokens) if spec.prefix_seed else None,
+                prompt_call=spec.prompt_call,
             )  # fmt: skip
             opened = True
             if spec.prefix:  # docs/adr/0035: the cached blocks, then the rest of the prompt
@@ -306,6 +326,8 @@ class NodeService:
                     raise
             elif stage.sessions.prefix is not None:  # the chain agreed on none: no promise
                 stage.sessions.prefix.release(req.session_id)
+            if req.session_id in self._turns:  # later chunks that overtook it wait
+                await self._advance(req.session_id)
         mine = await self._after_earlier_steps(stage, req) if stage.shard.is_tail else None
         try:
             if req.guess_from is not None and mine is not None and stale_guess(stage, req):
@@ -393,6 +415,8 @@ class NodeService:
         me = _Waiting(req, tensor, asyncio.get_running_loop().create_future())
         waiting[req.position] = me
         try:
+            if req.chunk:  # an earlier chunk's pass may be waiting for it (ADR-0053)
+                await self._advance(req.session_id)
             await self.wait_for_turn(req, me)
             if me.taken:  # an earlier chunk's pass ran this one too
                 return await me.future
@@ -405,28 +429,17 @@ class NodeService:
             await self._advance(req.session_id)
 
     async def _merged_pass(self, stage: Stage, me: _Waiting) -> StepOutput:
-        """Run ``me`` with the contiguous chunks already waiting behind it, in one pass.
+        """Run ``me`` with the chunks after it that its session's prompt call takes, in one
+        pass (``_call_chunks``).
 
         Each chunk still travels on to the next hop on its own; only the compute merges:
-        one pass over the weights is far cheaper than several small ones on a CPU.
+        the unsplit model computes a prompt in one call (ADR-0053), and one pass over the
+        weights is far cheaper than several small ones on a CPU.
         """
+        run = await self._call_chunks(stage, me)
         waiting = self._waiting.get(me.req.session_id, {})
-        run, end = [me], me.req.position + me.tensor.shape[1]
-        tokens = me.tensor.shape[1]
-        limit = self.scheduler.queue.prompt_tokens(stage)  # ADR-0035: a chunk, others open
-        while not run[-1].req.sample:
-            nxt = waiting.get(end)
-            if (
-                nxt is None
-                or nxt.taken
-                or nxt.req.session_key != me.req.session_key
-                or tokens + nxt.tensor.shape[1] > limit
-            ):
-                break
-            nxt.taken = True
-            run.append(nxt)
-            end += nxt.tensor.shape[1]
-            tokens += nxt.tensor.shape[1]
+        for member in run[1:]:
+            member.taken = True
         for member in run:
             if waiting.get(member.req.position) is member:
                 del waiting[member.req.position]
@@ -461,6 +474,47 @@ class NodeService:
             if not member.future.done():
                 member.future.set_result(member_out)
         return outs[0]
+
+    async def _call_chunks(self, stage: Stage, me: _Waiting) -> list[_Waiting]:
+        """``me`` and the chunks after it that make up its prompt call (ADR-0053): up to the
+        session's ``prompt_call`` rows or the prompt's last chunk (the sampled one), waiting
+        for those that have not arrived yet. A call's bits depend on its rows, so a pass
+        never computes part of one; the head cut the prompt into the same calls."""
+        session_id = me.req.session_id
+        session = stage.sessions.peek(session_id)
+        call = stage.max_chunk_tokens if session is None else session.prompt_call
+        begin = me.req.position
+
+        def gathered() -> list[_Waiting] | None:
+            waiting = self._waiting.get(session_id, {})
+            run, end = [me], begin + me.tensor.shape[1]
+            while not run[-1].req.sample and end - begin < call:
+                nxt = waiting.get(end)
+                if nxt is None:
+                    return None  # not here yet
+                width = nxt.tensor.shape[1]
+                if (
+                    nxt.taken
+                    or nxt.req.session_key != me.req.session_key
+                    or end + width - begin > call
+                ):
+                    break  # not this call's: it fails, or runs, on its own
+                run.append(nxt)
+                end += width
+            return run
+
+        run = gathered()
+        if run is not None:
+            return run
+        cond = self._turn(session_id)
+        async with cond:
+            try:
+                return await asyncio.wait_for(cond.wait_for(gathered), self.settings.turn_timeout_s)
+            except TimeoutError as exc:
+                raise Conflict(
+                    f"the prompt chunks after position {begin} of session {session_id} never "
+                    "arrived", code="wrong_position",
+                ) from exc  # fmt: skip
 
     async def close_session(self, session_id: str, session_key: str | None, route) -> None:
         """Free a session here and (best effort) on every later hop."""

@@ -31,7 +31,7 @@ from meshnet_common.protocol import (
 )
 
 _HASH = r"^[0-9a-f]{32}$"  # a prefix block's hash (meshnet_node.caching.blocks)
-_OPENING = {"start_layer", "audit", "prefix_seed", "prefix"}  # OpenSpec's own fields
+_OPENING = {"start_layer", "audit", "prefix_seed", "prefix", "prompt_call"}  # OpenSpec's own fields
 
 
 class OpenSpec(SamplingSpec):
@@ -39,12 +39,14 @@ class OpenSpec(SamplingSpec):
     layer the receiving hop enters its shard at (None: its first), whether every hop keeps
     the session's inputs for audits (docs/adr/0026; on the wire only when true), and the
     prefix cache's (docs/adr/0035): the seed of the session's block hashes (None: it leaves
-    nothing cached) and the hashes of the cached blocks it starts after."""
+    nothing cached) and the hashes of the cached blocks it starts after; the most rows of
+    its prompt one call computes, as the head chose (ADR-0053; None: the hop's own)."""
 
     start_layer: StrictInt | None = Field(default=None, ge=0)
     audit: StrictBool = False
     prefix_seed: str | None = Field(default=None, pattern=_HASH)
     prefix: tuple[Annotated[str, Field(pattern=_HASH)], ...] = Field(default=(), max_length=4096)
+    prompt_call: StrictInt | None = Field(default=None, ge=1)
 
     @classmethod
     def of(cls, sampling: SamplingSpec, *, start_layer: int, **opening) -> OpenSpec:
@@ -60,7 +62,7 @@ class OpenSpec(SamplingSpec):
 
     def to_header(self) -> str:  # the opening's own fields on the wire only when set
         unset = {"audit": not self.audit, "prefix_seed": self.prefix_seed is None,
-                 "prefix": not self.prefix}  # fmt: skip
+                 "prefix": not self.prefix, "prompt_call": self.prompt_call is None}  # fmt: skip
         return self.model_dump_json(exclude={k for k, v in unset.items() if v})
 
 

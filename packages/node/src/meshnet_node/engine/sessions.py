@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedConfig
 
+from meshnet_common.config import defaults
 from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, NotFound
 from meshnet_common.protocol import SamplingSpec, validate_session_id
 from meshnet_node.caching.blocks import BLOCK_TOKENS, PrefixPlan, block_hashes
@@ -110,6 +111,9 @@ class Session:
     keep: PrefixPlan | None = None
     ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    # The most rows of its prompt one call computes (ADR-0053): its head's choice, the same
+    # on every hop, so that each hop computes the prompt in the same calls.
+    prompt_call: int = defaults.PROMPT_CALL_TOKENS
 
     def expect_next(self, after: int, out) -> None:
         """After the tail sampled ``out`` (a StepOutput) for a step whose tokens (drafts
@@ -178,10 +182,11 @@ class SessionStore:
         first_layer: int = 0,
         record: bool = False,
         keep: PrefixPlan | None = None,
+        prompt_call: int = defaults.PROMPT_CALL_TOKENS,
     ) -> Session:
         """Create a session (``record``: keep its inputs for audits; ``keep``: what it
-        leaves in the prefix cache when it closes); refuse (retryably) when the stage is
-        full."""
+        leaves in the prefix cache when it closes; ``prompt_call``: its prompt's calls);
+        refuse (retryably) when the stage is full."""
         check_session_id(session_id)
         self.expire_idle()
         constraint = None
@@ -220,6 +225,7 @@ class SessionStore:
                 first_layer=first_layer,
                 record=InputRecord() if record else None,
                 keep=keep if self.prefix is not None else None,
+                prompt_call=prompt_call,
             )
             self._sessions[session_id] = session
             return session

@@ -69,7 +69,7 @@ class Stage:
         shard: LoadedShard,
         *,
         max_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-        max_merge_tokens: int = 2048,
+        prompt_call_tokens: int = defaults.PROMPT_CALL_TOKENS,
         kv_budget_tokens: int = defaults.KV_BUDGET_TOKENS,
         idle_timeout_s: float = 300.0,
         max_sessions: int = 256,
@@ -86,8 +86,10 @@ class Stage:
         # Tests only (``engine.faults``): applied to every output this stage computes.
         self.output_fault = output_fault
         self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
-        # One compute pass: consecutive waiting prefill chunks run together (ADR 0010).
-        self.max_merge_tokens = max(max_chunk_tokens, max_merge_tokens)
+        # The most rows of a prompt one call computes: a prompt up to this long is one call
+        # on every hop, as the unsplit model computes it (ADR-0053); a whole number of chunks.
+        calls = max(max_chunk_tokens, prompt_call_tokens)
+        self.prompt_call_tokens = calls - calls % max_chunk_tokens
         positions = [
             getattr(shard.config, n, 0) for n in ("max_position_embeddings", "n_positions")
         ]
@@ -110,9 +112,12 @@ class Stage:
         start_layer: int | None = None,
         record: bool = False,
         keep: PrefixPlan | None = None,
+        prompt_call: int | None = None,
     ) -> Session:
         """Open a session; ``start_layer`` (global) lets a chain enter mid-shard; ``record``
-        keeps its inputs for audits (docs/adr/0026); ``keep``: docs/adr/0035."""
+        keeps its inputs for audits (docs/adr/0026); ``keep``: docs/adr/0035;
+        ``prompt_call``: the most rows of its prompt one call computes, as its head chose
+        (ADR-0053; at most this stage's ``prompt_call_tokens``, its default)."""
         layers = self.shard.layers
         start_layer = layers.start if start_layer is None else start_layer
         if not isinstance(start_layer, int) or start_layer not in layers:
@@ -131,7 +136,14 @@ class Stage:
             first_layer=start_layer - layers.start,
             record=record and not self.shard.is_head,  # a head's input is the head's own
             keep=keep,
+            prompt_call=self.prompt_call(prompt_call),
         )
+
+    def prompt_call(self, asked: int | None) -> int:
+        """The rows of a session's prompt calls: as asked (a head's choice, on the wire),
+        within this stage's ``prompt_call_tokens`` and whole wire chunks."""
+        calls = self.prompt_call_tokens if asked is None else min(asked, self.prompt_call_tokens)
+        return max(self.max_chunk_tokens, calls - calls % self.max_chunk_tokens)
 
     def close_session(self, session_id: str, *, keep: bool = False) -> bool:  # keep: ADR-0035
         return self.sessions.close(session_id, keep=keep)
@@ -221,7 +233,7 @@ class Stage:
         session = self.sessions.get(session_id, owner=owner)
         if not isinstance(position, int) or position < 0:
             raise InvalidRequest("position must be a non-negative integer", param="position")
-        tensor = self.check_inputs(token_ids, hidden, limit=self.max_merge_tokens)
+        tensor = self.check_inputs(token_ids, hidden, limit=self.prompt_call_tokens)
         num_tokens = tensor.shape[1]
         if drafts and (len(drafts) >= num_tokens or not sample):
             raise InvalidRequest("a step's drafts follow its first token", param="drafts")
@@ -246,7 +258,8 @@ class Stage:
             # draft it rejects: later rows need no lm_head (unless audited: the record).
             deferred = bool(drafts) and session.sampler is not None and session.record is None
             rows = len(drafts) + 1
-            prompt = self.max_chunk_tokens if not drafts and num_tokens > 1 else 0  # a chunk
+            # A prompt's pass is its calls of ``prompt_call`` rows (ADR-0053).
+            prompt = session.prompt_call if not drafts and num_tokens > 1 else 0
             try:
                 with prompt_calls(prompt):
                     out = self._forward(session, position, tensor, rows, defer_logits=deferred)
@@ -468,8 +481,8 @@ class Stage:
         self.open_session(session_id, start_layer=start_layer)
         try:
             out = None
-            for lo in range(0, inputs.shape[1], self.max_merge_tokens):
-                piece = inputs[:, lo : lo + self.max_merge_tokens]
+            for lo in range(0, inputs.shape[1], self.prompt_call_tokens):
+                piece = inputs[:, lo : lo + self.prompt_call_tokens]
                 out = self.step(session_id, lo, **{kind: piece}, sample=False)
             if out is None:
                 raise InvalidRequest("nothing to recompute", param=kind)
@@ -478,10 +491,11 @@ class Stage:
             self.close_session(session_id)
 
     def _score_prompt(self, session: Session, hidden: torch.Tensor, position: int, rows) -> None:
-        """Log-probs of the prompt's own tokens (``echo``), in wire chunks: small (T, V)."""
+        """Log-probs of the prompt's own tokens (``echo``), the pass's rows in one call, as
+        the unsplit model's forward computes them (ADR-0053)."""
         mods, sampler = self.shard.modules, session.sampler
-        for lo in range(rows.start, rows.stop, self.max_chunk_tokens):
-            hi = min(lo + self.max_chunk_tokens, rows.stop)
+        for lo in range(rows.start, rows.stop, session.prompt_call):
+            hi = min(lo + session.prompt_call, rows.stop)
             states = mods.norm(hidden[:, lo - position : hi - position, :])
             logits = final_logits(self.shard.config, mods.lm_head, states).float()[0]
             sampler.prompt.add(lo, torch.log_softmax(logits, dim=-1), sampler.history)

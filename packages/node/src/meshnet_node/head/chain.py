@@ -2,8 +2,9 @@
 runs for it: through its own layers, then on down the chain (``HeadPasses``).
 
 The head holds the first layers locally; every later hop is reached through
-``NodeService.send``. Prefill is pipelined: chunk ``i`` travels downstream while the head
-computes chunk ``i + 1`` (nodes put early-arriving chunks back in order).
+``NodeService.send``. A prompt is computed in calls as the unsplit model computes it (one
+for a prompt up to ``--prompt-call-tokens``) and travels in wire chunks; nodes put
+early-arriving chunks back in order and gather a call's chunks (ADR-0053).
 """
 
 from __future__ import annotations
@@ -26,10 +27,6 @@ from meshnet_node.engine.ahead import Ahead
 from meshnet_node.engine.stage import Stage, StepOutput
 from meshnet_node.retry import RetryBudget
 from meshnet_node.scheduling.micro_batches import micro_batches
-
-# Prefill: tokens the head runs through its layers per pass before sending them on in wire
-# chunks (ADR 0010). Larger passes cost less per token; smaller ones start the next hop sooner.
-PREFILL_PIECE_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -105,14 +102,14 @@ class HeadPasses:
         route: tuple[str, ...],
         sends: list[asyncio.Future] | None = None,
     ) -> StepResult:
-        """Run the prompt through the local layers in pieces and send it on in wire chunks.
+        """Run the prompt through the local layers and send it on in wire chunks.
 
-        The first piece is one wire chunk, so the next hops start early; later pieces are
-        ``PREFILL_PIECE_TOKENS`` long, since one pass over several chunks is much cheaper
-        than several passes. Each wire chunk's send overlaps the next piece's compute (the
-        next hop merges chunks that wait for it the same way). With no route, the whole
-        prompt runs in passes as large as the stage allows. ``sends``: collect the chunks'
-        sends there and return without waiting for them (a replay, docs/adr/0023).
+        The prompt is computed in calls of the session's ``prompt_call`` rows from where it
+        starts (one call for a prompt up to that long), as the unsplit model computes it;
+        every hop gathers a call's wire chunks and computes them as one call too (ADR-0053).
+        A call's chunks are sent as soon as it is computed, overlapping the next call.
+        ``sends``: collect the chunks' sends there and return without waiting for them (a
+        replay, docs/adr/0023).
         """
         chunk_tokens = stage.max_chunk_tokens
         ids = request.prompt_ids
@@ -121,19 +118,14 @@ class HeadPasses:
         if self.prefixes is not None and sends is None and not scored:
             prefix = await self.prefixes.restore(stage, session_id, ids, route)
         begin = len(prefix) * BLOCK_TOKENS
-        most = self.service.scheduler.queue.prompt_tokens(stage)  # a chunk, others open
-        if route:
-            piece = max(chunk_tokens, PREFILL_PIECE_TOKENS // chunk_tokens * chunk_tokens)
-            piece = min(piece, most)
-            bounds = [begin, *range(begin + chunk_tokens, len(ids), piece), len(ids)]
-        else:
-            bounds = [*range(begin, len(ids), most), len(ids)]
-        bounds = sorted(set(b for b in bounds if b <= len(ids)))
-        # The first chunk opens the session on every hop (``audited``: each keeps its inputs).
         head = stage.sessions.peek(session_id)
+        call = stage.prompt_call(None) if head is None else head.prompt_call
+        bounds = [*range(begin, len(ids), call), len(ids)]
+        # The first chunk opens the session on every hop (``audited``: each keeps its inputs).
         opening = OpenSpec.of(
             request.sampling, start_layer=stage.shard.layers.end, audit=self.audited,
             prefix_seed=head.keep.seed if head is not None and head.keep else None, prefix=prefix,
+            prompt_call=call,
         )  # fmt: skip
         pending: list[asyncio.Future] = [] if sends is None else sends
         try:

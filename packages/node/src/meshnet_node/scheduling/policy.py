@@ -20,8 +20,8 @@ down the chain in lockstep, one stage computing while the others wait. A session
 micro-batch (*slot*) from its first decode step on, given the least filled one (as vLLM
 gives a request one virtual engine); a pass takes the steps of one slot.
 
-A prompt pass takes at most one wire chunk while other sessions are open on its stage (their
-decode steps take turns between its chunks, ADR-0035), else up to ``max_merge_tokens``.
+A prompt pass is one of its calls (ADR-0053: the whole prompt, up to ``--prompt-call-tokens``):
+other sessions' decode steps wait behind it, as they would behind any pass.
 A pass known to be short takes one of the host's compute turns (``turn_max_s``), so that the
 nodes sharing a host do not compute at once; a long one, or one of unknown length, takes
 none: no node waits long behind another's prompt.
@@ -179,11 +179,6 @@ class PassQueue:
             self.batched_steps += len(run.passes)
         if self._slotted(first.stage):
             self._out.update((p.item.session_id, ended) for p in run.passes)  # type: ignore[union-attr]
-
-    def prompt_tokens(self, stage: Stage) -> int:
-        """The most prompt tokens one pass of ``stage`` takes: a wire chunk while other
-        sessions are open there (their steps take turns between its chunks, ADR-0035)."""
-        return stage.max_merge_tokens if len(stage.sessions) <= 1 else stage.max_chunk_tokens
 
     def forget_times(self) -> None:
         """Another shard: its pass times are not known yet."""
