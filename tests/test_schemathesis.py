@@ -648,6 +648,7 @@ def test_forward_steps(node: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     service = node.runtime.service
     quick = service.settings.replace(turn_timeout_s=0.05, open_timeout_s=0.05)
     monkeypatch.setattr(service, "settings", quick)
+    monkeypatch.setattr(service.order, "settings", quick)
 
     @FUZZ
     @given(headers=forward_headers, body=frames, next_token=st.integers(0, VOCAB - 1))
@@ -879,10 +880,11 @@ def test_chunk_of_unknown_session_is_404_and_forgotten(
     node: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A later chunk of a session that never opens waited the whole turn timeout (60 s),
-    then 409, and left its turn condition in NodeService._turns for good."""
+    then 409, and left its turn condition in the node's chunk order for good."""
     service = node.runtime.service
     quick = service.settings.replace(turn_timeout_s=0.05, open_timeout_s=0.05)
     monkeypatch.setattr(service, "settings", quick)
+    monkeypatch.setattr(service.order, "settings", quick)
     headers = {
         "content-type": wire.CONTENT_TYPE,
         H_SESSION: "never-opened",
@@ -893,4 +895,4 @@ def test_chunk_of_unknown_session_is_404_and_forgotten(
     resp = node.client.post("/v1/forward", content=frame, headers=headers)
     check_response(resp, "chunk 1 of a session that does not exist")
     assert resp.status_code in (404, 409), resp.text
-    assert "never-opened" not in node.runtime.service._turns
+    assert not node.runtime.service.order.watched("never-opened")

@@ -4,7 +4,6 @@ tracker can offer these knobs without the node package."""
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, ClassVar
@@ -28,6 +27,7 @@ from meshnet_common.precision import (
     resolve_precision,
 )
 from meshnet_common.protocol import GRAMMAR_MAX_BYTES
+from meshnet_common.web.hosts import is_loopback
 
 MODEL = "model and layer range"
 DATA = "data path"
@@ -183,12 +183,9 @@ class ShardSettings(listening.ListenSettings):
     # -- data path --
     chunk_tokens: int = knob(defaults.CHUNK_TOKENS, "prefill chunk size, tokens", group=DATA)
     prompt_call_tokens: int = knob(
-        defaults.PROMPT_CALL_TOKENS, "a prompt up to this many tokens is computed in one call "
-        "on every hop, as the unsplit model computes it (bit for bit); a longer one in calls "
-        "of this many. A head's choice holds for its sessions along the chain. Other "
-        "sessions' decode steps on a node wait while a prompt's call runs there (smaller: "
-        "shorter waits, a prompt longer than it no longer exact); a multiple of "
-        "--chunk-tokens", group=DATA,
+        defaults.PROMPT_CALL_TOKENS, "a prompt up to this many tokens is one call on every hop, "
+        "as the unsplit model computes it (longer: calls of this many); other sessions' steps "
+        "wait behind a call (ADR-0053)", group=DATA,
     )  # fmt: skip
     direct_answers: bool = knob(
         True, "a head asks the tail of a 2+ hop route to post each sampled token straight "
@@ -476,21 +473,12 @@ def check_range(start: int | None, end: int | None, num_layers: int | None) -> L
 def check_exposure(host: str, swarm_token: str | None, insecure: bool) -> None:
     """Safe defaults (docs/adr/0032): listening beyond this machine needs a swarm token,
     or the operator's explicit --insecure."""
-    if swarm_token or insecure or _loopback(host):
+    if swarm_token or insecure or is_loopback(host):  # a name may resolve anywhere
         return
     raise ValueError(
         f"--host {host} is reachable from other machines: give --swarm-token (or "
         "MESHNET_SWARM_TOKEN) so only your nodes join, or --insecure for an open swarm"
     )
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to any interface
 
 
 def check_advertise_url(url: str | None) -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from meshnet_common import wire
 from meshnet_common.errors import (
-    Conflict,
     Draining,
     InvalidRequest,
     MeshnetError,
@@ -30,6 +29,7 @@ from meshnet_common.web import tls
 from meshnet_common.web.auth import swarm_headers
 from meshnet_node.caching.blocks import BLOCK_TOKENS, PrefixPlan
 from meshnet_node.dataplane import answer_bytes
+from meshnet_node.dataplane.chunk_order import ChunkOrder, Waiting
 from meshnet_node.dataplane.links import HopLinks
 from meshnet_node.dataplane.steps import Step, StepAnswer, stale_guess
 from meshnet_node.dataplane.streams import StreamHops
@@ -37,16 +37,6 @@ from meshnet_node.engine.ahead import Ahead
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.scheduling.scheduler import ComputeScheduler
 from meshnet_node.settings import NodeSettings
-
-
-@dataclass
-class _Waiting:
-    """A prefill chunk waiting for its turn; another chunk's pass may take it along."""
-
-    req: Step
-    tensor: torch.Tensor
-    future: asyncio.Future
-    taken: bool = False
 
 
 class NodeService:
@@ -80,10 +70,8 @@ class NodeService:
             hops, metrics=self.metrics, wire_options=self.wire_options, timeouts=t,
             direct_min_rtt_ms=settings.direct_min_rtt_ms,
         )  # fmt: skip
-        self._turns: dict[str, asyncio.Condition] = {}
-        # Prefill chunks waiting for their turn, per session and position: the chunk whose
-        # turn comes takes its waiting successors along into one compute pass.
-        self._waiting: dict[str, dict[int, _Waiting]] = {}
+        # Prompt chunks in order, gathered into their calls; a replay's passes in order.
+        self.order = ChunkOrder(lambda sid: self.stage_for(sid).sessions.peek(sid), settings)
         # Tail: each session's latest step, done once it computed (or was found stale): a
         # guess step is judged only after the session's earlier steps ran here.
         self._tail_steps: dict[str, asyncio.Future] = {}
@@ -189,104 +177,15 @@ class NodeService:
             guess_from=step.guess_from, ahead=ahead,
         )  # fmt: skip
 
-    # -- ordering of pipelined chunks --------------------------------------------------------
-
-    def _turn(self, session_id: str) -> asyncio.Condition:
-        cond = self._turns.get(session_id)
-        if cond is None:
-            cond = self._turns[session_id] = asyncio.Condition()
-        return cond
-
-    async def wait_for_turn(self, req: Step, me: _Waiting | None = None) -> None:
-        """Pipelined prefill chunks may arrive out of order: wait until ours is next (or
-        until an earlier chunk's pass took ours along)."""
-        if req.chunk == 0:
-            return
-        cond = self._turn(req.session_id)
-
-        def session():
-            return self.stage_for(req.session_id).sessions.peek(req.session_id)
-
-        def ready() -> bool:
-            if me is not None and me.taken:
-                return True
-            current = session()
-            return current is not None and current.length >= req.position
-
-        # An earlier chunk of a live session may still be computing; chunk 0 (which opens
-        # the session) is never that far behind.
-        settings = self.settings
-        timeout = settings.turn_timeout_s if session() is not None else settings.open_timeout_s
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(ready), timeout)
-            except TimeoutError as exc:
-                if me is not None and me.taken:  # a long merged pass holds our result
-                    return
-                if session() is None:
-                    self._turns.pop(req.session_id, None)  # nothing will ever wake it
-                    raise NotFound(f"unknown session {req.session_id!r}") from exc
-                raise Conflict(
-                    f"chunk at position {req.position} never became next for session "
-                    f"{req.session_id}",
-                    code="wrong_position",
-                ) from exc
-
-    async def wait_for_open(self, req: Step) -> None:
-        """A later chunk of a prompt that overtook the first (which opens the session here:
-        a call's chunks travel on together, ADR-0053) waits for the session to open."""
-
-        def opened() -> bool:
-            return self.stage_for(req.session_id).sessions.peek(req.session_id) is not None
-
-        if opened():
-            return
-        cond = self._turn(req.session_id)
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(opened), self.settings.open_timeout_s)
-            except TimeoutError as exc:
-                self._turns.pop(req.session_id, None)  # nothing will ever wake it
-                raise NotFound(f"unknown session {req.session_id!r}") from exc
-
-    async def wait_for_pass(self, req: Step) -> None:
-        """A replay's pass n waits until pass n - 1 (or, for the first, the prompt) ran here."""
-
-        def ready() -> bool:
-            session = self.stage_for(req.session_id).sessions.peek(req.session_id)
-            return (
-                session is not None
-                and session.replayed == req.replay_pass - 1
-                and session.length >= req.position
-            )
-
-        if ready():
-            return
-        cond = self._turn(req.session_id)
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(ready), self.settings.turn_timeout_s)
-            except TimeoutError as exc:
-                raise Conflict(
-                    f"replayed pass {req.replay_pass} of session {req.session_id} never became "
-                    "next", code="wrong_position",
-                ) from exc  # fmt: skip
-
-    async def _advance(self, session_id: str) -> None:
-        cond = self._turns.get(session_id)
-        if cond is not None:
-            async with cond:
-                cond.notify_all()
-
     # -- one step ----------------------------------------------------------------------------
 
     async def handle_step(self, req: Step, tensor: torch.Tensor) -> StepAnswer:
         """Run one step received (its tensor: the body) here and relay it on down the route;
         the tail's answer, with this hop's compute time first."""
         if req.replay_pass:  # a replay's passes come back to back: run them in order
-            await self.wait_for_pass(req)
+            await self.order.wait_for_pass(req)
         elif req.chunk and req.open_spec is None:
-            await self.wait_for_open(req)
+            await self.order.wait_for_open(req)
         stage = self.stage if req.open_spec is not None else self.stage_for(req.session_id)
         # Everything checkable without running layers is checked first: a rejected step
         # must leave the session exactly as it was.
@@ -326,8 +225,8 @@ class NodeService:
                     raise
             elif stage.sessions.prefix is not None:  # the chain agreed on none: no promise
                 stage.sessions.prefix.release(req.session_id)
-            if req.session_id in self._turns:  # later chunks that overtook it wait
-                await self._advance(req.session_id)
+            if self.order.watched(req.session_id):  # later chunks that overtook it wait
+                await self.order.advance(req.session_id)
         mine = await self._after_earlier_steps(stage, req) if stage.shard.is_tail else None
         try:
             if req.guess_from is not None and mine is not None and stale_guess(stage, req):
@@ -354,9 +253,9 @@ class NodeService:
                 stage.sessions.note_ids(session, req.position, req.ids)
         if req.replay_pass:
             stage.sessions.get(req.session_id, owner=req.session_key).replayed = req.replay_pass
-            await self._advance(req.session_id)
-        elif opened and req.session_id in self._turns:  # a one-row prompt: a pass may wait
-            await self._advance(req.session_id)
+            await self.order.advance(req.session_id)
+        elif opened and self.order.watched(req.session_id):  # a one-row prompt: a pass may wait
+            await self.order.advance(req.session_id)
         self.count_served(req.sample)  # a sampled step: one more token through this stage
         own_ms = out.compute_s * 1000
         if stage.shard.is_tail:
@@ -409,40 +308,29 @@ class NodeService:
         if (tensor.shape[1] == 1 or req.drafts) and req.chunk == 0:  # a decode step
             return await self.run(stage, req, tensor)
         stage.check_inputs(token_ids, hidden)  # a bad chunk must not spoil a merged pass
-        waiting = self._waiting.setdefault(req.session_id, {})
-        if req.position in waiting:
-            raise Conflict(f"a chunk at position {req.position} is already waiting", code="dup")
-        me = _Waiting(req, tensor, asyncio.get_running_loop().create_future())
-        waiting[req.position] = me
+        me = self.order.enter(req, tensor)
         try:
             if req.chunk:  # an earlier chunk's pass may be waiting for it (ADR-0053)
-                await self._advance(req.session_id)
-            await self.wait_for_turn(req, me)
+                await self.order.advance(req.session_id)
+            await self.order.wait_for_turn(req, me)
             if me.taken:  # an earlier chunk's pass ran this one too
                 return await me.future
             return await self._merged_pass(stage, me)
         finally:
-            if waiting.get(req.position) is me:
-                del waiting[req.position]
-            if not waiting and self._waiting.get(req.session_id) is waiting:
-                del self._waiting[req.session_id]
-            await self._advance(req.session_id)
+            await self.order.leave(me)
 
-    async def _merged_pass(self, stage: Stage, me: _Waiting) -> StepOutput:
+    async def _merged_pass(self, stage: Stage, me: Waiting) -> StepOutput:
         """Run ``me`` with the chunks after it that its session's prompt call takes, in one
-        pass (``_call_chunks``).
+        pass (``ChunkOrder.call_chunks``).
 
         Each chunk still travels on to the next hop on its own; only the compute merges:
         the unsplit model computes a prompt in one call (ADR-0053), and one pass over the
         weights is far cheaper than several small ones on a CPU.
         """
-        run = await self._call_chunks(stage, me)
-        waiting = self._waiting.get(me.req.session_id, {})
-        for member in run[1:]:
-            member.taken = True
-        for member in run:
-            if waiting.get(member.req.position) is member:
-                del waiting[member.req.position]
+        session = stage.sessions.peek(me.req.session_id)
+        call = stage.max_chunk_tokens if session is None else session.prompt_call
+        run = await self.order.call_chunks(me, call)
+        self.order.take(run)
         is_head = stage.shard.is_head
         merged = me.tensor if len(run) == 1 else torch.cat([m.tensor for m in run], dim=1)
         try:
@@ -475,47 +363,6 @@ class NodeService:
                 member.future.set_result(member_out)
         return outs[0]
 
-    async def _call_chunks(self, stage: Stage, me: _Waiting) -> list[_Waiting]:
-        """``me`` and the chunks after it that make up its prompt call (ADR-0053): up to the
-        session's ``prompt_call`` rows or the prompt's last chunk (the sampled one), waiting
-        for those that have not arrived yet. A call's bits depend on its rows, so a pass
-        never computes part of one; the head cut the prompt into the same calls."""
-        session_id = me.req.session_id
-        session = stage.sessions.peek(session_id)
-        call = stage.max_chunk_tokens if session is None else session.prompt_call
-        begin = me.req.position
-
-        def gathered() -> list[_Waiting] | None:
-            waiting = self._waiting.get(session_id, {})
-            run, end = [me], begin + me.tensor.shape[1]
-            while not run[-1].req.sample and end - begin < call:
-                nxt = waiting.get(end)
-                if nxt is None:
-                    return None  # not here yet
-                width = nxt.tensor.shape[1]
-                if (
-                    nxt.taken
-                    or nxt.req.session_key != me.req.session_key
-                    or end + width - begin > call
-                ):
-                    break  # not this call's: it fails, or runs, on its own
-                run.append(nxt)
-                end += width
-            return run
-
-        run = gathered()
-        if run is not None:
-            return run
-        cond = self._turn(session_id)
-        async with cond:
-            try:
-                return await asyncio.wait_for(cond.wait_for(gathered), self.settings.turn_timeout_s)
-            except TimeoutError as exc:
-                raise Conflict(
-                    f"the prompt chunks after position {begin} of session {session_id} never "
-                    "arrived", code="wrong_position",
-                ) from exc  # fmt: skip
-
     async def close_session(self, session_id: str, session_key: str | None, route) -> None:
         """Free a session here and (best effort) on every later hop."""
         stage = self.stage_for(session_id)
@@ -525,12 +372,7 @@ class NodeService:
         if session is None or session.owner not in (None, session_key):  # not the caller's
             raise NotFound(f"unknown session {session_id!r}", param="session_id")
         stage.close_session(session_id, keep=True)  # finished: its prefix stays cached
-        for member in self._waiting.pop(session_id, {}).values():
-            if not member.future.done():  # its waiter wakes below and raises this
-                member.taken = True
-                member.future.set_exception(NotFound(f"session {session_id!r} was closed"))
-        await self._advance(session_id)
-        self._turns.pop(session_id, None)
+        await self.order.drop(session_id)
         self._tail_steps.pop(session_id, None)
         if route:
             await self.links.close_remote(route[0], session_id, session_key or "", route[1:])

@@ -18,6 +18,7 @@ from meshnet_node.caching.store import PrefixCache
 from meshnet_node.engine.bf16_upcast import torch_products
 from meshnet_node.engine.constraints import ConstraintFactory
 from meshnet_node.engine.families import attention_module, build_masks, final_logits, row_contexts
+from meshnet_node.engine.inputs import step_input
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.row_attention import together_plain
 from meshnet_node.engine.sampling import DeferredRows, SampledToken
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = defaults.CHUNK_TOKENS
-_ACCEPTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -165,43 +165,8 @@ class Stage:
         caller that hands the tensor to ``step``/``step_batch``, which check it all again
         before any layer runs.
         """
-        shard = self.shard
-        if shard.is_head:
-            if token_ids is None or hidden is not None:
-                raise InvalidRequest("the head stage takes token ids", param="token_ids")
-            if token_ids.dtype not in (torch.int64, torch.int32):
-                raise InvalidRequest(f"token ids must be integers, got {token_ids.dtype}")
-            ids = token_ids.reshape(1, -1).to(torch.int64)  # (1, T)
-            vocab = shard.vocab_size
-            if values and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-                raise InvalidRequest(
-                    f"token ids must lie in [0, {shard.vocab_size})", param="token_ids"
-                )
-            tensor = ids
-        else:
-            if hidden is None or token_ids is not None:
-                raise InvalidRequest("this stage takes hidden states", param="hidden")
-            if hidden.dtype not in _ACCEPTED_HIDDEN_DTYPES:
-                raise InvalidRequest(
-                    f"hidden states must be bfloat16 or float32, got {hidden.dtype}",
-                    param="hidden",
-                )
-            if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != shard.hidden_size:
-                raise InvalidRequest(
-                    f"hidden states must have shape (1, T, {shard.hidden_size}), "
-                    f"got {tuple(hidden.shape)}",
-                    param="hidden",
-                )
-            if values and not torch.isfinite(hidden).all():
-                raise InvalidRequest("hidden states contain NaN or inf", param="hidden")
-            tensor = hidden
-        num_tokens = tensor.shape[1]
         limit = self.max_chunk_tokens if limit is None else limit
-        if not 0 < num_tokens <= limit:
-            raise InvalidRequest(
-                f"a step carries 1..{limit} tokens, got {num_tokens}", param="num_tokens"
-            )
-        return tensor
+        return step_input(self.shard, token_ids, hidden, limit=limit, values=values)
 
     # -- execution --------------------------------------------------------------------------
 
@@ -494,10 +459,14 @@ class Stage:
         """Log-probs of the prompt's own tokens (``echo``), the pass's rows in one call, as
         the unsplit model's forward computes them (ADR-0053)."""
         mods, sampler = self.shard.modules, session.sampler
-        for lo in range(rows.start, rows.stop, session.prompt_call):
-            hi = min(lo + session.prompt_call, rows.stop)
-            states = mods.norm(hidden[:, lo - position : hi - position, :])
-            logits = final_logits(self.shard.config, mods.lm_head, states).float()[0]
+        call, end = session.prompt_call, position + hidden.shape[1]
+        for lo in range(rows.start, rows.stop, call):
+            hi = min(lo + call, rows.stop)
+            # The call's rows, the prompt's last one too where the pass holds it (its score
+            # is not asked for): the unsplit forward's logits are one call of all of them.
+            top = min(lo + call, end)
+            states = mods.norm(hidden[:, lo - position : top - position, :])
+            logits = final_logits(self.shard.config, mods.lm_head, states).float()[0, : hi - lo]
             sampler.prompt.add(lo, torch.log_softmax(logits, dim=-1), sampler.history)
 
 

@@ -1,0 +1,59 @@
+"""What a step may carry into a stage: token ids on a head, hidden states elsewhere, of the
+shard's sizes and types, 1 to ``limit`` rows; checked before any layer runs, so that a
+rejected step leaves its session as it was (an HTTP 400 with the field's name)."""
+
+from __future__ import annotations
+
+import torch
+
+from meshnet_common.errors import InvalidRequest
+from meshnet_node.engine.loader import LoadedShard
+
+_ACCEPTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def step_input(
+    shard: LoadedShard,
+    token_ids: torch.Tensor | None,
+    hidden: torch.Tensor | None,
+    *,
+    limit: int,
+    values: bool = True,
+) -> torch.Tensor:
+    """A step's input for ``shard``, shaped (1, T) ids or (1, T, H) hidden; ``values=False``
+    checks types and shapes only, not token ranges or finiteness."""
+    if shard.is_head:
+        if token_ids is None or hidden is not None:
+            raise InvalidRequest("the head stage takes token ids", param="token_ids")
+        if token_ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidRequest(f"token ids must be integers, got {token_ids.dtype}")
+        ids = token_ids.reshape(1, -1).to(torch.int64)  # (1, T)
+        vocab = shard.vocab_size
+        if values and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise InvalidRequest(
+                f"token ids must lie in [0, {shard.vocab_size})", param="token_ids"
+            )
+        tensor = ids
+    else:
+        if hidden is None or token_ids is not None:
+            raise InvalidRequest("this stage takes hidden states", param="hidden")
+        if hidden.dtype not in _ACCEPTED_HIDDEN_DTYPES:
+            raise InvalidRequest(
+                f"hidden states must be bfloat16 or float32, got {hidden.dtype}",
+                param="hidden",
+            )
+        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != shard.hidden_size:
+            raise InvalidRequest(
+                f"hidden states must have shape (1, T, {shard.hidden_size}), "
+                f"got {tuple(hidden.shape)}",
+                param="hidden",
+            )
+        if values and not torch.isfinite(hidden).all():
+            raise InvalidRequest("hidden states contain NaN or inf", param="hidden")
+        tensor = hidden
+    num_tokens = tensor.shape[1]
+    if not 0 < num_tokens <= limit:
+        raise InvalidRequest(
+            f"a step carries 1..{limit} tokens, got {num_tokens}", param="num_tokens"
+        )
+    return tensor
