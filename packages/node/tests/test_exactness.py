@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import pytest
 import torch
 from baselines import hf_chunked_greedy, load_reference_model, split_greedy
@@ -124,3 +126,38 @@ def test_smollm2_bf16_prompt_is_the_unsplit_call_bit_for_bit(smollm2_snapshot, l
               for a, b in ((0, 10), (10, 20), (20, 30))]  # fmt: skip
     _, logits = split_greedy(stages, prompt, 1, chunk_tokens=length)
     assert torch.equal(logits[0].reshape(-1), want.float())
+
+
+def test_smollm2_bf16_steps_between_a_prompts_layers_change_no_bits(smollm2_snapshot):
+    """A long prompt's pass runs a layer at a time (``Stage.stepping``, ADR-0053) while
+    another session's decode steps run between its layers: at SmolLM2's shapes in bfloat16,
+    each computes the bits it computes alone."""
+    stage = Stage(load_shard(smollm2_snapshot, LayerRange(0, 10), Precision.BFLOAT16))
+    vocab = stage.shard.vocab_size
+    prompt, other = prompt_ids(vocab, 300, seed=9), prompt_ids(vocab, 20, seed=10)
+    tokens = [torch.tensor([[5 + i]]) for i in range(9)]  # one step per yield: 10 layers
+
+    def decode(session: str) -> list[torch.Tensor]:
+        return [stage.step(session, 20 + i, token_ids=t).hidden for i, t in enumerate(tokens)]
+
+    for session in ("a", "b"):
+        stage.open_session(session)
+    want_a = stage.step("a", 0, token_ids=torch.tensor([prompt])).hidden
+    stage.step("b", 0, token_ids=torch.tensor([other]))
+    want_b = decode("b")
+
+    for session in ("a2", "b2"):
+        stage.open_session(session)
+    stage.step("b2", 0, token_ids=torch.tensor([other]))
+    steps = stage.stepping("a2", 0, token_ids=torch.tensor([prompt]))
+    ctx = contextvars.copy_context()  # as the scheduler drives it: its settings its own
+    got_b, pieces = [], iter(tokens)
+    try:
+        while True:
+            ctx.run(next, steps)
+            got_b.append(stage.step("b2", 20 + len(got_b), token_ids=next(pieces)).hidden)
+    except StopIteration as done:
+        got_a = done.value.hidden
+    assert len(got_b) == 9
+    assert torch.equal(got_a, want_a)
+    assert all(torch.equal(g, w) for g, w in zip(got_b, want_b, strict=True))

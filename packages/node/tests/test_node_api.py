@@ -592,7 +592,7 @@ def test_a_prompt_is_computed_in_its_calls_on_every_hop(
     passes: dict[int, list[tuple[int, int]]] = {i: [] for i in range(3)}
     for i, node in enumerate(nodes):
         stage = node.runtime.service.stage
-        real = stage.step
+        real = stage.stepping  # every pass (``step`` runs it whole)
 
         def spy(session_id, position, *, _real=real, _i=i, **kw):
             tensor = kw["token_ids"] if kw.get("token_ids") is not None else kw["hidden"]
@@ -600,7 +600,7 @@ def test_a_prompt_is_computed_in_its_calls_on_every_hop(
                 passes[_i].append((position, tensor.shape[1]))
             return _real(session_id, position, **kw)
 
-        monkeypatch.setattr(stage, "step", spy)
+        monkeypatch.setattr(stage, "stepping", spy)
     if call is not None:
         monkeypatch.setattr(chain_head.runtime.service.stage, "prompt_call_tokens", call)
     prompt = [(i * 29) % 400 + 5 for i in range(length)]

@@ -158,10 +158,20 @@ class NodeService:
             )
             return await self.scheduler.decode(stage, item)
         rows = tensor.shape[1] if tensor is not None and tensor.dim() >= 2 else 1
-        return await self.scheduler.rows(
-            stage.step, session_id, position, token_ids=token_ids, hidden=hidden,
-            owner=owner, sample=sample, drafts=drafts, rows=rows,
+        return await self.rows_pass(
+            stage, session_id, position, rows=rows, token_ids=token_ids, hidden=hidden,
+            owner=owner, sample=sample, drafts=drafts,
         )  # fmt: skip
+
+    def rows_pass(
+        self, stage: Stage, session_id: str, position: int, *, rows: int, **step
+    ) -> Awaitable[StepOutput]:
+        """A pass of several rows on the compute thread: a prompt's call of more than a wire
+        chunk a layer at a time, other sessions' decode passes running between its layers
+        (ADR-0053: the same bits, shorter waits); drafts to verify, or a short prompt, whole."""
+        if not step.get("drafts") and rows > stage.max_chunk_tokens:
+            return self.scheduler.stepwise(stage.stepping(session_id, position, **step))
+        return self.scheduler.rows(stage.step, session_id, position, rows=rows, **step)
 
     async def run(
         self, stage: Stage, step: Step, tensor: torch.Tensor, ahead: Ahead | None = None
@@ -334,10 +344,10 @@ class NodeService:
         is_head = stage.shard.is_head
         merged = me.tensor if len(run) == 1 else torch.cat([m.tensor for m in run], dim=1)
         try:
-            out = await self.scheduler.rows(
-                stage.step, me.req.session_id, me.req.position,
+            out = await self.rows_pass(
+                stage, me.req.session_id, me.req.position, rows=merged.shape[1],
                 token_ids=merged if is_head else None, hidden=None if is_head else merged,
-                owner=me.req.session_key, sample=run[-1].req.sample, rows=merged.shape[1],
+                owner=me.req.session_key, sample=run[-1].req.sample,
             )  # fmt: skip
         except BaseException as exc:
             for member in run[1:]:

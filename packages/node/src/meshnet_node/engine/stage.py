@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ from meshnet_node.engine.row_attention import together_plain
 from meshnet_node.engine.sampling import DeferredRows, SampledToken
 from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
 from meshnet_node.lowbit.packed import prompt_calls
-from meshnet_node.programs import StageLayers
+from meshnet_node.programs import StageLayers, drain
 
 if TYPE_CHECKING:
     from meshnet_node.engine.ahead import Ahead
@@ -194,6 +194,39 @@ class Stage:
         ``guess_from``: a guess step (its input is the head's guess, ADR-0019): a later step
         may go back to any position from ``guess_from`` on.
         """
+        return drain(
+            self.stepping(
+                session_id, position, token_ids=token_ids, hidden=hidden, owner=owner,
+                sample=sample, drafts=drafts, guess_from=guess_from,
+            )
+        )  # fmt: skip
+
+    def stepping(
+        self,
+        session_id: str,
+        position: int,
+        *,
+        token_ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        owner: str | None = None,
+        sample: bool = True,
+        drafts: tuple[int, ...] = (),
+        guess_from: int | None = None,
+    ) -> Generator[None, None, StepOutput]:
+        """``step``, yielding between the layers of a prompt's pass (ADR-0053): its driver
+        may run other sessions' passes between them (``ComputeScheduler.stepwise``), and the
+        pass computes the same either way; returns the step's output.
+
+        ``drafts``: the step's last ``k`` input tokens are drafts to verify (speculative
+        decoding, ADR-0019): the tail samples every position and keeps drafts up to the
+        first it would not have produced; the next step may start inside the span.
+
+        Every check happens before any layer runs, so a rejected step leaves the session
+        exactly as it was (except that it may drop drafts the tail did not keep).
+
+        ``guess_from``: a guess step (its input is the head's guess, ADR-0019): a later step
+        may go back to any position from ``guess_from`` on.
+        """
         shard = self.shard
         session = self.sessions.get(session_id, owner=owner)
         if not isinstance(position, int) or position < 0:
@@ -227,13 +260,18 @@ class Stage:
             prompt = session.prompt_call if not drafts and num_tokens > 1 else 0
             try:
                 with prompt_calls(prompt):
-                    out = self._forward(session, position, tensor, rows, defer_logits=deferred)
+                    out = yield from self._forward(
+                        session, position, tensor, rows, defer_logits=deferred
+                    )
                 ok = True
                 if session.record is not None:
                     session.record.add(position, tensor, _last_row(out))
             except Exception:
                 # A failure inside the layers may have left a partial chunk in the cache.
                 logger.exception("step failed; dropping session %s", session_id)
+                self.sessions.close(session_id)
+                raise
+            except GeneratorExit:  # its driver stopped it between layers: a partial chunk
                 self.sessions.close(session_id)
                 raise
             finally:
@@ -394,7 +432,7 @@ class Stage:
         inputs: torch.Tensor,
         rows: int = 1,
         defer_logits: bool = False,
-    ) -> StepOutput:
+    ) -> Generator[None, None, StepOutput]:
         shard = self.shard
         mods = shard.modules
         device = shard.device
@@ -418,10 +456,12 @@ class Stage:
         rotary = shard.adapter.position_embeddings(
             mods.rotary, hidden, position_ids, shard.layer_types[first:]
         )
-        hidden = self.layers.run(
-            hidden, first=first, masks=masks, rotary=rotary, position_ids=position_ids,
-            cache=cache,
-        )  # fmt: skip
+        args = {"first": first, "masks": masks, "rotary": rotary, "position_ids": position_ids,
+                "cache": cache}  # fmt: skip
+        if num_tokens > 1:  # a prompt's pass: others may run between its layers (ADR-0053)
+            hidden = yield from self.layers.stepping(hidden, **args)
+        else:
+            hidden = self.layers.run(hidden, **args)
         if not shard.is_tail:
             return StepOutput(hidden=self._emit(hidden.to(shard.activation_dtype)))
         scores = None if session.sampler is None else session.sampler.prompt

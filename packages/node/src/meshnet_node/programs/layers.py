@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from torch import nn
@@ -70,6 +70,26 @@ class StageLayers:
             )  # fmt: skip
         return hidden
 
+    def stepping(
+        self, hidden: torch.Tensor, *, first: int, masks: dict, rotary: dict, position_ids,
+        cache,
+    ) -> Generator[None, None, torch.Tensor]:  # fmt: skip
+        """``run``, yielding after each layer but the last (a prompt's pass, ADR-0053): the
+        same calls, so the same bits, whatever runs between them. The native stack runs its
+        layers in one call."""
+        if self.native is not None and first < len(self.layers):
+            return self.run(hidden, first=first, masks=masks, rotary=rotary,
+                            position_ids=position_ids, cache=cache)  # fmt: skip
+        for i in range(first, len(self.layers)):
+            if i > first:
+                yield
+            layer_type = self.layer_types[i]
+            hidden = self.call_layer(
+                self.layers[i], hidden, mask=masks[layer_type], position_ids=position_ids,
+                cache=cache, position_embeddings=rotary[layer_type],
+            )  # fmt: skip
+        return hidden
+
     def run_batch(
         self, hidden: torch.Tensor, *, first: int, rows_for: Callable[[str], list],
         together: bool,
@@ -103,3 +123,12 @@ class StageLayers:
         """Rows (N, 1, H) through the native stack from layer ``first`` (one rotary for
         them all: the engine runs full attention only)."""
         return self.native(first, rows, cos, sin, groups)  # type: ignore[misc]
+
+
+def drain(steps: Generator[None, None, object]):
+    """Run a generator of steps (``Stage.stepping``) to its end: its return value."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value

@@ -51,6 +51,7 @@ class Pass:
     call: Callable[[], object] | None = None
     rows: int = 1
     future: asyncio.Future | None = None  # the scheduler's: where its result goes
+    resumed: bool = False  # a later piece of a pass that yields between layers (ADR-0053)
 
     @property
     def dropped(self) -> bool:

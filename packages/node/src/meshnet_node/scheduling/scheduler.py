@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Protocol
 
 from meshnet_node.engine.ahead import run_ahead, steps_of
@@ -57,6 +58,17 @@ def _timed(
         if took:
             turns.give()  # type: ignore[union-attr]
     return result, time.perf_counter() - started
+
+
+def _piece(ctx: contextvars.Context, steps: Generator) -> tuple[bool, object, float]:
+    """On the compute thread: ``steps`` on to its next yield, in ``ctx``: (whether it
+    ended, what it returned, how long the piece took)."""
+    started = time.perf_counter()
+    try:
+        ctx.run(next, steps)
+    except StopIteration as done:
+        return True, done.value, time.perf_counter() - started
+    return False, None, time.perf_counter() - started
 
 
 def _decode_call(
@@ -128,6 +140,29 @@ class ComputeScheduler:
         **kwargs)`` on the compute thread; StepOutputs learn how long it took."""
         call = functools.partial(fn, *args, **kwargs)
         return await self._submit(Pass(ROWS, 0.0, call=call, rows=rows))
+
+    async def stepwise(self, steps: Generator[None, None, object]):
+        """A pass that yields between its layers (``Stage.stepping`` of a prompt's call,
+        ADR-0053), run a piece at a time: each piece is a pass of its own, so that the decode
+        passes queued meanwhile run between a long prompt's layers rather than after all of
+        them. Its pieces run in a context of their own (a prompt's product settings never
+        reach another pass); a caller that leaves stops it between pieces. Returns what
+        ``steps`` returns, a StepOutput learning its pieces' compute time."""
+        ctx, spent, resumed = contextvars.copy_context(), 0.0, False
+        try:
+            while True:
+                entry = Pass(WORK, 0.0, call=functools.partial(_piece, ctx, steps))
+                entry.resumed, resumed = resumed, True
+                done, value, took = await self._submit(entry)
+                spent += took
+                if done:
+                    if isinstance(value, StepOutput):
+                        value.compute_s = spent
+                    return value
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # stopped: the thread closes nothing more
+                self.call(functools.partial(ctx.run, steps.close))  # between passes, there
+            raise
 
     async def run(self, fn, *args, **kwargs):
         """Other work (an audit's recomputation, a draft model's guesses) on the compute
@@ -252,7 +287,8 @@ class ComputeScheduler:
             call = first.call  # type: ignore[assignment]
         started, compute_s = self._clock(), None
         try:
-            result, compute_s = _timed(call, self.before_pass, self.turns if run.turn else None)
+            before = None if first.resumed else self.before_pass  # once per pass
+            result, compute_s = _timed(call, before, self.turns if run.turn else None)
         except Exception as exc:  # the pass failed: every step it held fails with it
             results: list = [exc] * len(run.passes)
         else:
