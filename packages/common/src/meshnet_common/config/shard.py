@@ -184,8 +184,7 @@ class ShardSettings(listening.ListenSettings):
     chunk_tokens: int = knob(defaults.CHUNK_TOKENS, "prefill chunk size, tokens", group=DATA)
     prompt_call_tokens: int = knob(
         defaults.PROMPT_CALL_TOKENS, "a prompt up to this many tokens is one call on every hop, "
-        "as the unsplit model computes it (longer: calls of this many); other sessions' steps "
-        "wait behind a call (ADR-0053)", group=DATA,
+        "as the unsplit model computes it (longer: calls of this many; ADR-0053)", group=DATA,
     )  # fmt: skip
     direct_answers: bool = knob(
         True, "a head asks the tail of a 2+ hop route to post each sampled token straight "
