@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,47 +16,17 @@ from meshnet_node.caching.store import PrefixCache
 from meshnet_node.engine.bf16_upcast import torch_products
 from meshnet_node.engine.constraints import ConstraintFactory
 from meshnet_node.engine.families import attention_module, build_masks, final_logits, row_contexts
-from meshnet_node.engine.inputs import step_input
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.row_attention import together_plain
-from meshnet_node.engine.sampling import DeferredRows, SampledToken
+from meshnet_node.engine.sampling import DeferredRows
 from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
+from meshnet_node.engine.step_io import DecodeItem, StepOutput, step_input
 from meshnet_node.lowbit.packed import prompt_calls
 from meshnet_node.programs import StageLayers, drain
-
-if TYPE_CHECKING:
-    from meshnet_node.engine.ahead import Ahead
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = defaults.CHUNK_TOKENS
-
-
-@dataclass(frozen=True)
-class DecodeItem:
-    """One session's single-token step inside a batched decode call."""
-
-    session_id: str
-    position: int
-    token_ids: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
-    owner: str | None = None
-    sample: bool = True
-    guess_from: int | None = None  # a guess step (ADR-0019): may be rewound back to here
-    ahead: Ahead | None = None  # head and tail: may run on with what it samples (ADR-0047)
-
-
-@dataclass
-class StepOutput:
-    """What a stage produces: hidden states (head/middle) or last-token logits (tail)."""
-
-    hidden: torch.Tensor | None = None  # (1, T, H) in the stage's activation dtype
-    # (V,) float32, tail only; verifying drafts (k + 1, V), or, where the tail verified
-    # them, the rows verification read (``DeferredRows``)
-    logits: torch.Tensor | None = None
-    token: SampledToken | None = None  # tail only, when the session samples
-    more: list[SampledToken] | None = None  # after ``token``: the tail kept drafts (ADR-0019)
-    compute_s: float = 0.0  # time on the compute thread (shared by a batch's steps)
 
 
 class Stage:
@@ -214,19 +182,9 @@ class Stage:
         guess_from: int | None = None,
     ) -> Generator[None, None, StepOutput]:
         """``step``, yielding between the layers of a prompt's pass (ADR-0053): its driver
-        may run other sessions' passes between them (``ComputeScheduler.stepwise``), and the
-        pass computes the same either way; returns the step's output.
-
-        ``drafts``: the step's last ``k`` input tokens are drafts to verify (speculative
-        decoding, ADR-0019): the tail samples every position and keeps drafts up to the
-        first it would not have produced; the next step may start inside the span.
-
-        Every check happens before any layer runs, so a rejected step leaves the session
-        exactly as it was (except that it may drop drafts the tail did not keep).
-
-        ``guess_from``: a guess step (its input is the head's guess, ADR-0019): a later step
-        may go back to any position from ``guess_from`` on.
-        """
+        may run other sessions' passes between them (``ComputeScheduler.stepwise``, which
+        also keeps the pass's context its own), and the pass computes the same either way;
+        returns the step's output. A driver that stops it (``close``) drops the session."""
         shard = self.shard
         session = self.sessions.get(session_id, owner=owner)
         if not isinstance(position, int) or position < 0:

@@ -1,15 +1,51 @@
-"""What a step may carry into a stage: token ids on a head, hidden states elsewhere, of the
-shard's sizes and types, 1 to ``limit`` rows; checked before any layer runs, so that a
-rejected step leaves its session as it was (an HTTP 400 with the field's name)."""
+"""What goes into a stage's step and what comes out: a decode step in a batch
+(``DecodeItem``), a step's output (``StepOutput``), and the checks on a step's input
+(``step_input``: token ids on a head, hidden states elsewhere, of the shard's sizes and
+types, 1 to ``limit`` rows, checked before any layer runs so that a rejected step leaves
+its session as it was, an HTTP 400 with the field's name)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshnet_common.errors import InvalidRequest
 from meshnet_node.engine.loader import LoadedShard
+from meshnet_node.engine.sampling import SampledToken
+
+if TYPE_CHECKING:
+    from meshnet_node.engine.ahead import Ahead
 
 _ACCEPTED_HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """One session's single-token step inside a batched decode call."""
+
+    session_id: str
+    position: int
+    token_ids: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    owner: str | None = None
+    sample: bool = True
+    guess_from: int | None = None  # a guess step (ADR-0019): may be rewound back to here
+    ahead: Ahead | None = None  # head and tail: may run on with what it samples (ADR-0047)
+
+
+@dataclass
+class StepOutput:
+    """What a stage produces: hidden states (head/middle) or last-token logits (tail)."""
+
+    hidden: torch.Tensor | None = None  # (1, T, H) in the stage's activation dtype
+    # (V,) float32, tail only; verifying drafts (k + 1, V), or, where the tail verified
+    # them, the rows verification read (``DeferredRows``)
+    logits: torch.Tensor | None = None
+    token: SampledToken | None = None  # tail only, when the session samples
+    more: list[SampledToken] | None = None  # after ``token``: the tail kept drafts (ADR-0019)
+    compute_s: float = 0.0  # time on the compute thread (shared by a batch's steps)
 
 
 def step_input(
