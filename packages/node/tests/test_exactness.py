@@ -161,3 +161,22 @@ def test_smollm2_bf16_steps_between_a_prompts_layers_change_no_bits(smollm2_snap
     assert len(got_b) == 9
     assert torch.equal(got_a, want_a)
     assert all(torch.equal(g, w) for g, w in zip(got_b, want_b, strict=True))
+
+
+def test_eager_attention_cuts_prompt_calls_to_its_scores_budget(tiny_snapshot, monkeypatch):
+    """Eager attention (Gemma 2 here, gpt-oss) holds rows x keys scores per head: a prompt
+    call is cut to keep a first call's within ``EAGER_SCORES_BYTES``, whole wire chunks; an
+    SDPA family's is not cut, and the cut calls still give the chunked reference's tokens."""
+    from meshnet_node.engine import families
+
+    gemma2, llama = tiny_snapshot("gemma2"), tiny_snapshot("llama")
+    heads = load_reference_model(gemma2, torch.float32).config.num_attention_heads
+    monkeypatch.setattr(families, "EAGER_SCORES_BYTES", 4 * heads * 300 * 300)
+    eager = three_stages(gemma2, 6, Precision.FLOAT32)
+    assert [s.prompt_call_tokens for s in eager] == [256, 256, 256]
+    assert three_stages(llama, 6, Precision.FLOAT32)[0].prompt_call_tokens == 8192
+    model = load_reference_model(gemma2, torch.float32)
+    prompt = prompt_ids(min(model.config.vocab_size, 200), length=300, seed=13)
+    ref_tokens, _ = hf_chunked_greedy(model, prompt, 6, chunk_tokens=256)
+    tokens, _ = split_greedy(eager, prompt, 6, chunk_tokens=256)
+    assert tokens == ref_tokens

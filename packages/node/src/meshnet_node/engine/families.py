@@ -9,6 +9,7 @@ these adapters instead of the stock base-model forward, which breaks on trimmed 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -291,6 +292,20 @@ def final_logits(config: PreTrainedConfig, lm_head: nn.Module, hidden: torch.Ten
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+# Eager attention (transformers' choice for Gemma 2 and gpt-oss) holds a call's scores, rows
+# x keys per head in float32: a prompt call is cut so that those of a prompt's first call
+# stay within this (ADR-0053). SDPA computes them in blocks: no cut.
+EAGER_SCORES_BYTES = 1 << 30
+
+
+def eager_call_rows(config: PreTrainedConfig) -> int:
+    """The most rows of a prompt call on a stage of ``config`` (unbounded: SDPA)."""
+    if getattr(config, "_attn_implementation", None) != "eager":
+        return 1 << 30
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+    return math.isqrt(EAGER_SCORES_BYTES // (4 * heads))
 
 
 def _decoder(family: str, model_class: type[nn.Module], **flags) -> FamilyAdapter:

@@ -15,7 +15,13 @@ from meshnet_node.caching.blocks import PrefixPlan
 from meshnet_node.caching.store import PrefixCache
 from meshnet_node.engine.bf16_upcast import torch_products
 from meshnet_node.engine.constraints import ConstraintFactory
-from meshnet_node.engine.families import attention_module, build_masks, final_logits, row_contexts
+from meshnet_node.engine.families import (
+    attention_module,
+    build_masks,
+    eager_call_rows,
+    final_logits,
+    row_contexts,
+)
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.row_attention import together_plain
 from meshnet_node.engine.sampling import DeferredRows
@@ -56,8 +62,8 @@ class Stage:
         self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
         # The most rows of a prompt one call computes: a prompt up to this long is one call
         # on every hop, as the unsplit model computes it (ADR-0053); a whole number of chunks.
-        calls = max(max_chunk_tokens, prompt_call_tokens)
-        self.prompt_call_tokens = calls - calls % max_chunk_tokens
+        calls = min(max(max_chunk_tokens, prompt_call_tokens), eager_call_rows(shard.config))
+        self.prompt_call_tokens = max(max_chunk_tokens, calls - calls % max_chunk_tokens)
         positions = [
             getattr(shard.config, n, 0) for n in ("max_position_embeddings", "n_positions")
         ]
