@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -15,6 +16,8 @@ from meshnet_common.errors import Conflict, NotFound
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.engine.sessions import Session
 from meshnet_node.settings import NodeSettings
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -81,18 +84,23 @@ class ChunkOrder:
         await self.advance(session_id)
         self._turns.pop(session_id, None)
 
-    def _turn(self, session_id: str) -> asyncio.Condition:
+    async def _until(self, session_id: str, ready: Callable[[], T], timeout_s: float) -> T:
+        """``ready()`` once it is true (checked again at every ``advance`` of the
+        session); TimeoutError after ``timeout_s``."""
+        value = ready()
+        if value:
+            return value
         cond = self._turns.get(session_id)
         if cond is None:
             cond = self._turns[session_id] = asyncio.Condition()
-        return cond
+        async with cond:
+            return await asyncio.wait_for(cond.wait_for(ready), timeout_s)
 
     async def wait_for_turn(self, req: Step, me: Waiting | None = None) -> None:
         """Pipelined prefill chunks may arrive out of order: wait until ours is next (or
         until an earlier chunk's pass took ours along)."""
         if req.chunk == 0:
             return
-        cond = self._turn(req.session_id)
 
         def session():
             return self.session_of(req.session_id)
@@ -107,20 +115,18 @@ class ChunkOrder:
         # the session) is never that far behind.
         settings = self.settings
         timeout = settings.turn_timeout_s if session() is not None else settings.open_timeout_s
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(ready), timeout)
-            except TimeoutError as exc:
-                if me is not None and me.taken:  # a long merged pass holds our result
-                    return
-                if session() is None:
-                    self._turns.pop(req.session_id, None)  # nothing will ever wake it
-                    raise NotFound(f"unknown session {req.session_id!r}") from exc
-                raise Conflict(
-                    f"chunk at position {req.position} never became next for session "
-                    f"{req.session_id}",
-                    code="wrong_position",
-                ) from exc
+        try:
+            await self._until(req.session_id, ready, timeout)
+        except TimeoutError as exc:
+            if me is not None and me.taken:  # a long merged pass holds our result
+                return
+            if session() is None:
+                self._turns.pop(req.session_id, None)  # nothing will ever wake it
+                raise NotFound(f"unknown session {req.session_id!r}") from exc
+            raise Conflict(
+                f"chunk at position {req.position} never became next for session {req.session_id}",
+                code="wrong_position",
+            ) from exc
 
     async def wait_for_open(self, req: Step) -> None:
         """A later chunk of a prompt that overtook the first (which opens the session here:
@@ -129,15 +135,11 @@ class ChunkOrder:
         def opened() -> bool:
             return self.session_of(req.session_id) is not None
 
-        if opened():
-            return
-        cond = self._turn(req.session_id)
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(opened), self.settings.open_timeout_s)
-            except TimeoutError as exc:
-                self._turns.pop(req.session_id, None)  # nothing will ever wake it
-                raise NotFound(f"unknown session {req.session_id!r}") from exc
+        try:
+            await self._until(req.session_id, opened, self.settings.open_timeout_s)
+        except TimeoutError as exc:
+            self._turns.pop(req.session_id, None)  # nothing will ever wake it
+            raise NotFound(f"unknown session {req.session_id!r}") from exc
 
     async def wait_for_pass(self, req: Step) -> None:
         """A replay's pass n waits until pass n - 1 (or, for the first, the prompt) ran here."""
@@ -150,17 +152,13 @@ class ChunkOrder:
                 and session.length >= req.position
             )
 
-        if ready():
-            return
-        cond = self._turn(req.session_id)
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(ready), self.settings.turn_timeout_s)
-            except TimeoutError as exc:
-                raise Conflict(
-                    f"replayed pass {req.replay_pass} of session {req.session_id} never became "
-                    "next", code="wrong_position",
-                ) from exc  # fmt: skip
+        try:
+            await self._until(req.session_id, ready, self.settings.turn_timeout_s)
+        except TimeoutError as exc:
+            raise Conflict(
+                f"replayed pass {req.replay_pass} of session {req.session_id} never became "
+                "next", code="wrong_position",
+            ) from exc  # fmt: skip
 
     async def advance(self, session_id: str) -> None:
         """Wake whatever waits on ``session_id``'s order (its state changed)."""
@@ -172,8 +170,8 @@ class ChunkOrder:
     async def call_chunks(self, me: Waiting, call: int) -> list[Waiting]:
         """``me`` and the chunks after it that make up its prompt call (ADR-0053): up to the
         session's ``call`` rows (its ``prompt_call``) or the prompt's last chunk (the sampled
-        one), waiting for those that have not arrived yet. A call's bits depend on its rows, so a pass
-        never computes part of one; the head cut the prompt into the same calls."""
+        one), waiting for those that have not arrived yet. A call's bits depend on its rows,
+        so a pass never computes part of one; the head cut the prompt into the same calls."""
         session_id = me.req.session_id
         begin = me.req.position
 
@@ -195,15 +193,10 @@ class ChunkOrder:
                 end += width
             return run
 
-        run = gathered()
-        if run is not None:
-            return run
-        cond = self._turn(session_id)
-        async with cond:
-            try:
-                return await asyncio.wait_for(cond.wait_for(gathered), self.settings.turn_timeout_s)
-            except TimeoutError as exc:
-                raise Conflict(
-                    f"the prompt chunks after position {begin} of session {session_id} never "
-                    "arrived", code="wrong_position",
-                ) from exc  # fmt: skip
+        try:
+            return await self._until(session_id, gathered, self.settings.turn_timeout_s)
+        except TimeoutError as exc:
+            raise Conflict(
+                f"the prompt chunks after position {begin} of session {session_id} never "
+                "arrived", code="wrong_position",
+            ) from exc  # fmt: skip

@@ -144,36 +144,10 @@ class Stage:
 
     # -- execution --------------------------------------------------------------------------
 
-    def step(
-        self,
-        session_id: str,
-        position: int,
-        *,
-        token_ids: torch.Tensor | None = None,
-        hidden: torch.Tensor | None = None,
-        owner: str | None = None,
-        sample: bool = True,
-        drafts: tuple[int, ...] = (),
-        guess_from: int | None = None,
-    ) -> StepOutput:
-        """Run ``T`` tokens starting at absolute ``position`` through this stage.
-
-        ``drafts``: the step's last ``k`` input tokens are drafts to verify (speculative
-        decoding, ADR-0019): the tail samples every position and keeps drafts up to the
-        first it would not have produced; the next step may start inside the span.
-
-        Every check happens before any layer runs, so a rejected step leaves the session
-        exactly as it was (except that it may drop drafts the tail did not keep).
-
-        ``guess_from``: a guess step (its input is the head's guess, ADR-0019): a later step
-        may go back to any position from ``guess_from`` on.
-        """
-        return drain(
-            self.stepping(
-                session_id, position, token_ids=token_ids, hidden=hidden, owner=owner,
-                sample=sample, drafts=drafts, guess_from=guess_from,
-            )
-        )  # fmt: skip
+    def step(self, session_id: str, position: int, **step) -> StepOutput:
+        """``stepping`` run whole: ``T`` tokens from absolute ``position`` through this
+        stage."""
+        return drain(self.stepping(session_id, position, **step))
 
     def stepping(
         self,
@@ -187,10 +161,22 @@ class Stage:
         drafts: tuple[int, ...] = (),
         guess_from: int | None = None,
     ) -> Generator[None, None, StepOutput]:
-        """``step``, yielding between the layers of a prompt's pass (ADR-0053): its driver
-        may run other sessions' passes between them (``ComputeScheduler.stepwise``, which
-        also keeps the pass's context its own), and the pass computes the same either way;
-        returns the step's output. A driver that stops it (``close``) drops the session."""
+        """Run ``T`` tokens starting at absolute ``position`` through this stage, yielding
+        between the layers of a prompt's pass (ADR-0053): its driver may run other sessions'
+        passes there (``ComputeScheduler.stepwise``, which keeps the pass's context its
+        own), and the pass computes the same either way; returns the step's output. A
+        driver that stops it (``close``) drops the session.
+
+        ``drafts``: the step's last ``k`` input tokens are drafts to verify (speculative
+        decoding, ADR-0019): the tail samples every position and keeps drafts up to the
+        first it would not have produced; the next step may start inside the span.
+
+        Every check happens before any layer runs, so a rejected step leaves the session
+        exactly as it was (except that it may drop drafts the tail did not keep).
+
+        ``guess_from``: a guess step (its input is the head's guess, ADR-0019): a later step
+        may go back to any position from ``guess_from`` on.
+        """
         shard = self.shard
         session = self.sessions.get(session_id, owner=owner)
         if not isinstance(position, int) or position < 0:
