@@ -406,6 +406,14 @@ class SamplingSpec(Strict):
         )
 
     @property
+    def score_end(self) -> int | None:
+        """Where a scored prompt's first call ends (ADR-0053): its rows before the last,
+        whose distributions score it, are one call, as a scorer's forward of all tokens but
+        the last computes them (lm-evaluation-harness's HF backend); None: not scored."""
+        scored = self.prompt_logprobs is not None and self.prompt_tokens > 1
+        return self.prompt_tokens - 1 if scored else None
+
+    @property
     def needs_history(self) -> bool:
         """Whether the tail must see the token ids (penalties count them; a grammar is
         advanced by them, replays included; prompt log-probabilities score them)."""

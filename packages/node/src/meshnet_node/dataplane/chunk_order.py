@@ -167,9 +167,9 @@ class ChunkOrder:
             async with cond:
                 cond.notify_all()
 
-    async def call_chunks(self, me: Waiting, call: int) -> list[Waiting]:
-        """``me`` and the chunks after it that make up its prompt call (ADR-0053): up to the
-        session's ``call`` rows (its ``prompt_call``) or the prompt's last chunk (the sampled
+    async def call_chunks(self, me: Waiting, call_end: int) -> list[Waiting]:
+        """``me`` and the chunks after it that make up its prompt call (ADR-0053): up to
+        position ``call_end`` (``Session.call_end``) or the prompt's last chunk (the sampled
         one), waiting for those that have not arrived yet. A call's bits depend on its rows,
         so a pass never computes part of one; the head cut the prompt into the same calls."""
         session_id = me.req.session_id
@@ -178,16 +178,12 @@ class ChunkOrder:
         def gathered() -> list[Waiting] | None:
             waiting = self._waiting.get(session_id, {})
             run, end = [me], begin + me.tensor.shape[1]
-            while not run[-1].req.sample and end - begin < call:
+            while not run[-1].req.sample and end < call_end:
                 nxt = waiting.get(end)
                 if nxt is None:
                     return None  # not here yet
                 width = nxt.tensor.shape[1]
-                if (
-                    nxt.taken
-                    or nxt.req.session_key != me.req.session_key
-                    or end + width - begin > call
-                ):
+                if nxt.taken or nxt.req.session_key != me.req.session_key or end + width > call_end:
                     break  # not this call's: it fails, or runs, on its own
                 run.append(nxt)
                 end += width

@@ -224,7 +224,7 @@ class NodeService:
                 req.session_id, sampling=spec.sampling if stage.shard.is_tail else None,
                 owner=req.session_key, start_layer=req.start_layer, record=record,
                 keep=PrefixPlan(spec.prefix_seed, spec.prompt_tokens) if spec.prefix_seed else None,
-                prompt_call=spec.prompt_call,
+                prompt_call=spec.prompt_call, score_end=spec.score_end,
             )  # fmt: skip
             opened = True
             if spec.prefix:  # docs/adr/0035: the cached blocks, then the rest of the prompt
@@ -338,8 +338,9 @@ class NodeService:
         weights is far cheaper than several small ones on a CPU.
         """
         session = stage.sessions.peek(me.req.session_id)
-        call = stage.max_chunk_tokens if session is None else session.prompt_call
-        run = await self.order.call_chunks(me, call)
+        position = me.req.position
+        end = position + stage.max_chunk_tokens if session is None else session.call_end(position)
+        run = await self.order.call_chunks(me, end)
         self.order.take(run)
         is_head = stage.shard.is_head
         merged = me.tensor if len(run) == 1 else torch.cat([m.tensor for m in run], dim=1)

@@ -112,8 +112,18 @@ class Session:
     ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     # The most rows of its prompt one call computes (ADR-0053): its head's choice, the same
-    # on every hop, so that each hop computes the prompt in the same calls.
+    # on every hop, so that each hop computes the prompt in the same calls; a scored
+    # prompt's first call ends before its last row (``SamplingSpec.score_end``).
     prompt_call: int = defaults.PROMPT_CALL_TOKENS
+    score_end: int | None = None
+
+    def call_end(self, position: int) -> int:
+        """Where the prompt call starting at ``position`` ends (the prompt's own end may
+        come first)."""
+        end = position + self.prompt_call
+        if self.score_end is not None and position < self.score_end < end:
+            return self.score_end
+        return end
 
     def expect_next(self, after: int, out) -> None:
         """After the tail sampled ``out`` (a StepOutput) for a step whose tokens (drafts
@@ -183,6 +193,7 @@ class SessionStore:
         record: bool = False,
         keep: PrefixPlan | None = None,
         prompt_call: int = defaults.PROMPT_CALL_TOKENS,
+        score_end: int | None = None,
     ) -> Session:
         """Create a session (``record``: keep its inputs for audits; ``keep``: what it
         leaves in the prefix cache when it closes; ``prompt_call``: its prompt's calls);
@@ -226,6 +237,7 @@ class SessionStore:
                 record=InputRecord() if record else None,
                 keep=keep if self.prefix is not None else None,
                 prompt_call=prompt_call,
+                score_end=score_end,
             )
             self._sessions[session_id] = session
             return session

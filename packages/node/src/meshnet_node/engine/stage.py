@@ -87,11 +87,13 @@ class Stage:
         record: bool = False,
         keep: PrefixPlan | None = None,
         prompt_call: int | None = None,
+        score_end: int | None = None,
     ) -> Session:
         """Open a session; ``start_layer`` (global) lets a chain enter mid-shard; ``record``
         keeps its inputs for audits (docs/adr/0026); ``keep``: docs/adr/0035;
         ``prompt_call``: the most rows of its prompt one call computes, as its head chose
-        (ADR-0053; at most this stage's ``prompt_call_tokens``, its default)."""
+        (ADR-0053; at most this stage's ``prompt_call_tokens``, its default); ``score_end``:
+        a scored prompt's first call ends there (``SamplingSpec.score_end``)."""
         layers = self.shard.layers
         start_layer = layers.start if start_layer is None else start_layer
         if not isinstance(start_layer, int) or start_layer not in layers:
@@ -111,6 +113,7 @@ class Stage:
             record=record and not self.shard.is_head,  # a head's input is the head's own
             keep=keep,
             prompt_call=self.prompt_call(prompt_call),
+            score_end=score_end,
         )
 
     def prompt_call(self, asked: int | None) -> int:
@@ -446,17 +449,14 @@ class Stage:
             self.close_session(session_id)
 
     def _score_prompt(self, session: Session, hidden: torch.Tensor, position: int, rows) -> None:
-        """Log-probs of the prompt's own tokens (``echo``), the pass's rows in one call, as
-        the unsplit model's forward computes them (ADR-0053)."""
+        """Log-probs of the prompt's own tokens (``echo``), the pass's rows in one call: a
+        scored prompt's first call is its rows before the last (ADR-0053), as a scorer's
+        forward computes them."""
         mods, sampler = self.shard.modules, session.sampler
-        call, end = session.prompt_call, position + hidden.shape[1]
-        for lo in range(rows.start, rows.stop, call):
-            hi = min(lo + call, rows.stop)
-            # The call's rows, the prompt's last one too where the pass holds it (its score
-            # is not asked for): the unsplit forward's logits are one call of all of them.
-            top = min(lo + call, end)
-            states = mods.norm(hidden[:, lo - position : top - position, :])
-            logits = final_logits(self.shard.config, mods.lm_head, states).float()[0, : hi - lo]
+        for lo in range(rows.start, rows.stop, session.prompt_call):
+            hi = min(lo + session.prompt_call, rows.stop)
+            states = mods.norm(hidden[:, lo - position : hi - position, :])
+            logits = final_logits(self.shard.config, mods.lm_head, states).float()[0]
             sampler.prompt.add(lo, torch.log_softmax(logits, dim=-1), sampler.history)
 
 

@@ -91,6 +91,7 @@ class HeadPasses:
             sampling=request.sampling,
             owner=chain.key,
             keep=self.prefixes.plan(request) if self.prefixes else None,
+            score_end=request.sampling.score_end,
         )
 
     async def prefill(
@@ -105,7 +106,8 @@ class HeadPasses:
         """Run the prompt through the local layers and send it on in wire chunks.
 
         The prompt is computed in calls of the session's ``prompt_call`` rows from where it
-        starts (one call for a prompt up to that long), as the unsplit model computes it;
+        starts (one call for a prompt up to that long; a scored prompt's first call ends
+        before its last row), as the unsplit model computes it;
         every hop gathers a call's wire chunks and computes them as one call too (ADR-0053).
         A call's chunks are sent as soon as it is computed, overlapping the next call.
         ``sends``: collect the chunks' sends there and return without waiting for them (a
@@ -120,7 +122,10 @@ class HeadPasses:
         begin = len(prefix) * BLOCK_TOKENS
         head = stage.sessions.peek(session_id)
         call = stage.prompt_call(None) if head is None else head.prompt_call
-        bounds = [*range(begin, len(ids), call), len(ids)]
+        bounds = [begin]
+        while bounds[-1] < len(ids):  # the calls every hop cuts alike (``Session.call_end``)
+            end = bounds[-1] + call if head is None else head.call_end(bounds[-1])
+            bounds.append(min(end, len(ids)))
         # The first chunk opens the session on every hop (``audited``: each keeps its inputs).
         opening = OpenSpec.of(
             request.sampling, start_layer=stage.shard.layers.end, audit=self.audited,
