@@ -581,13 +581,16 @@ def test_chain_of_three_nodes_matches_reference(chain_head, middle, tail, tokeni
     assert [len(n.sessions) for n in nodes] == held  # every hop's session was freed
 
 
-@pytest.mark.parametrize(("length", "call"), [(300, None), (700, 256)])
+@pytest.mark.parametrize(("length", "call", "scored"), [(300, None, False), (700, 256, False),
+                                                        (300, None, True)])  # fmt: skip
 def test_a_prompt_is_computed_in_its_calls_on_every_hop(
-    chain_head, middle, tail, tokenizer, reference, monkeypatch, length, call
+    chain_head, middle, tail, tokenizer, reference, monkeypatch, length, call, scored
 ):  # fmt: skip
     """A prompt travels in 128-token wire chunks, but every hop computes it in the calls its
     head chose (ADR-0053): the whole prompt in one call, as the unsplit model does (up to
-    ``--prompt-call-tokens``: a shorter call cuts it from its start on every hop alike)."""
+    ``--prompt-call-tokens``: a shorter call cuts it from its start on every hop alike); a
+    scored one (``echo`` with ``logprobs``) all its rows but the last in one, as a scorer's
+    forward, then its last row alone (a pass of one row, not recorded here)."""
     nodes = (chain_head, middle, tail)
     passes: dict[int, list[tuple[int, int]]] = {i: [] for i in range(3)}
     for i, node in enumerate(nodes):
@@ -605,11 +608,16 @@ def test_a_prompt_is_computed_in_its_calls_on_every_hop(
         monkeypatch.setattr(chain_head.runtime.service.stage, "prompt_call_tokens", call)
     prompt = [(i * 29) % 400 + 5 for i in range(length)]
     request = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4, **GREEDY}
+    if scored:
+        request.update(echo=True, logprobs=1)
     resp = chain_head.http.post("/v1/completions", json=request)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["text"] == greedy_text(tokenizer, reference, prompt, 4)
+    text = resp.json()["choices"][0]["text"]
+    assert text.endswith(greedy_text(tokenizer, reference, prompt, 4))
     cut = call or length
     want = [(lo, min(cut, length - lo)) for lo in range(0, length, cut)]
+    if scored:
+        want = [(0, length - 1)]
     assert passes == {0: want, 1: want, 2: want}
 
 

@@ -11,7 +11,9 @@ from baselines import split_greedy
 from meshnet_common.errors import CapacityExceeded, Conflict, InvalidRequest, NotFound
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
+from meshnet_common.protocol import SamplingSpec
 from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.sessions import Session
 from meshnet_node.engine.stage import Stage
 
 
@@ -130,3 +132,15 @@ def test_bad_session_ids_are_refused(llama_stages):
     for bad in ["", "a" * 129, "../x", "sp ace"]:
         with pytest.raises(InvalidRequest):
             llama_stages[0].open_session(bad)
+
+
+def test_a_scored_prompts_calls_end_before_its_last_row():
+    """ADR-0053: a prompt's calls are ``prompt_call`` rows from its start; a scored one's
+    (``SamplingSpec.score_end``) also ends before its last row."""
+    assert SamplingSpec(prompt_tokens=300, prompt_logprobs=0).score_end == 299
+    assert SamplingSpec(prompt_tokens=300).score_end is None
+    assert SamplingSpec(prompt_tokens=1, prompt_logprobs=0).score_end is None
+    plain = Session("p", cache=None, prompt_call=256)
+    assert [plain.call_end(p) for p in (0, 256)] == [256, 512]
+    scored = Session("s", cache=None, prompt_call=256, score_end=299)
+    assert [scored.call_end(p) for p in (0, 256, 299)] == [256, 299, 555]
