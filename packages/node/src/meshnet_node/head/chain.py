@@ -107,9 +107,9 @@ class HeadPasses:
 
         The prompt is computed in calls of the session's ``prompt_call`` rows from where it
         starts (one call for a prompt up to that long; a scored prompt's first call ends
-        before its last row), as the unsplit model computes it;
-        every hop gathers a call's wire chunks and computes them as one call too (ADR-0053).
-        A call's chunks are sent as soon as it is computed, overlapping the next call.
+        before its last row), as the unsplit model computes it; every hop gathers a call's
+        wire chunks and computes them as one call too (ADR-0053). A call's chunks are sent
+        as soon as it is computed, overlapping the next call.
         ``sends``: collect the chunks' sends there and return without waiting for them (a
         replay, docs/adr/0023).
         """

@@ -20,8 +20,9 @@ down the chain in lockstep, one stage computing while the others wait. A session
 micro-batch (*slot*) from its first decode step on, given the least filled one (as vLLM
 gives a request one virtual engine); a pass takes the steps of one slot.
 
-A prompt pass is one of its calls (ADR-0053: the whole prompt, up to ``--prompt-call-tokens``):
-other sessions' decode steps wait behind it, as they would behind any pass.
+A prompt pass is one of its calls (ADR-0053: the whole prompt, up to ``--prompt-call-tokens``),
+submitted a layer at a time when longer than a wire chunk (``ComputeScheduler.stepwise``):
+other sessions' decode steps run between its layers.
 A pass known to be short takes one of the host's compute turns (``turn_max_s``), so that the
 nodes sharing a host do not compute at once; a long one, or one of unknown length, takes
 none: no node waits long behind another's prompt.
