@@ -63,6 +63,10 @@ def test_a_bad_env_value_names_its_flag_and_env(monkeypatch):
         ValueError, match=r"--heartbeat-interval \[env MESHNET_HEARTBEAT_INTERVAL\]"
     ):
         node()
+    monkeypatch.delenv("MESHNET_HEARTBEAT_INTERVAL")
+    monkeypatch.setenv("MESHNET_PROMPT_CALL_TOKENS", "0")  # a prompt's call: some rows
+    with pytest.raises(ValueError, match=r"--prompt-call-tokens .*must be > 0"):
+        node()
 
 
 def test_a_bad_env_value_is_one_cli_line(monkeypatch):

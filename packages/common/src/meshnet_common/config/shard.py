@@ -338,7 +338,9 @@ class ShardSettings(listening.ListenSettings):
             raise ValueError("must lie in [0, 1]")
         return value
 
-    @field_validator("max_prompts", "max_choices", "max_stop_chars", "prepare_timeout_s")
+    @field_validator(
+        "max_prompts", "max_choices", "max_stop_chars", "prepare_timeout_s", "prompt_call_tokens"
+    )
     @classmethod
     def _positive(cls, value):
         if not value > 0:
