@@ -119,7 +119,9 @@ def run(models_dir: Path, threads: int, quick: bool) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(models_dir / SMOLLM2_MODEL_ID)
-    swarm = Swarm(models_dir, SMOLLM2_MODEL_ID, RANGES, threads)
+    # The cache is opt-in (ADR-0054): every process of this section turns it on.
+    extra = {i: ["--prefix-cache"] for i in range(len(RANGES))}
+    swarm = Swarm(models_dir, SMOLLM2_MODEL_ID, RANGES, threads, extra=extra)
     try:
         swarm.start()
         swarm.wait_ready()

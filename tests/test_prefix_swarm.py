@@ -21,9 +21,11 @@ SYSTEM = "You are a careful assistant. " + " ".join(
 def tracker(smollm2_snapshot, models_dir, tmp_path_factory):
     swarm = Swarm(models_dir, tmp_path_factory.mktemp("prefix-logs"), heartbeat_s=0.5)
     try:
-        tracker = swarm.tracker("--model-id", MODEL, "--shard-start", "0", "--shard-end", "10")
-        swarm.node(tracker, MODEL, 10, 20)
-        swarm.node(tracker, MODEL, 20, 30)
+        tracker = swarm.tracker(
+            "--model-id", MODEL, "--shard-start", "0", "--shard-end", "10", "--prefix-cache"
+        )
+        swarm.node(tracker, MODEL, 10, 20, "--prefix-cache")
+        swarm.node(tracker, MODEL, 20, 30, "--prefix-cache")
         for proc in swarm.procs:
             proc.wait_healthy()
         wait_for(lambda: covered(tracker, MODEL), timeout=60)

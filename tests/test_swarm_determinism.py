@@ -132,12 +132,29 @@ def test_long_prompts_score_as_hfs_one_forward(swarm, smollm2_snapshot, bf16_mod
 def test_a_long_prompt_continues_as_hf_generate(swarm, smollm2_snapshot, bf16_model):
     """A 400-token prompt (four wire chunks) never seen before: the greedy text and its
     log-probs equal HF's ``generate`` in bfloat16, at default flags."""
-    prompt = _corpus_ids(smollm2_snapshot, 501, 400)
+    _assert_generates_as_hf(swarm, smollm2_snapshot, bf16_model,
+                            _corpus_ids(smollm2_snapshot, 501, 400))  # fmt: skip
+
+
+def test_prompts_sharing_a_long_prefix_each_continue_as_hf_generate(
+    swarm, smollm2_snapshot, bf16_model
+):
+    """Few-shot generations (lm-evaluation-harness's) share hundreds of tokens of prompt:
+    one after another, each equals HF's ``generate`` of it alone. At default flags nothing
+    of the first is reused for the second (the prefix cache is opt-in, ADR-0054)."""
+    shared = _corpus_ids(smollm2_snapshot, 900, 300)
+    for offset in (1300, 1500):
+        prompt = shared + _corpus_ids(smollm2_snapshot, offset, 40)
+        _assert_generates_as_hf(swarm, smollm2_snapshot, bf16_model, prompt)
+
+
+def _assert_generates_as_hf(swarm, smollm2_snapshot, bf16_model, prompt: list[int]) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
             "ignore_eos": True, "logprobs": 1}  # fmt: skip
     resp = httpx.post(f"{swarm.url}/v1/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
+    assert "prompt_tokens_details" not in resp.json()["usage"]  # no cached tokens
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = bf16_model.generate(

@@ -55,7 +55,7 @@ class Hops(httpx.AsyncBaseTransport):
 
 def settings_for(snapshot: Path, start: int, end: int, quantization: str) -> NodeSettings:
     return NodeSettings(model_id=MODEL_ID, model_path=snapshot, layers=LayerRange(start, end),
-                        quantization=quantization)  # fmt: skip
+                        quantization=quantization, prefix_cache=True)  # fmt: skip
 
 
 @contextmanager

@@ -68,7 +68,8 @@ def test_all_callers_together_hold_a_bounded_number_of_promises():
 
 def test_the_probe_route_bounds_a_callers_promises(tiny_snapshot):
     settings = NodeSettings(model_id="meshnet-tiny/llama", model_path=tiny_snapshot("llama"),
-                            layers=LayerRange(0, 2), quantization=Precision.FLOAT32)  # fmt: skip
+                            layers=LayerRange(0, 2), quantization=Precision.FLOAT32,
+                            prefix_cache=True)  # fmt: skip
     runtime = build_runtime(settings, route_provider=no_route)
     cache = runtime.service.stage.sessions.prefix
     cache.save(HASHES, IDS, object(), 0)

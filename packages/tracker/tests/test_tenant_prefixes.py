@@ -66,7 +66,7 @@ def test_a_second_key_sees_no_cached_tokens_of_the_firsts_prompt(models_dir, lla
     """The tracker node answers in-process: the head sees the key itself."""
     settings = TrackerSettings(
         models_dir=models_dir, model_id=LLAMA, shard_start=0, shard_end=6,
-        quantization="float32", verify_nodes=False, api_key_file=key_file,
+        quantization="float32", verify_nodes=False, api_key_file=key_file, prefix_cache=True,
     )  # fmt: skip
     node = TrackerNode.build(settings, llama_snapshot, "http://127.0.0.1:8080")
     with TestClient(create_app(settings, node)) as tracker:
@@ -82,7 +82,8 @@ def test_a_head_behind_the_tracker_keeps_keys_apart_without_seeing_them(
     """The tracker checks the keys and names each one's tenant to the head beside the swarm
     token; the head holds no key (and would need none of the client's Authorization)."""
     settings = NodeSettings(model_id=LLAMA, model_path=llama_snapshot, layers=LayerRange(0, 6),
-                            quantization=Precision.FLOAT32, swarm_token=TOKEN)  # fmt: skip
+                            quantization=Precision.FLOAT32, swarm_token=TOKEN,
+                            prefix_cache=True)  # fmt: skip
     runtime = build_runtime(settings, route_provider=no_route)
     tracker_settings = TrackerSettings(
         models_dir=models_dir, verify_nodes=False, swarm_token=TOKEN, api_key_file=key_file

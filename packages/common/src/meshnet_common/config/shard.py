@@ -102,9 +102,11 @@ class ShardSettings(listening.ListenSettings):
     )  # fmt: skip
     max_sessions: int = knob(256, "most sessions open at once (beyond: 503)", group=MODEL)
     prefix_cache: bool = knob(
-        True, "keep finished sessions' prompts in 128-token blocks in the KV budget, so that a "
+        False, "keep finished sessions' prompts in 128-token blocks in the KV budget, so that a "
         "prompt starting with them (the next turn of a chat, a shared system prompt) skips "
-        "their computation on every hop (docs/adr/0035)", group=MODEL, action="bool",
+        "their computation on every hop: faster, but past those blocks the output is no longer "
+        "the unsplit model's bits, which compute the whole prompt in one call (docs/adr/0035, "
+        "ADR-0054)", group=MODEL, action="bool",
     )  # fmt: skip
     max_model_len: int | None = knob(
         None, "longest prompt + completion a request may use; longer ones are refused up front "
