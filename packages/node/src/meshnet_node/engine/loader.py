@@ -38,6 +38,7 @@ from meshnet_node.kernels import bf16_dot
 from meshnet_node.kernels import packed as packed_kernels
 from meshnet_node.kernels.fused_linears import fuse_siblings
 from meshnet_node.kernels.row_stable import route_alone, route_rows
+from meshnet_node.lowbit.cuda_int4 import to_tinygemm
 from meshnet_node.lowbit.gguf_blocks import GROUP as GGUF_GROUP
 from meshnet_node.lowbit.gguf_blocks import GgufTensors, kept_lm_head
 from meshnet_node.lowbit.gguf_embedding import gguf_embedding
@@ -363,6 +364,8 @@ def load_shard(
     for layer in modules.layers:  # a batched step runs each attention module once (ADR-0028)
         enable_together(attention_module(layer))
     modules.to(device)
+    if precision is Precision.INT4 and torch.device(device).type == "cuda":
+        to_tinygemm(modules, torch.device(device))  # torch's int4 kernel reads the codes (ADR-0055)
     if fuse:  # q/k/v and gate/up as one product each, where that is bit for bit (ADR-0037)
         fuse_siblings(modules.layers, threads)
     if bf16_kernel:

@@ -60,6 +60,14 @@ class PackedLinear(nn.Module):
             start = end
         return fused, parts
 
+    def hold(self, weight: PackedWeight) -> None:
+        """Hold ``weight`` in place of the current one: the same matrix in another form
+        (``lowbit.cuda_int4``), its tensors the module's buffers instead."""
+        for name in self.packed.tensors():
+            delattr(self, f"packed_{name}")
+        self.packed = weight
+        _hold(self, "packed_", weight)
+
     def _weights(self) -> dict[str, PackedWeight]:
         return {"packed_": self.packed}
 
