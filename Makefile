@@ -11,7 +11,7 @@ PORT ?= 8080
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint format swarm demo bench soak clean models
+.PHONY: install test lint format swarm demo bench soak clean models gpu-wheels
 
 install: $(STAMP)
 
@@ -59,6 +59,13 @@ bench: install
 # are killed, restarted and drained; e.g. SOAK_ARGS="--minutes 5 --clients 8".
 soak: install
 	$(PY) bench/churn_bench.py $(SOAK_ARGS)
+
+# Wheels the GPU device machine lacks (bench/gpu_wheels.txt, Python 3.12), for bench/gpu_check.sh.
+gpu-wheels: install
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --abi cp312 --abi abi3 --abi none --platform manylinux_2_31_x86_64 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d .cache/gpu-wheels -r bench/gpu_wheels.txt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
