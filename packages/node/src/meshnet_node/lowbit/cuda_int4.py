@@ -105,6 +105,11 @@ class TinygemmInt4:
             and weight.out_features % ROWS_MULTIPLE == 0
             and weight.in_features % weight.group == 0
             and inner_k_tiles(weight.in_features) is not None
+            # its codes unpack on the device (a layout only torch's CPU op reads does not)
+            and (
+                weight.packed.device.type == "cpu"
+                or intpack.int4_block_n(weight.out_features) is not None
+            )
         )
 
     @classmethod
