@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,8 +214,12 @@ def complete(
 
 
 def ttft_ms(client: httpx.Client, url: str, model_id: str, prompt: list[int]) -> float:
-    """Milliseconds from sending a streamed request (max_tokens 1) to its first SSE data chunk."""
-    body = completion_body(model_id, prompt, 1, stream=True)
+    """Milliseconds from sending a streamed request (max_tokens 1) to its first SSE data chunk.
+
+    Each request carries a ``cache_salt`` of its own, so that a swarm run with
+    ``--prefix-cache`` computes the prompt again rather than reuse the last run's blocks
+    (ADR-0054: before, repeated runs of one prompt timed cache hits)."""
+    body = completion_body(model_id, prompt, 1, stream=True, cache_salt=uuid.uuid4().hex)
     t0 = time.perf_counter()
     first = None
     with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
