@@ -46,6 +46,7 @@ from meshnet_node.head.generation import HeadGenerator
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.serving import OpenAIServing, RouteProvider
 from meshnet_node.model_files import draft_snapshot, snapshot_created, tokenizer_source
+from meshnet_node.programs.graphs import CudaRecorder
 from meshnet_node.settings import NodeSettings
 from meshnet_node.speculation.draft_model import DraftModel
 from meshnet_node.speculation.drafting import SpeculationSettings
@@ -206,6 +207,8 @@ def load_stage(settings: NodeSettings) -> Stage:
         idle_timeout_s=settings.session_idle_timeout_s, max_sessions=settings.max_sessions,
         output_fault=noisy_outputs(settings.test_only_perturb),  # tests only; None: a real node
         prefix_cache=PrefixCache() if settings.prefix_cache else None, engine=settings.engine,
+        graphs=CudaRecorder(shard.device)
+        if settings.cuda_graphs and shard.device.type == "cuda" else None,  # ADR-0056
     )  # fmt: skip
 
 

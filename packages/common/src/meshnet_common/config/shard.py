@@ -90,6 +90,8 @@ class ShardSettings(listening.ListenSettings):
         "(ADR-0044), others as program: decode steps with transformers' numbers (ADR-0041)",
         group=MODEL, choices=("native", "program", "modules"),
     )  # fmt: skip
+    cuda_graphs: bool = knob(True, "on CUDA, replay a session's one-token decode steps from "
+                             "a captured CUDA graph (ADR-0056)", group=MODEL, action="bool")  # fmt: skip
     widen_bf16: bool = knob(
         False, "on a CPU without bfloat16 arithmetic (no AVX-512), multiply calls of many rows "
         "(prompts, batched steps, drafts) in float32 on the bf16 weights: 2-4.6x faster there, "

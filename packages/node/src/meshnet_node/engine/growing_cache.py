@@ -119,6 +119,8 @@ def _growing(caches: Sequence[Cache], layer_idx: int, keys: torch.Tensor,
     offloading), else None."""
     if keys.dim() != 4 or values.dim() != 4 or keys.shape[2] != 1 or values.shape[2] != 1:
         return None
+    if keys.device.type != "cpu":  # the C++ copies host memory
+        return None
     layers = []
     for cache in caches:
         if type(cache) is not DynamicCache or cache.offloading or len(cache.layers) <= layer_idx:

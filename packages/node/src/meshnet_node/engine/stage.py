@@ -29,6 +29,7 @@ from meshnet_node.engine.sessions import Session, SessionStore, crop_cache
 from meshnet_node.engine.step_io import DecodeItem, StepOutput, step_input
 from meshnet_node.lowbit.packed import prompt_calls
 from meshnet_node.programs import StageLayers, drain
+from meshnet_node.programs.graphs import DecodeGraphs, Recorder
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Stage:
         output_fault: Callable[[torch.Tensor], torch.Tensor] | None = None,
         prefix_cache: PrefixCache | None = None,  # finished sessions' prefixes (ADR-0035)
         engine: str = "native",  # the stage's passes' path (ADR-0041, 0044: StageLayers)
+        graphs: Recorder | None = None,  # one-token steps replayed from graphs (ADR-0056)
     ) -> None:
         self.shard = shard
         adapter = shard.adapter
@@ -68,6 +70,14 @@ class Stage:
             getattr(shard.config, n, 0) for n in ("max_position_embeddings", "n_positions")
         ]
         self.max_positions = int(positions[0] or positions[1] or 1 << 20)
+        self.graphs: DecodeGraphs | None = None
+        if graphs is not None and self.layers.engine == "program":
+            mods = shard.modules
+            self.graphs = DecodeGraphs(
+                self.layers.programs, shard.layer_types,  # type: ignore[arg-type]
+                lambda h, p, types: adapter.position_embeddings(mods.rotary, h, p, types),
+                graphs, limit=self.max_positions,
+            )  # fmt: skip
         self.sessions = SessionStore(
             shard.stage_config,
             kv_budget_tokens=kv_budget_tokens,
@@ -401,20 +411,26 @@ class Stage:
             hidden = inputs.to(device=device, dtype=shard.activation_dtype)  # (1, T, H)
         cache = session.cache
         first = session.first_layer
-        masks = (  # the native engine attends by position: it reads no mask
-            {}
-            if self.layers.native is not None
-            else build_masks(shard.stage_config, shard.layer_types, hidden, cache, position_ids, first)
-        )  # fmt: skip
-        rotary = shard.adapter.position_embeddings(
-            mods.rotary, hidden, position_ids, shard.layer_types[first:]
-        )
-        args = {"first": first, "masks": masks, "rotary": rotary, "position_ids": position_ids,
-                "cache": cache}  # fmt: skip
-        if num_tokens > 1:  # a prompt's pass: others may run between its layers (ADR-0053)
-            hidden = yield from self.layers.stepping(hidden, **args)
+        replayed = None
+        if num_tokens == 1 and self.graphs is not None:
+            replayed = self.graphs.step(hidden, position, cache, first)
+        if replayed is not None:
+            hidden = replayed
         else:
-            hidden = self.layers.run(hidden, **args)
+            masks = (  # the native engine attends by position: it reads no mask
+                {}
+                if self.layers.native is not None
+                else build_masks(shard.stage_config, shard.layer_types, hidden, cache, position_ids, first)
+            )  # fmt: skip
+            rotary = shard.adapter.position_embeddings(
+                mods.rotary, hidden, position_ids, shard.layer_types[first:]
+            )
+            args = {"first": first, "masks": masks, "rotary": rotary,
+                    "position_ids": position_ids, "cache": cache}  # fmt: skip
+            if num_tokens > 1:  # a prompt's pass: others may run between its layers (ADR-0053)
+                hidden = yield from self.layers.stepping(hidden, **args)
+            else:
+                hidden = self.layers.run(hidden, **args)
         if not shard.is_tail:
             return StepOutput(hidden=self._emit(hidden.to(shard.activation_dtype)))
         scores = None if session.sampler is None else session.sampler.prompt

@@ -135,6 +135,8 @@ def layer_step(layer: nn.Module, attn: nn.Module, layout: Any) -> Any | None:
     kernels = intpack.module()
     if kernels is None or not hasattr(kernels, "LayerStep"):
         return None
+    if layer.input_layernorm.weight.device.type != "cpu":  # the C++ reads host memory
+        return None
     if layout.packed or layout.sandwich or layout.qk_norm:
         return None
     mlp = layer.mlp
