@@ -170,8 +170,10 @@ def meshnet(args, models_dir: Path, shape: str, layers: int, nodes: int, flags: 
             complete(client, url, swarm.model_id, prompt(), 4)  # warm-up
             runs = [complete(client, url, swarm.model_id, prompt(), args.tokens)
                     for _ in range(args.runs)]  # fmt: skip
+            # each token's text, untimed: a random model's byte tokens make no whole text
+            scored = complete(client, url, swarm.model_id, prompt(), args.tokens, logprobs=0)
         out = {"ready_s": ready, "one": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
-               "text": runs[0]["text"]}  # fmt: skip
+               "pieces": scored["response"]["choices"][0]["logprobs"]["tokens"]}  # fmt: skip
         if streams:
             out["streams"] = statistics.median(
                 asyncio.run(_streams(url, swarm.model_id, args.streams, args.tokens))
@@ -189,6 +191,9 @@ def measure(args, models_dir: Path, shape: str) -> dict:
     layers = SHAPES[shape]["layers"]
     res = {"hf": hf_eager(args, snapshot), "bytes_per_token": bytes_per_token(snapshot)}
     res["one_node"] = meshnet(args, models_dir, shape, layers, 1, [], streams=False)
+    if args.device == "cuda":  # what the decode graphs give (ADR-0056)
+        res["one_node_no_graphs"] = meshnet(args, models_dir, shape, layers, 1,
+                                            ["--no-cuda-graphs"], streams=False)  # fmt: skip
     res["three_nodes"] = meshnet(args, models_dir, shape, layers, 3, [], streams=True)
     if shape in args.int4:
         res["three_nodes_int4"] = meshnet(args, models_dir, shape, layers, 3,
@@ -197,10 +202,11 @@ def measure(args, models_dir: Path, shape: str) -> dict:
     if "tokens" in res["hf"]:  # greedy text against HF eager's (bf16 runs)
         from transformers import AutoTokenizer
 
-        text = AutoTokenizer.from_pretrained(snapshot).decode(res["hf"]["tokens"])
-        for name in ("one_node", "three_nodes"):
-            if "text" in res[name]:
-                res[name]["same_text_as_hf"] = res[name]["text"] == text
+        tokenizer = AutoTokenizer.from_pretrained(snapshot)
+        pieces = [tokenizer.decode([t]) for t in res["hf"]["tokens"]]
+        for name in ("one_node", "one_node_no_graphs", "three_nodes"):
+            if "pieces" in res.get(name, {}):
+                res[name]["same_text_as_hf"] = res[name]["pieces"] == pieces
     return res
 
 
@@ -224,6 +230,11 @@ def report(results: dict, bandwidth: float | None, streams: int) -> None:
         rows.append([f"{shape}, one stream", _fig(hf.get("one"), limit), _fig(one.get("one"), limit),
                      _fig(three.get("one"), limit) + (f", {hop:.2f} ms/hop" if hop else ""),
                      f"{limit:.0f}" if limit else "—"])  # fmt: skip
+        if "one_node_no_graphs" in res:
+            eager = res["one_node_no_graphs"]
+            vs = f" (graphs {one['one'] / eager['one']:.2f}x)" if "one" in one and "one" in eager else ""  # fmt: skip
+            rows.append([f"{shape}, one stream, --no-cuda-graphs", "—",
+                         _fig(eager.get("one"), limit) + vs, "—", "—"])  # fmt: skip
         rows.append([f"{shape}, {streams} streams", _fig(hf.get("batch"), None), "—",
                      _fig(three.get("streams"), None), "—"])  # fmt: skip
         if "three_nodes_int4" in res:
@@ -232,11 +243,11 @@ def report(results: dict, bandwidth: float | None, streams: int) -> None:
             vs = f" = {int4['one'] / three['one']:.2f}x bf16" if "one" in int4 and "one" in three else ""  # fmt: skip
             rows.append([f"{shape} int4, one stream", "—", "—", _fig(int4.get("one"), ilimit) + vs,
                          f"{ilimit:.0f}" if ilimit else "—"])  # fmt: skip
-        for name in ("hf", "one_node", "three_nodes", "three_nodes_int4"):
+        for name in ("hf", "one_node", "one_node_no_graphs", "three_nodes", "three_nodes_int4"):
             if "error" in res.get(name, {}):
                 print(f"  {shape} {name}: {res[name]['error']}")
-        same = {n: res[n]["same_text_as_hf"] for n in ("one_node", "three_nodes")
-                if "same_text_as_hf" in res[n]}  # fmt: skip
+        same = {n: res[n]["same_text_as_hf"] for n in ("one_node", "one_node_no_graphs", "three_nodes")
+                if "same_text_as_hf" in res.get(n, {})}  # fmt: skip
         if same:
             print(f"  {shape}: greedy text equal to HF eager's: {same}")
         ready = [res[n]["ready_s"] for n in ("one_node", "three_nodes") if "ready_s" in res[n]]
