@@ -76,15 +76,16 @@ def test_sliding_window_stages_run_their_steps_as_before(tiny_snapshot):
     assert all(torch.equal(a, b) for a, b in zip(replayed[1], eager[1], strict=True))
 
 
-def test_batched_steps_between_replays_write_the_same_buffers(tiny_snapshot):
-    """Sessions decoded one at a time (replayed) then batched (the modules' path, into the
-    graphs' buffers) keep the tokens of stages without graphs; a replay after a batched
-    step needs no new graph."""
+@pytest.mark.parametrize("precision", [Precision.BFLOAT16, Precision.FLOAT32], ids=str)
+def test_batched_steps_between_replays_write_the_same_buffers(tiny_snapshot, precision):
+    """Sessions decoded one at a time, then batched, in turn, each replayed (a batch of
+    distinct sessions is one graph of a row each, over the sessions' own buffers): the
+    tokens of stages without graphs; a replay after a batched step needs no new graph."""
     snapshot = tiny_snapshot("llama")
     ranges = ((0, 3), (3, 6))
 
     def run(recorder, batched_every: int) -> dict[str, list[int]]:
-        pair = stages(snapshot, Precision.FLOAT32, recorder, ranges)
+        pair = stages(snapshot, precision, recorder, ranges)
         tokens = {}
         for batched in (False, True) * batched_every:
             for sid, out in decode_sessions(pair, batched, steps=3).items():
@@ -93,9 +94,10 @@ def test_batched_steps_between_replays_write_the_same_buffers(tiny_snapshot):
 
     recorder = EagerRecorder()
     assert run(recorder, 2) == run(None, 2)
-    # three sessions on two stages: a graph each in the first run of one-at-a-time steps;
-    # the second run's sessions find IDLE of them free on each stage; batched runs none
-    assert recorder.captures == 3 * 2 + (3 - DecodeGraphs.IDLE) * 2
+    # per stage, first run: a graph per session (3), one for the batch of all three (1);
+    # second run: IDLE of the closed sessions' slots were kept with their graphs, so one
+    # session needs a graph (1), and the batch of slots is a new one (1)
+    assert recorder.captures == 2 * (3 + 1 + (3 - DecodeGraphs.IDLE) + 1)
 
 
 def test_verification_passes_and_rewinds_between_replays(tiny_snapshot):
@@ -140,7 +142,7 @@ def test_a_closed_sessions_graph_serves_the_next_session(tiny_snapshot):
         assert split_greedy([stage], PROMPT[:n], 4)[0] == split_greedy([plain], PROMPT[:n], 4)[0]
     assert recorder.captures == 1
     gc.collect()
-    assert len(stage.graphs._graphs) == 0
+    assert len(stage.graphs._slots) == 0  # the last session's slot waits for the next
 
 
 def test_a_capture_that_fails_leaves_the_steps_as_they_were(tiny_snapshot, caplog):
@@ -171,3 +173,18 @@ def test_cuda_graphs_give_the_eager_stages_tokens(tiny_snapshot, precision):
     assert replayed[0] == eager[0]
     whole = split_greedy(stages(snapshot, precision, recorder, ((0, 6),), device), PROMPT, 20)
     assert all(torch.equal(a, b) for a, b in zip(replayed[1], whole[1], strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_of_batched_steps_give_the_eager_stages_tokens(tiny_snapshot):
+    snapshot = tiny_snapshot("llama")
+    ranges = ((0, 3), (3, 6))
+    eager = stages(snapshot, Precision.BFLOAT16, None, ranges, "cuda")
+    graphed = stages(
+        snapshot, Precision.BFLOAT16, CudaRecorder(torch.device("cuda")), ranges, "cuda"
+    )
+    for batched in (False, True, True):
+        assert decode_sessions(graphed, batched, steps=6) == decode_sessions(
+            eager, batched, steps=6
+        )

@@ -346,10 +346,18 @@ class Stage:
             hidden = torch.cat(inputs).to(device=device, dtype=shard.activation_dtype)
         first = sessions[0].first_layer
         caches = [session.cache for session in sessions]
-        rows_for = row_contexts(shard.adapter, mods.rotary, shard.stage_config, shard.layer_types,
-                                caches, hidden, position_ids, first)  # fmt: skip
-        together = all(together_plain(attention_module(lay), caches) for lay in mods.layers[first:])  # fmt: skip
-        hidden = self.layers.run_batch(hidden, first=first, rows_for=rows_for, together=together)
+        replayed = None
+        if self.graphs is not None:  # distinct sessions' rows (not drafts): ADR-0056
+            replayed = self.graphs.rows(hidden, positions, caches, first)
+        if replayed is not None:
+            hidden = replayed
+        else:
+            rows_for = row_contexts(shard.adapter, mods.rotary, shard.stage_config, shard.layer_types,
+                                    caches, hidden, position_ids, first)  # fmt: skip
+            together = all(together_plain(attention_module(lay), caches) for lay in mods.layers[first:])  # fmt: skip
+            hidden = self.layers.run_batch(
+                hidden, first=first, rows_for=rows_for, together=together
+            )
         if not shard.is_tail:
             out = self._emit(hidden.to(shard.activation_dtype))
             return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -100,23 +100,19 @@ class EagerRecorder:
 
 
 @dataclass(eq=False)
-class _Graph:
-    """One session's captured step from local layer ``first``: its own input, position and
-    output tensors, and the buffers it writes."""
+class _Slot:
+    """KV buffers of ``capacity`` positions for local layers ``first..`` of one session at
+    a time (``holder``: which binding to a session's cache holds it; 0: none)."""
 
     first: int
     capacity: int
-    hidden: torch.Tensor  # (1, 1, H)
-    position_ids: torch.Tensor  # (1, 1) long
-    out: torch.Tensor  # (1, 1, H)
-    keys: list[torch.Tensor]  # each layer's key buffer (1, kv_heads, capacity, D), from first
+    keys: list[torch.Tensor]  # each layer's key buffer (1, kv_heads, capacity, D)
     values: list[torch.Tensor]
-    replay: Callable[[], None] = lambda: None
-    holder: int = 0  # which binding to a session's cache holds it (0: none)
+    holder: int = 0
 
     def holds(self, layers: Sequence, position: int) -> bool:
-        """Whether ``layers`` (from ``first``) still hold ``position`` positions in this
-        graph's buffers."""
+        """Whether ``layers`` (from ``first``) still hold ``position`` positions in these
+        buffers."""
         for layer, kb, vb in zip(layers, self.keys, self.values, strict=True):
             keys, values = layer.keys, layer.values
             if (
@@ -127,39 +123,75 @@ class _Graph:
                 return False
         return True
 
+    def bind(self, layers: Sequence, position: int) -> None:
+        """Take ``layers``' ``position`` positions (the rest of the buffers zero) and make the
+        buffers theirs."""
+        rest = self.capacity - position
+        for layer, kb, vb in zip(layers, self.keys, self.values, strict=True):
+            for held, buffer in ((layer.keys, kb), (layer.values, vb)):
+                buffer.narrow(-2, 0, position).copy_(held)
+                buffer.narrow(-2, position, rest).zero_()
+        for layer, kb, vb in zip(layers, self.keys, self.values, strict=True):
+            layer._key_buffer, layer._value_buffer = kb, vb
+            layer.keys, layer.values = kb.narrow(-2, 0, position), vb.narrow(-2, 0, position)
 
-class _StaticKV:
-    """What a ``DecodeProgram`` calls ``cache``: writes the step's keys and values at the
-    position into the buffers and returns them whole (the mask hides what is past it)."""
 
-    __slots__ = ("graph",)
+@dataclass(eq=False)
+class _Graph:
+    """A captured step of one row per slot: its own input, position and output tensors."""
 
-    def __init__(self, graph: _Graph) -> None:
-        self.graph = graph
+    slots: tuple[_Slot, ...]
+    hidden: torch.Tensor  # (B, 1, H)
+    position_ids: torch.Tensor  # (B, 1) long
+    out: torch.Tensor  # (B, 1, H)
+    replay: Callable[[], None] = lambda: None
+
+
+class _RowKV:
+    """What a ``DecodeProgram`` calls a row's ``cache``: writes the row's keys and values at
+    its position into its slot and returns the buffers whole (the mask hides what is past
+    the position)."""
+
+    __slots__ = ("slot", "index")
+
+    def __init__(self, slot: _Slot, index: torch.Tensor) -> None:
+        self.slot, self.index = slot, index  # index: (1,) long, the row's position
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        graph = self.graph
-        index = graph.position_ids[0]  # (1,)
-        kb, vb = graph.keys[layer_idx - graph.first], graph.values[layer_idx - graph.first]
-        kb.index_copy_(2, index, keys)
-        vb.index_copy_(2, index, values)
+        slot = self.slot
+        kb, vb = slot.keys[layer_idx - slot.first], slot.values[layer_idx - slot.first]
+        kb.index_copy_(2, self.index, keys)
+        vb.index_copy_(2, self.index, values)
         return kb, vb
 
 
+@dataclass(frozen=True)
+class _Row:
+    """A row's ``SessionContext`` as ``DecodeProgram.rows`` reads it."""
+
+    cache: _RowKV
+    mask: torch.Tensor  # (1, 1, 1, capacity)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+
+
 class DecodeGraphs:
-    """A stage's one-token steps, replayed from graphs where they can be.
+    """A stage's one-token steps, replayed from graphs where they can be: one session's
+    step, or a batched step of distinct sessions (a row each).
 
     ``programs``: the stage's ``DecodeProgram``s (local layer order); ``layer_types``: each
     layer's attention type (graphs only where every layer a step runs is full attention);
     ``rotary``: ``(hidden, position_ids, layer_types) -> {type: (cos, sin)}``, the stage's
     position embeddings; ``limit``: the model's context.
 
-    A graph and its buffers serve one session at a time. When the session's cache goes (its
-    session closed) or outgrows them, they wait, up to ``IDLE`` per first layer and
-    capacity, for the next session to copy its positions in: a stream of requests captures
-    its graphs once."""
+    A session's keys and values live in a *slot* of buffers; a graph is captured for a
+    tuple of slots and replayed whatever sessions hold them. When a session's cache goes
+    (its session closed) or outgrows its slot, the slot waits, up to ``IDLE`` per first
+    layer and capacity, for the next session to copy its positions in: a stream of
+    requests captures once, and a batch of the same sessions step after step replays one
+    graph. At most ``GRAPHS`` graphs are kept (the least recently replayed go)."""
 
     IDLE = 2
+    GRAPHS = 32
 
     def __init__(
         self, programs: Sequence[DecodeProgram], layer_types: Sequence[str],
@@ -169,84 +201,95 @@ class DecodeGraphs:
         self.programs, self.layer_types = list(programs), list(layer_types)
         self.rotary, self.recorder, self.limit = rotary, recorder, limit
         self.broken = False  # a capture failed: steps run as before, for good
-        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> graph
-        # (first, capacity) -> graphs no session holds; deques: a cache's finalizer may
-        # give one back from whichever thread drops the cache
-        self._idle: dict[tuple[int, int], deque[_Graph]] = {}
+        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> slot
+        # (first, capacity) -> slots no session holds; deques: a cache's finalizer may give
+        # one back from whichever thread drops the cache
+        self._idle: dict[tuple[int, int], deque[_Slot]] = {}
+        self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()  # by slots' ids
         self._holders = itertools.count(1)
 
     def step(self, hidden: torch.Tensor, position: int, cache, first: int) -> torch.Tensor | None:
         """``hidden`` (1, 1, H) at ``position`` through local layers ``first..``, appended
         to ``cache`` as a ``DecodeProgram`` step appends it: the output (1, 1, H), or None
         where this step cannot be replayed (the caller runs it as before)."""
-        if self.broken or position < 1 or any(t != FULL for t in self.layer_types[first:]):
+        return self.rows(hidden, [position], [cache], first)
+
+    def rows(self, hidden: torch.Tensor, positions: Sequence[int], caches: Sequence,
+             first: int) -> torch.Tensor | None:  # fmt: skip
+        """One-token steps of distinct sessions, row ``b`` of ``hidden`` (B, 1, H) at
+        ``positions[b]`` appended to ``caches[b]``, through local layers ``first..``: the
+        output (B, 1, H), or None where they cannot be replayed."""
+        if self.broken or any(t != FULL for t in self.layer_types[first:]):
             return None
-        layers = _held_layers(cache, first, position)
-        if layers is None:
+        if min(positions) < 1 or len({id(c) for c in caches}) != len(caches):
             return None
-        capacity = bucket(position + 1, self.limit)
-        graph = self._graphs.get(cache)
-        if graph is None or graph.first != first or graph.capacity != capacity or not graph.holds(layers, position):  # fmt: skip
-            graph = self._place(cache, layers, hidden, position, first, capacity)
-            if graph is None:
-                return None
+        held = [_held_layers(cache, first, p) for cache, p in zip(caches, positions, strict=True)]
+        if any(layers is None for layers in held):
+            return None
+        slots = []
+        for cache, layers, position in zip(caches, held, positions, strict=True):
+            slot = self._slots.get(cache)
+            capacity = bucket(position + 1, self.limit)
+            if slot is None or slot.first != first or slot.capacity != capacity or not slot.holds(layers, position):  # fmt: skip
+                slot = self._place(cache, layers, position, first, capacity)
+            slots.append(slot)
+        graph = self._graph(tuple(slots), hidden, positions)
+        if graph is None:
+            return None
         graph.hidden.copy_(hidden)
-        graph.position_ids.fill_(position)
+        graph.position_ids.copy_(torch.tensor(positions).view(-1, 1))
         graph.replay()
-        end = position + 1
-        for layer, kb, vb in zip(layers, graph.keys, graph.values, strict=True):
-            layer.keys, layer.values = kb.narrow(-2, 0, end), vb.narrow(-2, 0, end)
+        for layers, slot, position in zip(held, slots, positions, strict=True):
+            end = position + 1
+            for layer, kb, vb in zip(layers, slot.keys, slot.values, strict=True):
+                layer.keys, layer.values = kb.narrow(-2, 0, end), vb.narrow(-2, 0, end)
         return graph.out.clone()
 
-    def _place(self, cache, layers: list, hidden: torch.Tensor, position: int, first: int,
-               capacity: int) -> _Graph | None:  # fmt: skip
-        """An idle graph of ``capacity`` (else a new one) holding ``layers``' positions,
-        the rest of its buffers zero, bound to ``cache`` in place of any it had."""
+    def _place(self, cache, layers: list, position: int, first: int, capacity: int) -> _Slot:
+        """An idle slot of ``capacity`` (else a new one) holding ``layers``' positions,
+        bound to ``cache`` in place of any it had."""
         idle = self._idle.setdefault((first, capacity), deque())
         try:
-            graph = idle.pop()
+            slot = idle.pop()
         except IndexError:
-            graph = self._capture(layers, hidden, position, first, capacity)
-            if graph is None:
-                return None
-        rest = capacity - position
-        for layer, kb, vb in zip(layers, graph.keys, graph.values, strict=True):
-            for held, buffer in ((layer.keys, kb), (layer.values, vb)):
-                buffer.narrow(-2, 0, position).copy_(held)
-                buffer.narrow(-2, position, rest).zero_()
-        for layer, kb, vb in zip(layers, graph.keys, graph.values, strict=True):
-            layer._key_buffer, layer._value_buffer = kb, vb
-            layer.keys, layer.values = kb.narrow(-2, 0, position), vb.narrow(-2, 0, position)
-        old = self._graphs.get(cache)
+            slot = _Slot(first, capacity, *(
+                [held.new_zeros((*held.shape[:-2], capacity, held.shape[-1])) for held in kind]
+                for kind in ([lay.keys for lay in layers], [lay.values for lay in layers])
+            ))  # fmt: skip
+        slot.bind(layers, position)
+        old = self._slots.get(cache)
         if old is not None:
             self._release(old, old.holder)
-        graph.holder = next(self._holders)
-        self._graphs[cache] = graph
-        weakref.finalize(cache, self._release, graph, graph.holder)
-        return graph
+        slot.holder = next(self._holders)
+        self._slots[cache] = slot
+        weakref.finalize(cache, self._release, slot, slot.holder)
+        return slot
 
-    def _release(self, graph: _Graph, holder: int) -> None:
-        """``graph`` is free again, unless another holder has it since."""
-        if graph.holder != holder:
+    def _release(self, slot: _Slot, holder: int) -> None:
+        """``slot`` is free again, unless another holder has it since; beyond ``IDLE`` idle
+        ones it goes, with its graphs (popped whole: a finalizer may run on another
+        thread)."""
+        if slot.holder != holder:
             return
-        graph.holder = 0
-        idle = self._idle.setdefault((graph.first, graph.capacity), deque())
+        slot.holder = 0
+        idle = self._idle.setdefault((slot.first, slot.capacity), deque())
         if len(idle) < self.IDLE:
-            idle.append(graph)
+            idle.append(slot)
+            return
+        for key in [k for k in list(self._graphs) if id(slot) in k]:
+            self._graphs.pop(key, None)
 
-    def _capture(self, layers: list, hidden: torch.Tensor, position: int, first: int,
-                 capacity: int) -> _Graph | None:  # fmt: skip
-        """A new graph of ``capacity`` for steps from ``first`` (None, for good, where the
-        step cannot be captured)."""
-        keys, values = [], []
-        for layer in layers:
-            for held, into in ((layer.keys, keys), (layer.values, values)):
-                into.append(held.new_zeros((*held.shape[:-2], capacity, held.shape[-1])))
-        graph = _Graph(
-            first, capacity, hidden.clone(),
-            torch.full((1, 1), position, dtype=torch.long, device=hidden.device),
-            torch.empty_like(hidden), keys, values,
-        )  # fmt: skip
+    def _graph(self, slots: tuple[_Slot, ...], hidden: torch.Tensor,
+               positions: Sequence[int]) -> _Graph | None:  # fmt: skip
+        """The graph of a row per slot: kept, else captured (None, for good, where the step
+        cannot be captured)."""
+        key = tuple(id(slot) for slot in slots)
+        graph = self._graphs.get(key)
+        if graph is not None and graph.slots == slots:
+            self._graphs.move_to_end(key)
+            return graph
+        position_ids = torch.tensor(positions, device=hidden.device).view(-1, 1)
+        graph = _Graph(slots, hidden.clone(), position_ids, torch.empty_like(hidden))
         try:
             graph.replay = self.recorder.capture(self._body(graph))
         except Exception:
@@ -254,23 +297,42 @@ class DecodeGraphs:
                            exc_info=True)  # fmt: skip
             self.broken = True
             return None
+        self._graphs[key] = graph
+        while len(self._graphs) > self.GRAPHS:
+            self._graphs.popitem(last=False)
         return graph
 
     def _body(self, graph: _Graph) -> Callable[[], None]:
-        """The step as one function of the graph's tensors."""
-        programs, types = self.programs[graph.first :], self.layer_types[graph.first :]
-        kv, rotary = _StaticKV(graph), self.rotary
-        positions = torch.arange(graph.capacity, device=graph.hidden.device).view(1, 1, 1, -1)
-        lowest = torch.finfo(graph.hidden.dtype).min
+        """The step as one function of the graph's tensors: one session's through each
+        layer's program, a batch's through each program's rows."""
+        types = self.layer_types[graph.slots[0].first :]
+        programs, rotary = self.programs[graph.slots[0].first :], self.rotary
+        device, dtype = graph.hidden.device, graph.hidden.dtype
+        spans = [
+            torch.arange(slot.capacity, device=device).view(1, 1, 1, -1) for slot in graph.slots
+        ]
+        lowest = torch.finfo(dtype).min
 
         def body() -> None:
             embeddings = rotary(graph.hidden, graph.position_ids, types)
-            past = positions > graph.position_ids.view(1, 1, 1, 1)  # (1, 1, 1, capacity)
-            mask = torch.zeros(past.shape, dtype=graph.hidden.dtype, device=past.device)
-            mask = mask.masked_fill(past, lowest)
+            masks, kvs = [], []
+            for b, (slot, span) in enumerate(zip(graph.slots, spans, strict=True)):
+                index = graph.position_ids[b]  # (1,)
+                past = span > index.view(1, 1, 1, 1)  # (1, 1, 1, capacity)
+                masks.append(
+                    torch.zeros(past.shape, dtype=dtype, device=device).masked_fill(past, lowest)
+                )
+                kvs.append(_RowKV(slot, index))
             state = graph.hidden
-            for program, layer_type in zip(programs, types, strict=True):
-                state = program(state, kv, mask, embeddings[layer_type])
+            if len(kvs) == 1:
+                for program, layer_type in zip(programs, types, strict=True):
+                    state = program(state, kvs[0], masks[0], embeddings[layer_type])
+            else:
+                rows = {t: [_Row(kv, mask, (cos[b : b + 1], sin[b : b + 1]))
+                            for b, (kv, mask) in enumerate(zip(kvs, masks, strict=True))]
+                        for t, (cos, sin) in embeddings.items()}  # fmt: skip
+                for program, layer_type in zip(programs, types, strict=True):
+                    state = program.rows(state, rows[layer_type])
             graph.out.copy_(state)
 
         return body
