@@ -95,8 +95,8 @@ def test_batched_steps_between_replays_write_the_same_buffers(tiny_snapshot, pre
     recorder = EagerRecorder()
     assert run(recorder, 2) == run(None, 2)
     # per stage, first run: a graph per session (3), one for the batch of all three (1);
-    # second run: IDLE of the closed sessions' slots were kept with their graphs, so one
-    # session needs a graph (1), and the batch of slots is a new one (1)
+    # second run: IDLE of the closed sessions' lanes were kept with their graphs, so one
+    # session needs a graph (1), and the batch of lanes is a new one (1)
     assert recorder.captures == 2 * (3 + 1 + (3 - DecodeGraphs.IDLE) + 1)
 
 
@@ -142,7 +142,7 @@ def test_a_closed_sessions_graph_serves_the_next_session(tiny_snapshot):
         assert split_greedy([stage], PROMPT[:n], 4)[0] == split_greedy([plain], PROMPT[:n], 4)[0]
     assert recorder.captures == 1
     gc.collect()
-    assert len(stage.graphs._slots) == 0  # the last session's slot waits for the next
+    assert len(stage.graphs._lanes) == 0  # the last session's lane waits for the next
 
 
 def test_a_capture_that_fails_leaves_the_steps_as_they_were(tiny_snapshot, caplog):

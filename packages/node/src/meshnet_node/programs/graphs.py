@@ -100,7 +100,7 @@ class EagerRecorder:
 
 
 @dataclass(eq=False)
-class _Slot:
+class _Lane:
     """KV buffers of ``capacity`` positions for local layers ``first..`` of one session at
     a time (``holder``: which binding to a session's cache holds it; 0: none)."""
 
@@ -138,9 +138,9 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Graph:
-    """A captured step of one row per slot: its own input, position and output tensors."""
+    """A captured step of one row per lane: its own input, position and output tensors."""
 
-    slots: tuple[_Slot, ...]
+    lanes: tuple[_Lane, ...]
     hidden: torch.Tensor  # (B, 1, H)
     position_ids: torch.Tensor  # (B, 1) long
     out: torch.Tensor  # (B, 1, H)
@@ -149,17 +149,17 @@ class _Graph:
 
 class _RowKV:
     """What a ``DecodeProgram`` calls a row's ``cache``: writes the row's keys and values at
-    its position into its slot and returns the buffers whole (the mask hides what is past
+    its position into its lane and returns the buffers whole (the mask hides what is past
     the position)."""
 
-    __slots__ = ("slot", "index")
+    __slots__ = ("lane", "index")
 
-    def __init__(self, slot: _Slot, index: torch.Tensor) -> None:
-        self.slot, self.index = slot, index  # index: (1,) long, the row's position
+    def __init__(self, lane: _Lane, index: torch.Tensor) -> None:
+        self.lane, self.index = lane, index  # index: (1,) long, the row's position
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        slot = self.slot
-        kb, vb = slot.keys[layer_idx - slot.first], slot.values[layer_idx - slot.first]
+        lane = self.lane
+        kb, vb = lane.keys[layer_idx - lane.first], lane.values[layer_idx - lane.first]
         kb.index_copy_(2, self.index, keys)
         vb.index_copy_(2, self.index, values)
         return kb, vb
@@ -183,9 +183,9 @@ class DecodeGraphs:
     ``rotary``: ``(hidden, position_ids, layer_types) -> {type: (cos, sin)}``, the stage's
     position embeddings; ``limit``: the model's context.
 
-    A session's keys and values live in a *slot* of buffers; a graph is captured for a
-    tuple of slots and replayed whatever sessions hold them. When a session's cache goes
-    (its session closed) or outgrows its slot, the slot waits, up to ``IDLE`` per first
+    A session's keys and values live in a *lane* of buffers; a graph is captured for a
+    tuple of lanes and replayed whatever sessions hold them. When a session's cache goes
+    (its session closed) or outgrows its lane, the lane waits, up to ``IDLE`` per first
     layer and capacity, for the next session to copy its positions in: a stream of
     requests captures once, and a batch of the same sessions step after step replays one
     graph. At most ``GRAPHS`` graphs are kept (the least recently replayed go)."""
@@ -201,11 +201,11 @@ class DecodeGraphs:
         self.programs, self.layer_types = list(programs), list(layer_types)
         self.rotary, self.recorder, self.limit = rotary, recorder, limit
         self.broken = False  # a capture failed: steps run as before, for good
-        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> slot
-        # (first, capacity) -> slots no session holds; deques: a cache's finalizer may give
+        self._lanes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> lane
+        # (first, capacity) -> lanes no session holds; deques: a cache's finalizer may give
         # one back from whichever thread drops the cache
-        self._idle: dict[tuple[int, int], deque[_Slot]] = {}
-        self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()  # by slots' ids
+        self._idle: dict[tuple[int, int], deque[_Lane]] = {}
+        self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()  # by lanes' ids
         self._holders = itertools.count(1)
 
     def step(self, hidden: torch.Tensor, position: int, cache, first: int) -> torch.Tensor | None:
@@ -226,70 +226,70 @@ class DecodeGraphs:
         held = [_held_layers(cache, first, p) for cache, p in zip(caches, positions, strict=True)]
         if any(layers is None for layers in held):
             return None
-        slots = []
+        lanes = []
         for cache, layers, position in zip(caches, held, positions, strict=True):
-            slot = self._slots.get(cache)
+            lane = self._lanes.get(cache)
             capacity = bucket(position + 1, self.limit)
-            if slot is None or slot.first != first or slot.capacity != capacity or not slot.holds(layers, position):  # fmt: skip
-                slot = self._place(cache, layers, position, first, capacity)
-            slots.append(slot)
-        graph = self._graph(tuple(slots), hidden, positions)
+            if lane is None or lane.first != first or lane.capacity != capacity or not lane.holds(layers, position):  # fmt: skip
+                lane = self._place(cache, layers, position, first, capacity)
+            lanes.append(lane)
+        graph = self._graph(tuple(lanes), hidden, positions)
         if graph is None:
             return None
         graph.hidden.copy_(hidden)
         graph.position_ids.copy_(torch.tensor(positions).view(-1, 1))
         graph.replay()
-        for layers, slot, position in zip(held, slots, positions, strict=True):
+        for layers, lane, position in zip(held, lanes, positions, strict=True):
             end = position + 1
-            for layer, kb, vb in zip(layers, slot.keys, slot.values, strict=True):
+            for layer, kb, vb in zip(layers, lane.keys, lane.values, strict=True):
                 layer.keys, layer.values = kb.narrow(-2, 0, end), vb.narrow(-2, 0, end)
         return graph.out.clone()
 
-    def _place(self, cache, layers: list, position: int, first: int, capacity: int) -> _Slot:
-        """An idle slot of ``capacity`` (else a new one) holding ``layers``' positions,
+    def _place(self, cache, layers: list, position: int, first: int, capacity: int) -> _Lane:
+        """An idle lane of ``capacity`` (else a new one) holding ``layers``' positions,
         bound to ``cache`` in place of any it had."""
         idle = self._idle.setdefault((first, capacity), deque())
         try:
-            slot = idle.pop()
+            lane = idle.pop()
         except IndexError:
-            slot = _Slot(first, capacity, *(
+            lane = _Lane(first, capacity, *(
                 [held.new_zeros((*held.shape[:-2], capacity, held.shape[-1])) for held in kind]
                 for kind in ([lay.keys for lay in layers], [lay.values for lay in layers])
             ))  # fmt: skip
-        slot.bind(layers, position)
-        old = self._slots.get(cache)
+        lane.bind(layers, position)
+        old = self._lanes.get(cache)
         if old is not None:
             self._release(old, old.holder)
-        slot.holder = next(self._holders)
-        self._slots[cache] = slot
-        weakref.finalize(cache, self._release, slot, slot.holder)
-        return slot
+        lane.holder = next(self._holders)
+        self._lanes[cache] = lane
+        weakref.finalize(cache, self._release, lane, lane.holder)
+        return lane
 
-    def _release(self, slot: _Slot, holder: int) -> None:
-        """``slot`` is free again, unless another holder has it since; beyond ``IDLE`` idle
+    def _release(self, lane: _Lane, holder: int) -> None:
+        """``lane`` is free again, unless another holder has it since; beyond ``IDLE`` idle
         ones it goes, with its graphs (popped whole: a finalizer may run on another
         thread)."""
-        if slot.holder != holder:
+        if lane.holder != holder:
             return
-        slot.holder = 0
-        idle = self._idle.setdefault((slot.first, slot.capacity), deque())
+        lane.holder = 0
+        idle = self._idle.setdefault((lane.first, lane.capacity), deque())
         if len(idle) < self.IDLE:
-            idle.append(slot)
+            idle.append(lane)
             return
-        for key in [k for k in list(self._graphs) if id(slot) in k]:
+        for key in [k for k in list(self._graphs) if id(lane) in k]:
             self._graphs.pop(key, None)
 
-    def _graph(self, slots: tuple[_Slot, ...], hidden: torch.Tensor,
+    def _graph(self, lanes: tuple[_Lane, ...], hidden: torch.Tensor,
                positions: Sequence[int]) -> _Graph | None:  # fmt: skip
-        """The graph of a row per slot: kept, else captured (None, for good, where the step
+        """The graph of a row per lane: kept, else captured (None, for good, where the step
         cannot be captured)."""
-        key = tuple(id(slot) for slot in slots)
+        key = tuple(id(lane) for lane in lanes)
         graph = self._graphs.get(key)
-        if graph is not None and graph.slots == slots:
+        if graph is not None and graph.lanes == lanes:
             self._graphs.move_to_end(key)
             return graph
         position_ids = torch.tensor(positions, device=hidden.device).view(-1, 1)
-        graph = _Graph(slots, hidden.clone(), position_ids, torch.empty_like(hidden))
+        graph = _Graph(lanes, hidden.clone(), position_ids, torch.empty_like(hidden))
         try:
             graph.replay = self.recorder.capture(self._body(graph))
         except Exception:
@@ -305,24 +305,24 @@ class DecodeGraphs:
     def _body(self, graph: _Graph) -> Callable[[], None]:
         """The step as one function of the graph's tensors: one session's through each
         layer's program, a batch's through each program's rows."""
-        types = self.layer_types[graph.slots[0].first :]
-        programs, rotary = self.programs[graph.slots[0].first :], self.rotary
+        types = self.layer_types[graph.lanes[0].first :]
+        programs, rotary = self.programs[graph.lanes[0].first :], self.rotary
         device, dtype = graph.hidden.device, graph.hidden.dtype
         spans = [
-            torch.arange(slot.capacity, device=device).view(1, 1, 1, -1) for slot in graph.slots
+            torch.arange(lane.capacity, device=device).view(1, 1, 1, -1) for lane in graph.lanes
         ]
         lowest = torch.finfo(dtype).min
 
         def body() -> None:
             embeddings = rotary(graph.hidden, graph.position_ids, types)
             masks, kvs = [], []
-            for b, (slot, span) in enumerate(zip(graph.slots, spans, strict=True)):
+            for b, (lane, span) in enumerate(zip(graph.lanes, spans, strict=True)):
                 index = graph.position_ids[b]  # (1,)
                 past = span > index.view(1, 1, 1, 1)  # (1, 1, 1, capacity)
                 masks.append(
                     torch.zeros(past.shape, dtype=dtype, device=device).masked_fill(past, lowest)
                 )
-                kvs.append(_RowKV(slot, index))
+                kvs.append(_RowKV(lane, index))
             state = graph.hidden
             if len(kvs) == 1:
                 for program, layer_type in zip(programs, types, strict=True):
