@@ -13,6 +13,12 @@ import pytest
 from meshnet_common import wire
 from meshnet_common.metrics import Metrics
 from meshnet_node.dataplane import links as links_module
+from meshnet_node.dataplane.link_speeds import (
+    PROBE_BYTES,
+    RAW,
+    LinkSpeeds,
+    break_even_bytes_per_s,
+)
 from meshnet_node.dataplane.links import LINK_SAMPLES, HopLinks
 from meshnet_node.dataplane.streams import HopResponse, HopUnreachable
 from meshnet_node.settings import HopTimeouts
@@ -60,7 +66,7 @@ def probing_node(monkeypatch):
     def make(delays_ms) -> HopLinks:
         hops = TimedHops(clock, delays_ms)
         links = HopLinks(
-            hops, metrics=Metrics(), wire_options=wire.WireOptions(),
+            hops, metrics=Metrics(), speeds=LinkSpeeds(wire.WireOptions(), auto=False),
             timeouts=HopTimeouts(connect=1.0, prefill_chunk=1.0, decode_step=1.0),
             direct_min_rtt_ms=5.0,
         )  # fmt: skip
@@ -114,3 +120,79 @@ def test_an_unreachable_link_counts_as_slow_and_is_not_asked_again(probing_node)
     node = probing_node([None, None])
     assert asyncio.run(node.slow(HOP)) is True
     assert asyncio.run(node.slow(HOP)) is True  # not asked again (the fake has no answer left)
+
+
+# -- link speeds: raw frames where zstd does not pay (docs/adr/0057) ------------------------
+
+
+class SizedHops:
+    """Answers each probe after ``rtt_ms`` plus its body at ``mb_per_s`` on ``clock``."""
+
+    def __init__(self, clock: FakeClock, rtt_ms: float, mb_per_s: float):
+        self.clock, self.rtt_ms, self.mb_per_s, self.bodies = clock, rtt_ms, mb_per_s, []
+
+    async def request(self, method, url, *, headers, body, timeout):
+        self.bodies.append(len(body or b""))
+        await asyncio.sleep(0)
+        self.clock.advance(self.rtt_ms + len(body or b"") / (self.mb_per_s * 1e3))
+        return HopResponse(404, b"{}")
+
+
+def speeds_after_probes(monkeypatch, mb_per_s: float, *, auto: bool = True, rtt_ms=0.5):
+    clock = FakeClock()
+    monkeypatch.setattr(links_module, "time", clock)
+    speeds = LinkSpeeds(wire.WireOptions(), auto=auto)
+    speeds.break_even = 100e6  # bytes/s: this CPU's own figure is measured at the first probe
+    hops = SizedHops(clock, rtt_ms, mb_per_s)
+    links = HopLinks(
+        hops, metrics=Metrics(), timeouts=HopTimeouts(connect=1.0, prefill_chunk=1.0,
+        decode_step=1.0), direct_min_rtt_ms=5.0, speeds=speeds,
+    )  # fmt: skip
+    links.set_probe_urls((HOP,))
+    for _ in range(3):
+        asyncio.run(links.probe_links())
+    return speeds, hops
+
+
+@pytest.mark.parametrize(
+    ("mb_per_s", "rtt_ms", "raw"),
+    [(12.5, 0.5, False), (12.5, 25.0, False), (150.0, 0.5, False), (2000.0, 0.1, True),
+     (2000.0, 25.0, True)],
+    ids=["100 Mbit/s", "100 Mbit/s far", "1.2 Gbit/s", "loopback", "fast far"],
+)  # fmt: skip
+def test_frames_go_raw_only_on_links_measured_fast(monkeypatch, mb_per_s, rtt_ms, raw):
+    """A probe's large message times the link: raw frames only where it moves more than
+    twice the break-even speed (100 MB/s here), whatever the round trip; zstd below."""
+    speeds, hops = speeds_after_probes(monkeypatch, mb_per_s, rtt_ms=rtt_ms)
+    assert hops.bodies == [0, PROBE_BYTES] * 3
+    assert speeds.bytes_per_s[HOP] == pytest.approx(mb_per_s * 1e6, rel=1e-6)
+    assert speeds.options(HOP) == (RAW if raw else wire.WireOptions())
+    assert speeds.options("http://127.0.0.1:10") == wire.WireOptions()  # not measured: zstd
+
+
+def test_a_level_set_by_the_operator_holds_on_every_link(monkeypatch):
+    speeds, hops = speeds_after_probes(monkeypatch, 2000.0, auto=False)
+    assert hops.bodies == [0] * 3  # no large probes either
+    assert speeds.options(HOP) == wire.WireOptions()
+
+
+def test_one_probe_does_not_decide(monkeypatch):
+    """The first probe's small message also opened the connection: no raw frames yet."""
+    speeds = LinkSpeeds(wire.WireOptions(), auto=True)
+    speeds.break_even = 100e6
+    speeds.note(HOP, 0.005, 0.0006)  # the first: a slow connect, then a fast large one
+    assert speeds.options(HOP) == wire.WireOptions()
+    speeds.note(HOP, 0.0005, 0.0006)
+    assert speeds.options(HOP) == RAW  # 256 KiB in 0.1 ms beyond the least small probe
+
+
+def test_a_forgotten_link_is_packed_as_configured_again(monkeypatch):
+    speeds, _ = speeds_after_probes(monkeypatch, 2000.0)
+    assert speeds.options(HOP) == RAW
+    speeds.forget(HOP)
+    assert speeds.options(HOP) == wire.WireOptions()
+
+
+def test_the_break_even_speed_is_measured_on_this_cpu():
+    """What zstd saves over what it costs: some MB/s to some GB/s on any CPU."""
+    assert 1e6 < break_even_bytes_per_s(1) < 1e11

@@ -1510,12 +1510,13 @@ def test_a_previous_reply_appended_as_the_client_writes_it_is_accepted(whole):
 def test_direct_answers_are_asked_for_only_over_slow_links():
     """ADR-0020: on a LAN the chain's answer is as fast; a direct one costs a message."""
     from meshnet_common.metrics import Metrics
+    from meshnet_node.dataplane.link_speeds import LinkSpeeds
     from meshnet_node.dataplane.links import HopLinks
     from meshnet_node.settings import HopTimeouts
 
     links = HopLinks(
-        HttpxHops(httpx.AsyncClient()), metrics=Metrics(), wire_options=wire.WireOptions(),
-        timeouts=HopTimeouts(1.0, 1.0, 1.0), direct_min_rtt_ms=5.0,
+        HttpxHops(httpx.AsyncClient()), metrics=Metrics(), timeouts=HopTimeouts(1.0, 1.0, 1.0),
+        direct_min_rtt_ms=5.0, speeds=LinkSpeeds(wire.WireOptions(), auto=False),
     )  # fmt: skip
     links.rtt_ms.update({"http://lan.test": 0.8, "http://wan.test": 42.0})
     assert not links.direct_pays("http://lan.test")

@@ -219,7 +219,7 @@ class ShardSettings(listening.ListenSettings):
         "row's RMS to everything this node computes, as faulty hardware would (what "
         "--verify-fraction must catch)", group=DATA,
     )  # fmt: skip
-    zstd_level: int = knob(1, "activation compression level", group=DATA)
+    zstd_level: int | None = knob(None, "zstd level on every link (0: off; default 1, none on links measured fast: ADR-0057)", group=DATA)  # fmt: skip
     connect_timeout: float = knob(5.0, "per-hop connect timeout, seconds", group=DATA)
     chunk_timeout: float = knob(120.0, "per-hop prefill chunk timeout, seconds", group=DATA)
     step_timeout: float = knob(60.0, "per-hop decode step timeout, seconds", group=DATA)

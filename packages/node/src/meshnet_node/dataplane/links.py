@@ -27,6 +27,7 @@ from meshnet_common.protocol import (
     parse_compute,
 )
 from meshnet_node.dataplane import answer_bytes, step_bytes
+from meshnet_node.dataplane.link_speeds import PROBE_BYTES, LinkSpeeds
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
 from meshnet_node.settings import HopTimeouts
@@ -38,6 +39,7 @@ UNREACHABLE_HEAD_S = 30.0  # a head the tail could not answer directly: through 
 LINK_PROBE_SESSION = "link-probe"  # never opened: closing it costs the next hop nothing
 LINK_PROBE_TIMEOUT_S = 2.0
 LINK_SAMPLES = 4  # a link's round trip: the least of this many probes (probe_links)
+_PROBE_BODY = bytes(PROBE_BYTES)  # a probe's large message (link_speeds)
 
 
 def _parsed(hop: str, body: bytes, compute: str | None) -> StepResult:
@@ -63,15 +65,16 @@ class HopLinks:
     links to the next hops the tracker names.
 
     ``hops``: the transport (hop streams; tests put an in-process one here); ``timeouts``:
-    per hop; ``direct_min_rtt_ms``: the link round trip from which direct answers pay."""
+    per hop; ``direct_min_rtt_ms``: the link round trip from which direct answers pay;
+    ``speeds``: the links' measured speeds, which say whether frames are compressed."""
 
     def __init__(
-        self, hops: HopTransport, *, metrics: Metrics, wire_options: wire.WireOptions,
-        timeouts: HopTimeouts, direct_min_rtt_ms: float,
+        self, hops: HopTransport, *, metrics: Metrics, timeouts: HopTimeouts,
+        direct_min_rtt_ms: float, speeds: LinkSpeeds,
     ) -> None:  # fmt: skip
         self.hops = hops
         self.metrics = metrics
-        self.wire_options = wire_options
+        self.speeds = speeds  # each link's measured speed: how its frames are packed
         self.timeouts = timeouts
         self.direct_min_rtt_ms = direct_min_rtt_ms
         # Direct answers (ADR-0020): steps whose answer this head awaits from the tail, by
@@ -177,22 +180,30 @@ class HopLinks:
             if url not in urls:
                 del self.rtt_ms[url]
                 self.rtt_samples.pop(url, None)
+                self.speeds.forget(url)
+        if urls and self.speeds.auto and self.speeds.break_even is None:
+            await asyncio.to_thread(self.speeds.measure_break_even)  # once: ~30 ms
         for url in urls:
             reachable, ms = await self._time(url)
             if not reachable:
                 self.rtt_ms.pop(url, None)
                 self.rtt_samples.pop(url, None)
+                self.speeds.forget(url)
             if ms is None:
                 continue
             samples = self.rtt_samples.setdefault(url, deque(maxlen=LINK_SAMPLES))
             samples.append(ms)
             self.rtt_ms[url] = min(samples)
+            if self.speeds.auto:  # the same probe with PROBE_BYTES more: the link's speed
+                _, large = await self._time(url, _PROBE_BODY)
+                if large is not None:
+                    self.speeds.note(url, ms / 1000, large / 1000)
 
-    async def _time(self, url: str) -> tuple[bool, float | None]:
-        """Whether ``url`` answers a probe, and its round trip in ms (None when it does not
-        answer)."""
+    async def _time(self, url: str, body: bytes | None = None) -> tuple[bool, float | None]:
+        """Whether ``url`` answers a probe (carrying ``body``, which it reads and ignores),
+        and its round trip in ms (None when it does not answer)."""
         started = time.perf_counter()
-        if not await self.reachable(url):
+        if not await self.reachable(url, body):
             return False, None
         return True, (time.perf_counter() - started) * 1000
 
@@ -228,12 +239,12 @@ class HopLinks:
         rtt = self.rtt_ms.get(hop)
         return rtt is None or rtt >= self.direct_min_rtt_ms
 
-    async def reachable(self, url: str) -> bool:
+    async def reachable(self, url: str, body: bytes | None = None) -> bool:
         """Whether ``url`` answers on the data path (a session close it does not know: 404)."""
         try:
             await self.hops.request(
                 "DELETE", f"{url.rstrip('/')}/v1/sessions/{LINK_PROBE_SESSION}",
-                headers={}, body=None, timeout=LINK_PROBE_TIMEOUT_S,
+                headers={}, body=body, timeout=LINK_PROBE_TIMEOUT_S,
             )  # fmt: skip
         except HopUnreachable:
             return False
@@ -256,10 +267,11 @@ class HopLinks:
     async def relay(self, hop: str, hidden: torch.Tensor, step: Step) -> HopResponse:
         """POST one tensor frame to ``hop``; returns its answer (a 200) unparsed."""
         prefill = hidden.shape[1] > 1 and not step.drafts
+        options = self.speeds.options(hop)  # raw on a link measured fast (ADR-0057)
         if prefill:  # a prefill chunk: encode off the loop, beside the compute thread
-            frame = await asyncio.to_thread(wire.encode_tensor, hidden, self.wire_options)
+            frame = await asyncio.to_thread(wire.encode_tensor, hidden, options)
         else:
-            frame = wire.encode_tensor(hidden, self.wire_options)
+            frame = wire.encode_tensor(hidden, options)
         # The step as bytes before its frame, in one body (docs/adr/0040); the request id
         # rides in it: every hop's log lines of this step carry the same id.
         body = step_bytes.encode(step, request_id_var.get()) + frame

@@ -30,6 +30,7 @@ from meshnet_common.web.auth import swarm_headers
 from meshnet_node.caching.blocks import BLOCK_TOKENS, PrefixPlan
 from meshnet_node.dataplane import answer_bytes
 from meshnet_node.dataplane.chunk_order import ChunkOrder, Waiting
+from meshnet_node.dataplane.link_speeds import LinkSpeeds
 from meshnet_node.dataplane.links import HopLinks
 from meshnet_node.dataplane.steps import Step, StepAnswer, stale_guess
 from meshnet_node.dataplane.streams import StreamHops
@@ -54,7 +55,8 @@ class NodeService:
         self.retiring: Stage | None = None  # the previous shard, kept until its sessions end
         self.settings = settings
         self.model_id = model_id
-        self.wire_options = wire.WireOptions(zstd_level=settings.zstd_level)
+        level = settings.zstd_level  # None: 1, raw on links measured fast (ADR-0057)
+        self.wire_options = wire.WireOptions(zstd_level=1 if level is None else level)
         self.metrics = metrics or Metrics()
         self.identity = identity  # signs this node's calls to peers (docs/adr/0032)
         self.scheduler = ComputeScheduler(
@@ -67,8 +69,8 @@ class NodeService:
             ping_interval=settings.stream_ping_s, ssl=tls.stream_context(),
             https_only=settings.tls_cert is not None, identity=identity)  # fmt: skip
         self.links = HopLinks(
-            hops, metrics=self.metrics, wire_options=self.wire_options, timeouts=t,
-            direct_min_rtt_ms=settings.direct_min_rtt_ms,
+            hops, metrics=self.metrics, timeouts=t, direct_min_rtt_ms=settings.direct_min_rtt_ms,
+            speeds=LinkSpeeds(self.wire_options, auto=level is None),
         )  # fmt: skip
         # Prompt chunks in order, gathered into their calls; a replay's passes in order.
         self.order = ChunkOrder(lambda sid: self.stage_for(sid).sessions.peek(sid), settings)
