@@ -34,6 +34,9 @@ from meshnet_common.models.gguf_import import SMOLLM2_MODEL_ID, import_smollm2
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 HOPS = 2  # network hops after the head (the tracker node)
+# After the links change: nodes probe their links every half heartbeat and pack frames by
+# what the last two probes measured (raw on fast links, zstd on slow ones: ADR-0057).
+LINK_SETTLE_S = 3.0
 CODE_PROMPT = '''def mean(values):
     """The arithmetic mean of a list of numbers."""
     total = 0
@@ -111,6 +114,7 @@ def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat
             url = swarm.tracker_url
             for delay in delays:
                 set_links(control, delay)
+                time.sleep(LINK_SETTLE_S)
                 runs = [decode_run(url, prompt, tokens) for _ in range(repeat)]
                 best = max(runs, key=lambda r: r["tok_s"])
                 if mode == "plain" and delay == 0:
@@ -131,6 +135,7 @@ def run(models_dir: Path, delays: list[float], tokens: int, threads: int, repeat
                 print_row(row)
             if mode == "direct+spec":
                 set_links(control, 0.0, 100.0)
+                time.sleep(LINK_SETTLE_S)
                 long_prompt = (prompt * (2048 // len(prompt) + 1))[:2048]
                 with httpx.Client(timeout=600) as client:
                     ms = min(ttft_ms(client, url, SMOLLM2_MODEL_ID, long_prompt)

@@ -186,6 +186,20 @@ def test_one_probe_does_not_decide(monkeypatch):
     assert speeds.options(HOP) == RAW  # 256 KiB in 0.1 ms beyond the least small probe
 
 
+def test_a_link_that_turns_slow_gets_zstd_at_its_next_probe():
+    speeds = LinkSpeeds(wire.WireOptions(), auto=True)
+    speeds.break_even = 100e6
+    for _ in range(3):
+        speeds.note(HOP, 0.0005, 0.0006)  # fast
+    assert speeds.options(HOP) == RAW
+    speeds.note(HOP, 0.0005, 0.0215)  # 256 KiB in 21 ms: 100 Mbit/s
+    assert speeds.options(HOP) == wire.WireOptions()
+    speeds.note(HOP, 0.0005, 0.0006)  # one fast probe is not enough to go back
+    assert speeds.options(HOP) == wire.WireOptions()
+    speeds.note(HOP, 0.0005, 0.0006)
+    assert speeds.options(HOP) == RAW
+
+
 def test_a_forgotten_link_is_packed_as_configured_again(monkeypatch):
     speeds, _ = speeds_after_probes(monkeypatch, 2000.0)
     assert speeds.options(HOP) == RAW

@@ -8,9 +8,9 @@ step that much on a faster one — a loopback link between nodes on one host mov
 
 So each link's speed is measured, not assumed from its address (a relay on 127.0.0.1 may
 stand for a slow link): the link probes (``HopLinks.probe_links``) time a ``PROBE_BYTES``
-message beside their small one, and the difference is the transfer. The break-even speed
+message after their small one, and the difference is the transfer. The break-even speed
 is measured on this CPU once, from a frame of that size. A link measured faster than twice
-the break-even gets raw frames (no zstd, no byte shuffling: the planes only help zstd);
+the break-even (by its last two probes) gets raw frames (no zstd, no byte shuffling: the planes only help zstd);
 any other, and one not measured yet, the configured level.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import time
 from collections import deque
 
@@ -66,7 +67,7 @@ class LinkSpeeds:
     def __init__(self, configured: wire.WireOptions, *, auto: bool) -> None:
         self.configured, self.auto = configured, auto
         self.bytes_per_s: dict[str, float] = {}
-        self._samples: dict[str, deque[tuple[float, float]]] = {}
+        self._samples: dict[str, deque[float]] = {}  # bytes/s, the last probes'
         self._raw: dict[str, bool] = {}
         self.break_even: float | None = None  # bytes/s, measured at the first probe
 
@@ -78,16 +79,17 @@ class LinkSpeeds:
 
     def note(self, hop: str, small_s: float, large_s: float, large_bytes: int = PROBE_BYTES) -> None:  # fmt: skip
         """A probe of ``hop``: a small message answered in ``small_s``, one of
-        ``large_bytes`` more in ``large_s``. The link's speed: those bytes over the least
-        large probe's time beyond the least small one's, of the last ``SAMPLES`` (a probe
-        that met a busy loop at either end measures the wait, not the link)."""
+        ``large_bytes`` more in ``large_s``: the link moved those bytes in the difference.
+        Raw frames only where the last two probes both found the link fast: a probe that
+        meets a busy loop reads slow (zstd a while: what it always was), and the first
+        one's small message also opened the connection (it reads fast); a link that turned
+        slow gets zstd at its next probe."""
         samples = self._samples.setdefault(hop, deque(maxlen=SAMPLES))
-        samples.append((small_s, large_s))
-        transfer = min(large for _, large in samples) - min(small for small, _ in samples)
-        self.bytes_per_s[hop] = large_bytes / max(transfer, 1e-5)  # at most ~26 GB/s
+        samples.append(large_bytes / max(large_s - small_s, 1e-5))  # at most ~26 GB/s
+        self.bytes_per_s[hop] = statistics.median(samples)
         break_even = self.break_even
-        # from the second probe on: the first small one also opened the connection
-        raw = len(samples) > 1 and break_even is not None and self.bytes_per_s[hop] > MARGIN * break_even  # fmt: skip
+        last = list(samples)[-2:]
+        raw = len(last) == 2 and break_even is not None and min(last) > MARGIN * break_even
         if raw != self._raw.get(hop, False):
             logger.info("link to %s moves %.0f MB/s (zstd pays below %.0f): frames %s", hop,
                         self.bytes_per_s[hop] / 1e6, (break_even or 0) / 1e6,
