@@ -103,6 +103,8 @@ def _usable(signature: tuple, kernel, module, query, key, value, mask, mode, gro
     if known is not None:
         return known
     ok = _probe(kernel, module, query, key, value, mask, mode, groups)
+    if ok and query.dtype is torch.float16:  # its float32 twin too: see _probe
+        ok = _probe(kernel, module, query, key, value, mask, mode, groups, torch.float32)
     with _lock:
         _checked[signature] = ok
     if not ok:
@@ -112,18 +114,28 @@ def _usable(signature: tuple, kernel, module, query, key, value, mask, mode, gro
     return ok
 
 
-def _probe(kernel, module, query, key, value, mask, mode: int, groups: int) -> bool:
-    """Probes of this kind of call: the C++ rows against transformers' per-row calls."""
+def _probe(kernel, module, query, key, value, mask, mode: int, groups: int,
+           dtype: torch.dtype | None = None) -> bool:  # fmt: skip
+    """Probes of this kind of call (in ``dtype``, default the call's own): the C++ rows
+    against transformers' per-row calls.
+
+    A kind whose summation order depends on which thread runs a row shows it at nearly
+    every length in float32, rarely in float16, whose rounding hides most orders: where
+    torch's CPU flash attention multiplies through MKL's float32 GEMM (float32 and float16;
+    MKL's kernels on an AMD EPYC Zen 4 give one thread's rows other bits than another's),
+    so a float16 kind is served only if its float32 twin passes too. bfloat16 takes
+    oneDNN's kernels, alike on every thread."""
     gen = torch.Generator().manual_seed(query.shape[1] * 131 + query.shape[3])
+    dtype = query.dtype if dtype is None else dtype
     heads, d, kv_heads, vd = query.shape[1], query.shape[3], key.shape[1], value.shape[3]
     scaling = d**-0.5
     for rows in _ROWS:
         lengths = [_LENGTHS[(rows + i) % len(_LENGTHS)] for i in range(rows)]
-        q = (torch.randn(rows, heads, 1, d, generator=gen) * 3).to(query.dtype)
-        kv = [((torch.randn(1, kv_heads, n, d, generator=gen) * 3).to(key.dtype),
-               torch.randn(1, kv_heads, n, vd, generator=gen).to(value.dtype))
+        q = (torch.randn(rows, heads, 1, d, generator=gen) * 3).to(dtype)
+        kv = [((torch.randn(1, kv_heads, n, d, generator=gen) * 3).to(dtype),
+               torch.randn(1, kv_heads, n, vd, generator=gen).to(dtype))
               for n in lengths]  # fmt: skip
-        masks = [_probe_mask(mask, n) for n in lengths]
+        masks = [_probe_mask(mask, n, dtype) for n in lengths]
         want = torch.cat([
             sdpa_attention_forward(module, q[b : b + 1], k, v, m, dropout=0.0, scaling=scaling)[0]
             for b, ((k, v), m) in enumerate(zip(kv, masks, strict=True))
@@ -135,12 +147,13 @@ def _probe(kernel, module, query, key, value, mask, mode: int, groups: int) -> b
     return True
 
 
-def _probe_mask(mask, length: int):
-    """A mask like ``mask`` for a cache of ``length``: the first third hidden (None: none)."""
+def _probe_mask(mask, length: int, dtype: torch.dtype):
+    """A mask like ``mask`` for a cache of ``length`` (a float one in ``dtype``): the first
+    third hidden (None: none)."""
     if mask is None:
         return None
     seen = torch.ones(*mask.shape[:3], length, dtype=torch.bool)
     seen[..., : length // 3] = False
     if mask.dtype is torch.bool:
         return seen
-    return torch.zeros(seen.shape, dtype=mask.dtype).masked_fill(~seen, torch.finfo(mask.dtype).min)
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
