@@ -17,7 +17,7 @@ SRC="packages/common/src:packages/node/src:packages/tracker/src"
 export PYTHONPATH="/tmp/site:$SRC"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 echo "== gpu-marked tests"
-PYTHONPATH="$PYTHONPATH:tests:packages/tracker/tests" timeout 240 \
+PYTHONPATH="$PYTHONPATH:tests:packages/tracker/tests" timeout 120 \
     python3 -m pytest -q -m gpu -p no:cacheprovider packages/node/tests 2>&1 | tail -25
 echo "== GPU bench ($SHAPES)"
 # the HF baseline on the image's own transformers (5.25's generate asks the hub for kernels)

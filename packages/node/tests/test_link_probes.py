@@ -200,6 +200,17 @@ def test_a_link_that_turns_slow_gets_zstd_at_its_next_probe():
     assert speeds.options(HOP) == RAW
 
 
+def test_a_link_busy_with_frames_never_reads_fast():
+    """Probes queued behind a prompt's chunks on a 100 Mbit/s link: the small one waited
+    nearly as long as the large one, yet the large one's time beyond the link's round trip
+    still reads slow."""
+    speeds = LinkSpeeds(wire.WireOptions(), auto=True)
+    speeds.break_even = 100e6
+    for small, large in ((0.0005, 0.0215), (0.0005, 0.0215), (0.030, 0.031), (0.025, 0.0255)):
+        speeds.note(HOP, small, large)
+        assert speeds.options(HOP) == wire.WireOptions()
+
+
 def test_a_forgotten_link_is_packed_as_configured_again(monkeypatch):
     speeds, _ = speeds_after_probes(monkeypatch, 2000.0)
     assert speeds.options(HOP) == RAW

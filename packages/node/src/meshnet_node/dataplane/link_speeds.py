@@ -8,7 +8,7 @@ step that much on a faster one — a loopback link between nodes on one host mov
 
 So each link's speed is measured, not assumed from its address (a relay on 127.0.0.1 may
 stand for a slow link): the link probes (``HopLinks.probe_links``) time a ``PROBE_BYTES``
-message after their small one, and the difference is the transfer. The break-even speed
+message after their small one; its time beyond the link's round trip is the transfer. The break-even speed
 is measured on this CPU once, from a frame of that size. A link measured faster than twice
 the break-even (by its last two probes) gets raw frames (no zstd, no byte shuffling: the planes only help zstd);
 any other, and one not measured yet, the configured level.
@@ -68,6 +68,8 @@ class LinkSpeeds:
         self.configured, self.auto = configured, auto
         self.bytes_per_s: dict[str, float] = {}
         self._samples: dict[str, deque[float]] = {}  # bytes/s, the last probes'
+        self._rtts: dict[str, deque[float]] = {}  # s, the last small probes'
+        self._told: set[str] = set()  # links whose packing was logged at info once
         self._raw: dict[str, bool] = {}
         self.break_even: float | None = None  # bytes/s, measured at the first probe
 
@@ -79,27 +81,35 @@ class LinkSpeeds:
 
     def note(self, hop: str, small_s: float, large_s: float, large_bytes: int = PROBE_BYTES) -> None:  # fmt: skip
         """A probe of ``hop``: a small message answered in ``small_s``, one of
-        ``large_bytes`` more in ``large_s``: the link moved those bytes in the difference.
-        Raw frames only where the last two probes both found the link fast: a probe that
-        meets a busy loop reads slow (zstd a while: what it always was), and the first
-        one's small message also opened the connection (it reads fast); a link that turned
-        slow gets zstd at its next probe."""
+        ``large_bytes`` more in ``large_s``.
+
+        The large probe's time beyond the link's round trip (the least small probe of the
+        last ``SAMPLES``: the first one also opened the connection) is its transfer. Waits
+        only add to it: a busy loop at either end, or a link busy with other frames (a
+        prompt's chunks, queued ahead of the probe), make the link read slower, never
+        faster, so mistakes fall on zstd's side (what every link had before). Raw frames
+        where the last two large probes both found the link fast; a link that turns slow
+        gets zstd from its next probe."""
+        rtts = self._rtts.setdefault(hop, deque(maxlen=SAMPLES))
+        rtts.append(small_s)
         samples = self._samples.setdefault(hop, deque(maxlen=SAMPLES))
-        samples.append(large_bytes / max(large_s - small_s, 1e-5))  # at most ~26 GB/s
+        samples.append(large_bytes / max(large_s - min(rtts), 1e-5))  # at most ~26 GB/s
         self.bytes_per_s[hop] = statistics.median(samples)
         break_even = self.break_even
         last = list(samples)[-2:]
         raw = len(last) == 2 and break_even is not None and min(last) > MARGIN * break_even
         if raw != self._raw.get(hop, False):
-            logger.info("link to %s moves %.0f MB/s (zstd pays below %.0f): frames %s", hop,
-                        self.bytes_per_s[hop] / 1e6, (break_even or 0) / 1e6,
-                        "raw" if raw else "zstd-compressed")  # fmt: skip
+            log = logger.info if hop not in self._told else logger.debug  # once, then quiet
+            self._told.add(hop)
+            log("link to %s moves %.0f MB/s (zstd pays below %.0f): frames %s", hop,
+                min(last) / 1e6, (break_even or 0) / 1e6, "raw" if raw else "zstd-compressed")  # fmt: skip
         self._raw[hop] = raw
 
     def forget(self, hop: str) -> None:
         """A hop no longer probed (or unreachable): its frames as configured again."""
         self.bytes_per_s.pop(hop, None)
         self._samples.pop(hop, None)
+        self._rtts.pop(hop, None)
         self._raw.pop(hop, None)
 
     def options(self, hop: str) -> wire.WireOptions:
