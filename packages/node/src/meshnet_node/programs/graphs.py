@@ -1,23 +1,24 @@
-"""A session's one-token decode steps replayed from a captured CUDA graph (docs/adr/0056).
+"""One-token decode steps replayed from captured CUDA graphs (docs/adr/0056).
 
 On a GPU a decode step is launch-bound: each layer's ``DecodeProgram`` is ~20 kernel
 launches, a few microseconds of Python and driver each, while the step's arithmetic takes
 less. A captured graph replays the whole range of layers as one launch. A graph bakes in
 the addresses and shapes it read and wrote, so a step is replayed only where they stay:
 
-- the session's keys and values live in **buffers of a fixed capacity** (``bucket`` of
-  the positions held: a function of the position alone, so every stage of a split and the
-  unsplit model attend over the same capacity); a step writes its row at the position
+- each session's keys and values live in a *lane*: buffers of a fixed capacity (``bucket``
+  of the positions held: a function of the position alone, so every stage of a split and
+  the unsplit model attend over the same capacity); a step writes its row at the position
   (``index_copy_`` from a position tensor) and attends over the whole buffer with a mask
   built in the graph from that tensor;
-- the step's input and output are the graph's own tensors: the step copies into and out
-  of them.
+- a graph serves a tuple of lanes (one session's step, or a batched step of distinct
+  sessions, a row each), whichever sessions hold them; the step's input and output are
+  the graph's own tensors: the step copies into and out of them.
 
 The session's cache stays transformers' ``DynamicCache`` of ``GrowingLayer``s: each layer's
-``keys`` is the view of its buffer that the positions held fill, so every other pass
-(prompt chunks, batched steps, drafts, crops) reads and writes the same buffers as before,
-and a replay checks first that they are still the graph's (a layer that grew out of its
-buffer, or was cut back, gets new ones and a new graph).
+``keys`` is the view of its lane's buffer that the positions held fill, so every other
+pass (prompt chunks, drafts, crops) reads and writes the same buffers as before, and a
+replay checks first that they are still the lane's (a layer that grew out of it, or was
+cut back to a copy, takes another lane).
 
 ``Recorder`` is the one seam: ``CudaRecorder`` captures with ``torch.cuda.CUDAGraph``;
 ``EagerRecorder`` (any device) replays by running the body again, so the same bookkeeping
