@@ -131,6 +131,31 @@ def test_verification_passes_and_rewinds_between_replays(tiny_snapshot):
     assert recorder.captures == 3 * 2  # first step, past 256: drafts stayed in the buffers
 
 
+def test_a_rejected_guess_keeps_the_lane(tiny_snapshot):
+    """A guess step replayed, then the step that replaces it at the same position: the
+    rewind's crop leaves 424 spare positions in a lane of 1024 (a grown buffer gives more
+    than 256 back), yet the lane keeps its buffers and the replay needs no new graph."""
+    snapshot = tiny_snapshot("llama")
+    recorder = EagerRecorder()
+    stage = stages(snapshot, Precision.FLOAT32, recorder, ((0, 6),))[0]
+    plain = stages(snapshot, Precision.FLOAT32, None, ((0, 6),))[0]
+    prompt = (PROMPT * 3)[:600]
+    outs = []
+    for node in (stage, plain):
+        node.open_session("s")
+        for lo in range(0, len(prompt), 128):
+            out = node.step("s", lo, token_ids=torch.tensor([prompt[lo : lo + 128]]))
+        guess = node.step("s", 600, token_ids=torch.tensor([[7]]), guess_from=600)
+        real = node.step("s", 600, token_ids=torch.tensor([[out.token.token_id]]))
+        outs.append((guess.logits, real.logits))
+    lanes = stage.graphs._lanes
+    (lane,) = list(lanes.values())
+    assert lane.capacity == 1024 and recorder.captures == 1
+    assert stage.sessions.get("s").cache.layers[0]._key_buffer is lane.keys[0]
+    for replayed, eager in zip(*outs, strict=True):
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_a_closed_sessions_graph_serves_the_next_session(tiny_snapshot):
     """Requests one after another capture once: the next session copies its positions into
     the closed one's buffers (the rest zeroed), with the tokens of a stage without graphs."""

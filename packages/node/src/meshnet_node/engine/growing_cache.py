@@ -45,6 +45,7 @@ class GrowingLayer(DynamicLayer):
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
+    lane = False  # its buffers are a decode graph's lane (ADR-0056): a crop keeps them
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -72,7 +73,9 @@ class GrowingLayer(DynamicLayer):
         super().crop(tokens_to_remove)
         if not self.is_initialized or self._key_buffer is None:
             return
-        if self._key_buffer.shape[-2] - self.keys.shape[-2] > 2 * GROW:  # give the room back
+        if (
+            self._key_buffer.shape[-2] - self.keys.shape[-2] > 2 * GROW and not self.lane
+        ):  # give the room back
             self.keys, self.values = self.keys.clone(), self.values.clone()
             self._key_buffer = self._value_buffer = None
 

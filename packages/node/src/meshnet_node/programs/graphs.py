@@ -135,6 +135,7 @@ class _Lane:
         for layer, kb, vb in zip(layers, self.keys, self.values, strict=True):
             layer._key_buffer, layer._value_buffer = kb, vb
             layer.keys, layer.values = kb.narrow(-2, 0, position), vb.narrow(-2, 0, position)
+            layer.lane = True  # a rewind's crop keeps the buffers (a rejected guess or draft)
 
 
 @dataclass(eq=False)
@@ -248,7 +249,12 @@ class DecodeGraphs:
 
     def _place(self, cache, layers: list, position: int, first: int, capacity: int) -> _Lane:
         """An idle lane of ``capacity`` (else a new one) holding ``layers``' positions,
-        bound to ``cache`` in place of any it had."""
+        bound to ``cache`` in place of any it had. That one is idle first: a session whose
+        layers left their lane (a copy) takes it back, its graphs with it (copying a view of
+        a buffer onto itself changes nothing)."""
+        old = self._lanes.get(cache)
+        if old is not None:
+            self._release(old, old.holder)
         idle = self._idle.setdefault((first, capacity), deque())
         try:
             lane = idle.pop()
@@ -258,9 +264,6 @@ class DecodeGraphs:
                 for kind in ([lay.keys for lay in layers], [lay.values for lay in layers])
             ))  # fmt: skip
         lane.bind(layers, position)
-        old = self._lanes.get(cache)
-        if old is not None:
-            self._release(old, old.holder)
         lane.holder = next(self._holders)
         self._lanes[cache] = lane
         weakref.finalize(cache, self._release, lane, lane.holder)
