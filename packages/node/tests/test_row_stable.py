@@ -93,6 +93,36 @@ def test_a_row_alone_is_a_matrix_vector_product_only_where_that_gives_its_bits(m
     assert torch.equal(other(x[:1]), _one_row_each(other, x[:1]))
 
 
+@pytest.mark.parametrize("mv_faster", [False, True])
+def test_an_exact_matrix_vector_product_is_taken_only_where_it_is_faster(
+    monkeypatch, caplog, mv_faster
+):
+    """Where both give the row its bits, the measured time decides which call computes it
+    (on an AMD Zen 4 the GEMM is faster at one row, on an AMX Xeon the matrix-vector
+    product): either way the row is the same."""
+    monkeypatch.setattr(row_stable, "_gemv_ok", {})
+    monkeypatch.setattr(
+        row_stable, "gemv", lambda row, w, b: row_stable.product(row.view(1, 1, -1), w, b).view(-1)
+    )  # the GEMM's own bits: exact by construction
+    times = (1e-5, 2e-5) if mv_faster else (2e-5, 1e-5)
+    monkeypatch.setattr(row_stable, "faster_of", lambda *a, **k: times)
+    linear = nn.Linear(576, 960, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+    with caplog.at_level("INFO", logger=row_stable.__name__):
+        route_rows(linear)
+    assert linear.forward.one_row is mv_faster
+    mv_us, gemm_us = (10, 20) if mv_faster else (20, 10)
+    assert f"the same bits; {mv_us} us against {gemm_us} us" in caplog.text
+    x = torch.randn(3, 576).bfloat16()
+    assert torch.equal(linear(x[:1]), _one_row_each(linear, x[:1]))
+
+
+def test_faster_of_times_both_calls_interleaved():
+    order = []
+    first, second = row_stable.faster_of(lambda: order.append(1), lambda: order.append(2), 3)
+    assert order == [1, 2] * 4  # one untimed call each, then 3 interleaved rounds
+    assert 0 <= first < 1 and 0 <= second < 1
+
+
 def test_a_shapes_limit_is_found_once_and_logged(monkeypatch, caplog):
     monkeypatch.setattr(row_stable, "_limits", {})
     calls = []

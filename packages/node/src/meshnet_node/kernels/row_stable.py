@@ -38,6 +38,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 
@@ -163,32 +164,41 @@ def find_limit(
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One row ``x`` (in,) times ``weight``: torch's matrix-vector product (``addmv`` with a
-    bias), which skips the GEMM's set-up (SmolLM2's shapes, bf16, 2 threads: 1.5-2x faster
-    than a one-row ``F.linear``)."""
+    bias), which skips the GEMM's set-up. Whether it is the faster of the two depends on
+    the CPU: on an AMX Xeon, SmolLM2's shapes in bf16 at 2 threads took 1.5-2x less than a
+    one-row ``F.linear``; on an AMD Zen 4 (AVX-512 bf16, no AMX) 1.2-1.8x more
+    (``gemv_pays`` measures it)."""
     return torch.mv(weight, x) if bias is None else torch.addmv(bias, weight, x)
 
 
-_gemv_ok: dict[tuple, bool] = {}  # (shape, dtype, device, bias, threads, fn) -> same bits
+# (shape, dtype, device, bias, threads, fn) -> whether a row alone is a matrix-vector product
+_gemv_ok: dict[tuple, bool] = {}
+TIMED_CALLS = 5  # calls of each product timed, interleaved; the least time of each counts
 
 
-def gemv_is_exact(weight: torch.Tensor, bias, threads: int | None = None,
-                  fn: Product = product) -> bool:  # fmt: skip
-    """Whether ``gemv`` gives a row alone the bits ``fn`` gives it as a one-token step
-    (``(1, 1, in)``), on the order-revealing weight of ``weight``'s shape and ``MAX_ROWS``
-    probe rows, with ``threads`` torch threads; checked once per shape, then remembered."""
+def gemv_pays(weight: torch.Tensor, bias, threads: int | None = None,
+              fn: Product = product) -> bool:  # fmt: skip
+    """Whether a row alone is multiplied as ``gemv``: where it gives the row the bits ``fn``
+    gives it as a one-token step (``(1, 1, in)``), on the order-revealing weight of
+    ``weight``'s shape and ``MAX_ROWS`` probe rows, and (on a CPU) takes less time than
+    ``fn`` on that weight, both with ``threads`` torch threads. Either way the row's bits
+    are ``fn``'s: the time decides only which call computes them. Checked once per shape,
+    then remembered."""
     threads = threads or torch.get_num_threads()
     key = (tuple(weight.shape), weight.dtype, weight.device.type, bias is not None, threads, fn)
     with _lock:
-        same = _gemv_ok.get(key)
-        if same is None:
-            same = _gemv_ok[key] = _probed_gemv(weight, bias, threads, fn)
-            logger.info("products %s x %d (%s, %d thread(s)): one row %s", weight.shape[0],
-                        weight.shape[1], weight.dtype, threads,
-                        "as a matrix-vector product" if same else "as torch's GEMM")  # fmt: skip
-    return same
+        chosen = _gemv_ok.get(key)
+        if chosen is None:
+            chosen, why = _probed_gemv(weight, bias, threads, fn)
+            _gemv_ok[key] = chosen
+            logger.info("products %s x %d (%s, %d thread(s)): one row %s (%s)",
+                        weight.shape[0], weight.shape[1], weight.dtype, threads,
+                        "as a matrix-vector product" if chosen else "as torch's GEMM",
+                        why)  # fmt: skip
+    return chosen
 
 
-def _probed_gemv(weight: torch.Tensor, bias, threads: int, fn: Product) -> bool:
+def _probed_gemv(weight: torch.Tensor, bias, threads: int, fn: Product) -> tuple[bool, str]:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -196,13 +206,38 @@ def _probed_gemv(weight: torch.Tensor, bias, threads: int, fn: Product) -> bool:
             probed = probe_weight(tuple(weight.shape), weight.dtype, weight.device)
             probed_bias = probe_bias(bias)
             x = probe(MAX_ROWS, weight.shape[1], weight.dtype, weight.device)
-            return all(
+            exact = all(
                 torch.equal(gemv(row, probed, probed_bias),
                             fn(row.view(1, 1, -1), probed, probed_bias).view(-1))
                 for row in x
             )  # fmt: skip
+            if not exact:
+                return False, "the matrix-vector product gives other bits"
+            if weight.device.type != "cpu":
+                return True, "the same bits"
+            row = x[0]
+            mv_s, gemm_s = faster_of(
+                lambda: gemv(row, probed, probed_bias),
+                lambda: fn(row.view(1, 1, -1), probed, probed_bias),
+            )  # fmt: skip
+            timing = f"the same bits; {mv_s * 1e6:.0f} us against {gemm_s * 1e6:.0f} us"
+            return mv_s < gemm_s, timing
     finally:
         torch.set_num_threads(before)
+
+
+def faster_of(first: Callable[[], object], second: Callable[[], object],
+              calls: int = TIMED_CALLS) -> tuple[float, float]:  # fmt: skip
+    """The least time of ``calls`` calls of each, interleaved (after one untimed call
+    each), in seconds."""
+    first(), second()
+    best = [float("inf"), float("inf")]
+    for _ in range(calls):
+        for i, call in enumerate((first, second)):
+            started = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best[0], best[1]
 
 
 def _signature(weight: torch.Tensor, bias, sizes: tuple[int, ...], threads: int) -> tuple:
@@ -259,7 +294,7 @@ def grouped(
 
 class RowGroups:
     """A Linear's forward in row groups of at most its shape's row limit; a row alone as a
-    matrix-vector product where that gives its bits (``gemv_is_exact``).
+    matrix-vector product where that gives its bits and is faster (``gemv_pays``).
 
     Holds the Linear's weight and bias themselves (a decode step calls ~120 of these: the
     module's attribute lookups and a second call cost ~5 us each)."""
@@ -284,7 +319,7 @@ def route_rows(module: nn.Module, threads: int | None = None, *, kernel: bool = 
     """Run every ``nn.Linear`` under ``module`` in row groups of its row limit, checked with
     ``threads`` torch threads (a fused group's Linear carries its limit against its members
     already: ``row_limit`` set by ``fused_linears``), a row alone as a matrix-vector product
-    where that is bit for bit (``gemv_is_exact``); ``kernel``: through meshnet's bf16
+    where that is bit for bit and faster (``gemv_pays``); ``kernel``: through meshnet's bf16
     kernel where it applies (``product``), else torch's own. Returns how many were routed."""
     count = 0
     for sub in module.modules():
@@ -294,7 +329,7 @@ def route_rows(module: nn.Module, threads: int | None = None, *, kernel: bool = 
         if limit is None:
             limit = row_limit(sub.weight, sub.bias, threads=threads)
         fn = product if kernel else nn.functional.linear
-        one_row = limit >= 1 and gemv_is_exact(sub.weight, sub.bias, threads, fn)
+        one_row = limit >= 1 and gemv_pays(sub.weight, sub.bias, threads, fn)
         sub.forward = RowGroups(sub, max(limit, 1), fn, one_row)
         count += 1
     return count
