@@ -27,7 +27,12 @@ from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.scheduling.micro_batches import micro_batches
 from meshnet_node.settings import NodeSettings
-from meshnet_node.speculation.guessing import GuessFlight, guess_depth
+from meshnet_node.speculation.guessing import (
+    DEFAULT_DEPTH,
+    UNMEASURED_DEPTH,
+    GuessFlight,
+    guess_depth,
+)
 
 
 def _stages(snapshot) -> list[Stage]:
@@ -210,3 +215,19 @@ def test_steps_in_flight_leave_stages_that_share_the_cores_their_turns():
     assert depth(local, threads=2, cpus=2, rtt_ms=50.0, pass_ms=None) == 4
     assert depth(local, threads=2, cpus=2, rtt_ms=0.3, pass_ms=None) == 1
     assert depth(local, threads=2, cpus=2, rtt_ms=float("inf")) == 4
+
+
+def test_the_default_cap_lets_a_measured_link_take_more_guesses_than_an_unmeasured_one():
+    """``--guess-steps`` (8 by default) bounds a depth the measured round trip and pass
+    time ask for; until both are timed no more than 4 go out (a loopback link not yet
+    probed must not put 8 steps on two shared cores)."""
+    local = ("http://127.0.0.1:9001", "http://127.0.0.1:9002")  # 3 stages on 2 cores
+    concurrent = micro_batches(local, 2, 2)
+    assert guess_depth(DEFAULT_DEPTH, 3, concurrent, 50.0, 14.0) == 5  # 25 ms, 14 ms passes
+    assert guess_depth(DEFAULT_DEPTH, 3, concurrent, 50.0, 8.0) == DEFAULT_DEPTH == 8
+    assert guess_depth(DEFAULT_DEPTH, 3, concurrent, 200.0, 8.0) == 8  # at the cap
+    assert guess_depth(DEFAULT_DEPTH, 3, concurrent, 0.3, 8.0) == concurrent  # loopback
+    assert guess_depth(DEFAULT_DEPTH, 3, concurrent, None, 8.0) == UNMEASURED_DEPTH == 4
+    assert guess_depth(DEFAULT_DEPTH, 3, concurrent, 50.0, None) == 4
+    assert guess_depth(3, 3, concurrent, 50.0, None) == 3  # an operator's lower cap holds
+    assert guess_depth(3, 3, concurrent, 200.0, 8.0) == 3

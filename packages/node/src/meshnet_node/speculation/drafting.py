@@ -26,7 +26,7 @@ class SpeculationSettings(NamedTuple):
     max_running: int = 2  # generations on the head beyond which no step drafts
     # over a chain: decode steps of a generation in flight (guess steps, ADR-0019); 0 or
     # 1: none, drafts verified in one pass instead
-    guess_depth: int = 4  # --guess-steps
+    guess_depth: int = 8  # --guess-steps
 
 
 def speculates(sampling: SamplingSpec, mode: str) -> bool:

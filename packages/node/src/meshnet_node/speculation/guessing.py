@@ -31,7 +31,8 @@ from meshnet_common.errors import HopError
 from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import StepResult
 
-DEFAULT_DEPTH = 4  # decode steps of one generation in flight at most
+DEFAULT_DEPTH = 8  # decode steps of one generation in flight at most (--guess-steps)
+UNMEASURED_DEPTH = 4  # at most this many while the link or the pass is not yet timed
 
 
 class InFlight(NamedTuple):
@@ -124,15 +125,17 @@ def guess_depth(
     ``pass_ms`` (this stage's last decode pass), so a pipeline of right guesses needs
     ``1 + rtt / (2 x pass)`` steps in flight; a guess is right about half the time (n-gram
     lookup: 1.1-1.7 tokens a pass), so twice the extra: ``1 + ceil(rtt / pass)``, less a
-    fifth for a loopback's fraction of a pass. Unknown times: the round trip alone decides
-    (a link not yet measured, unreachable, or slower than ``SLOW_LINK_MS`` keeps
-    ``configured``)."""
+    fifth for a loopback's fraction of a pass; at most ``configured``. Unknown times: the
+    round trip alone decides (a link not yet measured, unreachable, or slower than
+    ``SLOW_LINK_MS`` keeps ``configured``, but no more than ``UNMEASURED_DEPTH``: only a
+    measured fill goes further)."""
     if concurrent >= stages:
         return configured
+    unmeasured = min(configured, UNMEASURED_DEPTH)
     if rtt_ms is None or math.isinf(rtt_ms):
-        return configured
+        return unmeasured
     if pass_ms is None or pass_ms <= 0:
-        return configured if rtt_ms >= SLOW_LINK_MS else min(configured, concurrent)
+        return unmeasured if rtt_ms >= SLOW_LINK_MS else min(configured, concurrent)
     fill = 1 + math.ceil(rtt_ms / pass_ms - 0.2)
     return max(1, min(configured, max(concurrent, fill)))
 
