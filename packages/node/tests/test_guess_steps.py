@@ -231,3 +231,7 @@ def test_the_default_cap_lets_a_measured_link_take_more_guesses_than_an_unmeasur
     assert guess_depth(DEFAULT_DEPTH, 3, concurrent, 50.0, None) == 4
     assert guess_depth(3, 3, concurrent, 50.0, None) == 3  # an operator's lower cap holds
     assert guess_depth(3, 3, concurrent, 200.0, 8.0) == 3
+    # stages that compute apart: 4 as before over fast links, more over slow ones
+    assert guess_depth(DEFAULT_DEPTH, 3, 3, 0.3, 8.0) == 4
+    assert guess_depth(DEFAULT_DEPTH, 3, 3, None, None) == 4
+    assert guess_depth(DEFAULT_DEPTH, 3, 3, 50.0, 8.0) == 8

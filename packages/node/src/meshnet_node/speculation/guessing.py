@@ -115,7 +115,9 @@ def guess_depth(
     """How many steps of one greedy generation to keep in flight (``--guess-steps``) over
     a chain of ``stages``: guesses fill stages that would otherwise wait.
 
-    Stages sharing this host's cores (fewer compute at once than there are stages:
+    Stages that compute apart (as many at once as there are stages) keep up to
+    ``UNMEASURED_DEPTH`` steps in flight, more where the links measured need more. Stages
+    sharing this host's cores (fewer compute at once than there are stages:
     ``concurrent``, from ``micro_batches``) do not wait for each other's compute, they take
     turns on the cores: a guess beyond ``concurrent`` only takes a core from the step it
     runs ahead of (measured on a 2-core host with 3 local stages over loopback: a third of
@@ -129,15 +131,14 @@ def guess_depth(
     round trip alone decides (a link not yet measured, unreachable, or slower than
     ``SLOW_LINK_MS`` keeps ``configured``, but no more than ``UNMEASURED_DEPTH``: only a
     measured fill goes further)."""
-    if concurrent >= stages:
-        return configured
     unmeasured = min(configured, UNMEASURED_DEPTH)
+    apart = concurrent >= stages  # every stage computes at once: none takes another's turn
     if rtt_ms is None or math.isinf(rtt_ms):
         return unmeasured
     if pass_ms is None or pass_ms <= 0:
-        return unmeasured if rtt_ms >= SLOW_LINK_MS else min(configured, concurrent)
+        return unmeasured if apart or rtt_ms >= SLOW_LINK_MS else min(configured, concurrent)
     fill = 1 + math.ceil(rtt_ms / pass_ms - 0.2)
-    return max(1, min(configured, max(concurrent, fill)))
+    return max(1, min(configured, max(unmeasured if apart else concurrent, fill)))
 
 
 # One decode step along the chain: (stage, session id, key, token ids, position, route,
