@@ -173,12 +173,10 @@ class ShardSettings(listening.ListenSettings):
         group=MODEL,
     )  # fmt: skip
     guess_steps: int = knob(
-        8, "over a chain, the most decode steps of one greedy generation in flight (fewer "
-        "where the measured link round trip against the pass time needs fewer; at most 4 "
-        "until both are measured): each after the first carries the head's n-gram guess of "
-        "its input, sent before the token it guesses is known, and a wrong guess costs the "
-        "hops a row they would have idled through (0 or 1: none; drafts are then verified "
-        "in one pass per step)",
+        8, "over a chain, the most decode steps of one greedy generation in flight, as the "
+        "measured links need (4 until timed): each after the first carries the head's n-gram "
+        "guess of its input, and a wrong guess costs the hops a row they would have idled "
+        "through (0 or 1: none; drafts are then verified in one pass per step)",
         group=MODEL,
     )  # fmt: skip
     speculative_max_running: int = knob(
