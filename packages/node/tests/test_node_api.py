@@ -7,6 +7,7 @@ node's hop client is swapped for one that dispatches on the URL's host to in-pro
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from meshnet_common.protocol import (
     H_SESSION_KEY,
     SamplingSpec,
 )
+from meshnet_node.dataplane.links import LINK_PROBE_SESSION
 from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
@@ -427,6 +429,19 @@ def test_session_is_bound_to_its_key(tail):
     assert (
         tail.http.delete("/v1/sessions/bound", headers={H_SESSION_KEY: "owner"}).status_code == 200
     )
+
+
+def test_a_link_probe_is_answered_without_a_failure_logged(tail, caplog):
+    """The previous hop's link probes (twice a heartbeat) close a session nobody opened: 200,
+    and nothing logged at INFO, where a 404 would log a failure each time."""
+    with caplog.at_level(logging.INFO):
+        resp = tail.http.delete(f"/v1/sessions/{LINK_PROBE_SESSION}")
+    assert resp.status_code == 200 and resp.json() == {"probe": True}
+    assert not [r for r in caplog.records if r.name.startswith("meshnet")]
+    open_tail_session(tail, LINK_PROBE_SESSION)  # a session of that name is closed as any
+    resp = tail.http.delete(f"/v1/sessions/{LINK_PROBE_SESSION}", headers={H_SESSION_KEY: "key"})
+    assert resp.json() == {"closed": LINK_PROBE_SESSION}
+    assert tail.sessions.peek(LINK_PROBE_SESSION) is None
 
 
 def test_delete_frees_the_session(tail):

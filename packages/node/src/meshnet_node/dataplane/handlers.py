@@ -26,6 +26,7 @@ from meshnet_common import wire
 from meshnet_common.errors import (
     InvalidRequest,
     MeshnetError,
+    NotFound,
     PayloadTooLarge,
     UnsupportedMediaType,
 )
@@ -39,6 +40,7 @@ from meshnet_common.protocol import (
 from meshnet_common.web.auth import PEER_SCOPE_KEY
 from meshnet_common.web.http import error_body
 from meshnet_node.dataplane import answer_bytes, step_bytes
+from meshnet_node.dataplane.links import LINK_PROBE_SESSION
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.step_bytes import is_step, parse_step
 from meshnet_node.dataplane.steps import parse_route
@@ -122,11 +124,17 @@ async def forward_answer(
 
 
 async def close_answer(service: NodeService, session_id: str, headers: Mapping[str, str]) -> Answer:
-    """Free ``session_id`` here and on the hops after this one."""
+    """Free ``session_id`` here and on the hops after this one. A previous hop's link probe
+    (closing ``LINK_PROBE_SESSION``, which nobody opened: ``HopLinks.probe_links``) is
+    answered 200, so that the probes, twice a heartbeat, log no failure."""
     try:
         validate_session_id(session_id)
         route = parse_route(headers.get(H_ROUTE))
         await service.close_session(session_id, headers.get(H_SESSION_KEY), route)
+    except NotFound as exc:
+        if session_id == LINK_PROBE_SESSION:
+            return Answer(200, b'{"probe":true}')
+        return error_answer(exc)
     except Exception as exc:
         return error_answer(exc)
     return Answer(200, json.dumps({"closed": session_id}).encode())
