@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from baselines import hf_chunked_greedy, split_greedy
+from fastapi.testclient import TestClient
 from gguf_converter import (
     FAMILIES,
     LAYERS,
@@ -29,13 +30,17 @@ from gguf_converter import (
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from meshnet_common.errors import ModelError
 from meshnet_common.layers import LayerRange
 from meshnet_common.models.checkpoint import CheckpointIndex
 from meshnet_common.models.gguf_header import read_header
+from meshnet_common.models.gguf_index import gguf_config
 from meshnet_common.precision import Precision, native_format_name, resolve_precision
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.stage import Stage
 from meshnet_node.lowbit.gguf_blocks import GgufTensors
+from meshnet_node.runtime import build_runtime, create_app
+from meshnet_node.settings import NodeSettings
 
 PROMPT = list(range(5, 45))  # 40 tokens: past Gemma's sliding window of 16
 NEW_TOKENS = 6
@@ -183,3 +188,50 @@ def test_auto_serves_a_converter_q8_0_file_as_int8(gguf_file, monkeypatch, famil
     _, logits = _split(path, resolve_precision("auto", "float32", runtime))
     _, ref = _greedy(_transformers_model(path, monkeypatch))
     torch.testing.assert_close(logits, ref, rtol=0, atol=0.1)
+
+
+async def _no_route(_model_id: str, _exclude=frozenset()) -> tuple[str, ...]:
+    return ()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_gguf_generation_ends_where_llama_cpp_ends_it(gguf_file, family):
+    """The converter writes one end-of-text id (``tokenizer.ggml.eos_token_id``), not a chat
+    model's end of turn; llama.cpp ends a generation at the turn's end too, by the token's
+    text (Gemma's <end_of_turn>, here the tiny tokenizer's ChatML <|im_end|>): so does a
+    head serving the file, where it would otherwise write on into the next turn."""
+    path = gguf_file(family, "f32")
+    eos = read_header(path).metadata["tokenizer.ggml.eos_token_id"]
+    settings = NodeSettings(
+        model_id=f"meshnet-tiny/{family}-gguf", model_path=path, layers=LayerRange(0, LAYERS),
+        quantization=Precision.FLOAT32,
+    )  # fmt: skip
+    runtime = build_runtime(settings, route_provider=_no_route)
+    with TestClient(create_app(runtime)) as http:
+        tokenizer = runtime.openai.tokenizer
+        end_of_turn = tokenizer.get_vocab()["<|im_end|>"]
+        assert end_of_turn != eos and {eos, end_of_turn} <= runtime.openai.generator.eos
+        body = {"model": settings.model_id, "prompt": PROMPT, "max_tokens": 6,
+                "temperature": 0, "logit_bias": {str(end_of_turn): 100}}  # fmt: skip
+        resp = http.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["text"] == ""
+        assert resp.json()["usage"]["completion_tokens"] == 1
+
+
+def test_the_end_of_turn_a_gguf_names_ends_its_generations(gguf_file):
+    """A file that names its end of turn or of message (``tokenizer.ggml.eot_token_id``,
+    ``eom_token_id``: llama.cpp's converter writes them for some models) ends generations at
+    them too, as at its end of text."""
+    path = gguf_file("llama", "f32")
+    header = read_header(path)
+    meta = dict(header.metadata)
+    eos = meta["tokenizer.ggml.eos_token_id"]
+    names = {t.name for t in header.tensors}
+    assert gguf_config(meta, path, names)["eos_token_id"] == eos
+    meta |= {"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": eos}
+    assert gguf_config(meta, path, names)["eos_token_id"] == [eos, 7]
+    meta["tokenizer.ggml.eot_token_id"] = 1 << 40
+    with pytest.raises(ModelError, match="eos_token_id"):
+        gguf_config(meta, path, names)

@@ -192,10 +192,16 @@ def gguf_config(
         config["vocab_size"] = vocab_rows
     elif "vocab_size" not in config and isinstance(meta.get("tokenizer.ggml.tokens"), ArrayInfo):
         config["vocab_size"] = meta["tokenizer.ggml.tokens"].count
-    for token in ("bos", "eos", "padding"):
+    for token in ("bos", "padding"):
         value = meta.get(f"tokenizer.ggml.{token}_token_id")
         if value is not None:
             config["pad_token_id" if token == "padding" else f"{token}_token_id"] = value
+    # What ends a generation: end of text, and the end of a turn or message where the file
+    # names them (more are found by their text: ``head.generation.gguf_end_ids``)
+    ends = [meta.get(f"tokenizer.ggml.{token}_token_id") for token in ("eos", "eot", "eom")]
+    ends = list(dict.fromkeys(value for value in ends if value is not None))
+    if ends:
+        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     if "head_dim" not in config and meta.get(f"{arch}.rope.dimension_count"):
         config["head_dim"] = meta[f"{arch}.rope.dimension_count"]
@@ -203,8 +209,9 @@ def gguf_config(
     keys["vocab_size"] = "the token embedding's rows" if vocab_rows else keys["vocab_size"]
     check_config(config, path, keys)  # the numbers below size lists and divide
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if token in config:
-            bounded(config[token], 0, MAX_VOCAB, f"{path}: {token}")
+        values = config.get(token)
+        for value in values if isinstance(values, list) else () if values is None else (values,):
+            bounded(value, 0, MAX_VOCAB, f"{path}: {token}")
     if arch in _GEMMA:
         _gemma_config(config, meta, arch, path)
     if arch in _NORM_TOP_K:  # a layer without routed experts is dense (by its tensors)

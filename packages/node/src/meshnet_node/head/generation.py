@@ -44,6 +44,27 @@ class GeneratedToken:
     cached_tokens: int | None = None  # on the first token: prompt tokens from the prefix cache
 
 
+# Tokens that end a generation by their text, in a GGUF (llama.cpp's list, llama-vocab.cpp):
+# llama.cpp's converter writes only the end-of-text id for most chat models, and llama.cpp
+# stops at the end of a turn by its token's text (Gemma's <end_of_turn>, ChatML's <|im_end|>).
+GGUF_END_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+)  # fmt: skip
+
+
+def gguf_end_ids(tokenizer, eos: int | list[int] | None) -> list[int]:
+    """A GGUF's end-of-generation tokens, as llama.cpp has them: the ids its metadata names
+    (``eos``: end of text, turn, message) and every token whose text is one of
+    ``GGUF_END_TEXTS``."""
+    ids = [eos] if isinstance(eos, int) else list(eos or ())
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[text] for text in GGUF_END_TEXTS if text in vocab]
+    return sorted(set(ids))
+
+
 def eos_ids(tokenizer, generation_config) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
