@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -594,6 +595,37 @@ def test_chain_of_three_nodes_matches_reference(chain_head, middle, tail, tokeni
     got = choice["logprobs"]["token_logprobs"]
     assert got == pytest.approx(greedy_logprobs(reference, prompt, 8), abs=1e-4)
     assert [len(n.sessions) for n in nodes] == held  # every hop's session was freed
+
+
+def test_a_decode_step_meets_torch_only_on_the_compute_thread(
+    chain_head, middle, tail, tokenizer, reference, monkeypatch
+):
+    """A decode step's input becomes a tensor, and its output the next hop's frame, on the
+    compute thread of each node: the event loop, whose caches a pass emptied, makes no
+    torch call for them (docs/adr/0011). The tokens stay the reference's."""
+    made, encoded = [], []
+    make, encode = wire.WireTensor.tensor, wire.encode_tensor
+
+    def recording_make(self):
+        made.append((self.shape, threading.current_thread().name))
+        return make(self)
+
+    def recording_encode(tensor, options=wire.WireOptions()):
+        encoded.append((tuple(tensor.shape), threading.current_thread().name))
+        return encode(tensor, options)
+
+    monkeypatch.setattr(wire.WireTensor, "tensor", recording_make)
+    monkeypatch.setattr(wire, "encode_tensor", recording_encode)
+    prompt = [(i * 31) % 400 + 5 for i in range(40)]
+    request = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 5, **GREEDY}
+    resp = chain_head.http.post("/v1/completions", json=request)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == greedy_text(tokenizer, reference, prompt, 5)
+    one_row = [t for shape, t in made if shape[1:2] == (1,)]
+    # 4 decode steps, each made on the head (its token) and on the two hops after it
+    assert len(one_row) == 12 and set(one_row) == {"compute"}
+    encoded_rows = [t for shape, t in encoded if shape[1:2] == (1,)]
+    assert len(encoded_rows) == 8 and set(encoded_rows) == {"compute"}  # head and middle
 
 
 @pytest.mark.parametrize(("length", "call", "scored"), [(300, None, False), (700, 256, False),

@@ -104,8 +104,10 @@ def test_a_node_step_is_its_bytes_then_its_frame_and_no_header():
     step = Step("s-1", "k", 9, route=("http://a.test:1",), sample=True, ids=(42,))
     hidden = torch.randn(1, 1, 8).bfloat16()
     body = step_bytes.encode(step, "req-1") + wire.encode_tensor(hidden)
-    got, tensor = step_bytes.parse_step({}, body, max_bytes=1 << 20)
-    assert got == step and torch.equal(tensor, hidden)
+    got, frame = step_bytes.parse_step({}, body, max_bytes=1 << 20)
+    # read without a torch call: its tensor is made where the step computes
+    assert got == step and (frame.dtype, frame.shape) == (torch.bfloat16, (1, 1, 8))
+    assert torch.equal(frame.tensor(), hidden)
     assert request_id_var.get() == "req-1"
     # a bare frame still takes its step from the HTTP headers (clients that are not nodes)
     got, _ = step_bytes.parse_step(step.to_headers(), wire.encode_tensor(hidden), max_bytes=1 << 20)

@@ -6,11 +6,13 @@ one ``HopLinks`` (``service.links``): everything a node says to other nodes goes
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -96,21 +98,24 @@ class HopLinks:
         """The next hops whose links to time (the tracker's word, in heartbeat answers)."""
         self.probe_urls = tuple(urls)
 
-    async def send(self, hop: str, hidden: torch.Tensor, step: Step) -> StepResult:
-        """POST one tensor frame to ``hop``; returns the tail's answer, with the compute
-        time of every hop after this one.
+    async def send(
+        self, hop: str, hidden: torch.Tensor, step: Step, frame: bytes | None = None
+    ) -> StepResult:
+        """POST one tensor frame to ``hop`` (``frame``: ``hidden`` already encoded by
+        ``encoder(hop)``); returns the tail's answer, with the compute time of every hop
+        after this one.
 
         With ``step.answer_to`` (this head's URL), the tail also posts the answer straight
         here: whichever comes first, the direct answer or the chain's, is the step's. The
         chain's answer still comes and still reports a failed hop, so a tail that cannot
         reach the head costs nothing but the time saved."""
         if step.answer_to is None:
-            resp = await self.relay(hop, hidden, step)
+            resp = await self.relay(hop, hidden, step, frame)
             return _parsed(hop, resp.body, resp.compute_ms)
         key = (step.session_id, step.position)
         direct = asyncio.get_running_loop().create_future()
         self._answers[key] = (direct, step.session_key)
-        chain = asyncio.ensure_future(self.relay(hop, hidden, step))
+        chain = asyncio.ensure_future(self.relay(hop, hidden, step, frame))
         try:
             await asyncio.wait((direct, chain), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
@@ -264,14 +269,23 @@ class HopLinks:
         except HopUnreachable as exc:
             logger.warning("could not close session %s on %s: %s", session_id, hop, exc)
 
-    async def relay(self, hop: str, hidden: torch.Tensor, step: Step) -> HopResponse:
-        """POST one tensor frame to ``hop``; returns its answer (a 200) unparsed."""
-        prefill = hidden.shape[1] > 1 and not step.drafts
-        options = self.speeds.options(hop)  # raw on a link measured fast (ADR-0057)
-        if prefill:  # a prefill chunk: encode off the loop, beside the compute thread
-            frame = await asyncio.to_thread(wire.encode_tensor, hidden, options)
-        else:
-            frame = wire.encode_tensor(hidden, options)
+    def encoder(self, hop: str) -> Callable[[torch.Tensor], bytes]:
+        """How a tensor for ``hop`` becomes its frame: raw on a link measured fast, zstd on
+        others (ADR-0057). A decode step's output is encoded on the compute thread with it."""
+        return functools.partial(wire.encode_tensor, options=self.speeds.options(hop))
+
+    async def relay(
+        self, hop: str, hidden: torch.Tensor, step: Step, frame: bytes | None = None
+    ) -> HopResponse:
+        """POST one tensor frame to ``hop`` (``frame``: ``hidden`` already encoded by
+        ``encoder(hop)``); returns its answer (a 200) unparsed."""
+        prefill = frame is None and hidden.shape[1] > 1 and not step.drafts  # frame: decode
+        if frame is None:
+            options = self.speeds.options(hop)  # raw on a link measured fast (ADR-0057)
+            if prefill:  # a prefill chunk: encode off the loop, beside the compute thread
+                frame = await asyncio.to_thread(wire.encode_tensor, hidden, options)
+            else:
+                frame = wire.encode_tensor(hidden, options)
         # The step as bytes before its frame, in one body (docs/adr/0040); the request id
         # rides in it: every hop's log lines of this step carry the same id.
         body = step_bytes.encode(step, request_id_var.get()) + frame

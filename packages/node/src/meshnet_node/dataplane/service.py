@@ -36,6 +36,7 @@ from meshnet_node.dataplane.steps import Step, StepAnswer, stale_guess
 from meshnet_node.dataplane.streams import StreamHops
 from meshnet_node.engine.ahead import Ahead
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
+from meshnet_node.engine.step_io import is_decode_input
 from meshnet_node.scheduling.scheduler import ComputeScheduler
 from meshnet_node.settings import NodeSettings
 
@@ -109,8 +110,13 @@ class NodeService:
     # The head's calls to the next hops, handed to ``links`` as they are (no coroutine of
     # their own: a decode step pays per call on the path, docs/adr/0011).
 
-    def send(self, hop: str, hidden: torch.Tensor, step: Step) -> Awaitable[StepResult]:
-        return self.links.send(hop, hidden, step)
+    def send(
+        self, hop: str, hidden: torch.Tensor, step: Step, frame: bytes | None = None
+    ) -> Awaitable[StepResult]:
+        return self.links.send(hop, hidden, step, frame)
+
+    def encoder(self, hop: str) -> Callable[[torch.Tensor], bytes]:
+        return self.links.encoder(hop)
 
     def direct_pays(self, hop: str) -> bool:
         return self.links.direct_pays(hop)
@@ -150,15 +156,24 @@ class NodeService:
         drafts: tuple[int, ...] = (),
         guess_from: int | None = None,
         ahead: Ahead | None = None,
+        encode: Callable[[torch.Tensor], bytes] | None = None,
     ) -> StepOutput:
         """Submit a step to the scheduler; single-token decode steps may be batched (or, on
-        a stage that is head and tail, run ahead: ``ahead``, ADR-0047)."""
+        a stage that is head and tail, run ahead: ``ahead``, ADR-0047). A decode step's
+        input may be a ``wire.WireTensor``, made a tensor on the compute thread, which also
+        encodes its output with ``encode`` (the next hop's frame: ``StepOutput.frame``)."""
         tensor = token_ids if token_ids is not None else hidden
-        if tensor is not None and tensor.dim() >= 2 and tensor.shape[1] == 1:
+        if tensor is not None and len(tensor.shape) >= 2 and tensor.shape[1] == 1:
             item = DecodeItem(
-                session_id, position, token_ids, hidden, owner, sample, guess_from, ahead
-            )
+                session_id, position, token_ids, hidden, owner, sample, guess_from, ahead,
+                encode,
+            )  # fmt: skip
             return await self.scheduler.decode(stage, item)
+        if isinstance(token_ids, wire.WireTensor):
+            token_ids = token_ids.tensor()
+        if isinstance(hidden, wire.WireTensor):
+            hidden = hidden.tensor()
+        tensor = token_ids if token_ids is not None else hidden
         rows = tensor.shape[1] if tensor is not None and tensor.dim() >= 2 else 1
         return await self.rows_pass(
             stage, session_id, position, rows=rows, token_ids=token_ids, hidden=hidden,
@@ -176,8 +191,9 @@ class NodeService:
         return self.scheduler.rows(stage.step, session_id, position, rows=rows, **step)
 
     async def run(
-        self, stage: Stage, step: Step, tensor: torch.Tensor, ahead: Ahead | None = None
-    ) -> StepOutput:
+        self, stage: Stage, step: Step, tensor: torch.Tensor | wire.WireTensor,
+        ahead: Ahead | None = None, encode: Callable[[torch.Tensor], bytes] | None = None,
+    ) -> StepOutput:  # fmt: skip
         """Run ``step`` on ``stage`` with its input ``tensor`` (token ids on a head, hidden
         states elsewhere): a hop's parsed step, or the head's own "hop 0" (its route the
         hops after it), the one type every hop's pass starts from (docs/adr/0040).
@@ -186,14 +202,14 @@ class NodeService:
         return await self.run_stage(
             stage, step.session_id, step.position, token_ids=token_ids, hidden=hidden,
             owner=step.session_key, sample=step.sample, drafts=step.draft_ids,
-            guess_from=step.guess_from, ahead=ahead,
+            guess_from=step.guess_from, ahead=ahead, encode=encode,
         )  # fmt: skip
 
     # -- one step ----------------------------------------------------------------------------
 
-    async def handle_step(self, req: Step, tensor: torch.Tensor) -> StepAnswer:
-        """Run one step received (its tensor: the body) here and relay it on down the route;
-        the tail's answer, with this hop's compute time first."""
+    async def handle_step(self, req: Step, tensor: torch.Tensor | wire.WireTensor) -> StepAnswer:
+        """Run one step received (its tensor: the body, read or made) here and relay it on
+        down the route; the tail's answer, with this hop's compute time first."""
         if req.replay_pass:  # a replay's passes come back to back: run them in order
             await self.order.wait_for_pass(req)
         elif req.chunk and req.open_spec is None:
@@ -285,7 +301,7 @@ class NodeService:
             opening = opening.entering(stage.shard.layers.end)
         before = None if req.answer_to is None else append_compute(req.compute_before, own_ms)
         onward = replace(req, route=req.route[1:], open_spec=opening, compute_before=before)
-        resp = await self.links.relay(req.route[0], out.hidden, onward)
+        resp = await self.links.relay(req.route[0], out.hidden, onward, out.frame)
         if req.drafts:  # the drafts the tail kept went through this stage too
             with contextlib.suppress(ValueError):
                 self.count_served(answer_bytes.kept(resp.body))
@@ -310,7 +326,16 @@ class NodeService:
                 raise
         return mine
 
-    async def _run_step(self, stage: Stage, req: Step, tensor: torch.Tensor) -> StepOutput:
+    async def _run_step(
+        self, stage: Stage, req: Step, tensor: torch.Tensor | wire.WireTensor
+    ) -> StepOutput:
+        if isinstance(tensor, wire.WireTensor):
+            if req.chunk == 0 and not req.drafts and is_decode_input(stage.shard, tensor):
+                # A decode step: checked without a torch call, made a tensor and its output
+                # encoded for the next hop on the compute thread (engine/step_io).
+                encode = None if stage.shard.is_tail else self.links.encoder(req.route[0])
+                return await self.run(stage, req, tensor, encode=encode)
+            tensor = tensor.tensor()
         is_head = stage.shard.is_head
         token_ids, hidden = (tensor, None) if is_head else (None, tensor)
         # One wire chunk at most. Values (token ranges, finiteness) are checked where the

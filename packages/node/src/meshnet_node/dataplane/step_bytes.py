@@ -21,9 +21,8 @@ checked by the same rules (``Step.check``). A body that does not parse is refuse
 
 from __future__ import annotations
 
+import math
 import struct
-
-import torch
 
 from meshnet_common import wire
 from meshnet_common.errors import InvalidRequest
@@ -39,21 +38,22 @@ _NONE = 0xFFFFFFFF  # guess_from: not a guess step
 _SAMPLE, _IDS, _OPEN, _ANSWER_TO, _COMPUTE, _GUESS, _KEY = (1 << i for i in range(7))
 
 
-def parse_step(headers, body: bytes, *, max_bytes: int) -> tuple[Step, torch.Tensor]:
-    """A step and its tensor frame (decoded, bounded), checked against each other: the
-    body's binary step (what nodes send; its request id then names this task's log lines)
-    or, for a bare tensor frame, the HTTP headers' step."""
+def parse_step(headers, body: bytes, *, max_bytes: int) -> tuple[Step, wire.WireTensor]:
+    """A step and its tensor frame (read and bounded; its tensor made on the compute
+    thread: ``wire.WireTensor``), checked against each other: the body's binary step (what
+    nodes send; its request id then names this task's log lines) or, for a bare tensor
+    frame, the HTTP headers' step."""
     if is_step(body):
         step, request_id, start = decode(body)
-        if request_id is not None:
-            request_id_var.set(accept_request_id(request_id))
+        request_id_var.set(accept_request_id(request_id))  # none sent: a new one
         bind_session(step.session_id)
         body = body[start:]
     else:
         step = Step.from_headers(headers)
-    tensor = wire.decode_tensor(body, max_bytes=max_bytes)
-    step.check_tokens(tensor.shape[1] if tensor.dim() >= 2 else tensor.numel())
-    return step, tensor
+    frame = wire.read_frame(body, max_bytes=max_bytes)
+    shape = frame.shape
+    step.check_tokens(shape[1] if len(shape) >= 2 else math.prod(shape))
+    return step, frame
 
 
 def is_step(body: bytes) -> bool:

@@ -45,6 +45,7 @@ from meshnet_node.dataplane.handlers import (
     peer_of,
 )
 from meshnet_node.dataplane.service import NodeService
+from meshnet_node.dataplane.step_bytes import is_step
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +181,12 @@ class _ServerStream:
     async def _answer(self, request: Request) -> None:
         started = time.perf_counter()
         headers, service = request.headers, self.service
-        request_id_var.set(accept_request_id(headers.get(H_REQUEST_ID)))
-        bind_session(headers.get(H_SESSION))
+        if request.kind == Kind.STEP and is_step(request.body):
+            request_id_var.set(None)  # the step's own, once read (``parse_step``)
+            bind_session(None)
+        else:
+            request_id_var.set(accept_request_id(headers.get(H_REQUEST_ID)))
+            bind_session(headers.get(H_SESSION))
         if request.kind == Kind.STEP:
             limit = service.settings.max_body_bytes
             if len(request.body) > limit:

@@ -2,16 +2,23 @@
 (``DecodeItem``), a step's output (``StepOutput``), and the checks on a step's input
 (``step_input``: token ids on a head, hidden states elsewhere, of the shard's sizes and
 types, 1 to ``limit`` rows, checked before any layer runs so that a rejected step leaves
-its session as it was, an HTTP 400 with the field's name)."""
+its session as it was, an HTTP 400 with the field's name).
+
+A decode step crosses the event loop with no torch call on its way (docs/adr/0011): its
+input arrives as a ``wire.WireTensor`` (``is_decode_input`` checks its dtype and shape) and
+becomes a tensor on the compute thread (``DecodeItem.made``), which also turns the output
+into the next hop's frame (``DecodeItem.encode``, ``StepOutput.frame``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from meshnet_common.errors import InvalidRequest
+from meshnet_common.wire import WireTensor
 from meshnet_node.engine.loader import LoadedShard
 from meshnet_node.engine.sampling import SampledToken
 
@@ -27,12 +34,25 @@ class DecodeItem:
 
     session_id: str
     position: int
-    token_ids: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
+    token_ids: torch.Tensor | WireTensor | None = None  # a WireTensor: made on the compute
+    hidden: torch.Tensor | WireTensor | None = None  # thread (``made``)
     owner: str | None = None
     sample: bool = True
     guess_from: int | None = None  # a guess step (ADR-0019): may be rewound back to here
     ahead: Ahead | None = None  # head and tail: may run on with what it samples (ADR-0047)
+    # The output's hidden states as the next hop's frame, on the compute thread
+    encode: Callable[[torch.Tensor], bytes] | None = None
+
+    def made(self) -> DecodeItem:
+        """This item with its input a tensor (on the compute thread)."""
+        ids, hidden = self.token_ids, self.hidden
+        if isinstance(ids, WireTensor):
+            ids = ids.tensor()
+        if isinstance(hidden, WireTensor):
+            hidden = hidden.tensor()
+        if ids is self.token_ids and hidden is self.hidden:
+            return self
+        return replace(self, token_ids=ids, hidden=hidden)
 
 
 @dataclass
@@ -46,6 +66,17 @@ class StepOutput:
     token: SampledToken | None = None  # tail only, when the session samples
     more: list[SampledToken] | None = None  # after ``token``: the tail kept drafts (ADR-0019)
     compute_s: float = 0.0  # time on the compute thread (shared by a batch's steps)
+    frame: bytes | None = None  # ``hidden`` as the next hop's frame (``DecodeItem.encode``)
+
+
+def is_decode_input(shard: LoadedShard, value: WireTensor) -> bool:
+    """Whether ``value`` is a one-token input of ``shard`` (token ids on a head, hidden
+    states elsewhere, as ``step_input`` takes them), read without a torch call. Anything
+    else is made a tensor and checked by ``step_input``, which names what is wrong."""
+    shape = value.shape
+    if shard.is_head:
+        return value.dtype in (torch.int64, torch.int32) and shape == (1, 1)
+    return value.dtype in _ACCEPTED_HIDDEN_DTYPES and shape == (1, 1, shard.hidden_size)
 
 
 def step_input(

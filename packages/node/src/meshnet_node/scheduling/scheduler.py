@@ -280,13 +280,14 @@ class ComputeScheduler:
 
     def _run(self, run: Run) -> None:
         first = run.passes[0]
-        if first.kind == DECODE:
-            items = [p.item for p in run.passes]
-            call = _decode_call(first.stage, items, lambda: bool(self.queue.entries))  # type: ignore[arg-type]
-        else:
-            call = first.call  # type: ignore[assignment]
+        items: list[DecodeItem] = []
         started, compute_s = self._clock(), None
         try:
+            if first.kind == DECODE:  # inputs made tensors here, not on the loop
+                items = [p.item.made() for p in run.passes]  # type: ignore[union-attr]
+                call = _decode_call(first.stage, items, lambda: bool(self.queue.entries))  # type: ignore[arg-type]
+            else:
+                call = first.call  # type: ignore[assignment]
             before = None if first.resumed else self.before_pass  # once per pass
             result, compute_s = _timed(call, before, self.turns if run.turn else None)
         except Exception as exc:  # the pass failed: every step it held fails with it
@@ -298,6 +299,7 @@ class ComputeScheduler:
                     out.compute_s = compute_s  # a batch shares it
             if first.kind == DECODE and isinstance(result, StepOutput):
                 compute_s /= steps_of(result)  # the queue's times: one step's (ADR-0047)
+            _encode_outputs(items, results)
         try:
             self._loop.call_soon_threadsafe(  # type: ignore[union-attr]
                 self._finished, run, results, started, self._clock(), compute_s
@@ -322,6 +324,18 @@ class ComputeScheduler:
         for _fn, done in calls:
             if done.set_running_or_notify_cancel():
                 done.set_exception(stopped)
+
+
+def _encode_outputs(items: list[DecodeItem], results: list) -> None:
+    """On the compute thread, where torch has just run: each decode output's hidden states
+    as its next hop's frame (``DecodeItem.encode``). One that fails is left to the loop,
+    which encodes it again and meets the error there."""
+    for item, out in zip(items, results, strict=False):
+        if item.encode is not None and isinstance(out, StepOutput) and out.hidden is not None:
+            try:
+                out.frame = item.encode(out.hidden)
+            except Exception:  # raised again where the step is relayed
+                out.frame = None
 
 
 def _settle(pairs: list) -> None:
