@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 from transformers import AutoConfig
 
+from meshnet_common import wire
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.dataplane.service import NodeService
@@ -35,9 +36,9 @@ def test_the_heads_pass_runs_from_the_step_the_next_hop_gets(tiny_snapshot):
         service = NodeService(stage, settings, model_id=settings.model_id)
         original = service.run
 
-        async def recorded(stage_, step, tensor, ahead=None):
+        async def recorded(stage_, step, tensor, ahead=None, encode=None):
             ran.append((step, tensor))
-            return await original(stage_, step, tensor, ahead)
+            return await original(stage_, step, tensor, ahead, encode)
 
         async def send(hop, out, step):  # the rest of the chain: not here
             sent.append((hop, step))
@@ -54,7 +55,10 @@ def test_the_heads_pass_runs_from_the_step_the_next_hop_gets(tiny_snapshot):
 
     asyncio.run(run())
     (piece, ids), (hop0, token) = ran
+    ids = ids.tensor() if isinstance(ids, wire.WireTensor) else ids
     assert piece.ids == tuple(prompt) and piece.position == 0 and ids.tolist() == [prompt]
-    assert hop0.route == route and hop0.ids == (11,) and hop0.sample and token.tolist() == [[11]]
+    # a decode step's token: made a tensor on the compute thread (ADR-0011 decision 7)
+    assert isinstance(token, wire.WireTensor) and token.tensor().tolist() == [[11]]
+    assert hop0.route == route and hop0.ids == (11,) and hop0.sample
     assert (hop0.session_id, hop0.session_key, hop0.position) == ("s", "k", len(prompt))
     assert sent == [(route[0], replace(hop0, route=route[1:]))]
