@@ -42,7 +42,7 @@ from meshnet_node.engine.faults import noisy_outputs, slow_compute
 from meshnet_node.engine.loader import load_shard
 from meshnet_node.engine.preflight import preflight, resolve_device, resolve_precision_for
 from meshnet_node.engine.stage import Stage
-from meshnet_node.head.generation import HeadGenerator, gguf_end_ids
+from meshnet_node.head.generation import HeadGenerator, gguf_generation_config
 from meshnet_node.head.queue import RequestQueue
 from meshnet_node.head.serving import OpenAIServing, RouteProvider
 from meshnet_node.model_files import draft_snapshot, snapshot_created, tokenizer_source
@@ -281,10 +281,7 @@ def build_openai(
     tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
     try:
         if gguf:  # a GGUF's token ids are in its metadata: the config read from it
-            generation_config = GenerationConfig.from_model_config(service.stage.shard.config)
-            generation_config.eos_token_id = gguf_end_ids(
-                tokenizer, generation_config.eos_token_id
-            )  # as llama.cpp ends a generation
+            generation_config = gguf_generation_config(service.stage.shard.config, tokenizer)
         else:
             generation_config = GenerationConfig.from_pretrained(folder)
     except OSError:

@@ -9,6 +9,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from transformers import GenerationConfig
+
 from meshnet_common.errors import HopError, ModelNotCovered
 from meshnet_common.protocol import StepResult
 from meshnet_node.dataplane.service import NodeService
@@ -53,6 +55,14 @@ GGUF_END_TEXTS = (
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
 )  # fmt: skip
+
+
+def gguf_generation_config(config, tokenizer) -> GenerationConfig:
+    """A GGUF's generation config: from its model config (its token ids are in its metadata),
+    ending where llama.cpp ends a generation (``gguf_end_ids``)."""
+    generation_config = GenerationConfig.from_model_config(config)
+    generation_config.eos_token_id = gguf_end_ids(tokenizer, generation_config.eos_token_id)
+    return generation_config
 
 
 def gguf_end_ids(tokenizer, eos: int | list[int] | None) -> list[int]:
