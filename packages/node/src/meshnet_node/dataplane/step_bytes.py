@@ -45,7 +45,8 @@ def parse_step(headers, body: bytes, *, max_bytes: int) -> tuple[Step, wire.Wire
     frame, the HTTP headers' step."""
     if is_step(body):
         step, request_id, start = decode(body)
-        request_id_var.set(accept_request_id(request_id))  # none sent: a new one
+        if request_id is not None:
+            request_id_var.set(accept_request_id(request_id))
         bind_session(step.session_id)
         body = body[start:]
     else:

@@ -182,7 +182,7 @@ class _ServerStream:
         started = time.perf_counter()
         headers, service = request.headers, self.service
         if request.kind == Kind.STEP and is_step(request.body):
-            request_id_var.set(None)  # the step's own, once read (``parse_step``)
+            request_id_var.set(None)  # the step's own, once read (``parse_step``), if any
             bind_session(None)
         else:
             request_id_var.set(accept_request_id(headers.get(H_REQUEST_ID)))
