@@ -4,16 +4,18 @@ probe, and the steps are followed from the head through each hop and back.
 
 The probes wrap functions of the data path at start-up (``--boot``, below), so nothing is
 added to meshnet's own code: the head's step (``HeadPasses.step``), the compute scheduler
-(``_submit``, ``_decide`` handing a pass over, ``_run`` on the compute thread, ``_finished``
-back on the loop), the hop streams (``HopLinks.relay``, ``_Stream.call`` and
+(``_submit``; ``_start``, called as a pass is handed over; ``_run`` on the compute thread
+and ``_encode_outputs`` at its end; ``_finished`` back on the loop), the hop streams (``HopLinks.relay``, ``_Stream.call`` and
 ``on_message``; on the serving end ``decode_request``, ``forward_answer``, ``parse_step``
 and ``_reply``). ``time.perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process
 on a host. A probe costs ~1 us, a wrapped coroutine a few more: the pieces are a few
 microseconds longer than without the probes, and the step's own ``meshnet_timing`` is
 printed beside them.
 
-    .venv/bin/python bench/step_trace.py [--procs 3] [--gguf | --bf16] [--threads N]
-        [--tokens 128] [--runs 3] [--pin]
+    .venv/bin/python bench/step_trace.py [--procs 3] [--bf16] [--threads N] [--tokens 128]
+        [--runs 3] [--pin] [--model ID] [--step-delay-ms D]
+
+Default: SmolLM2's Q4_1 GGUF (the peers section's swarm) at each process's default threads.
 
 ``--pin`` (with ``--threads 1``): each process's event loop on CPU 0 and its compute
 thread on CPU 1 (where the cost would be wake-ups across cores or the caches a pass
@@ -38,7 +40,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -214,34 +215,12 @@ def report(pieces: dict, loop_gaps: list[float]) -> dict:
     return {"pieces": pieces, "by_kind_us": totals, "outside_compute_us": outside}
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--boot":
-        boot(sys.argv[2:])
-        return
+def trace(args, model: str) -> tuple[list[list[tuple[int, str]]], list[dict]]:
+    """Run the swarm with its probes: every process's (timestamp, probe) events, the head
+    first, and each run's ``meshnet_timing`` medians."""
     import httpx
-    from benchlib import REPO_ROOT, write_json
     from swarm import Swarm, complete
 
-    from meshnet_common.models.gguf_import import SMOLLM2_GGUF_ID, SMOLLM2_MODEL_ID
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--procs", type=int, default=3, choices=(1, 2, 3))
-    parser.add_argument("--bf16", action="store_true", help="SmolLM2 safetensors (default: "
-                        "its Q4_1 GGUF, as the peers section)")  # fmt: skip
-    parser.add_argument("--threads", type=int, help="torch threads a process (default: own)")
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--pin", action="store_true")
-    parser.add_argument("--model", help="another snapshot under --models-dir (its layers "
-                        "split evenly), e.g. meshnet-tiny/llama")  # fmt: skip
-    parser.add_argument("--step-delay-ms", type=float, default=0.0, help="every pass this "
-                        "much longer, asleep (with a tiny model: the idle gaps of a real "
-                        "one without the caches its passes empty)")  # fmt: skip
-    parser.add_argument("--models-dir", default=str(REPO_ROOT / ".cache" / "test-models"))
-    args = parser.parse_args()
-    if args.pin and args.threads != 1:
-        parser.error("--pin gives each compute thread one CPU: use it with --threads 1")
-    model = args.model or (SMOLLM2_MODEL_ID if args.bf16 else SMOLLM2_GGUF_ID)
     layers = 30
     if args.model:
         config = json.loads((Path(args.models_dir) / args.model / "config.json").read_text())
@@ -249,18 +228,15 @@ def main() -> None:
     cuts = [layers * i // args.procs for i in range(args.procs + 1)]
     flags = ["--speculative", "off", "--step-delay-ms", str(args.step_delay_ms)]
     out_dir = tempfile.mkdtemp(prefix="step-trace-")
-    swarm = Swarm(Path(args.models_dir), model, list(itertools.pairwise(cuts)), args.threads,
-                  extra={i: flags for i in range(args.procs)})  # fmt: skip
-    spawn = swarm._spawn
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
 
-    def probed_spawn(module, argv, port, name):  # python -m step_trace --boot ... MODULE ...
-        flags = ["--boot", out_dir, "1" if args.pin else "0", module, *argv]
-        spawn("step_trace", flags, port, name)
+    def probed(module: str, argv: list[str]) -> tuple[str, list[str]]:
+        return "step_trace", ["--boot", out_dir, "1" if args.pin else "0", module, *argv]
 
-    swarm._spawn = probed_spawn
-    prompt = list(range(100, 140))
+    swarm = Swarm(Path(args.models_dir), model, list(itertools.pairwise(cuts)), args.threads,
+                  extra={i: flags for i in range(args.procs)}, launch=probed)  # fmt: skip
+    prompt = list(range(100, 140))  # within every test model's vocabulary
     timings = []
     try:
         swarm.start()
@@ -282,13 +258,44 @@ def main() -> None:
         path = Path(out_dir) / f"{pid}.txt"
         lines = path.read_text().split() if path.exists() else []
         events.append([(int(t), tag) for t, tag in zip(lines[::2], lines[1::2], strict=True)])
+    return events, timings
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--boot":
+        boot(sys.argv[2:])
+        return
+    from benchlib import REPO_ROOT, write_json
+
+    from meshnet_common.models.gguf_import import SMOLLM2_GGUF_ID, SMOLLM2_MODEL_ID
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--procs", type=int, default=3, choices=(1, 2, 3))
+    parser.add_argument("--bf16", action="store_true", help="SmolLM2 safetensors (default: "
+                        "its Q4_1 GGUF, as the peers section)")  # fmt: skip
+    parser.add_argument("--threads", type=int, help="torch threads a process (default: own)")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--pin", action="store_true", help="loops on CPU 0, compute threads "
+                        "on CPU 1 (with --threads 1)")  # fmt: skip
+    parser.add_argument("--model", help="another snapshot under --models-dir (its layers "
+                        "split evenly), e.g. meshnet-tiny/llama")  # fmt: skip
+    parser.add_argument("--step-delay-ms", type=float, default=0.0, help="every pass this "
+                        "much longer, asleep (with a tiny model: the idle gaps of a real "
+                        "one without the caches its passes empty)")  # fmt: skip
+    parser.add_argument("--models-dir", default=str(REPO_ROOT / ".cache" / "test-models"))
+    args = parser.parse_args()
+    if args.pin and args.threads != 1:
+        parser.error("--pin gives each compute thread one CPU: use it with --threads 1")
+    model = args.model or (SMOLLM2_MODEL_ID if args.bf16 else SMOLLM2_GGUF_ID)
+    events, timings = trace(args, model)
     steps = args.runs * (args.tokens - 1)
     head = events[0]
     gaps = [(b[0] - a[0]) / 1000 for a, b in itertools.pairwise(head)
             if a[1] == "end" and b[1] == "step"]  # fmt: skip
     res = report(follow(events, args.procs, steps), gaps[-steps:])
     res.update(procs=args.procs, model=model, threads=args.threads, pin=args.pin,
-               timings=timings, threading=threading.active_count())  # fmt: skip
+               timings=timings)  # fmt: skip
     print(f"wrote {write_json('step_trace.json', res)}")
 
 

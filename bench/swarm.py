@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +47,8 @@ class Swarm:
     urls: list[str] = field(default_factory=list)
     ports: list[int] | None = None  # each process's port (default: free ones)
     extra: dict[int, list[str]] = field(default_factory=dict)  # more flags for process i
+    # How a process is started: (module, args) -> (module, args) (step_trace.py: its probes)
+    launch: Callable[[str, list[str]], tuple[str, list[str]]] | None = None
 
     @property
     def tracker_url(self) -> str:
@@ -57,6 +59,8 @@ class Swarm:
         return [p.pid for p in self.procs]
 
     def _spawn(self, module: str, args: list[str], port: int, name: str) -> None:
+        if self.launch is not None:
+            module, args = self.launch(module, args)
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", module, *args]
