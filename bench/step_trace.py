@@ -226,7 +226,13 @@ def trace(args, model: str) -> tuple[list[list[tuple[int, str]]], list[dict]]:
         config = json.loads((Path(args.models_dir) / args.model / "config.json").read_text())
         layers = config["num_hidden_layers"]
     cuts = [layers * i // args.procs for i in range(args.procs + 1)]
-    flags = ["--speculative", "off", "--step-delay-ms", str(args.step_delay_ms)]
+    flags = [
+        "--speculative",
+        "off",
+        "--step-delay-ms",
+        str(args.step_delay_ms),
+        *args.flags.split(),
+    ]
     out_dir = tempfile.mkdtemp(prefix="step-trace-")
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
@@ -283,6 +289,8 @@ def main() -> None:
     parser.add_argument("--step-delay-ms", type=float, default=0.0, help="every pass this "
                         "much longer, asleep (with a tiny model: the idle gaps of a real "
                         "one without the caches its passes empty)")  # fmt: skip
+    parser.add_argument("--flags", default="", help="more flags for every process, e.g. "
+                        "'--direct-min-rtt 0'")  # fmt: skip
     parser.add_argument("--models-dir", default=str(REPO_ROOT / ".cache" / "test-models"))
     args = parser.parse_args()
     if args.pin and args.threads != 1:
