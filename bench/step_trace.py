@@ -102,6 +102,13 @@ def install(out_dir: str, pin: bool) -> None:
     _wrap(stream_server, "forward_answer", "fwd", "handled")
     _wrap(handlers, "parse_step", None, "parsed")
     _wrap(stream_server._ServerStream, "_reply", "reply", "replied")
+    from meshnet_node.dataplane import lane_relay, lanes  # decode lanes (ADR-0058)
+
+    _wrap(lanes, "read_message", "lread", "lgot")
+    _wrap(lane_relay, "_timed", "lpass", "lpassed")
+    _wrap(lanes, "write", "lwrite", "lwrote")
+    _wrap(lanes.LaneClient, "data_received", "lans")
+    _wrap(links.HopLinks, "_by_lane", "lsend", "lsent")
     if pin:
         os.sched_setaffinity(0, {0})  # this thread, and every thread it starts from now
         serve = cs._serve
@@ -137,11 +144,19 @@ def boot(argv: list[str]) -> None:
 COMPUTE = "compute"
 
 
-def chain_of(procs: int) -> list[tuple[int, str]]:
-    """(process, probe) in the order a decode step passes them: 0 is the head."""
+def chain_of(procs: int, lanes: bool = False) -> list[tuple[int, str]]:
+    """(process, probe) in the order a decode step passes them: 0 is the head. ``lanes``:
+    the hops after the head read and write decode lanes on their compute threads."""
     out = [(0, t) for t in ("step", "submit", "hand", "woke", "done", "fin")]
     if procs == 1:
         return [*out, (0, "end")]
+    if lanes:
+        out.append((0, "lsend"))
+        for p in range(1, procs):
+            out += [(p, t) for t in ("lread", "lgot", "lpass", "lpassed", "lwrite", "lwrote")]
+        for p in range(procs - 2, 0, -1):  # the answer back through each middle hop
+            out += [(p, t) for t in ("lread", "lgot", "lwrite", "lwrote")]
+        return [*out, (0, "lans"), (0, "lsent"), (0, "end")]
     out += [(0, "relay"), (0, "call")]
     for p in range(1, procs):
         out += [(p, t) for t in ("recv", "fwd", "parsed", "submit", "hand", "woke", "done",
@@ -156,7 +171,8 @@ def chain_of(procs: int) -> list[tuple[int, str]]:
 
 def follow(events: list[list[tuple[int, str]]], procs: int, last: int) -> dict:
     """Each piece's durations (us) over the last ``last`` steps the head started."""
-    order = chain_of(procs)
+    lanes = procs > 1 and any(tag == "lpass" for _, tag in events[1])
+    order = chain_of(procs, lanes)
     starts = [t for t, tag in events[0] if tag == "step"][-last:]
     times = [[t for t, _ in e] for e in events]
     pieces: dict[str, list[float]] = {}
@@ -173,7 +189,10 @@ def follow(events: list[list[tuple[int, str]]], procs: int, last: int) -> dict:
             at[proc] = i + 1
             if prev is not None:
                 role = "H" if proc == 0 else "T" if proc == procs - 1 else "M"
-                row.append((f"{role}{proc} {tag}", (e[i][0] - prev) / 1000))
+                name = f"{role}{proc} {tag}"
+                while any(n == name for n, _ in row):  # a probe passed again: the answer's way
+                    name += "'"
+                row.append((name, (e[i][0] - prev) / 1000))
             prev = e[i][0]
         if row:
             for name, us in row:
@@ -182,12 +201,12 @@ def follow(events: list[list[tuple[int, str]]], procs: int, last: int) -> dict:
 
 
 def kind(name: str) -> str:
-    tag = name.split()[1]
-    if tag == "done":
+    tag = name.split()[1].rstrip("'")
+    if tag in ("done", "lpassed"):
         return COMPUTE
     if tag in ("woke", "fin"):
         return "thread hand-off"
-    if tag in ("recv", "ans"):
+    if tag in ("recv", "ans", "lread", "lans"):
         return "message (send, transit, wake)"
     return "Python on the loop"
 

@@ -134,6 +134,15 @@ class Metrics:
             "meshnet_direct_answers",
             "Steps whose answer came straight from the tail, before the chain's", registry=r,
         )  # fmt: skip
+        self.lane_steps = Counter(
+            "meshnet_lane_steps",
+            "Decode steps run here from a decode lane (docs/adr/0058)", registry=r,
+        )  # fmt: skip
+        self.lane_refused = Counter(
+            "meshnet_lane_refused",
+            "Steps a decode lane refused before they ran: their sender used the hop stream",
+            registry=r,
+        )  # fmt: skip
         self.draft_tokens = Counter(
             "meshnet_spec_decode_num_draft_tokens",
             "Draft tokens decode steps carried for the chain to verify", registry=r,

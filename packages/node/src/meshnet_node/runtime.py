@@ -20,13 +20,7 @@ from meshnet_common.errors import MeshnetError, NotFound
 from meshnet_common.memory import ModelCosts
 from meshnet_common.metrics import Metrics
 from meshnet_common.models.checkpoint import CheckpointIndex
-from meshnet_common.protocol import (
-    DirectiveKind,
-    Heartbeat,
-    NodeAnnouncement,
-    NodeState,
-    ShardSpec,
-)
+from meshnet_common.protocol import DirectiveKind, Heartbeat, NodeAnnouncement, NodeState, ShardSpec
 from meshnet_common.trust.identity import CallChecker, Identity
 from meshnet_common.web.auth import install_access
 from meshnet_common.web.http import install_error_handlers, install_observability
@@ -37,6 +31,7 @@ from meshnet_node.caching.store import PrefixCache, heartbeat_figures
 from meshnet_node.cpu_threads import apart
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.gauges import watch_service
+from meshnet_node.dataplane.lane_relay import start_lanes
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.faults import noisy_outputs, slow_compute
 from meshnet_node.engine.loader import load_shard
@@ -353,6 +348,7 @@ async def start_background(runtime: NodeRuntime) -> None:
     runtime.tasks.append(asyncio.ensure_future(sweep()))
     runtime.tasks.append(asyncio.ensure_future(probe()))
     settings = runtime.settings
+    await start_lanes(runtime.service, settings)  # docs/adr/0058
     if settings.tracker_url is None:
         return
     membership = runtime.membership

@@ -97,6 +97,13 @@ class NodeSettings(ShardSettings):
         "wins once registered)", group=SWARM, flag="--heartbeat-interval",
     )  # fmt: skip
 
+    # -- data path --
+    decode_lanes: bool = knob(
+        True, "plain decode steps go down a route on decode lanes: TCP connections beside the "
+        "hop streams, read and written by each node's compute thread (docs/adr/0058; not "
+        "offered where the node serves TLS)", group=DATA, action="bool",
+    )  # fmt: skip
+
     # -- weights --
     model_path: Path | None = knob(
         None, "local snapshot folder (holding config.json); once started: the snapshot the "

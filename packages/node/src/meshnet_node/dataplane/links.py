@@ -28,7 +28,7 @@ from meshnet_common.protocol import (
     StepResult,
     parse_compute,
 )
-from meshnet_node.dataplane import answer_bytes, step_bytes
+from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
 from meshnet_node.dataplane.link_speeds import PROBE_BYTES, LinkSpeeds
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
@@ -37,6 +37,7 @@ from meshnet_node.settings import HopTimeouts
 logger = logging.getLogger(__name__)
 _STEP_HEADERS: dict[str, str] = {}  # a step's body says it all (``step_bytes``)
 
+LANE_RETRY_S = 30.0  # a hop whose lane could not be dialed: steps on the stream for this long
 UNREACHABLE_HEAD_S = 30.0  # a head the tail could not answer directly: through the chain
 LINK_PROBE_SESSION = "link-probe"  # never opened: closing it costs the next hop nothing
 LINK_PROBE_TIMEOUT_S = 2.0
@@ -51,6 +52,27 @@ def _parsed(hop: str, body: bytes, compute: str | None) -> StepResult:
         raise HopError(f"hop {hop} answered a malformed step result", hop=hop) from exc
     result.compute_ms = parse_compute(compute)
     return result
+
+
+def _hop_error(hop: str, status: int, raw: bytes) -> HopError:
+    """A hop's answer that is not a 200, as the error the head routes by."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = None
+    # 4xx and 503 (a full node) keep their meaning; anything else is a broken hop.
+    status = status if 400 <= status < 500 or status == 503 else 502
+    message = (body or {}).get("error", {}).get("message") or raw[:200].decode("utf-8", "replace")
+    return HopError(f"hop {hop}: {message}", status=status, hop=hop, body=body)
+
+
+def _lane_expired(client: lanes.LaneClient, waiting: asyncio.Future) -> None:
+    """No answer in time on a lane: the step fails as a broken hop, and the lane closes."""
+    if not waiting.done():
+        waiting.set_exception(lanes.LaneError("TimeoutError: no answer in time"))
+        client.close()
 
 
 def _drained(task: asyncio.Task) -> None:
@@ -90,8 +112,15 @@ class HopLinks:
         self.rtt_ms: dict[str, float] = {}
         self.first_ms: dict[str, float] = {}  # one round trip per hop never probed (``slow``)
         self.rtt_samples: dict[str, deque[float]] = {}
+        # Decode lanes (docs/adr/0058): this head's lanes to first hops, by URL.
+        self.lanes_on = False
+        self._lanes: dict[str, lanes.LaneClient] = {}
+        self._lane_failed: dict[str, float] = {}  # hop -> when a dial failed
+        self._lane_dials: set[str] = set()
 
     async def aclose(self) -> None:
+        for client in self._lanes.values():
+            client.close()
         await self.hops.aclose()
 
     def set_probe_urls(self, urls: tuple[str, ...]) -> None:
@@ -109,6 +138,10 @@ class HopLinks:
         here: whichever comes first, the direct answer or the chain's, is the step's. The
         chain's answer still comes and still reports a failed hop, so a tail that cannot
         reach the head costs nothing but the time saved."""
+        if self.lanes_on and lanes.plain(step):
+            result = await self._by_lane(hop, hidden, step, frame)
+            if result is not None:
+                return result
         if step.answer_to is None:
             resp = await self.relay(hop, hidden, step, frame)
             return _parsed(hop, resp.body, resp.compute_ms)
@@ -131,6 +164,71 @@ class HopLinks:
         direct.cancel()
         resp = chain.result()  # a failed hop raises here, as without direct answers
         return _parsed(hop, resp.body, resp.compute_ms)
+
+    async def _by_lane(
+        self, hop: str, hidden: torch.Tensor, step: Step, frame: bytes | None
+    ) -> StepResult | None:
+        """``step`` on the lane to ``hop``: the tail's answer, or None where it goes on the
+        stream (no lane yet, or the hops refused it before it ran)."""
+        client = self._lanes.get(hop)
+        if client is None or not client.usable:
+            self.want_lane(hop)
+            return None
+        if frame is None:
+            frame = wire.encode_tensor(hidden, self.speeds.options(hop))
+        body = step_bytes.encode(step, request_id_var.get()) + frame
+        loop = asyncio.get_running_loop()
+        waiting = client.send(body)
+        timer = loop.call_later(self.timeouts.decode_step, _lane_expired, client, waiting)
+        loop.call_soon(self.metrics.wire_sent.inc, len(body))
+        try:
+            got = await waiting
+        except lanes.LaneError as exc:
+            raise HopError(f"hop {hop} failed: {exc}", hop=hop) from exc
+        finally:
+            timer.cancel()
+        if got.status == lanes.LANE_REFUSED:
+            return None
+        if got.status != 200:
+            raise _hop_error(hop, got.status, got.body)
+        return _parsed(hop, got.body, got.compute)
+
+    def lane_offer(self, hop: str) -> tuple[str, int, str] | None:
+        """The lane ``hop`` offers on its open stream: (host, port, secret), or None."""
+        offer = getattr(self.hops, "lane_offer", None)
+        return None if offer is None else offer(hop)
+
+    def want_lane(self, hop: str) -> None:
+        """Dial a lane to ``hop`` in the background, if it offers one (and did not fail to
+        connect lately)."""
+        if hop in self._lane_dials:
+            return
+        failed = self._lane_failed.get(hop)
+        if failed is not None and time.monotonic() - failed < LANE_RETRY_S:
+            return
+        offer = self.lane_offer(hop)
+        if offer is None:
+            return
+        self._lane_dials.add(hop)
+        task = asyncio.ensure_future(self._dial_lane(hop, *offer))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _dial_lane(self, hop: str, host: str, port: int, secret: str) -> None:
+        try:
+            sock = await lanes.dial(host, port, secret, self.timeouts.connect)
+            loop = asyncio.get_running_loop()
+            _, client = await loop.create_connection(lanes.LaneClient, sock=sock)
+        except (OSError, TimeoutError) as exc:
+            self._lane_failed[hop] = time.monotonic()
+            logger.info("no decode lane to %s (%s): its steps go on the stream", hop, exc)
+            return
+        finally:
+            self._lane_dials.discard(hop)
+        old = self._lanes.get(hop)
+        self._lanes[hop] = client
+        if old is not None:
+            old.close()
 
     def deliver(self, session_id: str, key: str | None, position: int, body: bytes,
                 compute: str | None) -> bool:  # fmt: skip
@@ -306,18 +404,7 @@ class HopLinks:
             raise HopError(f"hop {hop} failed: {exc}", hop=hop) from exc
         loop.call_soon(self._observe_hop, hop, time.perf_counter() - started)
         if resp.status != 200:
-            try:
-                body = json.loads(resp.body)
-            except ValueError:
-                body = None
-            if not isinstance(body, dict):
-                body = None
-            # 4xx and 503 (a full node) keep their meaning; anything else is a broken hop.
-            status = resp.status if 400 <= resp.status < 500 or resp.status == 503 else 502
-            message = (body or {}).get("error", {}).get("message") or resp.body[:200].decode(
-                "utf-8", "replace"
-            )
-            raise HopError(f"hop {hop}: {message}", status=status, hop=hop, body=body)
+            raise _hop_error(hop, resp.status, resp.body)
         return resp
 
     def _observe_hop(self, hop: str, seconds: float) -> None:

@@ -84,6 +84,7 @@ class NodeService:
         self.draining: str | None = None  # this node's URL once it drains (docs/adr/0024)
         self.quarantined: tuple[str, str] | None = None  # (its URL, why) once quarantined: ADR-0026
         self.head_audit = None  # audits of the head feeding this node (docs/adr/0032)
+        self.lanes = None  # its decode lanes (``lane_relay.LaneEnds``, docs/adr/0058), if any
 
     # -- what the head and the heartbeat use -------------------------------------------------
 
@@ -140,6 +141,8 @@ class NodeService:
         self.scheduler.queue.forget_times()
 
     async def aclose(self) -> None:
+        if self.lanes is not None:
+            self.lanes.close()
         await self.links.aclose()
         self.scheduler.shutdown()
 
@@ -299,6 +302,8 @@ class NodeService:
         opening = req.open_spec
         if opening is not None:
             opening = opening.entering(stage.shard.layers.end)
+        if self.lanes is not None:  # its next steps may come on a lane: one to the next hop
+            self.lanes.want(req.route[0])
         before = None if req.answer_to is None else append_compute(req.compute_before, own_ms)
         onward = replace(req, route=req.route[1:], open_spec=opening, compute_before=before)
         resp = await self.links.relay(req.route[0], out.hidden, onward, out.frame)
@@ -307,6 +312,16 @@ class NodeService:
                 self.count_served(answer_bytes.kept(resp.body))
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
+
+    def after_lane_step(self, stage: Stage, req: Step, out: StepOutput, size: int) -> None:
+        """On the loop, after a step from a decode lane ran on the compute thread: what
+        ``handle_step`` counts after a step (docs/adr/0058; its ids name no prefix-cache
+        block and no audit watches its session: such steps take the stream)."""
+        self.metrics.wire_received.inc(size)
+        self.metrics.lane_steps.inc()
+        self.count_served(req.sample)
+        if stage.shard.is_tail and out.token is not None:
+            self.tokens_generated += 1
 
     async def _after_earlier_steps(self, stage: Stage, req: Step) -> asyncio.Future:
         """On a tail: note ``req`` as its session's latest step and, for a guess step, wait

@@ -44,6 +44,7 @@ from meshnet_node.dataplane.handlers import (
     forward_answer,
     peer_of,
 )
+from meshnet_node.dataplane.lanes import H_LANE
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.step_bytes import is_step
 
@@ -84,8 +85,11 @@ async def serve_stream(scope, receive, send, service: NodeService) -> None:
         await _deny(scope, send, 400, json.dumps(body).encode())
         return
     limit = max_message_bytes(service.settings.max_body_bytes)
-    await send({"type": "websocket.accept", "subprotocol": SUBPROTOCOL,
-                "headers": [(H_MAX_MESSAGE.encode(), str(limit).encode())]})  # fmt: skip
+    headers = [(H_MAX_MESSAGE.encode(), str(limit).encode())]
+    lane = service.lanes.header if service.lanes is not None else None
+    if lane is not None:  # a decode lane beside this stream (docs/adr/0058)
+        headers.append((H_LANE.encode(), lane.encode()))
+    await send({"type": "websocket.accept", "subprotocol": SUBPROTOCOL, "headers": headers})
     stream = _ServerStream(scope, receive, send, service)
     stream.next_receiver()
     await stream.ended  # steps still running finish; answers to a closed stream are dropped

@@ -42,6 +42,7 @@ from meshnet_node.dataplane.frames import (
     decode_answer,
     encode_request,
 )
+from meshnet_node.dataplane.lanes import H_LANE, parse_lane_header
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class _Stream:
             self.max_message = int(ws.response.headers.get(H_MAX_MESSAGE, ""))
         except ValueError:
             self.max_message = None
+        self.lane = parse_lane_header(ws.response.headers.get(H_LANE))  # (port, secret) offered
         self.closed: str | None = None  # why, once it is
         sock = ws.transport.get_extra_info("socket") if ws.transport else None
         if sock is not None:  # small frames must leave now, not after Nagle's delay
@@ -290,6 +292,18 @@ class StreamHops:
                 raise HopUnreachable(f"TimeoutError: no answer within {timeout:g}s")
             return await stream.call(target.kind, headers, body, remaining)
         raise HopUnreachable(f"the stream to {target.stream_url} keeps closing")
+
+    def lane_offer(self, hop: str) -> tuple[str, int, str] | None:
+        """The decode lane ``hop``'s open stream offered: (host, port, secret), or None."""
+        try:
+            target = _target("POST", f"{hop.rstrip('/')}/v1/forward")
+        except HopUnreachable:
+            return None
+        stream = self._streams.get(target.stream_url)
+        if stream is None or stream.lane is None or not stream.usable:
+            return None
+        host = urlsplit(target.stream_url).hostname
+        return (host, *stream.lane) if host else None
 
     async def _stream(self, url: str, deadline: float) -> _Stream | HopResponse:
         loop = asyncio.get_running_loop()

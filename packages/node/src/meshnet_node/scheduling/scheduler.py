@@ -25,6 +25,7 @@ from typing import Protocol
 from meshnet_node.engine.ahead import run_ahead, steps_of
 from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 from meshnet_node.scheduling.policy import DECODE, ROWS, WORK, Pass, PassQueue, Run, Wait
+from meshnet_node.scheduling.sockets import SocketWatch
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,9 @@ class ComputeScheduler:
         self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        # Sockets it reads between passes (decode lanes, docs/adr/0058); None: none, it
+        # waits on ``_cond`` alone.
+        self.sockets: SocketWatch | None = None
 
     # -- what the node submits ---------------------------------------------------------------
 
@@ -178,8 +182,24 @@ class ComputeScheduler:
                 raise RuntimeError("the node's compute stopped")
             self._calls.append((fn, done))
             self._start()
-            self._cond.notify()
+            self._notify()
         return done
+
+    def read_sockets(self) -> SocketWatch:
+        """The compute thread's sockets (decode lanes): from now on it waits on them
+        between passes and reads them there."""
+        if self.sockets is None:
+            self.sockets = SocketWatch()
+            with self._cond:
+                self._start()
+                self._cond.notify()  # a thread waiting on the condition alone: on the sockets
+        return self.sockets
+
+    def _notify(self) -> None:
+        """Under ``_cond``: the compute thread has something to run."""
+        self._cond.notify()
+        if self.sockets is not None:
+            self.sockets.wake()
 
     # -- what the head and the heartbeat read ------------------------------------------------
 
@@ -237,7 +257,7 @@ class ComputeScheduler:
         with self._cond:
             self._job = decision
             self._start()
-            self._cond.notify()
+            self._notify()
 
     def _finished(self, run: Run, results: list, started: float, ended: float,
                   compute_s: float | None) -> None:  # fmt: skip
@@ -261,15 +281,21 @@ class ComputeScheduler:
         while True:
             with self._cond:
                 while not (self._stopped or self._calls or self._job is not None):
+                    if self.sockets is not None:
+                        break  # waits on the sockets, below
                     self._cond.wait()
                 if self._calls:
                     fn, done = self._calls.popleft()
                     run = None
                 elif self._job is not None:
                     run, self._job = self._job, None
-                else:
+                elif self._stopped:
                     return
-            if run is None:
+                else:
+                    run = _SOCKETS
+            if run is _SOCKETS:
+                self.sockets.wait()  # type: ignore[union-attr]
+            elif run is None:
                 if done.set_running_or_notify_cancel():
                     try:
                         done.set_result(fn())
@@ -321,9 +347,14 @@ class ComputeScheduler:
         with self._cond:
             calls, self._calls = list(self._calls), deque()
             self._cond.notify_all()
+            if self.sockets is not None:
+                self.sockets.wake()
         for _fn, done in calls:
             if done.set_running_or_notify_cancel():
                 done.set_exception(stopped)
+
+
+_SOCKETS = object()  # the compute thread has nothing to run: it reads its sockets
 
 
 def _encode_outputs(items: list[DecodeItem], results: list) -> None:

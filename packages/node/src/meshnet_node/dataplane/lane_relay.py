@@ -1,0 +1,333 @@
+"""A node's end of decode lanes (docs/adr/0058): the listener (on the event loop: it admits a
+lane whose hello names the secret, then hands its socket to the compute thread), the lanes it
+dials to its next hops, and ``LaneRelay``, which the compute thread calls with each readable
+lane: a step from the hop before is parsed, run and written on to the next hop's lane (or,
+at the tail, answered); an answer from the next hop goes back with this hop's compute time.
+
+Only a plain decode step of a session open here, unaudited, takes a lane; anything else
+(an opening, a prompt chunk, drafts, a guess, a replay, a step of an audited session) is
+refused before it runs (``LANE_REFUSED``) and its sender sends it on the hop stream, where
+every step can go. A refused step changed nothing here. A step whose pass ran and whose next
+hop's lane then failed is answered as a failed hop (502 naming it): the head fails over as
+it does when a stream breaks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import secrets
+import socket
+from collections import deque
+from dataclasses import replace
+
+from meshnet_common import wire
+from meshnet_common.errors import HopError, InvalidRequest, MeshnetError, Quarantined
+from meshnet_common.protocol import format_compute
+from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane.lanes import LANE_REFUSED, LaneError, LaneKind, plain
+from meshnet_node.engine.step_io import DecodeItem, is_decode_input
+from meshnet_node.scheduling.policy import DECODE
+from meshnet_node.scheduling.scheduler import _decode_call, _timed
+
+logger = logging.getLogger(__name__)
+
+_HELLO_TIMEOUT_S = 2.0
+NOTE_S = 0.25  # how often the loop notes the steps lanes ran
+
+
+class LaneRefused(MeshnetError):
+    status = LANE_REFUSED
+    error_type = "invalid_request_error"
+
+
+def _nothing_waits() -> bool:
+    return False
+
+
+def _error(seq: int, exc: BaseException) -> bytes:
+    if isinstance(exc, MeshnetError):
+        body = exc.to_openai()
+        status = exc.status
+    else:
+        logger.error("unhandled error on a decode lane", exc_info=exc)
+        body = {"error": {"message": f"internal error: {type(exc).__name__}",
+                          "type": "internal_error", "param": None, "code": None}}  # fmt: skip
+        status = 500
+    return lanes.answer(seq, status, "", json.dumps(body).encode())
+
+
+class LaneRelay:
+    """The compute thread's side of a node's lanes. ``service``: the node's ``NodeService``
+    (its stage, links, scheduler); ``loop``: where bookkeeping after a step goes."""
+
+    def __init__(self, service, loop: asyncio.AbstractEventLoop) -> None:
+        self.service = service
+        self.loop = loop
+        self.watch = service.scheduler.read_sockets()
+        self.downstream: dict[str, socket.socket] = {}  # next hop URL -> lane (compute thread)
+        self._pending: dict[tuple[int, int], tuple[socket.socket, int, float]] = {}
+        self._seq = 0
+        self.steps = 0  # steps run from lanes
+        self.done: deque = deque()  # (stage, step, output, bytes) of steps run, to note
+
+    # -- handed in from the loop -------------------------------------------------------------
+
+    def adopt_upstream(self, sock: socket.socket) -> None:
+        self.watch.watch(lanes.blocking(sock), self.on_upstream)
+
+    def adopt_downstream(self, hop: str, sock: socket.socket) -> None:
+        def reader(s: socket.socket) -> None:
+            self.on_downstream(s, hop)
+
+        def added(s: socket.socket) -> None:  # on the compute thread, which alone uses it
+            old = self.downstream.get(hop)
+            self.downstream[hop] = s
+            if old is not None:
+                self._lost(old, hop, LaneError("replaced"))
+
+        self.watch.watch(lanes.blocking(sock), reader, added)
+
+    # -- on the compute thread ---------------------------------------------------------------
+
+    def on_upstream(self, sock: socket.socket) -> None:
+        try:
+            kind, seq, payload = lanes.read_message(sock)
+            if kind != LaneKind.STEP:
+                raise LaneError(f"a {kind.name} message from the hop before")
+        except LaneError as exc:
+            logger.debug("a lane from the hop before closed: %s", exc)
+            self.watch.forget(sock)
+            return
+        try:
+            reply = self._step(sock, seq, payload)
+        except LaneRefused as exc:
+            self.loop.call_soon_threadsafe(self.service.metrics.lane_refused.inc)
+            reply = _error(seq, exc)
+        except Exception as exc:
+            reply = _error(seq, exc)
+        if reply is not None:
+            try:
+                lanes.write(sock, reply)
+            except LaneError:
+                self.watch.forget(sock)
+
+    def on_downstream(self, sock: socket.socket, hop: str) -> None:
+        try:
+            kind, seq, payload = lanes.read_message(sock)
+            if kind != LaneKind.ANSWER:
+                raise LaneError(f"a {kind.name} message from the next hop")
+        except LaneError as exc:
+            self._lost(sock, hop, exc)
+            return
+        waiting = self._pending.pop((sock.fileno(), seq), None)
+        if waiting is None:
+            return
+        up, up_seq, own_ms = waiting
+        got = lanes.parse_answer(payload)
+        compute = format_compute(own_ms, got.compute) if got.status == 200 else got.compute
+        try:
+            lanes.write(up, lanes.answer(up_seq, got.status, compute, got.body))
+        except LaneError:
+            self.watch.forget(up)
+
+    def _lost(self, sock: socket.socket, hop: str, exc: Exception) -> None:
+        """The lane to ``hop`` failed: its steps in flight are failed hops."""
+        fileno = sock.fileno()
+        if self.downstream.get(hop) is sock:
+            del self.downstream[hop]
+        self.watch.forget(sock)
+        failure = HopError(f"hop {hop} failed: {exc}", hop=hop)
+        for key in [k for k in self._pending if k[0] == fileno]:
+            up, up_seq, _ = self._pending.pop(key)
+            with contextlib.suppress(LaneError):
+                lanes.write(up, _error(up_seq, failure))
+
+    def _step(self, up: socket.socket, seq: int, payload: bytes) -> bytes | None:
+        """Run one step from a lane; its answer (the tail's, or a refusal or an error), or
+        None where it went on to the next hop, whose answer comes back later."""
+        service = self.service
+        step, request_id, start = step_bytes.decode(payload)
+        frame = wire.read_frame(payload[start:], max_bytes=service.settings.max_body_bytes)
+        shape = frame.shape
+        step.check_tokens(shape[1] if len(shape) >= 2 else math.prod(shape))
+        stage = service.stage_for(step.session_id)
+        shard = stage.shard
+        if not plain(step) or not is_decode_input(shard, frame):
+            raise LaneRefused("not a plain decode step")
+        if shard.is_tail == bool(step.route):
+            raise InvalidRequest("the route must end at the tail", param="route")
+        if service.quarantined is not None:
+            raise Quarantined(*service.quarantined)
+        session = stage.sessions.peek(step.session_id)
+        if session is not None and (
+            session.record is not None
+            or (session.keep is not None and step.position < session.keep.tokens)
+        ):  # an audit's inputs, or ids that name prefix-cache blocks: noted on the loop
+            raise LaneRefused("this session's step goes on the stream")
+        down = None
+        if not shard.is_tail:
+            down = self.downstream.get(step.route[0])
+            if down is None:
+                self.loop.call_soon_threadsafe(service.lanes.want, step.route[0])
+                raise LaneRefused("no lane to the next hop yet")
+        if shard.is_tail and step.ids is not None:  # before it samples: the penalties count
+            stage.sessions.observe(step.session_id, step.position, step.ids,
+                                   owner=step.session_key)  # fmt: skip
+        item = DecodeItem(
+            step.session_id, step.position, token_ids=frame if shard.is_head else None,
+            hidden=None if shard.is_head else frame, owner=step.session_key, sample=step.sample,
+        ).made()  # fmt: skip
+        scheduler = service.scheduler
+        expected = scheduler.queue.times.expected_s(DECODE, 1)
+        turns = (
+            scheduler.turns
+            if expected is not None and expected < scheduler.queue.turn_max_s
+            else None
+        )
+        out, compute_s = _timed(
+            _decode_call(stage, [item], _nothing_waits), scheduler.before_pass, turns
+        )
+        scheduler.queue.times.note(DECODE, 1, compute_s)
+        self.steps += 1
+        # Noted on the loop later (``LaneEnds._note``): waking it now would take a core and
+        # the GIL from the passes of this step's next hops.
+        self.done.append((stage, step, out, len(payload)))
+        own_ms = compute_s * 1000
+        if down is None:  # the tail
+            body = (
+                answer_bytes.EMPTY
+                if out.token is None
+                else answer_bytes.encode(out.token, out.more)
+            )
+            return lanes.answer(seq, 200, format_compute(own_ms), body)
+        hop = step.route[0]
+        onward = step_bytes.encode(replace(step, route=step.route[1:]), request_id)
+        tensor = service.links.encoder(hop)(out.hidden)
+        self._seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
+        self._pending[(down.fileno(), self._seq)] = (up, seq, own_ms)
+        try:
+            lanes.write(down, lanes.message(LaneKind.STEP, self._seq, onward, tensor))
+        except LaneError as exc:
+            self._lost(down, hop, exc)  # answers this step too: a failed hop
+        return None
+
+
+class LaneEnds:
+    """A node's lanes as its event loop sees them: the listener it offers on its hop streams
+    (``header``), and the lanes it dials to next hops that offer one (``want``)."""
+
+    def __init__(self, service, host: str) -> None:
+        self.service = service
+        self.host = host
+        self.secret = secrets.token_urlsafe(24)
+        self.relay: LaneRelay | None = None
+        self._listener: socket.socket | None = None
+        self._dialing: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def header(self) -> str | None:
+        """``x-meshnet-lane``'s value for a stream's handshake answer (None: none offered)."""
+        if self._listener is None:
+            return None
+        return f"{self._listener.getsockname()[1]} {self.secret}"
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.relay = LaneRelay(self.service, loop)
+        listener = socket.create_server((self.host, 0), backlog=64)
+        listener.setblocking(False)
+        self._listener = listener
+        loop.add_reader(listener, self._accept)
+        self._spawn(self._note())
+
+    async def _note(self) -> None:
+        """What the loop notes after each step the compute thread ran from a lane (metrics,
+        tokens served), a few times a second rather than once a step."""
+        done = self.relay.done  # type: ignore[union-attr]
+        while True:
+            await asyncio.sleep(NOTE_S)
+            while done:
+                self.service.after_lane_step(*done.popleft())
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()  # type: ignore[union-attr]
+        except (BlockingIOError, OSError):
+            return
+        sock.setblocking(False)
+        self._spawn(self._admit(sock))
+
+    async def _admit(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(_HELLO_TIMEOUT_S):
+                head = await _recv_exactly(loop, sock, 9)
+                size, kind, _ = lanes._HEAD.unpack(head)
+                if kind != LaneKind.HELLO or size > 256:
+                    raise LaneError("no hello")
+                secret = (await _recv_exactly(loop, sock, size)).decode("ascii", "replace")
+        except (TimeoutError, OSError, LaneError):
+            sock.close()
+            return
+        if not secrets.compare_digest(secret, self.secret):
+            logger.warning("a decode lane with a wrong secret: closed")
+            sock.close()
+            return
+        self.relay.adopt_upstream(sock)  # type: ignore[union-attr]
+
+    def want(self, hop: str) -> None:
+        """On the loop: dial a lane to ``hop`` (if it offered one) for the compute thread."""
+        if hop in self._dialing or self.relay is None or hop in self.relay.downstream:
+            return
+        offer = self.service.links.lane_offer(hop)
+        if offer is None:
+            return
+        self._dialing.add(hop)
+        self._spawn(self._dial(hop, *offer))
+
+    async def _dial(self, hop: str, host: str, port: int, secret: str) -> None:
+        try:
+            sock = await lanes.dial(host, port, secret, _HELLO_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
+            logger.info("no decode lane to %s: %s", hop, exc)
+            return
+        finally:
+            self._dialing.discard(hop)
+        self.relay.adopt_downstream(hop, sock)  # type: ignore[union-attr]
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._listener)
+            self._listener.close()
+            self._listener = None
+        for task in self._tasks:
+            task.cancel()
+
+
+async def start_lanes(service, settings) -> None:
+    """Offer decode lanes on ``service``'s hop streams and dial them to its next hops, where
+    ``--decode-lanes`` (the default) and the node serves no TLS (a lane is plain TCP)."""
+    if settings.decode_lanes and settings.tls_cert is None:
+        service.lanes = LaneEnds(service, settings.host)
+        await service.lanes.start()
+        service.links.lanes_on = True
+
+
+async def _recv_exactly(loop, sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = await loop.sock_recv(sock, n - len(out))
+        if not chunk:
+            raise LaneError("closed")
+        out += chunk
+    return bytes(out)

@@ -1,0 +1,222 @@
+"""Decode lanes (docs/adr/0058): plain TCP connections beside the hop streams, on which a
+session's plain decode steps go down a route and their answers come back, read and written
+by the nodes' compute threads.
+
+A hop stream's step crosses, at each node, the event loop's receive, parse and submit, a
+hand-over to the compute thread and back, and the relay; each piece costs what the code it
+touches costs to bring back into caches a pass emptied (ADR-0011). On a lane the compute
+thread reads the step, runs the pass and writes the next hop's step itself: no event loop
+and no thread hand-over at the nodes after the head.
+
+A message::
+
+    length (u32, of what follows the header) | kind (u8) | seq (u32) | payload
+
+``HELLO``: the lane's secret (``x-meshnet-lane`` in the hop stream's handshake answer: only
+a peer the stream admitted knows it); ``STEP``: a step as bytes and its tensor frame
+(``step_bytes``), numbered by the sender; ``ANSWER``: status (u16) | compute length (u16) |
+compute times (``x-meshnet-compute-ms``'s text) | body (``answer_bytes``, or an error's
+JSON), numbered as the step it answers. Big-endian.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from enum import IntEnum
+from typing import NamedTuple
+
+H_LANE = "x-meshnet-lane"  # a hop stream's handshake answer: "<port> <secret>"
+LANE_REFUSED = 421  # an answer: "send it on the stream", nothing ran
+MAX_LANE_MESSAGE = 16 << 20  # a decode step's frame and header stay far below
+LANE_TIMEOUT_S = 5.0  # a message begun is read to its end within this long, or the lane closes
+
+_HEAD = struct.Struct("!IBI")
+_ANSWER = struct.Struct("!HH")
+
+
+class LaneKind(IntEnum):
+    HELLO = 1
+    STEP = 2
+    ANSWER = 3
+
+
+class LaneError(ConnectionError):
+    """A lane that closed, or a message that is not one of this protocol's."""
+
+
+class LaneAnswer(NamedTuple):
+    status: int
+    compute: str  # every hop's compute time so far, comma-separated
+    body: bytes
+
+
+def plain(step) -> bool:
+    """Whether a ``Step`` may take a lane: one token of a session open on every hop, with
+    nothing to order it by (no opening, prompt chunk, drafts, guess, replay or audit)."""
+    return (
+        step.open_spec is None and step.chunk == 0 and not step.drafts
+        and step.guess_from is None and not step.replay_pass and step.answer_to is None
+        and not step.audit
+    )  # fmt: skip
+
+
+def message(kind: LaneKind, seq: int, *parts: bytes) -> bytes:
+    size = sum(len(p) for p in parts)
+    return b"".join((_HEAD.pack(size, kind, seq), *parts))
+
+
+def answer(seq: int, status: int, compute: str, body: bytes) -> bytes:
+    text = compute.encode()
+    return message(LaneKind.ANSWER, seq, _ANSWER.pack(status, len(text)), text, body)
+
+
+def parse_answer(payload: bytes) -> LaneAnswer:
+    if len(payload) < _ANSWER.size:
+        raise LaneError("an answer shorter than its header")
+    status, n = _ANSWER.unpack_from(payload)
+    end = _ANSWER.size + n
+    if end > len(payload):
+        raise LaneError("an answer's compute times run past its end")
+    return LaneAnswer(status, payload[_ANSWER.size : end].decode("ascii", "replace"),
+                      payload[end:])  # fmt: skip
+
+
+def parse_lane_header(value: str | None) -> tuple[int, str] | None:
+    """A hop stream's ``x-meshnet-lane``: (port, secret), or None (no lane offered)."""
+    if not value:
+        return None
+    port, _, secret = value.partition(" ")
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536 or not secret:
+        return None
+    return int(port), secret
+
+
+# -- blocking ends: the compute thread's ------------------------------------------------------
+
+
+def _read_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise LaneError("the lane closed")
+        got += n
+
+
+def read_message(sock: socket.socket) -> tuple[LaneKind, int, bytes]:
+    """One whole message (the socket blocks, within ``LANE_TIMEOUT_S``)."""
+    head = bytearray(_HEAD.size)
+    try:
+        _read_exactly(sock, memoryview(head))
+        size, kind, seq = _HEAD.unpack(head)
+        if size > MAX_LANE_MESSAGE or kind not in (1, 2, 3):
+            raise LaneError(f"not a lane message (kind {kind}, {size} bytes)")
+        payload = bytearray(size)
+        _read_exactly(sock, memoryview(payload))
+    except OSError as exc:  # a timeout, a reset
+        raise LaneError(f"the lane failed: {exc}") from exc
+    return LaneKind(kind), seq, bytes(payload)
+
+
+def write(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError as exc:
+        raise LaneError(f"the lane failed: {exc}") from exc
+
+
+def blocking(sock: socket.socket) -> socket.socket:
+    """``sock`` as the compute thread keeps it: blocking within ``LANE_TIMEOUT_S``, small
+    messages sent at once."""
+    sock.settimeout(LANE_TIMEOUT_S)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+async def dial(host: str, port: int, secret: str, timeout: float) -> socket.socket:
+    """A lane to ``host:port``, its hello sent: a connected non-blocking socket."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, address)
+            await loop.sock_sendall(sock, message(LaneKind.HELLO, 0, secret.encode()))
+    except BaseException:
+        sock.close()
+        raise
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+# -- the head's end, on its event loop ---------------------------------------------------------
+
+
+class LaneClient(asyncio.Protocol):
+    """A head's lane to its route's first hop: steps written from the loop, each answer
+    matched to its step by number as it is parsed (``data_received``)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.closed: str | None = None
+        self._buffer = bytearray()
+        self._seq = 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= _HEAD.size:
+            size, kind, seq = _HEAD.unpack_from(buffer)
+            if kind != LaneKind.ANSWER or size > MAX_LANE_MESSAGE:
+                self._fail("the hop sent a message that is not an answer")
+                return
+            end = _HEAD.size + size
+            if len(buffer) < end:
+                return
+            payload = bytes(buffer[_HEAD.size : end])
+            del buffer[:end]
+            waiting = self.pending.pop(seq, None)
+            if waiting is not None and not waiting.done():
+                try:
+                    waiting.set_result(parse_answer(payload))
+                except LaneError as exc:
+                    waiting.set_exception(exc)
+
+    def connection_lost(self, exc) -> None:
+        self._fail(f"the lane closed ({exc or 'by the hop'})")
+
+    def _fail(self, reason: str) -> None:
+        if self.closed is None:
+            self.closed = reason
+        if self.transport is not None:
+            self.transport.close()
+        pending, self.pending = self.pending, {}
+        for waiting in pending.values():
+            if not waiting.done():
+                waiting.set_exception(LaneError(reason))
+
+    @property
+    def usable(self) -> bool:
+        return self.closed is None and self.transport is not None
+
+    def send(self, body: bytes) -> asyncio.Future:
+        """Write a step (``step_bytes`` and its frame); its answer's future."""
+        self._seq = seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
+        waiting = asyncio.get_running_loop().create_future()
+        self.pending[seq] = waiting
+        self.transport.write(message(LaneKind.STEP, seq, body))  # type: ignore[union-attr]
+        return waiting
+
+    def close(self) -> None:
+        self._fail("closed")

@@ -1,0 +1,130 @@
+"""Decode lanes' parts (docs/adr/0058): the messages over a real socket pair, the head's
+client parsing answers however the bytes are cut, which steps may take a lane, and the
+compute thread reading sockets between the passes it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+
+import pytest
+
+from meshnet_node.dataplane import lanes
+from meshnet_node.dataplane.lanes import LaneError, LaneKind
+from meshnet_node.dataplane.steps import OpenSpec, Step
+from meshnet_node.scheduling.scheduler import ComputeScheduler
+
+
+def test_a_message_crosses_a_socket_whole():
+    a, b = socket.socketpair()
+    with a, b:
+        lanes.blocking(b)
+        lanes.write(a, lanes.message(LaneKind.STEP, 7, b"step", b"frame"))
+        lanes.write(a, lanes.answer(8, 200, "1.500,2.250", b"MSA1\x00"))
+        assert lanes.read_message(b) == (LaneKind.STEP, 7, b"stepframe")
+        kind, seq, payload = lanes.read_message(b)
+        assert (kind, seq) == (LaneKind.ANSWER, 8)
+        assert lanes.parse_answer(payload) == lanes.LaneAnswer(200, "1.500,2.250", b"MSA1\x00")
+
+
+def test_a_lane_that_closes_or_sends_garbage_is_an_error():
+    a, b = socket.socketpair()
+    with b:
+        lanes.blocking(b)
+        a.sendall(b"\x00\x00\x00\x01\x09\x00\x00\x00\x01x")  # kind 9: not a lane message
+        with pytest.raises(LaneError, match="not a lane message"):
+            lanes.read_message(b)
+        a.close()
+        with pytest.raises(LaneError, match="closed"):
+            lanes.read_message(b)
+    with pytest.raises(LaneError, match="shorter"):
+        lanes.parse_answer(b"\x00")
+    with pytest.raises(LaneError, match="past its end"):
+        lanes.parse_answer(b"\x00\xc8\x00\x09ab")
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    ("4242 s3cret", (4242, "s3cret")), (None, None), ("", None), ("0 x", None),
+    ("70000 x", None), ("12 ", None), ("x1 y", None),
+])  # fmt: skip
+def test_the_offer_in_a_streams_handshake(value, want):
+    assert lanes.parse_lane_header(value) == want
+
+
+def test_only_plain_decode_steps_take_a_lane():
+    base = Step("s1", "k", 9, route=("http://127.0.0.1:9",), ids=(5,))
+    assert lanes.plain(base)
+    spec = OpenSpec()
+    for other in (
+        Step("s1", "k", 0, open_spec=spec),
+        Step("s1", "k", 9, chunk=1),
+        Step("s1", "k", 9, ids=(5, 6), drafts=1),
+        Step("s1", "k", 9, guess_from=8),
+        Step("s1", "k", 9, replay_pass=2),
+        Step("s1", "k", 9, answer_to="http://127.0.0.1:1"),
+    ):
+        assert not lanes.plain(other), other
+
+
+def _unpack(data: bytes) -> tuple[LaneKind, int, bytes]:
+    size, kind, seq = struct.unpack("!IBI", data[:9])
+    assert size == len(data) - 9
+    return LaneKind(kind), seq, data[9:]
+
+
+def test_the_heads_client_parses_answers_however_they_are_cut():
+    async def main():
+        client = lanes.LaneClient()
+        written: list[bytes] = []
+
+        class Transport:
+            def write(self, data):
+                written.append(data)
+
+            def close(self):
+                pass
+
+        client.connection_made(Transport())
+        first, second = client.send(b"one"), client.send(b"two")
+        assert [_unpack(w) for w in written] == [
+            (LaneKind.STEP, 1, b"one"), (LaneKind.STEP, 2, b"two")]  # fmt: skip
+        data = lanes.answer(2, 200, "1.0", b"B") + lanes.answer(1, 404, "", b"{}")
+        for i in range(len(data)):  # a byte at a time
+            client.data_received(data[i : i + 1])
+        assert (await first).status == 404
+        assert (await second) == lanes.LaneAnswer(200, "1.0", b"B")
+        third = client.send(b"three")
+        client.connection_lost(None)
+        with pytest.raises(LaneError, match="closed"):
+            await third
+        assert not client.usable
+
+    asyncio.run(main())
+
+
+def test_the_compute_thread_reads_its_sockets_between_passes():
+    scheduler = ComputeScheduler()
+    watch = scheduler.read_sockets()
+    a, b = socket.socketpair()
+    seen: list[tuple[str, bytes]] = []
+    added = threading.Event()
+    got = threading.Event()
+
+    def reader(sock):
+        seen.append((threading.current_thread().name, sock.recv(16)))
+        got.set()
+
+    try:
+        watch.watch(b, reader, lambda _s: added.set())
+        assert scheduler.call(lambda: threading.current_thread().name).result(5) == "compute"
+        assert added.wait(5)
+        a.sendall(b"ping")
+        assert got.wait(5)
+        assert seen == [("compute", b"ping")]
+        # a pass handed over while it waits on its sockets still runs
+        assert scheduler.call(lambda: 41 + 1).result(5) == 42
+    finally:
+        scheduler.shutdown()
+        a.close()

@@ -1,0 +1,75 @@
+"""Decode lanes through real processes (docs/adr/0058): a tracker node and two nodes with a
+swarm token; the decode steps go down the lanes, the text equals the unsplit model's, and a
+lane is admitted only with the secret its hop stream's handshake gave, and the node goes on
+serving after one that did not."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import psutil
+import pytest
+import torch
+from baselines import hf_chunked_greedy, load_reference_model
+from swarm_harness import Swarm, covered, wait_for
+from transformers import AutoTokenizer
+
+from meshnet_node.dataplane import lanes
+
+pytestmark = [pytest.mark.integration]
+
+TOKEN = "s3cret"
+FLAGS = ("--quantization", "float32", "--kv-budget-tokens", "2048", "--swarm-token", TOKEN,
+         "--speculative", "off")  # plain decode steps: what lanes carry  # fmt: skip
+
+
+def _metric(url: str, name: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=5, headers={"x-meshnet-swarm-token": TOKEN})
+    line = next(ln for ln in metrics.text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def _lane_port(node) -> int:
+    """The port a node's lane listener took: the one it listens on beside its own (its
+    offer, with the secret, is in a hop stream's handshake, which a node opens only to
+    calls signed by a certified peer: ADR-0032)."""
+    listening = {c.laddr.port for c in psutil.Process(node.popen.pid).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN}  # fmt: skip
+    (port,) = listening - {node.bound}
+    return port
+
+
+def test_decode_steps_take_the_lanes_and_give_the_unsplit_models_text(
+    models_dir, tiny_snapshot, tiny_model_id, tmp_path
+):
+    snapshot = tiny_snapshot("llama")
+    model_id = tiny_model_id("llama")
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker("--model-id", model_id, "--shard-start", "0", "--shard-end",
+                                "2", *FLAGS).wait_healthy()  # fmt: skip
+        middle = swarm.node(tracker, model_id, 2, 4, *FLAGS).wait_healthy()
+        tail = swarm.node(tracker, model_id, 4, 6, *FLAGS).wait_healthy()
+        wait_for(lambda: covered(tracker, model_id), timeout=30)
+        prompt = [(i * 17) % 400 + 5 for i in range(30)]
+        want, _ = hf_chunked_greedy(load_reference_model(snapshot, torch.float32), prompt, 24)
+        text = AutoTokenizer.from_pretrained(snapshot).decode(want, skip_special_tokens=True)
+        body = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        for _ in range(2):  # the first dials the lanes while its steps take the streams
+            reply = httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == text
+        # counted on the loop a few times a second
+        for node in (middle, tail):
+            wait_for(lambda n=node: _metric(n.url, "meshnet_lane_steps_total") >= 20, timeout=5)
+        assert _metric(middle.url, "meshnet_lane_refused_total") == 0
+
+        with socket.create_connection(("127.0.0.1", _lane_port(middle)), timeout=5) as sock:
+            sock.sendall(lanes.message(lanes.LaneKind.HELLO, 0, b"not-the-secret"))
+            assert sock.recv(16) == b""  # closed: a lane needs its stream's secret
+        reply = httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=60)
+        assert reply.json()["choices"][0]["text"] == text
+    finally:
+        swarm.close()
