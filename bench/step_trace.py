@@ -108,7 +108,8 @@ def install(out_dir: str, pin: bool) -> None:
     _wrap(lane_relay, "_timed", "lpass", "lpassed")
     _wrap(lanes, "write", "lwrite", "lwrote")
     _wrap(lanes.LaneClient, "data_received", "lans")
-    _wrap(links.HopLinks, "_by_lane", "lsend", "lsent")
+    _wrap(lanes.LaneStep, "write", "hwrite", "hwrote")  # the head's, on its compute thread
+    _wrap(links.HopLinks, "lane_answer", None, "lsent")
     if pin:
         os.sched_setaffinity(0, {0})  # this thread, and every thread it starts from now
         serve = cs._serve
@@ -150,8 +151,8 @@ def chain_of(procs: int, lanes: bool = False) -> list[tuple[int, str]]:
     out = [(0, t) for t in ("step", "submit", "hand", "woke", "done", "fin")]
     if procs == 1:
         return [*out, (0, "end")]
-    if lanes:
-        out.append((0, "lsend"))
+    if lanes:  # the head's compute thread writes the step; the loop hears of it meanwhile
+        out = [*out[:4], (0, "hwrite"), (0, "hwrote")]
         for p in range(1, procs):
             out += [(p, t) for t in ("lread", "lgot", "lpass", "lpassed", "lwrite", "lwrote")]
         for p in range(procs - 2, 0, -1):  # the answer back through each middle hop
@@ -202,7 +203,7 @@ def follow(events: list[list[tuple[int, str]]], procs: int, last: int) -> dict:
 
 def kind(name: str) -> str:
     tag = name.split()[1].rstrip("'")
-    if tag in ("done", "lpassed"):
+    if tag in ("done", "lpassed", "hwrite"):
         return COMPUTE
     if tag in ("woke", "fin"):
         return "thread hand-off"

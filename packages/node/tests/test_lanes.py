@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 import threading
 
 import pytest
@@ -68,38 +67,38 @@ def test_only_plain_decode_steps_take_a_lane():
         assert not lanes.plain(other), other
 
 
-def _unpack(data: bytes) -> tuple[LaneKind, int, bytes]:
-    size, kind, seq = struct.unpack("!IBI", data[:9])
-    assert size == len(data) - 9
-    return LaneKind(kind), seq, data[9:]
-
-
-def test_the_heads_client_parses_answers_however_they_are_cut():
+def test_the_heads_lane_writes_steps_and_parses_answers_however_they_are_cut():
     async def main():
-        client = lanes.LaneClient()
-        written: list[bytes] = []
+        a, b = socket.socketpair()
+        client = lanes.LaneClient(a)
 
         class Transport:
-            def write(self, data):
-                written.append(data)
-
             def close(self):
                 pass
 
         client.connection_made(Transport())
-        first, second = client.send(b"one"), client.send(b"two")
-        assert [_unpack(w) for w in written] == [
-            (LaneKind.STEP, 1, b"one"), (LaneKind.STEP, 2, b"two")]  # fmt: skip
+        first = lanes.LaneStep(client, lambda: b"one")
+        second = lanes.LaneStep(client, lambda: b"two")
+        writer = first.encoder(lambda hidden: b"<" + hidden + b">")
+        assert writer(b"x") == b"<x>"  # the frame, and the step written with it
+        second.write(b"")
+        assert first.written and second.written
+        lanes.blocking(b)
+        assert lanes.read_message(b) == (LaneKind.STEP, 1, b"one<x>")
+        assert lanes.read_message(b) == (LaneKind.STEP, 2, b"two")
         data = lanes.answer(2, 200, "1.0", b"B") + lanes.answer(1, 404, "", b"{}")
         for i in range(len(data)):  # a byte at a time
             client.data_received(data[i : i + 1])
-        assert (await first).status == 404
-        assert (await second) == lanes.LaneAnswer(200, "1.0", b"B")
-        third = client.send(b"three")
+        assert (await first.answer).status == 404
+        assert (await second.answer) == lanes.LaneAnswer(200, "1.0", b"B")
+        third = lanes.LaneStep(client, lambda: b"three")
         client.connection_lost(None)
         with pytest.raises(LaneError, match="closed"):
-            await third
+            await third.answer
         assert not client.usable
+        third.write(b"")  # the lane is gone: the failure is the step's, not the thread's
+        assert not third.written and third.failed is not None
+        b.close()
 
     asyncio.run(main())
 

@@ -20,7 +20,7 @@ import logging
 import math
 import secrets
 import socket
-from collections import deque
+import time
 from dataclasses import replace
 
 from meshnet_common import wire
@@ -35,7 +35,6 @@ from meshnet_node.scheduling.scheduler import _decode_call, _timed
 logger = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT_S = 2.0
-NOTE_S = 0.25  # how often the loop notes the steps lanes ran
 
 
 class LaneRefused(MeshnetError):
@@ -66,12 +65,20 @@ class LaneRelay:
     def __init__(self, service, loop: asyncio.AbstractEventLoop) -> None:
         self.service = service
         self.loop = loop
-        self.watch = service.scheduler.read_sockets()
         self.downstream: dict[str, socket.socket] = {}  # next hop URL -> lane (compute thread)
-        self._pending: dict[tuple[int, int], tuple[socket.socket, int, float]] = {}
+        # (next hop's lane, number) -> (the lane before, its number, own ms, when sent)
+        self._pending: dict[tuple[int, int], tuple[socket.socket, int, float, float]] = {}
         self._seq = 0
         self.steps = 0  # steps run from lanes
-        self.done: deque = deque()  # (stage, step, output, bytes) of steps run, to note
+        # Tokens through this stage and sampled here from lanes (the compute thread's counts;
+        # ``NodeService.tokens_served`` and ``tokens_generated`` add them).
+        self.served = self.generated = 0
+
+    @property
+    def watch(self):
+        """The compute thread's sockets, from the first lane on (a node no lane reaches
+        keeps waiting on its condition variable alone)."""
+        return self.service.scheduler.read_sockets()
 
     # -- handed in from the loop -------------------------------------------------------------
 
@@ -125,7 +132,8 @@ class LaneRelay:
         waiting = self._pending.pop((sock.fileno(), seq), None)
         if waiting is None:
             return
-        up, up_seq, own_ms = waiting
+        up, up_seq, own_ms, sent = waiting
+        self.service.metrics.hop_seconds.labels(hop).observe(time.perf_counter() - sent)
         got = lanes.parse_answer(payload)
         compute = format_compute(own_ms, got.compute) if got.status == 200 else got.compute
         try:
@@ -141,7 +149,7 @@ class LaneRelay:
         self.watch.forget(sock)
         failure = HopError(f"hop {hop} failed: {exc}", hop=hop)
         for key in [k for k in self._pending if k[0] == fileno]:
-            up, up_seq, _ = self._pending.pop(key)
+            up, up_seq, *_ = self._pending.pop(key)
             with contextlib.suppress(LaneError):
                 lanes.write(up, _error(up_seq, failure))
 
@@ -192,11 +200,15 @@ class LaneRelay:
         )
         scheduler.queue.times.note(DECODE, 1, compute_s)
         self.steps += 1
-        # Noted on the loop later (``LaneEnds._note``): waking it now would take a core and
-        # the GIL from the passes of this step's next hops.
-        self.done.append((stage, step, out, len(payload)))
+        # Counted here, not on the loop: waking it would take a core and the GIL from the
+        # passes of this step's next hops (the metrics take their own locks).
+        metrics = service.metrics
+        metrics.wire_received.inc(len(payload))
+        metrics.lane_steps.inc()
+        self.served += int(step.sample)
         own_ms = compute_s * 1000
         if down is None:  # the tail
+            self.generated += out.token is not None
             body = (
                 answer_bytes.EMPTY
                 if out.token is None
@@ -207,11 +219,13 @@ class LaneRelay:
         onward = step_bytes.encode(replace(step, route=step.route[1:]), request_id)
         tensor = service.links.encoder(hop)(out.hidden)
         self._seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
-        self._pending[(down.fileno(), self._seq)] = (up, seq, own_ms)
+        self._pending[(down.fileno(), self._seq)] = (up, seq, own_ms, time.perf_counter())
         try:
             lanes.write(down, lanes.message(LaneKind.STEP, self._seq, onward, tensor))
         except LaneError as exc:
             self._lost(down, hop, exc)  # answers this step too: a failed hop
+            return None
+        metrics.wire_sent.inc(len(onward) + len(tensor))
         return None
 
 
@@ -242,16 +256,6 @@ class LaneEnds:
         listener.setblocking(False)
         self._listener = listener
         loop.add_reader(listener, self._accept)
-        self._spawn(self._note())
-
-    async def _note(self) -> None:
-        """What the loop notes after each step the compute thread ran from a lane (metrics,
-        tokens served), a few times a second rather than once a step."""
-        done = self.relay.done  # type: ignore[union-attr]
-        while True:
-            await asyncio.sleep(NOTE_S)
-            while done:
-                self.service.after_lane_step(*done.popleft())
 
     def _accept(self) -> None:
         try:

@@ -25,8 +25,10 @@ import asyncio
 import contextlib
 import socket
 import struct
+import time
+from collections.abc import Callable
 from enum import IntEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 H_LANE = "x-meshnet-lane"  # a hop stream's handshake answer: "<port> <secret>"
 LANE_REFUSED = 421  # an answer: "send it on the stream", nothing ran
@@ -160,10 +162,14 @@ async def dial(host: str, port: int, secret: str, timeout: float) -> socket.sock
 
 
 class LaneClient(asyncio.Protocol):
-    """A head's lane to its route's first hop: steps written from the loop, each answer
-    matched to its step by number as it is parsed (``data_received``)."""
+    """A head's lane to its route's first hop. Its answers are read on the event loop, each
+    matched to its step by number as it is parsed (``data_received``); its steps are written
+    by the compute thread right after the head's pass (``LaneStep.write``), on a duplicate
+    of the socket that waits for room within ``LANE_TIMEOUT_S``."""
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket) -> None:
+        self.out = sock.dup()  # the compute thread's: it alone writes
+        self.out.settimeout(LANE_TIMEOUT_S)
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future] = {}
         self.closed: str | None = None
@@ -199,8 +205,10 @@ class LaneClient(asyncio.Protocol):
     def _fail(self, reason: str) -> None:
         if self.closed is None:
             self.closed = reason
-        if self.transport is not None:
-            self.transport.close()
+            if self.transport is not None:
+                self.transport.close()
+            with contextlib.suppress(OSError):
+                self.out.close()
         pending, self.pending = self.pending, {}
         for waiting in pending.values():
             if not waiting.done():
@@ -210,13 +218,51 @@ class LaneClient(asyncio.Protocol):
     def usable(self) -> bool:
         return self.closed is None and self.transport is not None
 
-    def send(self, body: bytes) -> asyncio.Future:
-        """Write a step (``step_bytes`` and its frame); its answer's future."""
+    def expect(self) -> tuple[int, asyncio.Future]:
+        """On the loop: the number of a step about to be written, and its answer's future."""
         self._seq = seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
         waiting = asyncio.get_running_loop().create_future()
         self.pending[seq] = waiting
-        self.transport.write(message(LaneKind.STEP, seq, body))  # type: ignore[union-attr]
-        return waiting
+        return seq, waiting
 
     def close(self) -> None:
         self._fail("closed")
+
+
+class LaneStep:
+    """One step of the head on its lane: numbered on the loop, written by the compute thread
+    as soon as the head's pass encoded its output (``encoder``), so the step is on its way
+    before the loop hears the pass ended; its answer comes back to the loop (``answer``).
+    ``encode_step``: the step's bytes (``step_bytes.encode`` with its request id)."""
+
+    def __init__(self, client: LaneClient, encode_step: Callable[[], bytes]) -> None:
+        self.client = client
+        self.encode_step = encode_step
+        self.seq, self.answer = client.expect()
+        self.failed: BaseException | None = None  # the write's failure (compute thread)
+        self.written = False
+        self.sent, self.size = 0.0, 0  # when it was written, and its step's bytes
+
+    def encoder(self, encode: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+        """``encode`` (a tensor to its frame), then the step written with that frame."""
+
+        def encode_and_write(hidden) -> bytes:
+            frame = encode(hidden)
+            self.write(frame)
+            return frame
+
+        return encode_and_write
+
+    def write(self, frame: bytes) -> None:
+        """On the compute thread: the step and ``frame``, whole, on the lane."""
+        try:
+            data = message(LaneKind.STEP, self.seq, self.encode_step(), frame)
+            self.client.out.sendall(data)
+            self.sent, self.size = time.perf_counter(), len(data) - _HEAD.size
+            self.written = True
+        except Exception as exc:  # the loop fails the step (``HopLinks.lane_answer``)
+            self.failed = exc
+
+    def forget(self) -> None:
+        """On the loop: the step was not written (its pass failed); no answer is awaited."""
+        self.client.pending.pop(self.seq, None)

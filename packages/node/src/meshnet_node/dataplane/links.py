@@ -138,10 +138,6 @@ class HopLinks:
         here: whichever comes first, the direct answer or the chain's, is the step's. The
         chain's answer still comes and still reports a failed hop, so a tail that cannot
         reach the head costs nothing but the time saved."""
-        if self.lanes_on and lanes.plain(step):
-            result = await self._by_lane(hop, hidden, step, frame)
-            if result is not None:
-                return result
         if step.answer_to is None:
             resp = await self.relay(hop, hidden, step, frame)
             return _parsed(hop, resp.body, resp.compute_ms)
@@ -165,28 +161,38 @@ class HopLinks:
         resp = chain.result()  # a failed hop raises here, as without direct answers
         return _parsed(hop, resp.body, resp.compute_ms)
 
-    async def _by_lane(
-        self, hop: str, hidden: torch.Tensor, step: Step, frame: bytes | None
-    ) -> StepResult | None:
-        """``step`` on the lane to ``hop``: the tail's answer, or None where it goes on the
-        stream (no lane yet, or the hops refused it before it ran)."""
+    def lane_step(self, hop: str, step: Step) -> lanes.LaneStep | None:
+        """``step`` (the head's, going to ``hop``) on the lane to ``hop``, written by the
+        compute thread once the head's pass encoded its output (``LaneStep.encoder``); None
+        where it takes the stream (not a plain step, or no lane yet: one is dialed)."""
+        if not self.lanes_on or not lanes.plain(step):
+            return None
         client = self._lanes.get(hop)
         if client is None or not client.usable:
             self.want_lane(hop)
             return None
-        if frame is None:
-            frame = wire.encode_tensor(hidden, self.speeds.options(hop))
-        body = step_bytes.encode(step, request_id_var.get()) + frame
+        request_id = request_id_var.get()
+        return lanes.LaneStep(client, functools.partial(step_bytes.encode, step, request_id))
+
+    async def lane_answer(self, hop: str, lane: lanes.LaneStep) -> StepResult | None:
+        """The tail's answer to a step written on the lane to ``hop``; None where it must go
+        on the stream (not written, or the hops refused it before it ran)."""
+        if not lane.written:
+            lane.forget()
+            if lane.failed is None:
+                return None
+            lane.client.close()
+            raise HopError(f"hop {hop} failed: {lane.failed}", hop=hop) from lane.failed
         loop = asyncio.get_running_loop()
-        waiting = client.send(body)
-        timer = loop.call_later(self.timeouts.decode_step, _lane_expired, client, waiting)
-        loop.call_soon(self.metrics.wire_sent.inc, len(body))
+        timer = loop.call_later(self.timeouts.decode_step, _lane_expired, lane.client, lane.answer)
+        loop.call_soon(self.metrics.wire_sent.inc, lane.size)  # while it waits, as ``relay``
         try:
-            got = await waiting
+            got = await lane.answer
         except lanes.LaneError as exc:
             raise HopError(f"hop {hop} failed: {exc}", hop=hop) from exc
         finally:
             timer.cancel()
+        loop.call_soon(self._observe_hop, hop, time.perf_counter() - lane.sent)
         if got.status == lanes.LANE_REFUSED:
             return None
         if got.status != 200:
@@ -218,7 +224,9 @@ class HopLinks:
         try:
             sock = await lanes.dial(host, port, secret, self.timeouts.connect)
             loop = asyncio.get_running_loop()
-            _, client = await loop.create_connection(lanes.LaneClient, sock=sock)
+            _, client = await loop.create_connection(
+                functools.partial(lanes.LaneClient, sock), sock=sock
+            )
         except (OSError, TimeoutError) as exc:
             self._lane_failed[hop] = time.monotonic()
             logger.info("no decode lane to %s (%s): its steps go on the stream", hop, exc)

@@ -78,8 +78,8 @@ class NodeService:
         # Tail: each session's latest step, done once it computed (or was found stale): a
         # guess step is judged only after the session's earlier steps ran here.
         self._tail_steps: dict[str, asyncio.Future] = {}
-        self.tokens_generated = 0  # sampled here (tail)
-        self.tokens_served = 0  # sampled steps run here: tokens generated through this stage
+        self._generated = 0  # sampled here (tail), beside those of lanes
+        self._served = 0  # sampled steps run here: tokens generated through this stage
         self.answer_url: str | None = None  # where tails answer this head (set when it is one)
         self.draining: str | None = None  # this node's URL once it drains (docs/adr/0024)
         self.quarantined: tuple[str, str] | None = None  # (its URL, why) once quarantined: ADR-0026
@@ -94,7 +94,19 @@ class NodeService:
 
     def count_served(self, tokens: int) -> None:
         """``tokens`` more generated through this stage (sampled steps, kept drafts)."""
-        self.tokens_served += tokens
+        self._served += tokens
+
+    @property
+    def tokens_served(self) -> int:
+        """Tokens generated through this stage: sampled steps run here (lanes' too)."""
+        relay = self.lanes.relay if self.lanes is not None else None
+        return self._served + (relay.served if relay is not None else 0)
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens sampled here (a tail), lanes' too."""
+        relay = self.lanes.relay if self.lanes is not None else None
+        return self._generated + (relay.generated if relay is not None else 0)
 
     @property
     def layer_ms(self) -> float | None:
@@ -292,7 +304,7 @@ class NodeService:
         if stage.shard.is_tail:
             if out.token is None:
                 return StepAnswer(answer_bytes.EMPTY, format_compute(own_ms))
-            self.tokens_generated += 1 + len(out.more or ())
+            self._generated += 1 + len(out.more or ())
             self.count_served(len(out.more or ()))  # the drafts it kept: tokens too
             body = answer_bytes.encode(out.token, out.more)
             if req.answer_to is not None:  # straight to the head too; the chain still answers
@@ -312,16 +324,6 @@ class NodeService:
                 self.count_served(answer_bytes.kept(resp.body))
         # The tail's answer goes back as it came: only the compute header grows.
         return StepAnswer(resp.body, format_compute(own_ms, resp.compute_ms))
-
-    def after_lane_step(self, stage: Stage, req: Step, out: StepOutput, size: int) -> None:
-        """On the loop, after a step from a decode lane ran on the compute thread: what
-        ``handle_step`` counts after a step (docs/adr/0058; its ids name no prefix-cache
-        block and no audit watches its session: such steps take the stream)."""
-        self.metrics.wire_received.inc(size)
-        self.metrics.lane_steps.inc()
-        self.count_served(req.sample)
-        if stage.shard.is_tail and out.token is not None:
-            self.tokens_generated += 1
 
     async def _after_earlier_steps(self, stage: Stage, req: Step) -> asyncio.Future:
         """On a tail: note ``req`` as its session's latest step and, for a guess step, wait

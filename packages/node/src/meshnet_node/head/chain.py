@@ -22,6 +22,7 @@ from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.caching.api import PrefixClient
 from meshnet_node.caching.blocks import BLOCK_TOKENS
 from meshnet_node.caching.reuse import PrefixReuse
+from meshnet_node.dataplane.lanes import LaneStep
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import OpenSpec, Step
 from meshnet_node.engine.ahead import Ahead
@@ -163,16 +164,21 @@ class HeadPasses:
                     task.cancel()
             raise
 
-    async def local(self, stage, step: Step, ahead: Ahead | None = None) -> StepOutput:
+    async def local(
+        self, stage, step: Step, ahead: Ahead | None = None, lane: LaneStep | None = None
+    ) -> StepOutput:
         """``step`` through the head's own layers: its "hop 0", the same type every hop
         runs (its ``ids`` the input, its ``route`` the hops after the head); a sampled step
-        puts a token out of it (more where it ran ``ahead``, ADR-0047)."""
+        puts a token out of it (more where it ran ``ahead``, ADR-0047); ``lane``: the compute
+        thread writes it on its decode lane too (ADR-0058)."""
         # The stage is fixed per generation: a reshard swaps service.stage for new sessions.
         self.service.count_served(int(step.sample))  # a sampled step: one more token here
         ids = list(step.ids or ())
         # Made a tensor on the compute thread, which also encodes the output for the next hop
         # (a torch call costs ~0.1 ms on the loop, docs/adr/0011).
         encode = self.service.encoder(step.route[0]) if step.route else None
+        if lane is not None:  # and writes the step on its lane
+            encode = lane.encoder(encode)  # type: ignore[arg-type]
         out = await self.service.run(stage, step, wire.WireTensor.of_ids(ids), ahead, encode)
         if ahead is not None and out.more:  # the steps it ran ahead: their inputs cached too
             ids += [t.token_id for t in [out.token, *out.more][:-1]]  # type: ignore[union-attr]
@@ -210,10 +216,27 @@ class HeadPasses:
             session_id, key, position, route=route, sample=True, ids=tuple(token_ids),
             drafts=drafts, guess_from=guess_from,
         )  # fmt: skip
-        out = await self.local(stage, step, None if route else ahead)
+        onward = replace(step, route=route[1:])
+        # A lone session's plain step takes a decode lane (ADR-0058), written after the
+        # pass; concurrent sessions' steps take the streams, where the hops batch them.
+        lane = None
+        direct = step.sample and self.service.answer_url is not None  # ``send`` asks then
+        alone = len(stage.sessions) == 1
+        if route and alone and not (direct and self.service.direct_pays(route[0])):
+            lane = self.service.links.lane_step(route[0], onward)
+        try:
+            out = await self.local(stage, step, None if route else ahead, lane)
+        except BaseException:
+            if lane is not None:
+                lane.forget()
+            raise
         if not route:  # head is also the tail
             return as_result(out)
-        result = await self.send(route[0], out, replace(step, route=route[1:]))
+        result = None
+        if lane is not None:
+            result = await self.service.links.lane_answer(route[0], lane)
+        if result is None:  # no lane, or the hops sent it back to the stream unrun
+            result = await self.send(route[0], out, onward)
         result.compute_ms.insert(0, out.compute_s * 1000)
         return result
 
