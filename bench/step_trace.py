@@ -7,7 +7,9 @@ added to meshnet's own code: the head's step (``HeadPasses.step``), the compute 
 (``_submit``; ``_start``, called as a pass is handed over; ``_run`` on the compute thread
 and ``_encode_outputs`` at its end; ``_finished`` back on the loop), the hop streams (``HopLinks.relay``, ``_Stream.call`` and
 ``on_message``; on the serving end ``decode_request``, ``forward_answer``, ``parse_step``
-and ``_reply``). ``time.perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process
+and ``_reply``), decode lanes (ADR-0058: ``lanes.read_message`` and ``write``, a lane's
+pass, the head's ``LaneStep.write`` and ``HopLinks.lane_answer``; a swarm whose steps took
+the lanes is followed along them). ``time.perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process
 on a host. A probe costs ~1 us, a wrapped coroutine a few more: the pieces are a few
 microseconds longer than without the probes, and the step's own ``meshnet_timing`` is
 printed beside them.

@@ -6,6 +6,7 @@ serving after one that did not."""
 from __future__ import annotations
 
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -64,6 +65,12 @@ def test_decode_steps_take_the_lanes_and_give_the_unsplit_models_text(
         # counted on the loop a few times a second
         for node in (middle, tail):
             wait_for(lambda n=node: _metric(n.url, "meshnet_lane_steps_total") >= 20, timeout=5)
+        # Sessions at once: each step takes a lane while its session is the head's only one,
+        # the streams (batched) while others are open; every text the same.
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: httpx.post(f"{tracker.url}/v1/completions",
+                                                         json=body, timeout=120), range(4)))  # fmt: skip
+        assert [r.json()["choices"][0]["text"] for r in replies] == [text] * 4
         assert _metric(middle.url, "meshnet_lane_refused_total") == 0
 
         with socket.create_connection(("127.0.0.1", _lane_port(middle)), timeout=5) as sock:

@@ -290,6 +290,8 @@ class ComputeScheduler:
                 elif self._job is not None:
                     run, self._job = self._job, None
                 elif self._stopped:
+                    if self.sockets is not None:  # its lanes end with it
+                        self.sockets.close()
                     return
                 else:
                     run = _SOCKETS
