@@ -80,3 +80,35 @@ def test_decode_steps_take_the_lanes_and_give_the_unsplit_models_text(
         assert reply.json()["choices"][0]["text"] == text
     finally:
         swarm.close()
+
+
+def test_a_step_refused_after_a_hop_ran_it_goes_on_by_the_stream(
+    models_dir, tiny_snapshot, tiny_model_id, tmp_path
+):
+    """Four processes; the tail offers no lane, so the third hop has none to it and refuses
+    lane steps: the second hop, which already ran each one, sends it on by the stream (a
+    head resending it would meet a hop that cannot go back), and the text is the model's."""
+    snapshot = tiny_snapshot("llama")
+    model_id = tiny_model_id("llama")
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker("--model-id", model_id, "--shard-start", "0", "--shard-end",
+                                "2", *FLAGS).wait_healthy()  # fmt: skip
+        second = swarm.node(tracker, model_id, 2, 3, *FLAGS).wait_healthy()
+        third = swarm.node(tracker, model_id, 3, 4, *FLAGS).wait_healthy()
+        swarm.node(tracker, model_id, 4, 6, *FLAGS, "--no-decode-lanes").wait_healthy()
+        wait_for(lambda: covered(tracker, model_id), timeout=30)
+        prompt = [(i * 17) % 400 + 5 for i in range(30)]
+        want, _ = hf_chunked_greedy(load_reference_model(snapshot, torch.float32), prompt, 16)
+        text = AutoTokenizer.from_pretrained(snapshot).decode(want, skip_special_tokens=True)
+        body = {"model": model_id, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        for _ in range(2):
+            reply = httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == text
+        assert _metric(second.url, "meshnet_lane_steps_total") >= 10
+        assert _metric(third.url, "meshnet_lane_refused_total") >= 1
+        assert _metric(third.url, "meshnet_lane_steps_total") == 0
+    finally:
+        swarm.close()

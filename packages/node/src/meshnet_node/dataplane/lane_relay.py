@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ from meshnet_node.scheduling.scheduler import _decode_call, _timed
 logger = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT_S = 2.0
+BY_STREAM_MAX = 4096
 
 
 class LaneRefused(MeshnetError):
@@ -66,10 +68,14 @@ class LaneRelay:
         self.service = service
         self.loop = loop
         self.downstream: dict[str, socket.socket] = {}  # next hop URL -> lane (compute thread)
-        # (next hop's lane, number) -> (the lane before, its number, own ms, when sent)
-        self._pending: dict[tuple[int, int], tuple[socket.socket, int, float, float]] = {}
+        # (next hop's lane, number) -> (the lane before, its number, own ms, when sent, the
+        # step and frame sent on: to send by the stream if the next hop refuses it)
+        self._pending: dict[tuple[int, int], tuple] = {}
         self._seq = 0
         self.steps = 0  # steps run from lanes
+        # Sessions whose steps the next hop's lane refused (the latest ``BY_STREAM_MAX``).
+        self.by_stream: dict[str, None] = {}
+        self._relays: set[asyncio.Task] = set()
         # Tokens through this stage and sampled here from lanes (the compute thread's counts;
         # ``NodeService.tokens_served`` and ``tokens_generated`` add them).
         self.served = self.generated = 0
@@ -132,9 +138,16 @@ class LaneRelay:
         waiting = self._pending.pop((sock.fileno(), seq), None)
         if waiting is None:
             return
-        up, up_seq, own_ms, sent = waiting
-        self.service.metrics.hop_seconds.labels(hop).observe(time.perf_counter() - sent)
+        up, up_seq, own_ms, sent, onward, frame = waiting
         got = lanes.parse_answer(payload)
+        if got.status == LANE_REFUSED:  # it ran here: it goes on from here, by the stream
+            self.by_stream[onward.session_id] = None
+            if len(self.by_stream) > BY_STREAM_MAX:
+                del self.by_stream[next(iter(self.by_stream))]
+            self.loop.call_soon_threadsafe(self._spawn_relay, up, up_seq, own_ms, hop, onward,
+                                           frame)  # fmt: skip
+            return
+        self.service.metrics.hop_seconds.labels(hop).observe(time.perf_counter() - sent)
         compute = format_compute(own_ms, got.compute) if got.status == 200 else got.compute
         try:
             lanes.write(up, lanes.answer(up_seq, got.status, compute, got.body))
@@ -216,17 +229,49 @@ class LaneRelay:
             )
             return lanes.answer(seq, 200, format_compute(own_ms), body)
         hop = step.route[0]
-        onward = step_bytes.encode(replace(step, route=step.route[1:]), request_id)
+        onward = replace(step, route=step.route[1:])
         tensor = service.links.encoder(hop)(out.hidden)
+        if step.session_id in self.by_stream:  # the next hop refused its steps before
+            self.loop.call_soon_threadsafe(self._spawn_relay, up, seq, own_ms, hop, onward,
+                                           tensor)  # fmt: skip
+            return None
+        head = step_bytes.encode(onward, request_id)
         self._seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
-        self._pending[(down.fileno(), self._seq)] = (up, seq, own_ms, time.perf_counter())
+        self._pending[(down.fileno(), self._seq)] = (
+            up, seq, own_ms, time.perf_counter(), onward, tensor,
+        )  # fmt: skip
         try:
-            lanes.write(down, lanes.message(LaneKind.STEP, self._seq, onward, tensor))
+            lanes.write(down, lanes.message(LaneKind.STEP, self._seq, head, tensor))
         except LaneError as exc:
             self._lost(down, hop, exc)  # answers this step too: a failed hop
             return None
-        metrics.wire_sent.inc(len(onward) + len(tensor))
+        metrics.wire_sent.inc(len(head) + len(tensor))
         return None
+
+    # -- a step that ran here and goes on by the stream ---------------------------------------
+
+    def _spawn_relay(self, up, up_seq: int, own_ms: float, hop: str, onward, frame: bytes):
+        """On the loop: relay a step this hop ran on by the hop stream (the next hop refused
+        it on its lane, as it does a step of a session it audits); its answer goes back on
+        the lane it came from, written by the compute thread."""
+        task = asyncio.ensure_future(self._relay(up, up_seq, own_ms, hop, onward, frame))
+        self._relays.add(task)
+        task.add_done_callback(self._relays.discard)
+
+    async def _relay(self, up, up_seq: int, own_ms: float, hop: str, onward, frame: bytes):
+        try:
+            resp = await self.service.links.relay(hop, None, onward, frame)
+        except Exception as exc:  # a failed hop: its error, as a lane answers it
+            reply = _error(up_seq, exc)
+        else:
+            reply = lanes.answer(up_seq, 200, format_compute(own_ms, resp.compute_ms), resp.body)
+        self.service.scheduler.call(functools.partial(self._write_up, up, reply))
+
+    def _write_up(self, up: socket.socket, reply: bytes) -> None:
+        try:
+            lanes.write(up, reply)
+        except LaneError:
+            self.watch.forget(up)
 
 
 class LaneEnds:

@@ -203,12 +203,14 @@ class HeadPasses:
 
     async def step(
         self, stage, session_id, key, token_ids, position, route, drafts=0, guess_from=None,
-        ahead: Ahead | None = None,
+        ahead: Ahead | None = None, lanes: bool = True,
     ) -> StepResult:  # fmt: skip
         """One decode step (its last ``drafts`` tokens to verify): local layers, then the
         rest of the chain. Its ids always go along: the tail's penalties count them, and the
         hop after this head audits it with them (docs/adr/0032). ``ahead``: with no route,
-        the step may run ahead (ADR-0047)."""
+        the step may run ahead (ADR-0047). ``lanes``: a plain step may take a decode lane
+        (ADR-0058); not while other steps of the session may be in flight on the stream
+        (guess steps): the hops must see a session's steps in the order they were sent."""
         # The head splits concurrent sessions into one micro-batch per stage that can compute
         # at the same time as the others (stages sharing this machine: as many as its CPUs run).
         self.service.set_micro_batches(self.concurrent_stages(route))
@@ -222,7 +224,7 @@ class HeadPasses:
         lane = None
         direct = step.sample and self.service.answer_url is not None  # ``send`` asks then
         alone = len(stage.sessions) == 1
-        if route and alone and not (direct and self.service.direct_pays(route[0])):
+        if lanes and route and alone and not (direct and self.service.direct_pays(route[0])):
             lane = self.service.links.lane_step(route[0], onward)
         try:
             out = await self.local(stage, step, None if route else ahead, lane)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -125,7 +126,9 @@ class HeadGenerator:
             self.passes, service, policy=failover_policy, ban_s=ban_s, clock=clock, sleep=sleep,
             coverage_wait_s=coverage_wait_s, suspects=self.suspects,
         )  # fmt: skip
-        self.guess_steps = GuessSteps(self.passes.step, service.metrics, self._may_guess)
+        # Guess steps are in flight together: all on the stream, in order (no decode lane).
+        guessing = functools.partial(self.passes.step, lanes=False)
+        self.guess_steps = GuessSteps(guessing, service.metrics, self._may_guess)
 
     def suspects(self) -> frozenset[str]:
         """Hops an audit of this head found computing wrong."""
