@@ -124,6 +124,14 @@ def test_the_compute_thread_reads_its_sockets_between_passes():
         assert seen == [("compute", b"ping")]
         # a pass handed over while it waits on its sockets still runs
         assert scheduler.call(lambda: 41 + 1).result(5) == 42
+        # a reader that fails closes its socket, not the compute thread
+        c, d = socket.socketpair()
+        watch.watch(d, lambda _s: 1 / 0)
+        c.sendall(b"x")
+        c.settimeout(5)
+        assert c.recv(1) == b""  # closed by the compute thread, which lives on
+        assert scheduler.call(lambda: "alive").result(5) == "alive"
+        c.close()
     finally:
         scheduler.shutdown()
         a.close()

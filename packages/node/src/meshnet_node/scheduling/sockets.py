@@ -6,10 +6,13 @@ thread, with the node's torch threads: it may run a pass itself."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import selectors
 import socket
 import threading
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 Reader = Callable[[socket.socket], None]
 Added = Callable[[socket.socket], None]
@@ -70,7 +73,11 @@ class SocketWatch:
                     while self._wake_r.recv(64):
                         pass
             else:
-                key.data(key.fileobj)
+                try:
+                    key.data(key.fileobj)
+                except Exception:  # never the compute thread's end: that socket's
+                    logger.exception("a socket's reader failed; closing the socket")
+                    self.forget(key.fileobj)  # type: ignore[arg-type]
 
     def close(self) -> None:
         for key in list(self._selector.get_map().values()):
