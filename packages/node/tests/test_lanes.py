@@ -129,7 +129,10 @@ def test_the_compute_thread_reads_its_sockets_between_passes():
         watch.watch(d, lambda _s: 1 / 0)
         c.sendall(b"x")
         c.settimeout(5)
-        assert c.recv(1) == b""  # closed by the compute thread, which lives on
+        try:  # closed by the compute thread (unread bytes: a reset), which lives on
+            assert c.recv(1) == b""
+        except ConnectionResetError:
+            pass
         assert scheduler.call(lambda: "alive").result(5) == "alive"
         c.close()
     finally:
