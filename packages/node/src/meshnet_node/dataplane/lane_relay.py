@@ -314,8 +314,8 @@ class LaneEnds:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(_HELLO_TIMEOUT_S):
-                head = await _recv_exactly(loop, sock, 9)
-                size, kind, _ = lanes._HEAD.unpack(head)
+                head = await _recv_exactly(loop, sock, lanes.HEAD_BYTES)
+                size, kind, _ = lanes.parse_head(head)
                 if kind != LaneKind.HELLO or size > 256:
                     raise LaneError("no hello")
                 secret = (await _recv_exactly(loop, sock, size)).decode("ascii", "replace")

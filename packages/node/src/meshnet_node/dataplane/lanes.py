@@ -75,6 +75,14 @@ def answer(seq: int, status: int, compute: str, body: bytes) -> bytes:
     return message(LaneKind.ANSWER, seq, _ANSWER.pack(status, len(text)), text, body)
 
 
+HEAD_BYTES = _HEAD.size
+
+
+def parse_head(head: bytes) -> tuple[int, int, int]:
+    """A message's header: (payload length, kind, number)."""
+    return _HEAD.unpack(head)
+
+
 def parse_answer(payload: bytes) -> LaneAnswer:
     if len(payload) < _ANSWER.size:
         raise LaneError("an answer shorter than its header")
