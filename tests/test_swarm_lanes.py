@@ -65,6 +65,18 @@ def test_decode_steps_take_the_lanes_and_give_the_unsplit_models_text(
         # counted on the loop a few times a second
         for node in (middle, tail):
             wait_for(lambda n=node: _metric(n.url, "meshnet_lane_steps_total") >= 20, timeout=5)
+        # once the lane answered in time, the head's steps ran ahead down it (ADR-0059)
+        wait_for(lambda: _metric(tracker.url, "meshnet_lane_ahead_steps_total") >= 10, timeout=5)
+        # A seeded sampled text: the same whether its steps ran ahead down the lane (alone)
+        # or went on the streams one by one (beside other sessions).
+        sampled = {**body, "temperature": 0.9, "seed": 7}
+        alone = httpx.post(f"{tracker.url}/v1/completions", json=sampled, timeout=60).json()
+        with ThreadPoolExecutor(3) as pool:
+            beside = list(pool.map(lambda _: httpx.post(f"{tracker.url}/v1/completions",
+                                                        json=sampled, timeout=120), range(3)))  # fmt: skip
+        assert [r.json()["choices"][0]["text"] for r in beside] == [
+            alone["choices"][0]["text"]
+        ] * 3
         # Sessions at once: each step takes a lane while its session is the head's only one,
         # the streams (batched) while others are open; every text the same.
         with ThreadPoolExecutor(4) as pool:

@@ -86,15 +86,15 @@ def test_a_step_runs_ahead_only_for_a_stages_only_session(tiny_snapshot):
     stage = Stage(load_shard(snapshot, _whole(snapshot), Precision.FLOAT32))
     first = _opened(stage, "a")
     ahead = Ahead(4)
-    alone = _decode_call(stage, [_item("a", first, ahead=ahead)], lambda: False)()
+    alone = _decode_call(stage, [_item("a", first, ahead=ahead)], lambda: False)[0]()
     assert steps_of(alone) == 5
     _opened(stage, "b")
     position = len(PROMPT) + 5
     token = alone.more[-1].token_id
-    shared = _decode_call(stage, [_item("a", token, position, ahead)], lambda: False)()
+    shared = _decode_call(stage, [_item("a", token, position, ahead)], lambda: False)[0]()
     assert steps_of(shared) == 1
     stage.close_session("b")
-    waiting = _decode_call(stage, [_item("a", shared.token.token_id, position + 1, ahead)], lambda: True)()  # fmt: skip
+    waiting = _decode_call(stage, [_item("a", shared.token.token_id, position + 1, ahead)], lambda: True)[0]()  # fmt: skip
     assert steps_of(waiting) == 1  # another pass waits: it stops after its own step
 
 

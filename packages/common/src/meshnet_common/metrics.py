@@ -138,6 +138,11 @@ class Metrics:
             "meshnet_lane_steps",
             "Decode steps run here from a decode lane (docs/adr/0058)", registry=r,
         )  # fmt: skip
+        self.lane_ahead_steps = Counter(
+            "meshnet_lane_ahead_steps",
+            "Decode steps a head ran ahead down its decode lane, after the one it was given "
+            "(docs/adr/0059)", registry=r,
+        )  # fmt: skip
         self.lane_refused = Counter(
             "meshnet_lane_refused",
             "Steps a decode lane refused before they ran: their sender used the hop stream",

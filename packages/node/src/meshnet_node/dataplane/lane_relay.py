@@ -36,7 +36,6 @@ from meshnet_node.scheduling.scheduler import _decode_call, _timed
 logger = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT_S = 2.0
-BY_STREAM_MAX = 4096
 
 
 class LaneRefused(MeshnetError):
@@ -73,7 +72,7 @@ class LaneRelay:
         self._pending: dict[tuple[int, int], tuple] = {}
         self._seq = 0
         self.steps = 0  # steps run from lanes
-        # Sessions whose steps the next hop's lane refused (the latest ``BY_STREAM_MAX``).
+        # Sessions whose steps the next hop's lane refused (the latest ``lanes.BY_SESSION_MAX``).
         self.by_stream: dict[str, None] = {}
         self._relays: set[asyncio.Task] = set()
         # Tokens through this stage and sampled here from lanes (the compute thread's counts;
@@ -142,7 +141,7 @@ class LaneRelay:
         got = lanes.parse_answer(payload)
         if got.status == LANE_REFUSED:  # it ran here: it goes on from here, by the stream
             self.by_stream[onward.session_id] = None
-            if len(self.by_stream) > BY_STREAM_MAX:
+            if len(self.by_stream) > lanes.BY_SESSION_MAX:
                 del self.by_stream[next(iter(self.by_stream))]
             self.loop.call_soon_threadsafe(self._spawn_relay, up, up_seq, own_ms, hop, onward,
                                            frame)  # fmt: skip
@@ -209,7 +208,7 @@ class LaneRelay:
             else None
         )
         out, compute_s = _timed(
-            _decode_call(stage, [item], _nothing_waits), scheduler.before_pass, turns
+            _decode_call(stage, [item], _nothing_waits)[0], scheduler.before_pass, turns
         )
         scheduler.queue.times.note(DECODE, 1, compute_s)
         self.steps += 1

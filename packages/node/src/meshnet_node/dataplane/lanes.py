@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from enum import IntEnum
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 H_LANE = "x-meshnet-lane"  # a hop stream's handshake answer: "<port> <secret>"
 LANE_REFUSED = 421  # an answer: "send it on the stream", nothing ran
 MAX_LANE_MESSAGE = 16 << 20  # a decode step's frame and header stay far below
+BY_SESSION_MAX = 4096  # what a node remembers of sessions' lane steps, the latest sessions
 LANE_TIMEOUT_S = 5.0  # a message begun is read to its end within this long, or the lane closes
 
 _HEAD = struct.Struct("!IBI")
@@ -183,6 +185,10 @@ class LaneClient(asyncio.Protocol):
         self.closed: str | None = None
         self._buffer = bytearray()
         self._seq = 0
+        self._seq_lock = threading.Lock()  # steps are numbered on the loop and in bursts
+        self.rtt_s: float | None = None  # the last answer's time from its step written
+        self._held = 0  # bursts that may read the lane on the compute thread (lane_burst)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -216,6 +222,8 @@ class LaneClient(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             with contextlib.suppress(OSError):
+                self.out.shutdown(socket.SHUT_RDWR)  # a burst reading it (lane_burst) wakes
+            with contextlib.suppress(OSError):
                 self.out.close()
         pending, self.pending = self.pending, {}
         for waiting in pending.values():
@@ -226,12 +234,37 @@ class LaneClient(asyncio.Protocol):
     def usable(self) -> bool:
         return self.closed is None and self.transport is not None
 
+    def next_seq(self) -> int:
+        """The number of a step about to be written (any thread)."""
+        with self._seq_lock:
+            self._seq = seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
+        return seq
+
     def expect(self) -> tuple[int, asyncio.Future]:
         """On the loop: the number of a step about to be written, and its answer's future."""
-        self._seq = seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
+        seq = self.next_seq()
         waiting = asyncio.get_running_loop().create_future()
         self.pending[seq] = waiting
         return seq, waiting
+
+    def hold(self) -> None:
+        """On the loop: stop reading the lane here; the compute thread may read it (a
+        burst, ``lane_burst``) until ``release``."""
+        self._loop = asyncio.get_running_loop()
+        self._held += 1
+        if self._held == 1 and self.transport is not None:
+            self.transport.pause_reading()
+
+    def release(self) -> None:
+        """On the loop: one ``hold`` less; the loop reads the lane again after the last."""
+        self._held -= 1
+        if self._held == 0 and self.transport is not None:
+            self.transport.resume_reading()
+
+    def release_soon(self) -> None:
+        """``release`` from the compute thread, once its burst stopped reading."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nothing reads any more
+            self._loop.call_soon_threadsafe(self.release)  # type: ignore[union-attr]
 
     def close(self) -> None:
         self._fail("closed")

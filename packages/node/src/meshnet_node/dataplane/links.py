@@ -29,6 +29,7 @@ from meshnet_common.protocol import (
     parse_compute,
 )
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane.lane_burst import BURST_RTT_S, LaneBurst
 from meshnet_node.dataplane.link_speeds import PROBE_BYTES, LinkSpeeds
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
@@ -117,6 +118,8 @@ class HopLinks:
         self._lanes: dict[str, lanes.LaneClient] = {}
         self._lane_failed: dict[str, float] = {}  # hop -> when a dial failed
         self._lane_dials: set[str] = set()
+        # A burst's later step that failed (ADR-0059): raised at the session's next step.
+        self._deferred: dict[str, HopError] = {}
 
     async def aclose(self) -> None:
         for client in self._lanes.values():
@@ -161,10 +164,14 @@ class HopLinks:
         resp = chain.result()  # a failed hop raises here, as without direct answers
         return _parsed(hop, resp.body, resp.compute_ms)
 
-    def lane_step(self, hop: str, step: Step) -> lanes.LaneStep | None:
+    def lane_step(
+        self, hop: str, step: Step, burst: bool = False
+    ) -> lanes.LaneStep | LaneBurst | None:
         """``step`` (the head's, going to ``hop``) on the lane to ``hop``, written by the
         compute thread once the head's pass encoded its output (``LaneStep.encoder``); None
-        where it takes the stream (not a plain step, or no lane yet: one is dialed)."""
+        where it takes the stream (not a plain step, or no lane yet: one is dialed). With
+        ``burst``, on a lane that answered its last step within ``BURST_RTT_S``: a step that
+        may run ahead down the lane (``LaneBurst``, ADR-0059)."""
         if not self.lanes_on or not lanes.plain(step):
             return None
         client = self._lanes.get(hop)
@@ -172,7 +179,62 @@ class HopLinks:
             self.want_lane(hop)
             return None
         request_id = request_id_var.get()
+        if burst and client.rtt_s is not None and client.rtt_s < BURST_RTT_S:
+            return LaneBurst(
+                client, step, request_id, self.encoder(hop), self.timeouts.decode_step
+            )  # fmt: skip
         return lanes.LaneStep(client, functools.partial(step_bytes.encode, step, request_id))
+
+    def lane_expected(self, hop: str) -> bool:
+        """Whether plain steps to ``hop`` may take a decode lane: one is open, or offered."""
+        if not self.lanes_on:
+            return False
+        client = self._lanes.get(hop)
+        return (client is not None and client.usable) or self.lane_offer(hop) is not None
+
+    def raise_deferred(self, session_id: str) -> None:
+        """The failure of a burst's later step of this session (ADR-0059), if one waits."""
+        failed = self._deferred.pop(session_id, None)
+        if failed is not None:
+            raise failed
+
+    def burst_answer(self, hop: str, burst: LaneBurst) -> StepResult | None:
+        """On the loop, after its pass: the tokens of a burst down the lane to ``hop``, the
+        later ones in ``more`` and every hop's compute summed over its steps; None where
+        the step goes on the stream (it ran as a plain step, or the hop refused it)."""
+        if not burst.steps:
+            burst.forget()
+            return None
+        client = burst.client
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self.metrics.wire_sent.inc, burst.sent_bytes)
+        if len(burst.answers) > 1:
+            loop.call_soon(self.metrics.lane_ahead_steps.inc, len(burst.answers) - 1)
+        for rtt in burst.rtt_s:
+            loop.call_soon(self._observe_hop, hop, rtt)
+        if burst.rtt_s:
+            client.rtt_s = burst.rtt_s[-1]
+        failure = burst.failure
+        if isinstance(failure, BaseException):  # the lane failed: its next step fails over
+            client.close()
+        elif failure is not None and failure.status != lanes.LANE_REFUSED:
+            error = _hop_error(hop, failure.status, failure.body)
+            if not burst.answers:
+                raise error
+            self._deferred[burst.step.session_id] = error
+            while len(self._deferred) > lanes.BY_SESSION_MAX:
+                del self._deferred[next(iter(self._deferred))]
+        if not burst.answers:
+            if isinstance(failure, BaseException):
+                raise HopError(f"hop {hop} failed: {failure}", hop=hop) from failure
+            return None  # refused before it ran: the stream takes it
+        results = [_parsed(hop, got.body, got.compute) for got in burst.answers]
+        first = results[0]
+        if len(results) > 1:
+            first.more = [(r.token_id, r.logprob, r.top_logprobs) for r in results[1:]]
+            hops = zip(*(r.compute_ms for r in results), strict=False)  # each hop over the steps
+            first.compute_ms = [sum(ms) for ms in hops]
+        return first
 
     async def lane_answer(self, hop: str, lane: lanes.LaneStep) -> StepResult | None:
         """The tail's answer to a step written on the lane to ``hop``; None where it must go
@@ -192,7 +254,8 @@ class HopLinks:
             raise HopError(f"hop {hop} failed: {exc}", hop=hop) from exc
         finally:
             timer.cancel()
-        loop.call_soon(self._observe_hop, hop, time.perf_counter() - lane.sent)
+        lane.client.rtt_s = rtt = time.perf_counter() - lane.sent
+        loop.call_soon(self._observe_hop, hop, rtt)
         if got.status == lanes.LANE_REFUSED:
             return None
         if got.status != 200:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,12 +31,26 @@ from meshnet_node.engine.stage import DecodeItem, Stage, StepOutput
 AHEAD_TOKENS = 8  # further steps a pass may run ahead: 8 of ~5 ms (SmolLM2) stream at once
 
 
+class Down(Protocol):
+    """Where a head that is not the tail sends a step that runs ahead and hears its token
+    (``meshnet_node.dataplane.lane_burst.LaneBurst``, docs/adr/0059)."""
+
+    steps: int  # how many steps of the head it ran (0: it did not run)
+
+    def run(
+        self, stage: Stage, item: DecodeItem, go_on: Callable[[], bool],
+        timed: Callable[[Callable[[], object]], tuple[object, float]],
+    ) -> StepOutput: ...  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Ahead:
-    """How far a head-and-tail session's decode step may run ahead."""
+    """How far a session's decode step may run ahead: on a stage that is head and tail, or
+    (``down``) on a head whose chain answers on its decode lane."""
 
     limit: int  # further steps at most (the request's tokens left, the context's room)
     ends: frozenset[int] = frozenset()  # tokens after which nothing follows
+    down: Down | None = None  # a head that is not the tail: where its steps go
 
 
 def run_ahead(

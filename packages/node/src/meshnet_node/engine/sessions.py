@@ -367,14 +367,26 @@ class SessionStore:
                 param="position",
                 code="wrong_position",
             )
+        self._drop(session, position)
+        # The sampler's history needs no rewind: the steps' ids overwrite it by position,
+        # and only requests whose sampling ignores the history carry drafts.
+
+    def forget_from(self, session_id: str, position: int) -> None:
+        """Drop the positions from ``position`` on: a step the rest of its chain did not
+        complete (a head's burst down its decode lane, docs/adr/0059), which the head's
+        next step sends again from there. The ids of later steps overwrite the sampler's
+        history by position."""
+        session = self._sessions.get(session_id)
+        if session is not None and position < session.length:
+            self._drop(session, position)
+
+    def _drop(self, session: Session, position: int) -> None:
         with self._lock:
             crop_cache(session.cache, session.length - position)
             session.length = position
             del session.ids[position:]
             if session.record is not None:
                 session.record.truncate(position)
-        # The sampler's history needs no rewind: the steps' ids overwrite it by position,
-        # and only requests whose sampling ignores the history carry drafts.
 
     def commit(self, session: Session, num_tokens: int, *, ok: bool) -> None:
         """Settle a reservation once the step finished (or failed)."""

@@ -22,6 +22,7 @@ from meshnet_common.protocol import SamplingSpec, StepResult
 from meshnet_node.caching.api import PrefixClient
 from meshnet_node.caching.blocks import BLOCK_TOKENS
 from meshnet_node.caching.reuse import PrefixReuse
+from meshnet_node.dataplane.lane_burst import LaneBurst
 from meshnet_node.dataplane.lanes import LaneStep
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.steps import OpenSpec, Step
@@ -182,9 +183,14 @@ class HeadPasses:
         out = await self.service.run(stage, step, wire.WireTensor.of_ids(ids), ahead, encode)
         if ahead is not None and out.more:  # the steps it ran ahead: their inputs cached too
             ids += [t.token_id for t in [out.token, *out.more][:-1]]  # type: ignore[union-attr]
-        if (session := stage.sessions.peek(step.session_id)) is not None:
-            stage.sessions.note_ids(session, step.position, ids)  # names its cached blocks
+        self.note_ids(stage, step, ids)
         return out
+
+    @staticmethod
+    def note_ids(stage, step: Step, ids: list[int]) -> None:
+        """The ids of the positions from ``step``'s on: they name its cached blocks."""
+        if (session := stage.sessions.peek(step.session_id)) is not None:
+            stage.sessions.note_ids(session, step.position, ids)
 
     async def send(self, hop: str, out: StepOutput, step: Step) -> StepResult:
         """``out`` of the head's layers on to ``hop``, the route's first (``step.route``: the
@@ -219,24 +225,36 @@ class HeadPasses:
             drafts=drafts, guess_from=guess_from,
         )  # fmt: skip
         onward = replace(step, route=route[1:])
+        links = self.service.links
+        if route:
+            links.raise_deferred(session_id)  # a burst's later step failed (ADR-0059)
         # A lone session's plain step takes a decode lane (ADR-0058), written after the
         # pass; concurrent sessions' steps take the streams, where the hops batch them.
-        lane = None
+        # One that may run ahead runs ahead down the lane (a burst, ADR-0059).
+        lane, burst = None, None
         direct = step.sample and self.service.answer_url is not None  # ``send`` asks then
         alone = len(stage.sessions) == 1
         if lanes and route and alone and not (direct and self.service.direct_pays(route[0])):
-            lane = self.service.links.lane_step(route[0], onward)
+            lane = links.lane_step(route[0], onward, burst=ahead is not None)
+            if isinstance(lane, LaneBurst):
+                lane, burst = None, lane
+                ahead = replace(ahead, down=burst)  # type: ignore[arg-type]
         try:
-            out = await self.local(stage, step, None if route else ahead, lane)
+            out = await self.local(stage, step, None if route and not burst else ahead, lane)
         except BaseException:
-            if lane is not None:
-                lane.forget()
+            if lane is not None or burst is not None:
+                (lane or burst).forget()  # type: ignore[union-attr]
             raise
         if not route:  # head is also the tail
             return as_result(out)
         result = None
-        if lane is not None:
-            result = await self.service.links.lane_answer(route[0], lane)
+        if burst is not None:
+            result = links.burst_answer(route[0], burst)
+            if result is not None and result.more:  # the later steps' inputs: cached too
+                later = [result.token_id, *(t for t, _, _ in result.more[:-1])]
+                self.note_ids(stage, replace(step, position=position + 1), later)
+        elif lane is not None:
+            result = await links.lane_answer(route[0], lane)
         if result is None:  # no lane, or the hops sent it back to the stream unrun
             result = await self.send(route[0], out, onward)
         result.compute_ms.insert(0, out.compute_s * 1000)

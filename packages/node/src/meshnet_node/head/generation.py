@@ -192,6 +192,7 @@ class HeadGenerator:
                 self.speculation.guess_depth, len(route) + 1,
                 self.passes.concurrent_stages(route), rtt_ms,
                 None if decode_s is None else decode_s * 1000,
+                bool(route) and self.service.links.lane_expected(route[0]),
             )  # fmt: skip
             flight = GuessFlight(depth) if depth > 1 else None
         chain = Chain(route=route)  # from here every exit frees its sessions
@@ -278,7 +279,8 @@ class HeadGenerator:
                             "--speculative off", status=502,
                         )  # fmt: skip
                     kept = len(result.more or ())
-                    timings.add(elapsed - drafting_s, result.compute_ms, len(chain.route))
+                    timings.add(elapsed - drafting_s, result.compute_ms, len(chain.route),
+                                steps=1 if drafts else 1 + kept)  # fmt: skip
                     if not drafts:  # a plain step: what the tracker's cost model predicts
                         self.route_times.add(chain.route, (elapsed - drafting_s) / (1 + kept))
                     self.service.count_served(kept)  # the kept drafts: tokens here too
@@ -310,9 +312,9 @@ class HeadGenerator:
     def _ahead(
         self, chain: Chain, request: GenerationRequest, produced: int, history: list[int]
     ) -> Ahead | None:
-        """How far a plain step may run ahead: only where this head is the tail (no route)
-        and no audit replays steps one by one (ADR-0047)."""
-        if chain.route or self.verifier is not None:
+        """How far a plain step may run ahead (ADR-0047; with a route, down its decode lane:
+        ADR-0059): only where no audit replays steps one by one."""
+        if self.verifier is not None:
             return None
         room = min(
             request.max_tokens - produced - 1, self.context_window - len(history) - 2, AHEAD_TOKENS

@@ -35,10 +35,13 @@ class StepTimings:
     wall_ms: list[float] = field(default_factory=list)
     compute_ms: list[float] = field(default_factory=list)
 
-    def add(self, wall_s: float, compute_ms: list[float], hops: int) -> None:
+    def add(self, wall_s: float, compute_ms: list[float], hops: int, steps: int = 1) -> None:
+        """A step's wall time and every hop's compute in it; a pass that ran ``steps``
+        steps ahead (ADR-0047, 0059) counts as that many steps of its average."""
         self.hops = hops
-        self.wall_ms.append(wall_s * 1000)
-        self.compute_ms.append(sum(compute_ms))
+        wall, compute = wall_s * 1000 / steps, sum(compute_ms) / steps
+        self.wall_ms += [wall] * steps
+        self.compute_ms += [compute] * steps
 
     def summary(self) -> dict | None:
         if not self.wall_ms:

@@ -73,27 +73,33 @@ def _piece(ctx: contextvars.Context, steps: Generator) -> tuple[bool, object, fl
 
 
 def _decode_call(
-    stage: Stage, items: list[DecodeItem], waiting: Callable[[], bool]
-) -> Callable[[], object]:
+    stage: Stage, items: list[DecodeItem], waiting: Callable[[], bool],
+    turns: Turns | None = None,
+) -> tuple[Callable[[], object], Turns | None]:  # fmt: skip
     """The pass of decode steps ``items``: batched, one step, or one step that runs ahead
-    (ADR-0047) while nothing else is ``waiting``, its session the stage's only one."""
+    (ADR-0047) while nothing else is ``waiting``, its session the stage's only one; and the
+    turns to take around it (``turns``; none around a head's burst down its lane, which
+    takes a turn for each of its own passes and none while the chain computes, ADR-0059)."""
     if len(items) > 1:
-        return functools.partial(stage.step_batch, items)
+        return functools.partial(stage.step_batch, items), turns
     item = items[0]
-    if item.ahead is not None and item.sample and len(stage.sessions) == 1:
+    ahead = item.ahead
+    if ahead is not None and item.sample and len(stage.sessions) == 1:
+        deadline = time.perf_counter() + AHEAD_S
 
-        def ahead() -> StepOutput:
-            deadline = time.perf_counter() + AHEAD_S
-            return run_ahead(
-                stage, item, item.ahead,  # type: ignore[arg-type]
-                lambda: not waiting() and time.perf_counter() < deadline,
-            )  # fmt: skip
+        def go_on() -> bool:
+            return not waiting() and time.perf_counter() < deadline
 
-        return ahead
+        if ahead.down is not None:
+            down = ahead.down
+            return functools.partial(
+                down.run, stage, item, go_on, lambda fn: _timed(fn, None, turns)
+            ), None  # fmt: skip
+        return functools.partial(run_ahead, stage, item, ahead, go_on), turns
     return functools.partial(
         stage.step, item.session_id, item.position, token_ids=item.token_ids,
         hidden=item.hidden, owner=item.owner, sample=item.sample, guess_from=item.guess_from,
-    )  # fmt: skip
+    ), turns  # fmt: skip
 
 
 class ComputeScheduler:
@@ -313,20 +319,27 @@ class ComputeScheduler:
         try:
             if first.kind == DECODE:  # inputs made tensors here, not on the loop
                 items = [p.item.made() for p in run.passes]  # type: ignore[union-attr]
-                call = _decode_call(first.stage, items, lambda: bool(self.queue.entries))  # type: ignore[arg-type]
+                call, turns = _decode_call(
+                    first.stage, items, lambda: bool(self.queue.entries),  # type: ignore[arg-type]
+                    self.turns if run.turn else None,
+                )  # fmt: skip
             else:
-                call = first.call  # type: ignore[assignment]
+                call, turns = first.call, self.turns if run.turn else None  # type: ignore[assignment]
             before = None if first.resumed else self.before_pass  # once per pass
-            result, compute_s = _timed(call, before, self.turns if run.turn else None)
+            result, compute_s = _timed(call, before, turns)
         except Exception as exc:  # the pass failed: every step it held fails with it
             results: list = [exc] * len(run.passes)
         else:
             results = result if len(run.passes) > 1 else [result]  # type: ignore[assignment]
+            down = items[0].ahead.down if items and items[0].ahead is not None else None
+            if down is not None and down.steps and isinstance(result, StepOutput):
+                compute_s = result.compute_s  # a burst: the head's passes, not the chain's
             for out in results:
                 if isinstance(out, StepOutput):
                     out.compute_s = compute_s  # a batch shares it
             if first.kind == DECODE and isinstance(result, StepOutput):
-                compute_s /= steps_of(result)  # the queue's times: one step's (ADR-0047)
+                # the queue's times: one step's (ADR-0047, 0059)
+                compute_s /= down.steps if down is not None and down.steps else steps_of(result)
             _encode_outputs(items, results)
         try:
             self._loop.call_soon_threadsafe(  # type: ignore[union-attr]
@@ -364,7 +377,10 @@ def _encode_outputs(items: list[DecodeItem], results: list) -> None:
     as its next hop's frame (``DecodeItem.encode``). One that fails is left to the loop,
     which encodes it again and meets the error there."""
     for item, out in zip(items, results, strict=False):
-        if item.encode is not None and isinstance(out, StepOutput) and out.hidden is not None:
+        if (
+            item.encode is not None and isinstance(out, StepOutput) and out.hidden is not None
+            and out.frame is None  # a burst wrote it on its lane (ADR-0059)
+        ):  # fmt: skip
             try:
                 out.frame = item.encode(out.hidden)
             except Exception:  # raised again where the step is relayed

@@ -110,7 +110,8 @@ SLOW_LINK_MS = 5.0  # a round trip this long keeps the steps asked for while pas
 
 
 def guess_depth(
-    configured: int, stages: int, concurrent: int, rtt_ms: float | None, pass_ms: float | None
+    configured: int, stages: int, concurrent: int, rtt_ms: float | None, pass_ms: float | None,
+    lane: bool = False,
 ) -> int:
     """How many steps of one greedy generation to keep in flight (``--guess-steps``) over
     a chain of ``stages``: guesses fill stages that would otherwise wait.
@@ -130,15 +131,22 @@ def guess_depth(
     fifth for a loopback's fraction of a pass; at most ``configured``. Unknown times: the
     round trip alone decides (a link not yet measured, unreachable, or slower than
     ``SLOW_LINK_MS`` keeps ``configured``, but no more than ``UNMEASURED_DEPTH``: only a
-    measured fill goes further)."""
+    measured fill goes further).
+
+    ``lane``: the chain's first hop offers a decode lane (ADR-0058). Stages sharing cores
+    then keep no more steps in flight than the links need: a lone step down the lane, run
+    ahead from the head (ADR-0059), was measured faster than two steps in flight on the
+    streams (2-core Xeon, three local stages of one thread: SmolLM2 Q4_1 87-91 tok/s
+    against 83-85, bf16 equal)."""
     unmeasured = min(configured, UNMEASURED_DEPTH)
     apart = concurrent >= stages  # every stage computes at once: none takes another's turn
+    shared = 1 if lane else concurrent  # the floor of stages taking turns on the cores
     if rtt_ms is None or math.isinf(rtt_ms):
         return unmeasured
     if pass_ms is None or pass_ms <= 0:
-        return unmeasured if apart or rtt_ms >= SLOW_LINK_MS else min(configured, concurrent)
+        return unmeasured if apart or rtt_ms >= SLOW_LINK_MS else min(configured, shared)
     fill = 1 + math.ceil(rtt_ms / pass_ms - 0.2)
-    return max(1, min(configured, max(unmeasured if apart else concurrent, fill)))
+    return max(1, min(configured, max(unmeasured if apart else shared, fill)))
 
 
 # One decode step along the chain: (stage, session id, key, token ids, position, route,

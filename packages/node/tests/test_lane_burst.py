@@ -1,0 +1,192 @@
+"""A head's steps run ahead down its decode lane (docs/adr/0059): over a real socket pair to
+a hop that runs the rest of a tiny model, a burst gives the tokens of the same split run one
+step at a time, sends each step with its own position and input, stops at its limit, an end
+token or when told, and a later step that fails leaves the head's cache where the next step
+starts; a burst whose caller left never reads the lane."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from meshnet_common import wire
+from meshnet_common.layers import LayerRange
+from meshnet_common.precision import Precision
+from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane.lane_burst import LaneBurst
+from meshnet_node.dataplane.lanes import LaneError
+from meshnet_node.dataplane.steps import Step
+from meshnet_node.engine.ahead import Ahead
+from meshnet_node.engine.loader import load_shard
+from meshnet_node.engine.stage import DecodeItem, Stage
+from meshnet_node.speculation.guessing import guess_depth
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+CUT = 3
+
+
+def _stages(snapshot) -> tuple[Stage, Stage]:
+    layers = AutoConfig.from_pretrained(snapshot).num_hidden_layers
+    head = Stage(load_shard(snapshot, LayerRange(0, CUT), Precision.FLOAT32))
+    tail = Stage(load_shard(snapshot, LayerRange(CUT, layers), Precision.FLOAT32))
+    return head, tail
+
+
+def _opened(head: Stage, tail: Stage, sid: str) -> int:
+    """A greedy session open on both stages, its prompt run: its first token."""
+    head.open_session(sid)
+    tail.open_session(sid)
+    hidden = head.step(sid, 0, token_ids=torch.tensor([PROMPT])).hidden
+    return tail.step(sid, 0, hidden=hidden).token.token_id
+
+
+def _one_by_one(head: Stage, tail: Stage, sid: str, token: int, steps: int) -> list[int]:
+    out = []
+    for i in range(steps):
+        hidden = head.step(sid, len(PROMPT) + i, token_ids=torch.tensor([[token]])).hidden
+        token = tail.step(sid, len(PROMPT) + i, hidden=hidden).token.token_id
+        out.append(token)
+    return out
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.paused = 0
+
+    def pause_reading(self) -> None:
+        self.paused += 1
+
+    def resume_reading(self) -> None:
+        self.paused -= 1
+
+    def close(self) -> None:
+        pass
+
+
+class _Hop(threading.Thread):
+    """The rest of the chain on the other end of a lane: runs each step on ``tail`` and
+    answers its token, or (at the ``fail``-th step) an error status or a closed lane."""
+
+    def __init__(self, sock: socket.socket, tail: Stage, fail: tuple[int, int | None] | None):
+        super().__init__(daemon=True)
+        self.sock, self.tail, self.fail = lanes.blocking(sock), tail, fail
+        self.steps: list[Step] = []
+
+    def run(self) -> None:
+        try:
+            while True:
+                _, seq, payload = lanes.read_message(self.sock)
+                step, _, start = step_bytes.decode(payload)
+                self.steps.append(step)
+                if self.fail is not None and len(self.steps) == self.fail[0]:
+                    if self.fail[1] is None:
+                        self.sock.close()
+                        return
+                    lanes.write(self.sock, lanes.answer(seq, self.fail[1], "", b"{}"))
+                    continue
+                hidden = wire.read_frame(payload[start:]).tensor()
+                out = self.tail.step(step.session_id, step.position, hidden=hidden)
+                body = answer_bytes.encode(out.token)
+                lanes.write(self.sock, lanes.answer(seq, 200, "1.000", body))
+        except LaneError:
+            pass
+
+
+def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=False):
+    """Run a burst of ``sid``'s step at the end of its prompt; (burst, output, hop)."""
+
+    async def main():
+        near, far = socket.socketpair()
+        client = lanes.LaneClient(near)
+        transport = _Transport()
+        client.connection_made(transport)
+        hop = _Hop(far, tail, fail)
+        hop.start()
+        step = Step(sid, "k", len(PROMPT), route=(), sample=True, ids=(token,))
+        burst = LaneBurst(client, step, None, wire.encode_tensor, timeout_s=30.0)
+        assert transport.paused == 1  # the loop stopped reading it
+        if forget:
+            burst.forget()
+        item = DecodeItem(sid, len(PROMPT), token_ids=torch.tensor([[token]]),
+                          ahead=Ahead(ahead.limit, ahead.ends, down=burst))  # fmt: skip
+        try:
+            out = await asyncio.to_thread(
+                burst.run, head, item, go_on, lambda fn: (fn(), 0.001)
+            )  # fmt: skip
+        finally:
+            await asyncio.sleep(0.01)  # the release the compute thread sent
+            assert transport.paused == 0
+            client.close()
+            far.close()
+        return burst, out, hop
+
+    return asyncio.run(main())
+
+
+def test_a_burst_gives_the_tokens_of_the_same_split_step_by_step(tiny_snapshot):
+    head, tail = _stages(tiny_snapshot("llama"))
+    first = _opened(head, tail, "plain")
+    want = _one_by_one(head, tail, "plain", first, 6)
+    assert _opened(head, tail, "burst") == first
+    burst, out, hop = _burst(head, tail, "burst", first, Ahead(5))
+    tokens = [answer_bytes.decode(a.body).token_id for a in burst.answers]
+    assert tokens == want and burst.steps == 6 and burst.failure is None
+    # each step said its own position and input: the token before it
+    assert [(s.position, s.ids) for s in hop.steps] == [
+        (len(PROMPT) + i, (t,)) for i, t in enumerate([first, *want[:-1]])
+    ]
+    assert out.compute_s == pytest.approx(0.006)  # the head's own passes, not the hop's
+    assert out.frame is not None  # the first step's: sent on by the stream were it refused
+    assert head.sessions.peek("burst").length == len(PROMPT) + 6
+
+
+def test_a_burst_stops_at_an_end_token_and_when_told(tiny_snapshot):
+    head, tail = _stages(tiny_snapshot("llama"))
+    first = _opened(head, tail, "plain")
+    want = _one_by_one(head, tail, "plain", first, 6)
+    _opened(head, tail, "ends")
+    burst, _, _ = _burst(head, tail, "ends", first, Ahead(5, frozenset({want[2]})))
+    assert len(burst.answers) == want.index(want[2]) + 1
+    _opened(head, tail, "told")
+    asked = []
+    burst, _, _ = _burst(head, tail, "told", first, Ahead(5),
+                         lambda: asked.append(1) or len(asked) < 3)  # fmt: skip
+    assert len(burst.answers) == 3  # yes, yes, no
+
+
+@pytest.mark.parametrize("failure", [503, None])  # an error answer; a lane that closes
+def test_a_later_step_that_fails_leaves_the_heads_cache_before_it(tiny_snapshot, failure):
+    head, tail = _stages(tiny_snapshot("llama"))
+    first = _opened(head, tail, "s")
+    burst, _, _ = _burst(head, tail, "s", first, Ahead(5), fail=(3, failure))
+    assert len(burst.answers) == 2
+    if failure is None:
+        assert isinstance(burst.failure, LaneError)
+    else:
+        assert burst.failure.status == failure
+    # the third step's head pass ran; it is forgotten: the next step sends it again
+    assert head.sessions.peek("s").length == len(PROMPT) + 2
+
+
+def test_a_burst_whose_caller_left_never_reads_the_lane(tiny_snapshot):
+    head, tail = _stages(tiny_snapshot("llama"))
+    first = _opened(head, tail, "s")
+    with pytest.raises(LaneError, match="left"):
+        _burst(head, tail, "s", first, Ahead(5), forget=True)
+    assert head.sessions.peek("s").length == len(PROMPT)
+
+
+def test_a_chain_with_a_lane_keeps_no_more_steps_in_flight_than_its_links_need():
+    # three stages on two cores' worth of threads, loopback links: the lane, one step
+    assert guess_depth(8, 3, 2, 0.2, 10.0) == 2
+    assert guess_depth(8, 3, 2, 0.2, 10.0, lane=True) == 1
+    assert guess_depth(8, 3, 2, 0.2, None, lane=True) == 1
+    # slow links still fill the chain with guesses, lane or not
+    assert guess_depth(8, 3, 2, 50.0, 10.0, lane=True) == 6
+    # stages on machines of their own: as before
+    assert guess_depth(8, 3, 3, 0.2, 10.0, lane=True) == guess_depth(8, 3, 3, 0.2, 10.0)
