@@ -74,9 +74,7 @@ def test_decode_steps_take_the_lanes_and_give_the_unsplit_models_text(
         with ThreadPoolExecutor(3) as pool:
             beside = list(pool.map(lambda _: httpx.post(f"{tracker.url}/v1/completions",
                                                         json=sampled, timeout=120), range(3)))  # fmt: skip
-        assert [r.json()["choices"][0]["text"] for r in beside] == [
-            alone["choices"][0]["text"]
-        ] * 3
+        assert [r.json()["choices"][0]["text"] for r in beside] == [alone["choices"][0]["text"]] * 3
         # Sessions at once: each step takes a lane while its session is the head's only one,
         # the streams (batched) while others are open; every text the same.
         with ThreadPoolExecutor(4) as pool:

@@ -110,7 +110,11 @@ SLOW_LINK_MS = 5.0  # a round trip this long keeps the steps asked for while pas
 
 
 def guess_depth(
-    configured: int, stages: int, concurrent: int, rtt_ms: float | None, pass_ms: float | None,
+    configured: int,
+    stages: int,
+    concurrent: int,
+    rtt_ms: float | None,
+    pass_ms: float | None,
     lane: bool = False,
 ) -> int:
     """How many steps of one greedy generation to keep in flight (``--guess-steps``) over
