@@ -186,6 +186,9 @@ def test_a_chain_with_a_lane_keeps_no_more_steps_in_flight_than_its_links_need()
     assert guess_depth(8, 3, 2, 0.2, 10.0) == 2
     assert guess_depth(8, 3, 2, 0.2, 10.0, lane=True) == 1
     assert guess_depth(8, 3, 2, 0.2, None, lane=True) == 1
+    # a fast stage's pass is short beside even a loopback's round trip: still the lane
+    assert guess_depth(8, 3, 2, 0.8, 2.0) == 2
+    assert guess_depth(8, 3, 2, 0.8, 2.0, lane=True) == 1
     # slow links still fill the chain with guesses, lane or not
     assert guess_depth(8, 3, 2, 50.0, 10.0, lane=True) == 6
     # stages on machines of their own: as before

@@ -1,6 +1,7 @@
 """Decode lanes' parts (docs/adr/0058): the messages over a real socket pair, the head's
-client parsing answers however the bytes are cut, which steps may take a lane, and the
-compute thread reading sockets between the passes it runs."""
+client parsing answers however the bytes are cut, which steps may take a lane, the
+compute thread reading sockets between the passes it runs, and a session's next step read
+against its last."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -137,3 +139,57 @@ def test_the_compute_thread_reads_its_sockets_between_passes():
     finally:
         scheduler.shutdown()
         a.close()
+
+
+def test_a_sessions_next_step_is_read_against_its_last():
+    """``KnownStep``: a step that differs from the last read in full only in its position
+    and id is read by comparing bytes, its frame's body (raw or packed) copied into a tensor
+    made ready before; anything else is not one of its steps."""
+    import torch
+
+    from meshnet_common import wire
+    from meshnet_node.dataplane import step_bytes
+    from meshnet_node.dataplane.lane_known import KnownStep
+
+    class Shard:
+        is_head = False
+
+    class Stage:
+        shard = Shard()
+
+    route = ("http://127.0.0.1:9", "http://127.0.0.1:10")
+    for options in (wire.WireOptions(zstd_level=0, shuffle=False), wire.WireOptions()):
+        hidden = torch.randn(1, 1, 64).to(torch.bfloat16)
+
+        def payload(step, tensor=hidden, options=options):
+            return step_bytes.encode(step, "req-1") + wire.encode_tensor(tensor, options)
+
+        first = Step("s1", "k", 9, route=route, ids=(5,))
+        body = payload(first)
+        step, _, start = step_bytes.decode(body)
+        onward = step_bytes.encode(replace(step, route=route[1:]), "req-1")
+        frame = wire.read_frame(body[start:])
+        known = KnownStep.of(body, start, step, frame, Stage(), route[0], None, onward)
+        nxt, later = Step("s1", "k", 10, route=route, ids=(77,)), torch.randn(1, 1, 64)
+        nxt_body = payload(nxt, later.to(torch.bfloat16))
+        assert known.matches(nxt_body)
+        assert known.read(nxt_body) is None  # no tensor made ready yet
+        known.prepare()
+        position, token, tensor = known.read(nxt_body)
+        assert (position, token) == (10, 77)
+        assert torch.equal(tensor, later.to(torch.bfloat16))
+        assert known.onward_bytes(10, 77) == step_bytes.encode(
+            replace(nxt, route=route[1:]), "req-1"
+        )
+        assert known.onward_step(10, 77) == replace(nxt, route=route[1:])
+        for other in (
+            Step("s2", "k", 10, route=route, ids=(77,)),
+            Step("s1", "x", 10, route=route, ids=(77,)),
+            Step("s1", "k", 10, route=route[:1], ids=(77,)),
+            Step("s1", "k", 10, route=route, ids=(77,), sample=not first.sample),
+        ):
+            assert not known.matches(payload(other))
+        assert not known.matches(payload(nxt, hidden.float()))  # another dtype
+    assert (
+        KnownStep.of(body, start, replace(step, ids=None), frame, Stage(), None, None, None) is None
+    )

@@ -220,6 +220,14 @@ class WireTensor(NamedTuple):
         return torch.frombuffer(buffer, dtype=self.dtype).view(self.shape)
 
 
+def body_at(frame: bytes, start: int = 0) -> tuple[int, bool]:
+    """Where the body of the (checked: ``read_frame``) frame at ``start`` begins, and
+    whether the frame is raw: neither shuffled nor compressed, its body the tensor's bytes
+    as they are."""
+    _, _, flags, ndim, _ = _HEADER.unpack_from(frame, start)
+    return start + _HEADER.size + 4 * ndim, not flags
+
+
 def decode_tensor(frame: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     """Unpack one frame; raise InvalidRequest/PayloadTooLarge on anything malformed."""
     return read_frame(frame, max_bytes=max_bytes).tensor()

@@ -28,7 +28,9 @@ from meshnet_common import wire
 from meshnet_common.errors import HopError, InvalidRequest, MeshnetError, Quarantined
 from meshnet_common.protocol import format_compute
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane.lane_known import KnownStep
 from meshnet_node.dataplane.lanes import LANE_REFUSED, LaneError, LaneKind, plain
+from meshnet_node.dataplane.steps import Step
 from meshnet_node.engine.step_io import DecodeItem, is_decode_input
 from meshnet_node.scheduling.policy import DECODE
 from meshnet_node.scheduling.scheduler import _decode_call, _timed
@@ -78,6 +80,9 @@ class LaneRelay:
         # Tokens through this stage and sampled here from lanes (the compute thread's counts;
         # ``NodeService.tokens_served`` and ``tokens_generated`` add them).
         self.served = self.generated = 0
+        # The last step read in full on each lane from the hop before, by socket: its
+        # session's next step is read against it (``lane_known``).
+        self.known: dict[socket.socket, KnownStep] = {}
 
     @property
     def watch(self):
@@ -111,10 +116,14 @@ class LaneRelay:
                 raise LaneError(f"a {kind.name} message from the hop before")
         except LaneError as exc:
             logger.debug("a lane from the hop before closed: %s", exc)
-            self.watch.forget(sock)
+            self.forget_upstream(sock)
             return
+        known = self.known.get(sock)
         try:
-            reply = self._step(sock, seq, payload)
+            if known is None or not known.matches(payload) or (
+                (reply := self._known_step(sock, seq, payload, known)) is False
+            ):  # fmt: skip
+                reply = self._step(sock, seq, payload)
         except LaneRefused as exc:
             self.loop.call_soon_threadsafe(self.service.metrics.lane_refused.inc)
             reply = _error(seq, exc)
@@ -124,7 +133,14 @@ class LaneRelay:
             try:
                 lanes.write(sock, reply)
             except LaneError:
-                self.watch.forget(sock)
+                self.forget_upstream(sock)
+                return
+        if (known := self.known.get(sock)) is not None:
+            known.prepare()  # the next step's input, while this hop idles
+
+    def forget_upstream(self, sock: socket.socket) -> None:
+        self.known.pop(sock, None)
+        self.watch.forget(sock)
 
     def on_downstream(self, sock: socket.socket, hop: str) -> None:
         try:
@@ -140,6 +156,9 @@ class LaneRelay:
         up, up_seq, own_ms, sent, onward, frame = waiting
         got = lanes.parse_answer(payload)
         if got.status == LANE_REFUSED:  # it ran here: it goes on from here, by the stream
+            if not isinstance(onward, Step):  # a step read against the last (KnownStep)
+                known, position, token = onward
+                onward = known.onward_step(position, token)
             self.by_stream[onward.session_id] = None
             if len(self.by_stream) > lanes.BY_SESSION_MAX:
                 del self.by_stream[next(iter(self.by_stream))]
@@ -151,7 +170,7 @@ class LaneRelay:
         try:
             lanes.write(up, lanes.answer(up_seq, got.status, compute, got.body))
         except LaneError:
-            self.watch.forget(up)
+            self.forget_upstream(up)
 
     def _lost(self, sock: socket.socket, hop: str, exc: Exception) -> None:
         """The lane to ``hop`` failed: its steps in flight are failed hops."""
@@ -165,9 +184,40 @@ class LaneRelay:
             with contextlib.suppress(LaneError):
                 lanes.write(up, _error(up_seq, failure))
 
+    def _known_step(self, up: socket.socket, seq: int, payload: bytes, known: KnownStep):
+        """Run a step whose bytes match ``known``'s but for its position and id, with the
+        checks that can change between two steps; False where it must be read in full (the
+        stage, the session, the lanes or its input not as they were)."""
+        service = self.service
+        stage, sid = known.stage, known.session_id
+        if service.stage_for(sid) is not stage or service.quarantined is not None:
+            return False
+        session = stage.sessions.peek(sid)
+        if session is None or session.record is not None or session.keep is not None:
+            return False
+        down = None
+        if known.hop is not None:
+            down = self.downstream.get(known.hop)
+            if down is not known.down or sid in self.by_stream:
+                return False
+        got = known.read(payload)
+        if got is None:
+            return False
+        position, token, hidden = got
+        if down is None:  # before it samples: the penalties count
+            stage.sessions.observe(sid, position, (token,), owner=known.owner)
+        item = DecodeItem(sid, position, hidden=hidden, owner=known.owner, sample=known.sample)
+        out, own_ms = self._pass(stage, item, len(payload), known.sample)
+        if down is None:
+            return self._answer(seq, out, own_ms)
+        onward = known.onward_bytes(position, token)
+        return self._send_on(up, seq, own_ms, known.hop, down, onward,  # type: ignore[arg-type]
+                             (known, position, token), out)  # fmt: skip
+
     def _step(self, up: socket.socket, seq: int, payload: bytes) -> bytes | None:
         """Run one step from a lane; its answer (the tail's, or a refusal or an error), or
         None where it went on to the next hop, whose answer comes back later."""
+        self.known.pop(up, None)
         service = self.service
         step, request_id, start = step_bytes.decode(payload)
         frame = wire.read_frame(payload[start:], max_bytes=service.settings.max_body_bytes)
@@ -200,7 +250,27 @@ class LaneRelay:
             step.session_id, step.position, token_ids=frame if shard.is_head else None,
             hidden=None if shard.is_head else frame, owner=step.session_key, sample=step.sample,
         ).made()  # fmt: skip
-        scheduler = service.scheduler
+        out, own_ms = self._pass(stage, item, len(payload), step.sample)
+        if down is None:  # the tail
+            self.known[up] = KnownStep.of(payload, start, step, frame, stage, None, None, None)  # type: ignore[assignment]
+            return self._answer(seq, out, own_ms)
+        hop = step.route[0]
+        onward = replace(step, route=step.route[1:])
+        if step.session_id in self.by_stream:  # the next hop refused its steps before
+            tensor = service.links.encoder(hop)(out.hidden)
+            self.loop.call_soon_threadsafe(self._spawn_relay, up, seq, own_ms, hop, onward,
+                                           tensor)  # fmt: skip
+            return None
+        head = step_bytes.encode(onward, request_id)
+        self.known[up] = KnownStep.of(payload, start, step, frame, stage, hop, down, head)  # type: ignore[assignment]
+        return self._send_on(up, seq, own_ms, hop, down, head, onward, out)
+
+    def _pass(self, stage, item: DecodeItem, received: int, sample: bool):
+        """On the compute thread: ``item``'s one-step pass, with the node's torch threads and
+        the host's turns; its output and compute ms, counted here, not on the loop (waking it
+        would take a core and the GIL from the passes of this step's next hops; the metrics
+        take their own locks)."""
+        scheduler = self.service.scheduler
         expected = scheduler.queue.times.expected_s(DECODE, 1)
         turns = (
             scheduler.turns
@@ -212,29 +282,23 @@ class LaneRelay:
         )
         scheduler.queue.times.note(DECODE, 1, compute_s)
         self.steps += 1
-        # Counted here, not on the loop: waking it would take a core and the GIL from the
-        # passes of this step's next hops (the metrics take their own locks).
-        metrics = service.metrics
-        metrics.wire_received.inc(len(payload))
+        metrics = self.service.metrics
+        metrics.wire_received.inc(received)
         metrics.lane_steps.inc()
-        self.served += int(step.sample)
-        own_ms = compute_s * 1000
-        if down is None:  # the tail
-            self.generated += out.token is not None
-            body = (
-                answer_bytes.EMPTY
-                if out.token is None
-                else answer_bytes.encode(out.token, out.more)
-            )
-            return lanes.answer(seq, 200, format_compute(own_ms), body)
-        hop = step.route[0]
-        onward = replace(step, route=step.route[1:])
-        tensor = service.links.encoder(hop)(out.hidden)
-        if step.session_id in self.by_stream:  # the next hop refused its steps before
-            self.loop.call_soon_threadsafe(self._spawn_relay, up, seq, own_ms, hop, onward,
-                                           tensor)  # fmt: skip
-            return None
-        head = step_bytes.encode(onward, request_id)
+        self.served += int(sample)
+        return out, compute_s * 1000
+
+    def _answer(self, seq: int, out, own_ms: float) -> bytes:
+        """The tail's answer to the step numbered ``seq``."""
+        self.generated += out.token is not None
+        body = answer_bytes.EMPTY if out.token is None else answer_bytes.encode(out.token, out.more)
+        return lanes.answer(seq, 200, format_compute(own_ms), body)
+
+    def _send_on(self, up, seq: int, own_ms: float, hop: str, down, head: bytes, onward,
+                 out) -> None:  # fmt: skip
+        """Write the step (``head``, its bytes; ``onward``: the step, or what makes it) with
+        ``out``'s frame on the next hop's lane; its answer comes back later."""
+        tensor = self.service.links.encoder(hop)(out.hidden)
         self._seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
         self._pending[(down.fileno(), self._seq)] = (
             up, seq, own_ms, time.perf_counter(), onward, tensor,
@@ -244,7 +308,7 @@ class LaneRelay:
         except LaneError as exc:
             self._lost(down, hop, exc)  # answers this step too: a failed hop
             return None
-        metrics.wire_sent.inc(len(head) + len(tensor))
+        self.service.metrics.wire_sent.inc(len(head) + len(tensor))
         return None
 
     # -- a step that ran here and goes on by the stream ---------------------------------------
@@ -270,7 +334,7 @@ class LaneRelay:
         try:
             lanes.write(up, reply)
         except LaneError:
-            self.watch.forget(up)
+            self.forget_upstream(up)
 
 
 class LaneEnds:

@@ -138,10 +138,11 @@ def guess_depth(
     measured fill goes further).
 
     ``lane``: the chain's first hop offers a decode lane (ADR-0058). Stages sharing cores
-    then keep no more steps in flight than the links need: a lone step down the lane, run
-    ahead from the head (ADR-0059), was measured faster than two steps in flight on the
-    streams (2-core Xeon, three local stages of one thread: SmolLM2 Q4_1 87-91 tok/s
-    against 83-85, bf16 equal)."""
+    then keep no more steps in flight than the links need, and links faster than
+    ``SLOW_LINK_MS`` (a host's, a LAN's, even busy) need none: a lone step down the lane, run ahead
+    from the head (ADR-0059), was measured faster than two steps in flight on the streams
+    (2-core Xeon, three local stages: SmolLM2 Q4_1 at one thread each 87-91 tok/s against
+    83-85, at their own threads 87-102 against 80-100; bf16 equal)."""
     unmeasured = min(configured, UNMEASURED_DEPTH)
     apart = concurrent >= stages  # every stage computes at once: none takes another's turn
     shared = 1 if lane else concurrent  # the floor of stages taking turns on the cores
@@ -150,6 +151,8 @@ def guess_depth(
     if pass_ms is None or pass_ms <= 0:
         return unmeasured if apart or rtt_ms >= SLOW_LINK_MS else min(configured, shared)
     fill = 1 + math.ceil(rtt_ms / pass_ms - 0.2)
+    if lane and not apart and rtt_ms < SLOW_LINK_MS:
+        fill = 1  # a host's or a LAN's links: the lane's step is quicker than guesses
     return max(1, min(configured, max(unmeasured if apart else shared, fill)))
 
 
