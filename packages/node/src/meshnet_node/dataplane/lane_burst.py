@@ -22,11 +22,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane.lane_known import moved
 from meshnet_node.dataplane.lanes import LaneAnswer, LaneError, LaneKind
 from meshnet_node.engine.step_io import DecodeItem, StepOutput
 
@@ -53,6 +53,7 @@ class LaneBurst:
         self.sent_bytes = 0
         self.rtt_s: list[float] = []  # each step's time from written to answered
         self._lock = threading.Lock()
+        self._head: bytes | None = None
         self._state = "new"  # -> "running" (compute thread) or "forgotten" (loop)
         client.hold()
 
@@ -130,11 +131,11 @@ class LaneBurst:
     def _exchange(self, sock, position: int, token: int | None, frame: bytes):
         """Write the step at ``position`` (input ``token``; None: the item's own) with
         ``frame``, and read its answer; None where the lane failed."""
-        step = self.step
-        if token is not None:
-            step = replace(step, position=position, ids=(token,))
+        if self._head is None:  # the first step's bytes; each later one's are them moved on
+            self._head = step_bytes.encode(self.step, self.request_id)
+        head = self._head if token is None else moved(self._head, position, token)
         seq = self.client.next_seq()
-        data = lanes.message(LaneKind.STEP, seq, step_bytes.encode(step, self.request_id), frame)
+        data = lanes.message(LaneKind.STEP, seq, head, frame)
         try:
             sent = time.perf_counter()
             sock.sendall(data)

@@ -36,7 +36,7 @@ class KnownStep:
     of the step sent on (None at the tail)."""
 
     __slots__ = ("body_at", "down", "dtype", "hop", "id_at", "input", "lead", "mid", "onward",
-                 "onward_id_at", "owner", "raw", "rest", "sample", "session_id", "shape",
+                 "owner", "raw", "rest", "sample", "session_id", "shape",
                  "stage", "start", "step", "view")  # fmt: skip
 
     def __init__(self, payload: bytes, start: int, step: Step, frame: wire.WireTensor, stage,
@@ -51,7 +51,6 @@ class KnownStep:
         self.mid = payload[POSITION_AT + 4 : self.id_at]
         self.rest = payload[start : self.body_at]  # the frame's header and shape
         self.onward = onward
-        self.onward_id_at = 0 if onward is None else len(onward) - 4
         self.input: torch.Tensor | None = None
         self.view: memoryview | None = None
 
@@ -101,11 +100,17 @@ class KnownStep:
 
     def onward_bytes(self, position: int, token: int) -> bytes:
         """The bytes of the step sent on for the step at ``position`` with id ``token``."""
-        head = bytearray(self.onward)  # type: ignore[arg-type]
-        _U32.pack_into(head, POSITION_AT, position)
-        _U32.pack_into(head, self.onward_id_at, token)
-        return bytes(head)
+        return moved(self.onward, position, token)  # type: ignore[arg-type]
 
     def onward_step(self, position: int, token: int) -> Step:
         """The step sent on, as a ``Step`` (to send it by the stream when refused)."""
         return replace(self.step, route=self.step.route[1:], position=position, ids=(token,))
+
+
+def moved(head: bytes, position: int, token: int) -> bytes:
+    """A plain step's bytes (``step_bytes``: one id, its last field) at ``position``, with
+    input ``token``."""
+    out = bytearray(head)
+    _U32.pack_into(out, POSITION_AT, position)
+    _U32.pack_into(out, len(out) - 4, token)
+    return bytes(out)

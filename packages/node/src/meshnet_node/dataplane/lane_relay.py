@@ -83,6 +83,7 @@ class LaneRelay:
         # The last step read in full on each lane from the hop before, by socket: its
         # session's next step is read against it (``lane_known``).
         self.known: dict[socket.socket, KnownStep] = {}
+        self._ran: tuple[float, bool] | None = None  # the step just run, not yet counted
 
     @property
     def watch(self):
@@ -135,6 +136,10 @@ class LaneRelay:
             except LaneError:
                 self.forget_upstream(sock)
                 return
+        # Once the step is on its way: its counts, and the next step's input made ready.
+        if (ran := self._ran) is not None:
+            self._ran = None
+            self._count(len(payload), *ran)
         if (known := self.known.get(sock)) is not None:
             known.prepare()  # the next step's input, while this hop idles
 
@@ -165,12 +170,13 @@ class LaneRelay:
             self.loop.call_soon_threadsafe(self._spawn_relay, up, up_seq, own_ms, hop, onward,
                                            frame)  # fmt: skip
             return
-        self.service.metrics.hop_seconds.labels(hop).observe(time.perf_counter() - sent)
+        took = time.perf_counter() - sent
         compute = format_compute(own_ms, got.compute) if got.status == 200 else got.compute
         try:
             lanes.write(up, lanes.answer(up_seq, got.status, compute, got.body))
         except LaneError:
             self.forget_upstream(up)
+        self.service.metrics.hop_seconds.labels(hop).observe(took)  # once the answer is off
 
     def _lost(self, sock: socket.socket, hop: str, exc: Exception) -> None:
         """The lane to ``hop`` failed: its steps in flight are failed hops."""
@@ -207,7 +213,7 @@ class LaneRelay:
         if down is None:  # before it samples: the penalties count
             stage.sessions.observe(sid, position, (token,), owner=known.owner)
         item = DecodeItem(sid, position, hidden=hidden, owner=known.owner, sample=known.sample)
-        out, own_ms = self._pass(stage, item, len(payload), known.sample)
+        out, own_ms = self._pass(stage, item, known.sample)
         if down is None:
             return self._answer(seq, out, own_ms)
         onward = known.onward_bytes(position, token)
@@ -250,7 +256,7 @@ class LaneRelay:
             step.session_id, step.position, token_ids=frame if shard.is_head else None,
             hidden=None if shard.is_head else frame, owner=step.session_key, sample=step.sample,
         ).made()  # fmt: skip
-        out, own_ms = self._pass(stage, item, len(payload), step.sample)
+        out, own_ms = self._pass(stage, item, step.sample)
         if down is None:  # the tail
             self.known[up] = KnownStep.of(payload, start, step, frame, stage, None, None, None)  # type: ignore[assignment]
             return self._answer(seq, out, own_ms)
@@ -265,11 +271,11 @@ class LaneRelay:
         self.known[up] = KnownStep.of(payload, start, step, frame, stage, hop, down, head)  # type: ignore[assignment]
         return self._send_on(up, seq, own_ms, hop, down, head, onward, out)
 
-    def _pass(self, stage, item: DecodeItem, received: int, sample: bool):
+    def _pass(self, stage, item: DecodeItem, sample: bool):
         """On the compute thread: ``item``'s one-step pass, with the node's torch threads and
-        the host's turns; its output and compute ms, counted here, not on the loop (waking it
-        would take a core and the GIL from the passes of this step's next hops; the metrics
-        take their own locks)."""
+        the host's turns; its output and compute ms. It is counted here, not on the loop
+        (waking it would take a core and the GIL from the passes of this step's next hops;
+        the metrics take their own locks), once the step is on its way (``_count``)."""
         scheduler = self.service.scheduler
         expected = scheduler.queue.times.expected_s(DECODE, 1)
         turns = (
@@ -280,13 +286,16 @@ class LaneRelay:
         out, compute_s = _timed(
             _decode_call(stage, [item], _nothing_waits)[0], scheduler.before_pass, turns
         )
-        scheduler.queue.times.note(DECODE, 1, compute_s)
+        self._ran = (compute_s, sample)  # counted once the step is on its way (``_count``)
+        return out, compute_s * 1000
+
+    def _count(self, received: int, compute_s: float, sample: bool) -> None:
+        self.service.scheduler.queue.times.note(DECODE, 1, compute_s)
         self.steps += 1
         metrics = self.service.metrics
         metrics.wire_received.inc(received)
         metrics.lane_steps.inc()
         self.served += int(sample)
-        return out, compute_s * 1000
 
     def _answer(self, seq: int, out, own_ms: float) -> bytes:
         """The tail's answer to the step numbered ``seq``."""
@@ -308,7 +317,7 @@ class LaneRelay:
         except LaneError as exc:
             self._lost(down, hop, exc)  # answers this step too: a failed hop
             return None
-        self.service.metrics.wire_sent.inc(len(head) + len(tensor))
+        self.service.metrics.wire_sent.inc(len(head) + len(tensor))  # once it is on its way
         return None
 
     # -- a step that ran here and goes on by the stream ---------------------------------------

@@ -179,7 +179,8 @@ class HopLinks:
             self.want_lane(hop)
             return None
         request_id = request_id_var.get()
-        if burst and client.rtt_s is not None and client.rtt_s < BURST_RTT_S:
+        fast = client.rtt_s is not None and client.rtt_s < BURST_RTT_S
+        if burst and fast and len(step.ids or ()) == 1:
             return LaneBurst(
                 client, step, request_id, self.encoder(hop), self.timeouts.decode_step
             )  # fmt: skip
