@@ -109,6 +109,14 @@ def decode(body: bytes) -> StepResult:
     return StepResult.model_construct(**fields)
 
 
+def token_of(body: bytes) -> int | None:
+    """The token an answer's bytes name, read without the rest (None: none, or not an
+    answer); ``decode`` reads and checks the whole."""
+    if len(body) < _HEAD.size + _ENTRY.size or body[:4] != MAGIC or not body[4] & _TOKEN:
+        return None
+    return _ENTRY.unpack_from(body, _HEAD.size)[0]
+
+
 def kept(body: bytes) -> int:
     """How many tokens after the first an answer holds (drafts the tail kept, then its own)."""
     result = decode(body)

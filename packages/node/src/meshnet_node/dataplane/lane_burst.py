@@ -105,24 +105,22 @@ class LaneBurst:
             if first is None:
                 first = out
                 first.frame = frame
-            got = self._exchange(sock, position, token, frame)
+            got, ids, view = self._exchange(sock, position, token, frame)
             if got is None:  # the lane failed (``failure``): nothing more
                 break
             if got.status != 200:
                 self.failure = got
                 break
             self.answers.append(got)
-            try:
-                token = answer_bytes.decode(got.body).token_id
-            except ValueError:
-                break  # the loop meets the malformed answer (``HopLinks.burst_answer``)
+            # None where malformed: the loop meets it (``HopLinks.burst_answer``)
+            token = answer_bytes.token_of(got.body)
             if (
                 token is None or len(self.answers) > ahead.limit or token in ahead.ends
                 or not go_on()
             ):  # fmt: skip
                 break
             position += 1
-            ids = torch.tensor([[token]], dtype=torch.int64)
+            view[0] = token  # the next step's input, made while the chain computed
         if self.failure is not None and self.answers:  # a later step failed: the head's
             stage.sessions.forget_from(item.session_id, position)  # cache ends before it
         first.compute_s = sum(self.head_ms) / 1000
@@ -130,7 +128,8 @@ class LaneBurst:
 
     def _exchange(self, sock, position: int, token: int | None, frame: bytes):
         """Write the step at ``position`` (input ``token``; None: the item's own) with
-        ``frame``, and read its answer; None where the lane failed."""
+        ``frame``, and read its answer; with the next step's input tensor and a view to
+        write its token in. Nones where the lane failed."""
         if self._head is None:  # the first step's bytes; each later one's are them moved on
             self._head = step_bytes.encode(self.step, self.request_id)
         head = self._head if token is None else moved(self._head, position, token)
@@ -140,6 +139,9 @@ class LaneBurst:
             sent = time.perf_counter()
             sock.sendall(data)
             self.sent_bytes += len(data)
+            # the next step's input tensor, made while the chain computes this one
+            ids = torch.empty((1, 1), dtype=torch.int64)
+            view = ids.numpy().reshape(-1)
             while True:
                 kind, got_seq, payload = lanes.read_message(sock)
                 if kind != LaneKind.ANSWER:
@@ -147,7 +149,7 @@ class LaneBurst:
                 if got_seq == seq:
                     break  # an answer to an older step is stale: skipped
             self.rtt_s.append(time.perf_counter() - sent)
-            return lanes.parse_answer(payload)
+            return lanes.parse_answer(payload), ids, view
         except (OSError, LaneError) as exc:
             self.failure = exc
-            return None
+            return None, None, None
