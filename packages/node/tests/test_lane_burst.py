@@ -1,8 +1,8 @@
 """A head's steps run ahead down its decode lane (docs/adr/0059): over a real socket pair to
-a hop that runs the rest of a tiny model, a burst gives the tokens of the same split run one
-step at a time, sends each step with its own position and input, stops at its limit, an end
-token or when told, and a later step that fails leaves the head's cache where the next step
-starts; a burst whose caller left never reads the lane."""
+a hop that runs the rest of a tiny model, a burst hands the loop, step by step, the tokens of
+the same split run one step at a time, sends each step with its own position and input,
+stops at its limit, an end token or when told, and a step that fails ends it with the head's
+cache where the next step starts; a burst stopped before it began never reads the lane."""
 
 from __future__ import annotations
 
@@ -98,7 +98,8 @@ class _Hop(threading.Thread):
 
 
 def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=False):
-    """Run a burst of ``sid``'s step at the end of its prompt; (burst, output, hop)."""
+    """Run a burst of ``sid``'s step at the end of its prompt; (burst, output, hop, the
+    steps taken)."""
 
     async def main():
         near, far = socket.socketpair()
@@ -114,18 +115,27 @@ def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=
             burst.forget()
         item = DecodeItem(sid, len(PROMPT), token_ids=torch.tensor([[token]]),
                           ahead=Ahead(ahead.limit, ahead.ends, down=burst))  # fmt: skip
+        task = asyncio.ensure_future(
+            asyncio.to_thread(burst.run, head, item, go_on, lambda fn: (fn(), 0.001))
+        )
+        burst.started(task)
+        taken = []  # each step's answer, taken in order as the loop takes them
         try:
-            out = await asyncio.to_thread(
-                burst.run, head, item, go_on, lambda fn: (fn(), 0.001)
-            )  # fmt: skip
+            while (got := await burst.take(len(PROMPT) + len(taken))) is not None:
+                taken.append(got)
+            out = await task
         finally:
             await asyncio.sleep(0.01)  # the release the compute thread sent
             assert transport.paused == 0
             client.close()
             far.close()
-        return burst, out, hop
+        return burst, out, hop, taken
 
     return asyncio.run(main())
+
+
+def _tokens(taken) -> list[int]:
+    return [answer_bytes.decode(got.answer.body).token_id for got in taken]
 
 
 def test_a_burst_gives_the_tokens_of_the_same_split_step_by_step(tiny_snapshot):
@@ -133,50 +143,52 @@ def test_a_burst_gives_the_tokens_of_the_same_split_step_by_step(tiny_snapshot):
     first = _opened(head, tail, "plain")
     want = _one_by_one(head, tail, "plain", first, 6)
     assert _opened(head, tail, "burst") == first
-    burst, out, hop = _burst(head, tail, "burst", first, Ahead(5))
-    tokens = [answer_bytes.decode(a.body).token_id for a in burst.answers]
-    assert tokens == want and burst.steps == 6 and burst.failure is None
+    burst, out, hop, taken = _burst(head, tail, "burst", first, Ahead(5))
+    assert _tokens(taken) == want and burst.steps == 6
+    assert [got.position for got in taken] == list(range(len(PROMPT), len(PROMPT) + 6))
+    assert all(got.head_ms == 1.0 and got.sent > 0 for got in taken)
     # each step said its own position and input: the token before it
     assert [(s.position, s.ids) for s in hop.steps] == [
         (len(PROMPT) + i, (t,)) for i, t in enumerate([first, *want[:-1]])
     ]
     assert out.compute_s == pytest.approx(0.006)  # the head's own passes, not the hop's
-    assert out.frame is not None  # the first step's: sent on by the stream were it refused
+    assert out.frame is not None  # the first step's
     assert head.sessions.peek("burst").length == len(PROMPT) + 6
 
 
-def test_a_burst_stops_at_an_end_token_and_when_told(tiny_snapshot):
+def test_a_burst_stops_at_an_end_token_when_told_and_when_stopped(tiny_snapshot):
     head, tail = _stages(tiny_snapshot("llama"))
     first = _opened(head, tail, "plain")
     want = _one_by_one(head, tail, "plain", first, 6)
     _opened(head, tail, "ends")
-    burst, _, _ = _burst(head, tail, "ends", first, Ahead(5, frozenset({want[2]})))
-    assert len(burst.answers) == want.index(want[2]) + 1
+    _, _, _, taken = _burst(head, tail, "ends", first, Ahead(5, frozenset({want[2]})))
+    assert len(taken) == want.index(want[2]) + 1
     _opened(head, tail, "told")
     asked = []
-    burst, _, _ = _burst(head, tail, "told", first, Ahead(5),
-                         lambda: asked.append(1) or len(asked) < 3)  # fmt: skip
-    assert len(burst.answers) == 3  # yes, yes, no
+    _, _, _, taken = _burst(head, tail, "told", first, Ahead(5),
+                            lambda: asked.append(1) or len(asked) < 3)  # fmt: skip
+    assert len(taken) == 3  # yes, yes, no
 
 
-@pytest.mark.parametrize("failure", [503, None])  # an error answer; a lane that closes
-def test_a_later_step_that_fails_leaves_the_heads_cache_before_it(tiny_snapshot, failure):
+@pytest.mark.parametrize("failure", [503, 421, None])  # an error; a refusal; a lane closing
+def test_a_step_that_fails_ends_the_burst_and_the_heads_cache_before_it(tiny_snapshot, failure):
     head, tail = _stages(tiny_snapshot("llama"))
     first = _opened(head, tail, "s")
-    burst, _, _ = _burst(head, tail, "s", first, Ahead(5), fail=(3, failure))
-    assert len(burst.answers) == 2
+    burst, _, _, taken = _burst(head, tail, "s", first, Ahead(5), fail=(3, failure))
+    assert len(taken) == 3 and burst.steps == 3
+    assert all(got.answer.status == 200 for got in taken[:2])
     if failure is None:
-        assert isinstance(burst.failure, LaneError)
+        assert isinstance(taken[2].answer, LaneError)
     else:
-        assert burst.failure.status == failure
+        assert taken[2].answer.status == failure
     # the third step's head pass ran; it is forgotten: the next step sends it again
     assert head.sessions.peek("s").length == len(PROMPT) + 2
 
 
-def test_a_burst_whose_caller_left_never_reads_the_lane(tiny_snapshot):
+def test_a_burst_stopped_before_it_began_never_reads_the_lane(tiny_snapshot):
     head, tail = _stages(tiny_snapshot("llama"))
     first = _opened(head, tail, "s")
-    with pytest.raises(LaneError, match="left"):
+    with pytest.raises(LaneError, match="stopped"):
         _burst(head, tail, "s", first, Ahead(5), forget=True)
     assert head.sessions.peek("s").length == len(PROMPT)
 

@@ -2,26 +2,29 @@
 
 On a lane (ADR-0058) a step of a lone session still went back to the head's event loop
 between two tokens: the loop read the tail's answer, turned the token into text, submitted
-the next step, and the compute thread woke for it, ~0.35 ms of a ~7 ms SmolLM2 step over
-three processes in which no core computed this session's token. Where the head is also the
-tail a step runs ahead on the compute thread instead (ADR-0047); ``LaneBurst`` does the same
-down a chain: the head's compute thread runs the step's own layers, writes the step on the
-lane, reads the tail's answer there itself, and, with the token it names, runs the next
-step, until ``Ahead.limit`` further steps, an end token, ``AHEAD_S`` or another pass that
-waits. Each step is the single-token step the head would have submitted, with the same
-ids, so every hop computes and samples the same bits. The head receives the tokens as it
-receives a step that ran ahead.
+the next step, and the compute thread woke for it, ~0.35 ms of a SmolLM2 step over three
+processes in which no core computed this session's token. A *burst* goes on instead: the
+head's compute thread runs the step's own layers, writes the step on the lane, reads the
+tail's answer there itself, hands it to the loop (which streams the token meanwhile), and
+runs the next step with the token it names, until ``Ahead.limit`` further steps, an end
+token, another pass or lane that waits, or the loop says stop. Each step is the
+single-token step the loop would have sent, with the same ids, so every hop computes and
+samples the same bits; the loop takes each step's answer as it would have got it
+(``take``), in order.
 
 While a burst is possible the loop stops reading the lane (its transport is paused when
-the burst is made, ``LaneClient.hold``) and the compute thread reads it; it is read by the
-loop again once the burst is over (``release``), or at once if the burst never ran.
+the burst is made, ``LaneClient.hold``) and the compute thread reads it; the loop reads it
+again once the burst is over (``release``), or at once if the burst never ran.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -31,14 +34,26 @@ from meshnet_node.dataplane.lanes import LaneAnswer, LaneError, LaneKind
 from meshnet_node.engine.step_io import DecodeItem, StepOutput
 
 BURST_RTT_S = 0.05  # a lane whose last answer came back sooner may run bursts (AHEAD_S)
+LANE_AHEAD_TOKENS = 64  # further steps a burst may run (each streams as it comes)
+
+
+class BurstStep(NamedTuple):
+    """One step of a burst as the loop takes it: the tail's answer (or the lane's failure),
+    the head's compute ms, the step's time from written to answered, its bytes sent."""
+
+    position: int
+    answer: LaneAnswer | BaseException
+    head_ms: float
+    rtt_s: float
+    sent: int
 
 
 class LaneBurst:
-    """One head step that may run ahead down the lane ``client``. ``step``: the step the
-    lane carries (route: the hops after the first); ``request_id``: its log id;
+    """Steps of one session run ahead down the lane ``client``, from ``step`` (the step the
+    lane carries: route, the hops after the first); ``request_id``: its log id;
     ``encode``: the head's output to the first hop's frame; ``timeout_s``: how long an
-    answer may take. Made on the loop, run once on the compute thread (``run``), read on
-    the loop (``answers``, ``failure``, ``head_ms``)."""
+    answer may take. Made on the loop, run once on the compute thread (``run``: a pass of
+    the scheduler, ``task`` on the loop), its steps taken on the loop (``take``)."""
 
     def __init__(self, client: lanes.LaneClient, step, request_id: str | None,
                  encode: Callable[[torch.Tensor], bytes], timeout_s: float) -> None:  # fmt: skip
@@ -47,44 +62,66 @@ class LaneBurst:
         self.request_id = request_id
         self.encode = encode
         self.timeout_s = timeout_s
-        self.answers: list[LaneAnswer] = []  # each step's answer, in order (all 200 but
-        self.failure: BaseException | LaneAnswer | None = None  # where it stopped on this)
-        self.head_ms: list[float] = []  # the head's compute of each step
-        self.sent_bytes = 0
-        self.rtt_s: list[float] = []  # each step's time from written to answered
+        self.steps = 0  # the head's steps run in the burst (0: it did not run as one)
+        self.stopped = False  # the loop's word: no further step
+        self.task: asyncio.Future | None = None  # the pass that runs it (set on the loop)
+        self._loop = asyncio.get_running_loop()
+        self._taken: dict[int, BurstStep] = {}  # by position, until the loop takes them
+        self._waiter: asyncio.Future | None = None
         self._lock = threading.Lock()
         self._head: bytes | None = None
         self._state = "new"  # -> "running" (compute thread) or "forgotten" (loop)
         client.hold()
 
-    @property
-    def steps(self) -> int:
-        """How many steps of the head ran in the burst (0: it did not run as one)."""
-        return len(self.head_ms)
+    # -- on the loop -------------------------------------------------------------------------
 
     def forget(self) -> None:
-        """On the loop: the step's caller left, or its pass ran as a plain step (the
-        session was no longer alone). A burst not begun never reads the lane."""
+        """The burst will not be needed (its session closes, or its pass ran as a plain
+        step: the session was no longer alone): one not begun never reads the lane; one
+        running stops before its next step."""
+        self.stopped = True
         with self._lock:
             if self._state == "new":
                 self._state = "forgotten"
                 self.client.release()
 
-    @property
-    def ran(self) -> bool:
-        return self._state == "running"
+    def started(self, task: asyncio.Future) -> None:
+        """``task``: the pass that runs the burst."""
+        self.task = task
+        task.add_done_callback(lambda _: self._wake())
+
+    async def take(self, position: int) -> BurstStep | None:
+        """The burst's step at ``position``, once answered; None where the burst ended
+        before it."""
+        while True:
+            got = self._taken.pop(position, None)
+            if got is not None:
+                return got
+            if self.task is None or self.task.done():
+                return None
+            self._waiter = self._loop.create_future()
+            await self._waiter
+
+    def _put(self, got: BurstStep) -> None:
+        self._taken[got.position] = got
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     # -- on the compute thread ---------------------------------------------------------------
 
     def run(self, stage, item: DecodeItem, go_on: Callable[[], bool],
             timed: Callable[[Callable[[], object]], tuple[object, float]]) -> StepOutput:  # fmt: skip
         """``item``'s step through the head's layers and down the lane, then more while the
-        tail's tokens allow (``item.ahead``) and ``go_on()``; the first step's output, its
+        tail's tokens allow (``item.ahead``), ``go_on()`` and the loop did not stop it; each
+        answer handed to the loop as it comes. Returns the first step's output, its
         ``compute_s`` the head's compute of every step. ``timed``: a head pass, timed, in
         the host's compute turn."""
         with self._lock:
             if self._state != "new":
-                raise LaneError("the step's caller left")
+                raise LaneError("the burst was stopped before it began")
             self._state = "running"
         try:
             return self._run(stage, item, go_on, timed)
@@ -95,50 +132,45 @@ class LaneBurst:
         ahead = item.ahead
         sock = self.client.out
         sock.settimeout(self.timeout_s)
-        position, ids, first = item.position, item.token_ids, None
-        token = None
+        position, ids, first, token, spent = item.position, item.token_ids, None, None, 0.0
         while True:
             out, took = timed(lambda p=position, t=ids: stage.step(
                 item.session_id, p, token_ids=t, owner=item.owner, sample=item.sample))  # fmt: skip
-            self.head_ms.append(took * 1000)
+            self.steps += 1
+            spent += took
             frame = self.encode(out.hidden)
             if first is None:
                 first = out
                 first.frame = frame
-            got, ids, view = self._exchange(sock, position, token, frame)
-            if got is None:  # the lane failed (``failure``): nothing more
-                break
-            if got.status != 200:
-                self.failure = got
-                break
-            self.answers.append(got)
-            # None where malformed: the loop meets it (``HopLinks.burst_answer``)
-            token = answer_bytes.token_of(got.body)
+            got, ids, view = self._exchange(sock, position, token, frame, took * 1000)
+            ok = isinstance(got, LaneAnswer) and got.status == 200
+            # None where malformed: the loop meets it (``HopLinks.burst_step``)
+            token = answer_bytes.token_of(got.body) if ok else None  # type: ignore[union-attr]
+            if not ok:  # the head's cache ends before the step the chain did not complete
+                stage.sessions.forget_from(item.session_id, position)
             if (
-                token is None or len(self.answers) > ahead.limit or token in ahead.ends
-                or not go_on()
+                token is None or self.steps > ahead.limit or token in ahead.ends
+                or self.stopped or not go_on()
             ):  # fmt: skip
                 break
             position += 1
             view[0] = token  # the next step's input, made while the chain computed
-        if self.failure is not None and self.answers:  # a later step failed: the head's
-            stage.sessions.forget_from(item.session_id, position)  # cache ends before it
-        first.compute_s = sum(self.head_ms) / 1000
-        return first
+        first.compute_s = spent  # type: ignore[union-attr]
+        return first  # type: ignore[return-value]
 
-    def _exchange(self, sock, position: int, token: int | None, frame: bytes):
+    def _exchange(self, sock, position: int, token: int | None, frame: bytes, head_ms: float):
         """Write the step at ``position`` (input ``token``; None: the item's own) with
-        ``frame``, and read its answer; with the next step's input tensor and a view to
-        write its token in. Nones where the lane failed."""
+        ``frame``, read its answer and hand it to the loop; with the next step's input
+        tensor and a view to write its token in."""
         if self._head is None:  # the first step's bytes; each later one's are them moved on
             self._head = step_bytes.encode(self.step, self.request_id)
         head = self._head if token is None else moved(self._head, position, token)
         seq = self.client.next_seq()
         data = lanes.message(LaneKind.STEP, seq, head, frame)
+        sent = time.perf_counter()
+        ids = view = None
         try:
-            sent = time.perf_counter()
             sock.sendall(data)
-            self.sent_bytes += len(data)
             # the next step's input tensor, made while the chain computes this one
             ids = torch.empty((1, 1), dtype=torch.int64)
             view = ids.numpy().reshape(-1)
@@ -148,8 +180,10 @@ class LaneBurst:
                     raise LaneError(f"a {kind.name} message from the hop")
                 if got_seq == seq:
                     break  # an answer to an older step is stale: skipped
-            self.rtt_s.append(time.perf_counter() - sent)
-            return lanes.parse_answer(payload), ids, view
+            got: LaneAnswer | BaseException = lanes.parse_answer(payload)
         except (OSError, LaneError) as exc:
-            self.failure = exc
-            return None, None, None
+            got = exc
+        step = BurstStep(position, got, head_ms, time.perf_counter() - sent, len(data))
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody takes it
+            self._loop.call_soon_threadsafe(self._put, step)
+        return got, ids, view

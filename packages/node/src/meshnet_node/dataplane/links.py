@@ -29,7 +29,7 @@ from meshnet_common.protocol import (
     parse_compute,
 )
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
-from meshnet_node.dataplane.lane_burst import BURST_RTT_S, LaneBurst
+from meshnet_node.dataplane.lane_burst import BURST_RTT_S, BurstStep, LaneBurst
 from meshnet_node.dataplane.link_speeds import PROBE_BYTES, LinkSpeeds
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
@@ -118,8 +118,6 @@ class HopLinks:
         self._lanes: dict[str, lanes.LaneClient] = {}
         self._lane_failed: dict[str, float] = {}  # hop -> when a dial failed
         self._lane_dials: set[str] = set()
-        # A burst's later step that failed (ADR-0059): raised at the session's next step.
-        self._deferred: dict[str, HopError] = {}
 
     async def aclose(self) -> None:
         for client in self._lanes.values():
@@ -193,49 +191,26 @@ class HopLinks:
         client = self._lanes.get(hop)
         return (client is not None and client.usable) or self.lane_offer(hop) is not None
 
-    def raise_deferred(self, session_id: str) -> None:
-        """The failure of a burst's later step of this session (ADR-0059), if one waits."""
-        failed = self._deferred.pop(session_id, None)
-        if failed is not None:
-            raise failed
-
-    def burst_answer(self, hop: str, burst: LaneBurst) -> StepResult | None:
-        """On the loop, after its pass: the tokens of a burst down the lane to ``hop``, the
-        later ones in ``more`` and every hop's compute summed over its steps; None where
-        the step goes on the stream (it ran as a plain step, or the hop refused it)."""
-        if not burst.steps:
-            burst.forget()
-            return None
-        client = burst.client
+    def burst_step(self, hop: str, got: BurstStep) -> StepResult | None:
+        """On the loop: the tail's answer to a step of a burst down the lane to ``hop``
+        (ADR-0059), the head's compute not yet in; None where the step must be run again
+        and sent on the stream (the first hop refused it before it ran)."""
         loop = asyncio.get_running_loop()
-        loop.call_soon(self.metrics.wire_sent.inc, burst.sent_bytes)
-        if len(burst.answers) > 1:
-            loop.call_soon(self.metrics.lane_ahead_steps.inc, len(burst.answers) - 1)
-        for rtt in burst.rtt_s:
-            loop.call_soon(self._observe_hop, hop, rtt)
-        if burst.rtt_s:
-            client.rtt_s = burst.rtt_s[-1]
-        failure = burst.failure
-        if isinstance(failure, BaseException):  # the lane failed: its next step fails over
-            client.close()
-        elif failure is not None and failure.status != lanes.LANE_REFUSED:
-            error = _hop_error(hop, failure.status, failure.body)
-            if not burst.answers:
-                raise error
-            self._deferred[burst.step.session_id] = error
-            while len(self._deferred) > lanes.BY_SESSION_MAX:
-                del self._deferred[next(iter(self._deferred))]
-        if not burst.answers:
-            if isinstance(failure, BaseException):
-                raise HopError(f"hop {hop} failed: {failure}", hop=hop) from failure
-            return None  # refused before it ran: the stream takes it
-        results = [_parsed(hop, got.body, got.compute) for got in burst.answers]
-        first = results[0]
-        if len(results) > 1:
-            first.more = [(r.token_id, r.logprob, r.top_logprobs) for r in results[1:]]
-            hops = zip(*(r.compute_ms for r in results), strict=False)  # each hop over the steps
-            first.compute_ms = [sum(ms) for ms in hops]
-        return first
+        loop.call_soon(self.metrics.wire_sent.inc, got.sent)
+        answer = got.answer
+        if isinstance(answer, BaseException):  # the lane failed: a failed hop
+            client = self._lanes.get(hop)
+            if client is not None:
+                client.close()
+            raise HopError(f"hop {hop} failed: {answer}", hop=hop) from answer
+        loop.call_soon(self._observe_hop, hop, got.rtt_s)
+        if (client := self._lanes.get(hop)) is not None:
+            client.rtt_s = got.rtt_s
+        if answer.status == lanes.LANE_REFUSED:
+            return None
+        if answer.status != 200:
+            raise _hop_error(hop, answer.status, answer.body)
+        return _parsed(hop, answer.body, answer.compute)
 
     async def lane_answer(self, hop: str, lane: lanes.LaneStep) -> StepResult | None:
         """The tail's answer to a step written on the lane to ``hop``; None where it must go

@@ -10,8 +10,10 @@ early-arriving chunks back in order and gather a call's chunks (ADR-0053).
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -77,11 +79,17 @@ class HeadPasses:
     def __init__(self, service: NodeService, *, audited: bool = False) -> None:
         self.service = service
         self.audited = audited
+        self._bursts: dict[str, LaneBurst] = {}  # sessions' steps running ahead (ADR-0059)
         # The prefix cache (docs/adr/0035); sessions a verifier audits start from scratch.
         self.prefixes = None
         if service.settings.prefix_cache and not audited:
             client = PrefixClient(service.settings.swarm_token, service.identity)
             self.prefixes = PrefixReuse(service.model_id, client)
+
+    def bursting(self, session_id: str) -> bool:
+        """Whether the session's steps run ahead down its lane now (ADR-0059): its next
+        steps are the burst's, plain, neither drafts nor guesses."""
+        return session_id in self._bursts
 
     def open(self, stage: Stage, chain: Chain, request: GenerationRequest) -> None:
         """A fresh session on ``stage`` for ``chain`` (the hops open theirs with its first
@@ -226,43 +234,105 @@ class HeadPasses:
         )  # fmt: skip
         onward = replace(step, route=route[1:])
         links = self.service.links
-        if route:
-            links.raise_deferred(session_id)  # a burst's later step failed (ADR-0059)
+        if route and (running := self._bursts.get(session_id)) is not None:
+            # A burst of this session runs ahead down the lane (ADR-0059): its answer.
+            if drafts or guess_from is not None:  # never while one runs (``bursting``)
+                self._end_burst(session_id)
+            elif (result := await self._burst_step(stage, running, step)) is not None:
+                return result
         # A lone session's plain step takes a decode lane (ADR-0058), written after the
         # pass; concurrent sessions' steps take the streams, where the hops batch them.
         # One that may run ahead runs ahead down the lane (a burst, ADR-0059).
-        lane, burst = None, None
+        lane = None
         direct = step.sample and self.service.answer_url is not None  # ``send`` asks then
         alone = len(stage.sessions) == 1
         if lanes and route and alone and not (direct and self.service.direct_pays(route[0])):
             lane = links.lane_step(route[0], onward, burst=ahead is not None)
             if isinstance(lane, LaneBurst):
-                lane, burst = None, lane
-                ahead = replace(ahead, down=burst)  # type: ignore[arg-type]
+                return await self._burst(stage, lane, step, ahead)  # type: ignore[arg-type]
         try:
-            out = await self.local(stage, step, None if route and not burst else ahead, lane)
+            out = await self.local(stage, step, None if route else ahead, lane)
         except BaseException:
-            if lane is not None or burst is not None:
-                (lane or burst).forget()  # type: ignore[union-attr]
+            if lane is not None:
+                lane.forget()
             raise
         if not route:  # head is also the tail
             return as_result(out)
         result = None
-        if burst is not None:
-            result = links.burst_answer(route[0], burst)
-            if result is not None and result.more:  # the later steps' inputs: cached too
-                later = [result.token_id, *(t for t, _, _ in result.more[:-1])]
-                self.note_ids(stage, replace(step, position=position + 1), later)
-        elif lane is not None:
+        if lane is not None:
             result = await links.lane_answer(route[0], lane)
-        if result is None:  # no lane, or the hops sent it back to the stream unrun
-            result = await self.send(route[0], out, onward)
+        return await self._sent(out, step, result)
+
+    async def _sent(self, out: StepOutput, step: Step, result: StepResult | None) -> StepResult:
+        """``result``, or, where there is none (no lane, or the hops sent the step back to
+        the stream unrun), the chain's answer to ``out`` sent on the stream; the head's
+        compute first."""
+        if result is None:
+            result = await self.send(step.route[0], out, replace(step, route=step.route[1:]))
         result.compute_ms.insert(0, out.compute_s * 1000)
         return result
 
+    async def _burst(self, stage, burst: LaneBurst, step: Step, ahead: Ahead) -> StepResult:
+        """``step`` run ahead down its lane (ADR-0059): the pass that runs the burst goes
+        on after this step's answer, which comes back as soon as it is in."""
+        self._bursts[step.session_id] = burst
+        task = asyncio.ensure_future(self.local(stage, step, replace(ahead, down=burst)))
+        burst.started(task)
+        task.add_done_callback(functools.partial(self._burst_ended, step.session_id, burst))
+        result = await self._burst_step(stage, burst, step, first=True)
+        if result is not None:
+            return result
+        out = await task  # it ran as a plain step, or the first hop refused it
+        if burst.steps:  # the head's cache ends before the refused step: run it again
+            out = await self.local(stage, step)
+        return await self._sent(out, step, None)
+
+    async def _burst_step(
+        self, stage, burst: LaneBurst, step: Step, first: bool = False
+    ) -> StepResult | None:
+        """The answer of a burst's step at ``step.position``; None where the burst ended
+        before it (or was refused there): the step runs the plain way."""
+        result = None
+        try:
+            got = await burst.take(step.position)
+            if got is not None:
+                result = self.service.links.burst_step(step.route[0], got)
+        finally:
+            if result is None:  # ended, refused, failed or left: no later step follows
+                self._end_burst(step.session_id)
+        if result is None:
+            return None
+        if not first:  # counted and named as ``local`` does the first step
+            self.service.count_served(int(step.sample))
+            self.note_ids(stage, step, list(step.ids or ()))
+            self.service.metrics.lane_ahead_steps.inc()
+        result.compute_ms.insert(0, got.head_ms)  # type: ignore[union-attr]
+        return result
+
+    def _end_burst(self, session_id: str, then: Callable[[], None] | None = None) -> None:
+        """Stop the session's burst, if one runs (it is forgotten once its pass ended);
+        ``then()`` once that pass ended, at once where none runs."""
+        burst = self._bursts.get(session_id)
+        task = None if burst is None else burst.task
+        if burst is not None:
+            burst.forget()
+        if then is None:
+            return
+        if task is None or task.done():
+            then()
+        else:
+            task.add_done_callback(lambda _: then())
+
+    def _burst_ended(self, session_id: str, burst: LaneBurst, task: asyncio.Future) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved: raised where the step is taken (``_burst``)
+        if self._bursts.get(session_id) is burst:
+            del self._bursts[session_id]
+
     async def close(self, stage, session_id: str, key: str, route: tuple[str, ...]) -> None:
-        """Free the session here and on every hop of ``route`` (its prefix stays cached)."""
-        stage.close_session(session_id, keep=True)
+        """Free the session here and on every hop of ``route`` (its prefix stays cached);
+        here once a burst of its steps (ADR-0059) stopped."""
+        self._end_burst(session_id, lambda: stage.close_session(session_id, keep=True))
         if route:
             # Shielded: a client disconnect cancels us, but the hops must still be freed.
             await asyncio.shield(self.service.close_remote(route[0], session_id, key, route[1:]))

@@ -131,10 +131,7 @@ class Failover:
                     stage, chain.session_id, chain.key, inputs, len(history), chain.route,
                     drafts=len(drafts or ()), ahead=ahead,
                 )  # fmt: skip
-                chain.passes.append((len(history), inputs, len(drafts or ())))
-                if chain.route and ahead is not None and result.more:  # a burst (ADR-0059):
-                    later = [result.token_id, *(t for t, _, _ in result.more[:-1])]
-                    chain.passes += [(len(history) + 1 + i, [t], 0) for i, t in enumerate(later)]
+                chain.passes.append((len(history), inputs, len(drafts or ())))  # ahead: no route
                 return result
             except HopError as exc:
                 may_retry = chain.budget.failed()

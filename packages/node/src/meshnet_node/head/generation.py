@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 
 from meshnet_common.errors import HopError, ModelNotCovered
 from meshnet_common.protocol import StepResult
+from meshnet_node.dataplane.lane_burst import LANE_AHEAD_TOKENS
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.ahead import AHEAD_TOKENS, Ahead
 from meshnet_node.head.chain import Chain, GenerationRequest, HeadPasses
@@ -207,6 +208,10 @@ class HeadGenerator:
         try:
             with metrics.timer(metrics.prefill_seconds):
                 result = await self.failover.advance(stage, chain, request, history, None, reroute)
+            # A step's time is from the answer before it to its own, less the time the client
+            # held the generator (``paused``, at its yields): where a burst runs ahead
+            # (ADR-0059) a step's answer may be in before the loop asks for it.
+            answered, paused = time.perf_counter(), 0.0
             scored = result.prompt_logprobs  # a replay scores it again: the first one counts
             head = stage.sessions.peek(chain.session_id)
             cached = head.cached_tokens if head is not None else 0  # docs/adr/0035
@@ -227,16 +232,21 @@ class HeadGenerator:
                         finish = "length"
                     if finish is not None:
                         delta += assembler.finish()
+                    held = time.perf_counter()
                     yield GeneratedToken(
                         token, delta, logprob, top, finish,
                         timings.summary() if finish is not None else None,
                         scored if produced == 1 else None, cached if produced == 1 else None,
                     )  # fmt: skip
+                    paused += time.perf_counter() - held
                     if finish is not None:
                         return
                 history.extend(t for t, _, _ in outputs[:-1])  # kept drafts: in every cache
                 token = outputs[-1][0]  # the next step's input
-                if flight is not None and (len(flight) or self.guess_steps.allowed(chain)):
+                # While its steps run ahead down the lane (ADR-0059), the next are plain.
+                bursting = self.passes.bursting(chain.session_id)
+                guess = flight is not None and not bursting
+                if guess and (len(flight) or self.guess_steps.allowed(chain)):  # type: ignore[arg-type]
                     room = min(request.max_tokens - produced - 1,
                                self.context_window - len(history) - 2)  # fmt: skip
                     result = await self._guessed_step(
@@ -244,10 +254,12 @@ class HeadGenerator:
                         speculation, room, timings,
                     )  # fmt: skip
                     history.append(token)
+                    answered, paused = time.perf_counter(), 0.0
                     continue
                 drafts: list[int] = []
                 started, failovers = time.perf_counter(), chain.failovers
-                if speculation is not None and self.running <= self.speculation.max_running:
+                drafting = speculation is not None and not bursting
+                if drafting and self.running <= self.speculation.max_running:
                     room = min(
                         request.max_tokens - produced - 1,
                         self.context_window - len(history) - 2,
@@ -266,7 +278,9 @@ class HeadGenerator:
                         stage, chain, request, history, token, reroute, drafts, ahead
                     )
                 finally:
-                    elapsed = time.perf_counter() - started
+                    now = time.perf_counter()
+                    elapsed = now - answered - paused
+                    answered, paused = now, 0.0
                     metrics.decode_seconds.observe(elapsed)
                 drafting_s = drafted_at - started  # a draft model's time: part of the step
                 if self.verifier is not None:
@@ -316,9 +330,8 @@ class HeadGenerator:
         ADR-0059): only where no audit replays steps one by one."""
         if self.verifier is not None:
             return None
-        room = min(
-            request.max_tokens - produced - 1, self.context_window - len(history) - 2, AHEAD_TOKENS
-        )  # fmt: skip
+        most = LANE_AHEAD_TOKENS if chain.route else AHEAD_TOKENS
+        room = min(request.max_tokens - produced - 1, self.context_window - len(history) - 2, most)
         if room < 1:
             return None
         ends = request.stop_ids if request.ignore_eos else request.stop_ids | self.eos

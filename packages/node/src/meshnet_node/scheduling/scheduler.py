@@ -85,16 +85,16 @@ def _decode_call(
     item = items[0]
     ahead = item.ahead
     if ahead is not None and item.sample and len(stage.sessions) == 1:
+        if ahead.down is not None:  # its tokens reach the loop as they come: no deadline
+            down = ahead.down
+            return functools.partial(
+                down.run, stage, item, lambda: not waiting(), lambda fn: _timed(fn, None, turns)
+            ), None  # fmt: skip
         deadline = time.perf_counter() + AHEAD_S
 
         def go_on() -> bool:
             return not waiting() and time.perf_counter() < deadline
 
-        if ahead.down is not None:
-            down = ahead.down
-            return functools.partial(
-                down.run, stage, item, go_on, lambda fn: _timed(fn, None, turns)
-            ), None  # fmt: skip
         return functools.partial(run_ahead, stage, item, ahead, go_on), turns
     return functools.partial(
         stage.step, item.session_id, item.position, token_ids=item.token_ids,
@@ -312,6 +312,13 @@ class ComputeScheduler:
             else:
                 self._run(run)
 
+    def _waiting(self) -> bool:
+        """On the compute thread: whether something else waits for it (a pass queued, a
+        call, a lane's step): a pass that runs ahead stops for it."""
+        return bool(self.queue.entries or self._calls) or (
+            self.sockets is not None and self.sockets.ready()
+        )
+
     def _run(self, run: Run) -> None:
         first = run.passes[0]
         items: list[DecodeItem] = []
@@ -320,7 +327,7 @@ class ComputeScheduler:
             if first.kind == DECODE:  # inputs made tensors here, not on the loop
                 items = [p.item.made() for p in run.passes]  # type: ignore[union-attr]
                 call, turns = _decode_call(
-                    first.stage, items, lambda: bool(self.queue.entries),  # type: ignore[arg-type]
+                    first.stage, items, self._waiting,  # type: ignore[arg-type]
                     self.turns if run.turn else None,
                 )  # fmt: skip
             else:

@@ -52,6 +52,13 @@ class SocketWatch:
         with contextlib.suppress(OSError):
             sock.close()
 
+    def ready(self) -> bool:
+        """On the compute thread, between the steps of a pass that runs ahead: whether a
+        socket it watches (not the wake-up one) has something to read."""
+        if not self.count:
+            return False
+        return any(key.data is not None for key, _ in self._selector.select(0))
+
     def wait(self) -> None:
         """On the compute thread: wait until a socket is readable or ``wake``, and read
         each readable one."""
