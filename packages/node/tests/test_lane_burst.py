@@ -185,6 +185,15 @@ def test_a_step_that_fails_ends_the_burst_and_the_heads_cache_before_it(tiny_sna
     assert head.sessions.peek("s").length == len(PROMPT) + 2
 
 
+def test_a_first_step_refused_keeps_its_output_for_the_stream(tiny_snapshot):
+    head, tail = _stages(tiny_snapshot("llama"))
+    first = _opened(head, tail, "s")
+    burst, out, _, taken = _burst(head, tail, "s", first, Ahead(5), fail=(1, 421))
+    assert [got.answer.status for got in taken] == [421] and burst.steps == 1
+    assert out.frame is not None  # sent on by the stream, as it is
+    assert head.sessions.peek("s").length == len(PROMPT) + 1
+
+
 def test_a_burst_stopped_before_it_began_never_reads_the_lane(tiny_snapshot):
     head, tail = _stages(tiny_snapshot("llama"))
     first = _opened(head, tail, "s")

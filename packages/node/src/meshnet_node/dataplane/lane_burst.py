@@ -146,7 +146,10 @@ class LaneBurst:
             ok = isinstance(got, LaneAnswer) and got.status == 200
             # None where malformed: the loop meets it (``HopLinks.burst_step``)
             token = answer_bytes.token_of(got.body) if ok else None  # type: ignore[union-attr]
-            if not ok:  # the head's cache ends before the step the chain did not complete
+            refused = isinstance(got, LaneAnswer) and got.status == lanes.LANE_REFUSED
+            if not ok and not (refused and self.steps == 1):
+                # the head's cache ends before the step the chain did not complete (a first
+                # step refused goes on the stream with this output: ``HeadPasses._burst``)
                 stage.sessions.forget_from(item.session_id, position)
             if (
                 token is None or self.steps > ahead.limit or token in ahead.ends

@@ -282,9 +282,7 @@ class HeadPasses:
         result = await self._burst_step(stage, burst, step, first=True)
         if result is not None:
             return result
-        out = await task  # it ran as a plain step, or the first hop refused it
-        if burst.steps:  # the head's cache ends before the refused step: run it again
-            out = await self.local(stage, step)
+        out = await task  # it ran as a plain step, or the first hop refused it: the stream
         return await self._sent(out, step, None)
 
     async def _burst_step(
