@@ -109,28 +109,32 @@ def parse_lane_header(value: str | None) -> tuple[int, str] | None:
 # -- blocking ends: the compute thread's ------------------------------------------------------
 
 
-def _read_exactly(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes: in one read as a message written whole mostly arrives, else more."""
+    data = sock.recv(size)
+    while len(data) < size:
+        more = sock.recv(size - len(data))
+        if not more:
             raise LaneError("the lane closed")
-        got += n
+        data += more
+    return data
 
 
 def read_message(sock: socket.socket) -> tuple[LaneKind, int, bytes]:
     """One whole message (the socket blocks, within ``LANE_TIMEOUT_S``)."""
-    head = bytearray(_HEAD.size)
     try:
-        _read_exactly(sock, memoryview(head))
+        head = sock.recv(_HEAD.size)
+        if not head:
+            raise LaneError("the lane closed")
+        if len(head) < _HEAD.size:
+            head += _read_exactly(sock, _HEAD.size - len(head))
         size, kind, seq = _HEAD.unpack(head)
         if size > MAX_LANE_MESSAGE or kind not in (1, 2, 3):
             raise LaneError(f"not a lane message (kind {kind}, {size} bytes)")
-        payload = bytearray(size)
-        _read_exactly(sock, memoryview(payload))
+        payload = _read_exactly(sock, size) if size else b""
     except OSError as exc:  # a timeout, a reset
         raise LaneError(f"the lane failed: {exc}") from exc
-    return LaneKind(kind), seq, bytes(payload)
+    return LaneKind(kind), seq, payload
 
 
 def write(sock: socket.socket, data: bytes) -> None:
