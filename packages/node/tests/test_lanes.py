@@ -193,3 +193,19 @@ def test_a_sessions_next_step_is_read_against_its_last():
     assert (
         KnownStep.of(body, start, replace(step, ids=None), frame, Stage(), None, None, None) is None
     )
+
+
+def test_a_node_something_fronts_offers_no_lane():
+    """An --advertise-url on another port (a proxy, a port forward, the network bench's
+    link relay): a lane dialed at that host would go around what is in front."""
+    from types import SimpleNamespace
+
+    from meshnet_node.dataplane.lane_relay import fronted
+
+    def settings(url, port=8000):
+        return SimpleNamespace(advertise_url=url, port=port)
+
+    assert not fronted(settings(None))
+    assert not fronted(settings("http://node.example:8000"))
+    assert fronted(settings("http://127.0.0.1:9000"))
+    assert fronted(settings("http://127.0.0.1:9000", port=0))

@@ -23,6 +23,7 @@ import secrets
 import socket
 import time
 from dataclasses import replace
+from urllib.parse import urlsplit
 
 from meshnet_common import wire
 from meshnet_common.errors import HopError, InvalidRequest, MeshnetError, Quarantined
@@ -435,10 +436,20 @@ class LaneEnds:
             task.cancel()
 
 
+def fronted(settings) -> bool:
+    """Whether other nodes reach this one through something in front of it: an
+    ``--advertise-url`` on another port than its own (a proxy, a port forward, a link
+    relay). A lane dialed at that host would go around it (or nowhere): none is offered."""
+    if settings.advertise_url is None:
+        return False
+    return urlsplit(settings.advertise_url).port != settings.port
+
+
 async def start_lanes(service, settings) -> None:
     """Offer decode lanes on ``service``'s hop streams and dial them to its next hops, where
-    ``--decode-lanes`` (the default) and the node serves no TLS (a lane is plain TCP)."""
-    if settings.decode_lanes and settings.tls_cert is None:
+    ``--decode-lanes`` (the default), the node serves no TLS (a lane is plain TCP) and
+    nothing fronts it (``fronted``)."""
+    if settings.decode_lanes and settings.tls_cert is None and not fronted(settings):
         service.lanes = LaneEnds(service, settings.host)
         await service.lanes.start()
         service.links.lanes_on = True
