@@ -16,12 +16,22 @@ Per-hop overhead as ``meshnet_timing`` counts it: a step's time at the head less
 passes, halved; the median over ``--tokens`` steps (the first few skipped), with ``--idle``
 ms between steps (0: back to back; every stage idles anyway while the others compute).
 
+``--lean``: the fewest pieces Python allows instead: a message is the hidden state's bytes
+alone, read into a tensor made before (``recv_into``) and written from the pass's output
+(``ctypes.string_at``), the tail's answer a 4-byte id; what a hop reading a session's next
+step against its last (``lane_known``) comes near. ``--loop-us N`` (with ``--lean``): the
+head also hands each answer to an event loop in another thread whose own work on it is N us
+of Python (meshnet's head: its generation's per-token work), ``--post before`` the next
+pass (as the answer comes) or ``after`` the next step is written.
+
     .venv/bin/python bench/lane_floor.py [--tokens 200] [--layers 10] [--threads 0]
+        [--lean [--loop-us N] [--post before|after]]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -161,29 +171,125 @@ def head(ports: list[int], layers: int, tokens: int, idle_s: float) -> dict:
     return {"steps": steps, "head": computes}
 
 
+def serve_lean(role: str, listen: int, next_port: int, layers: int, out: str) -> None:
+    """``--lean``'s middle or tail: the hidden state's bytes in and out, nothing else."""
+    import torch
+
+    stage = Pass(layers, tail=role == "tail")
+    server = socket.create_server(("127.0.0.1", listen))
+    print("ready", flush=True)
+    before, _ = server.accept()
+    after = socket.create_connection(("127.0.0.1", next_port))
+    for conn in (before, after):
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    size = HIDDEN * 2
+    hidden_in = torch.empty((1, 1, HIDDEN), dtype=torch.bfloat16)
+    view = memoryview(hidden_in.view(torch.uint8).numpy().reshape(-1))
+    computes = []
+    try:
+        while True:
+            got = before.recv_into(view, size)
+            if not got:
+                break
+            while got < size:
+                more = before.recv_into(view[got:], size - got)
+                if not more:
+                    raise ConnectionError("the ring closed")
+                got += more
+            t0 = time.perf_counter()
+            hidden, token = stage(hidden_in)
+            computes.append(time.perf_counter() - t0)
+            if token is None:
+                after.sendall(ctypes.string_at(hidden.data_ptr(), size))
+            else:
+                after.sendall(_LEN.pack(token))
+    except ConnectionError:
+        pass
+    Path(out).write_text(json.dumps(computes))
+
+
+def head_lean(ports: list[int], layers: int, tokens: int, loop_us: float, post: str) -> dict:
+    """``--lean``'s head; each answer handed to an event loop (``loop_us`` > 0) ``post``
+    ``before`` the next pass or ``after`` the next step is written."""
+    import asyncio
+    import threading
+
+    import torch
+
+    stage = Pass(layers, tail=False)
+    embedding = (torch.randn(VOCAB, HIDDEN) / 8).to(torch.bfloat16)
+    server = socket.create_server(("127.0.0.1", ports[0]))
+    after = socket.create_connection(("127.0.0.1", ports[1]))
+    before, _ = server.accept()
+    for conn in (before, after):
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    taken: list[int] = []
+
+    def take(token: int) -> None:  # the loop's own work on a token: Python for loop_us
+        until = time.perf_counter() + loop_us / 1e6
+        while time.perf_counter() < until:
+            pass
+        taken.append(token)
+
+    size = HIDDEN * 2
+    token, steps, computes, answered = 1000, [], [], None
+    try:
+        for _ in range(tokens):
+            started = time.perf_counter()
+            t0 = time.perf_counter()
+            hidden, _ = stage(embedding[token].view(1, 1, HIDDEN))
+            computes.append(time.perf_counter() - t0)
+            after.sendall(ctypes.string_at(hidden.data_ptr(), size))
+            if loop_us and answered is not None and post == "after":
+                loop.call_soon_threadsafe(take, answered)
+            (answered,) = _LEN.unpack(_recv_exact(before, _LEN.size))
+            token = answered % VOCAB
+            if loop_us and post == "before":
+                loop.call_soon_threadsafe(take, answered)
+            steps.append(time.perf_counter() - started)
+    finally:
+        after.close()
+        before.close()
+        loop.call_soon_threadsafe(loop.stop)
+    return {"steps": steps, "head": computes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--layers", type=int, default=10, help="a stage's layers (SmolLM2's)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--idle", type=float, default=0.0, help="ms between steps")
+    parser.add_argument("--lean", action="store_true", help="the hidden state's bytes "
+                        "alone (see above)")  # fmt: skip
+    parser.add_argument("--loop-us", type=float, default=0.0, help="with --lean: the head's "
+                        "event loop works this long on each answer")  # fmt: skip
+    parser.add_argument("--post", choices=("before", "after"), default="before",
+                        help="with --loop-us: hand the answer to the loop before the next "
+                        "pass or after the next step is written")  # fmt: skip
     parser.add_argument("--serve", nargs=4, metavar=("ROLE", "LISTEN", "NEXT", "OUT"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
+    if (args.loop_us and not args.lean) or (args.lean and args.idle):
+        parser.error("--loop-us goes with --lean, --idle without")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     if args.serve:
         role, listen, next_port, out = args.serve
-        serve(role, int(listen), int(next_port), args.layers, out)
+        (serve_lean if args.lean else serve)(role, int(listen), int(next_port), args.layers,
+                                             out)  # fmt: skip
         return
     from swarm import free_port
 
     ports = [free_port() for _ in range(3)]
     out_dir = tempfile.mkdtemp(prefix="lane-floor-")
     procs = []
-    common = ["--layers", str(args.layers), "--threads", str(args.threads)]
+    common = ["--layers", str(args.layers), "--threads", str(args.threads),
+              *(["--lean"] if args.lean else [])]  # fmt: skip
     for i, role in ((2, "tail"), (1, "middle")):  # the tail listens before the middle dials
         cmd = [sys.executable, __file__, *common, "--serve", role, str(ports[i]),
                str(ports[(i + 1) % 3]), os.path.join(out_dir, f"{role}.json")]  # fmt: skip
@@ -191,7 +297,10 @@ def main() -> None:
         assert proc.stdout.readline().strip() == "ready"
         procs.append(proc)
     try:
-        got = head(ports, args.layers, args.tokens, args.idle / 1000)
+        if args.lean:
+            got = head_lean(ports, args.layers, args.tokens, args.loop_us, args.post)
+        else:
+            got = head(ports, args.layers, args.tokens, args.idle / 1000)
     finally:
         for proc in procs:
             try:
@@ -209,7 +318,8 @@ def main() -> None:
     print(f"step {med['steps']:.2f} ms, passes {med['head']:.2f} + {med['middle']:.2f} + "
           f"{med['tail']:.2f} ms: per hop {per_hop:.3f} ms [{min(outside) * 500:.3f}-"
           f"{max(outside) * 500:.3f}] ({len(rows)} steps, idle {args.idle:g} ms, "
-          f"{args.threads or 'default'} threads)")  # fmt: skip
+          f"{args.threads or 'default'} threads{', lean' if args.lean else ''}"
+          f"{f', loop {args.loop_us:g} us {args.post}' if args.loop_us else ''})")  # fmt: skip
 
 
 if __name__ == "__main__":

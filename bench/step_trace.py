@@ -15,7 +15,7 @@ microseconds longer than without the probes, and the step's own ``meshnet_timing
 printed beside them.
 
     .venv/bin/python bench/step_trace.py [--procs 3] [--bf16] [--threads N] [--tokens 128]
-        [--runs 3] [--pin] [--model ID] [--step-delay-ms D]
+        [--runs 3] [--pin] [--fine] [--model ID] [--step-delay-ms D]
 
 Default: SmolLM2's Q4_1 GGUF (the peers section's swarm) at each process's default threads.
 
@@ -84,7 +84,45 @@ def _wrap(owner, name: str, enter: str | None, leave: str | None = None) -> None
     setattr(owner, name, probed)
 
 
-def install(out_dir: str, pin: bool) -> None:
+def fine_calls() -> list[tuple[object, str]]:
+    """``--fine``: the calls on a lane step's way whose own time is printed."""
+    from meshnet_common import wire
+    from meshnet_node.dataplane import lane_known, lane_relay, lanes
+    from meshnet_node.engine import sessions
+    from meshnet_node.scheduling import scheduler
+    from meshnet_node.swarm import host_turns
+
+    return [
+        (host_turns.HostTurns, "take"), (host_turns.HostTurns, "give"),
+        (wire, "encode_tensor"), (lane_known.KnownStep, "read"),
+        (lane_known.KnownStep, "matches"), (lane_known.KnownStep, "prepare"),
+        (sessions.SessionStore, "observe"), (lanes, "parse_answer"), (lanes, "message"),
+        (lane_relay.LaneRelay, "_count"), (lane_relay.LaneRelay, "_answer"),
+        (lane_relay.LaneRelay, "_send_on"), (scheduler.ComputeScheduler, "_waiting"),
+    ]  # fmt: skip
+
+
+def calls(events: list[list[tuple[int, str]]]) -> dict:
+    """``--fine``: each process's median time (us) in each call of ``fine_calls``."""
+    out = {}
+    for proc, e in enumerate(events):
+        began: dict[str, int] = {}
+        took: dict[str, list[float]] = {}
+        for t, tag in e:
+            if not tag.startswith("f:"):
+                continue
+            if tag.endswith(":end"):
+                name = tag[2:-4]
+                if name in began:
+                    took.setdefault(name, []).append((t - began.pop(name)) / 1000)
+            else:
+                began[tag[2:]] = t
+        out[proc] = {name: round(statistics.median(v), 1) for name, v in took.items()}
+        print(f"process {proc}: " + ", ".join(f"{k} {v}" for k, v in out[proc].items()))
+    return out
+
+
+def install(out_dir: str, pin: bool, fine: bool = False) -> None:
     """The probes, and what writes them out (SIGUSR1 or exit) to ``out_dir/<pid>.txt``."""
     from meshnet_node.dataplane import handlers, links, stream_server, streams
     from meshnet_node.head import chain
@@ -112,6 +150,14 @@ def install(out_dir: str, pin: bool) -> None:
     _wrap(lanes.LaneClient, "data_received", "lans")
     _wrap(lanes.LaneStep, "write", "hwrite", "hwrote")  # the head's, on its compute thread
     _wrap(links.HopLinks, "lane_answer", None, "lsent")
+    from meshnet_node.dataplane import lane_burst  # bursts down the lane (ADR-0059)
+    from meshnet_node.engine import stage
+
+    _wrap(stage.Stage, "step", "hstep", "hstepped")
+    _wrap(lane_burst.LaneBurst, "_exchange", "bx", "bxd")
+    if fine:  # calls inside the pieces, each timed on its own (``calls``)
+        for owner, name in fine_calls():
+            _wrap(owner, name, f"f:{name}", f"f:{name}:end")
     if pin:
         os.sched_setaffinity(0, {0})  # this thread, and every thread it starts from now
         serve = cs._serve
@@ -132,12 +178,12 @@ def install(out_dir: str, pin: bool) -> None:
 
 
 def boot(argv: list[str]) -> None:
-    """``--boot OUT PIN MODULE ARGS...``: a swarm process with the probes installed."""
+    """``--boot OUT PIN FINE MODULE ARGS...``: a swarm process with the probes installed."""
     from meshnet_common.config.openmp import short_spin
 
-    out_dir, pin, module, *args = argv
+    out_dir, pin, fine, module, *args = argv
     short_spin(os.environ)  # as the node's own CLI does, before the probes import torch
-    install(out_dir, pin == "1")
+    install(out_dir, pin == "1", fine == "1")
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -147,9 +193,17 @@ def boot(argv: list[str]) -> None:
 COMPUTE = "compute"
 
 
-def chain_of(procs: int, lanes: bool = False) -> list[tuple[int, str]]:
+def chain_of(procs: int, lanes: bool = False, burst: bool = False) -> list[tuple[int, str]]:
     """(process, probe) in the order a decode step passes them: 0 is the head. ``lanes``:
-    the hops after the head read and write decode lanes on their compute threads."""
+    the hops after the head read and write decode lanes on their compute threads;
+    ``burst``: the head's compute thread too, step after step (ADR-0059)."""
+    if burst:  # the head's pass, the step written, its answer read (lread: the wait)
+        out = [(0, t) for t in ("hstep", "hstepped", "bx", "lread")]
+        for p in range(1, procs):
+            out += [(p, t) for t in ("lread", "lgot", "lpass", "lpassed", "lwrite", "lwrote")]
+        for p in range(procs - 2, 0, -1):
+            out += [(p, t) for t in ("lread", "lgot", "lwrite", "lwrote")]
+        return [*out, (0, "lgot"), (0, "bxd"), (0, "hstep")]
     out = [(0, t) for t in ("step", "submit", "hand", "woke", "done", "fin")]
     if procs == 1:
         return [*out, (0, "end")]
@@ -175,8 +229,10 @@ def chain_of(procs: int, lanes: bool = False) -> list[tuple[int, str]]:
 def follow(events: list[list[tuple[int, str]]], procs: int, last: int) -> dict:
     """Each piece's durations (us) over the last ``last`` steps the head started."""
     lanes = procs > 1 and any(tag == "lpass" for _, tag in events[1])
-    order = chain_of(procs, lanes)
-    starts = [t for t, tag in events[0] if tag == "step"][-last:]
+    burst = lanes and any(tag == "bx" for _, tag in events[0])
+    order = chain_of(procs, lanes, burst)
+    first = "hstep" if burst else "step"
+    starts = [t for t, tag in events[0] if tag == first][-last:]
     times = [[t for t, _ in e] for e in events]
     pieces: dict[str, list[float]] = {}
     for t0 in starts:
@@ -205,7 +261,7 @@ def follow(events: list[list[tuple[int, str]]], procs: int, last: int) -> dict:
 
 def kind(name: str) -> str:
     tag = name.split()[1].rstrip("'")
-    if tag in ("done", "lpassed", "hwrite"):
+    if tag in ("done", "lpassed", "hwrite", "hstepped"):
         return COMPUTE
     if tag in ("woke", "fin"):
         return "thread hand-off"
@@ -260,7 +316,8 @@ def trace(args, model: str) -> tuple[list[list[tuple[int, str]]], list[dict]]:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
 
     def probed(module: str, argv: list[str]) -> tuple[str, list[str]]:
-        return "step_trace", ["--boot", out_dir, "1" if args.pin else "0", module, *argv]
+        switches = ["1" if args.pin else "0", "1" if args.fine else "0"]
+        return "step_trace", ["--boot", out_dir, *switches, module, *argv]
 
     swarm = Swarm(Path(args.models_dir), model, list(itertools.pairwise(cuts)), args.threads,
                   extra={i: flags for i in range(args.procs)}, launch=probed)  # fmt: skip
@@ -306,6 +363,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--pin", action="store_true", help="loops on CPU 0, compute threads "
                         "on CPU 1 (with --threads 1)")  # fmt: skip
+    parser.add_argument("--fine", action="store_true", help="also time the calls inside "
+                        "the pieces (encode, turns, reads: ``fine_calls``)")  # fmt: skip
     parser.add_argument("--model", help="another snapshot under --models-dir (its layers "
                         "split evenly), e.g. meshnet-tiny/llama")  # fmt: skip
     parser.add_argument("--step-delay-ms", type=float, default=0.0, help="every pass this "
@@ -324,6 +383,8 @@ def main() -> None:
     gaps = [(b[0] - a[0]) / 1000 for a, b in itertools.pairwise(head)
             if a[1] == "end" and b[1] == "step"]  # fmt: skip
     res = report(follow(events, args.procs, steps), gaps[-steps:])
+    if args.fine:
+        res["calls_us"] = calls(events)
     res.update(procs=args.procs, model=model, threads=args.threads, pin=args.pin,
                timings=timings)  # fmt: skip
     print(f"wrote {write_json('step_trace.json', res)}")

@@ -156,6 +156,27 @@ def test_a_burst_gives_the_tokens_of_the_same_split_step_by_step(tiny_snapshot):
     assert head.sessions.peek("burst").length == len(PROMPT) + 6
 
 
+def test_each_answer_reaches_the_loop_once_the_next_step_is_written(tiny_snapshot,
+                                                                    monkeypatch):  # fmt: skip
+    """The loop's work on a token runs while the chain computes the next step, not beside
+    the head's next pass (ADR-0059, amended); the last answer goes at once."""
+    head, tail = _stages(tiny_snapshot("llama"))
+    first = _opened(head, tail, "s")
+    handed = []  # (the answer's position, the head's cache length then)
+    hand = LaneBurst._hand
+
+    def handing(self, step):
+        handed.append((step.position, head.sessions.peek("s").length))
+        hand(self, step)
+
+    monkeypatch.setattr(LaneBurst, "_hand", handing)
+    _, _, hop, taken = _burst(head, tail, "s", first, Ahead(5))
+    assert len(taken) == 6 and len(hop.steps) == 6
+    # as the answer at position p went to the loop, the head had run p + 1 and written it
+    assert [length for _, length in handed[:-1]] == [p + 2 for p, _ in handed[:-1]]
+    assert handed[-1][1] == handed[-1][0] + 1
+
+
 def test_a_burst_stops_at_an_end_token_when_told_and_when_stopped(tiny_snapshot):
     head, tail = _stages(tiny_snapshot("llama"))
     first = _opened(head, tail, "plain")

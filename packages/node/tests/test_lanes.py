@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -43,6 +44,21 @@ def test_a_lane_that_closes_or_sends_garbage_is_an_error():
             lanes.read_message(b)
     with pytest.raises(LaneError, match="shorter"):
         lanes.parse_answer(b"\x00")
+
+
+def test_a_message_begun_and_not_finished_times_out_in_the_kernel(monkeypatch):
+    """A compute thread's lane blocks without Python's poll before each read, with the
+    kernel's timeout: a message cut short still fails within ``LANE_TIMEOUT_S``."""
+    monkeypatch.setattr(lanes, "LANE_TIMEOUT_S", 0.2)
+    a, b = socket.socketpair()
+    with a, b:
+        lanes.blocking(b)
+        assert b.gettimeout() is None  # no Python timeout: the kernel's
+        a.sendall(lanes.message(LaneKind.STEP, 1, b"step")[:-2])
+        started = time.monotonic()
+        with pytest.raises(LaneError, match="failed"):
+            lanes.read_message(b)
+        assert 0.15 < time.monotonic() - started < 2.0
     with pytest.raises(LaneError, match="past its end"):
         lanes.parse_answer(b"\x00\xc8\x00\x09ab")
 

@@ -133,38 +133,47 @@ class LaneBurst:
         sock = self.client.out
         sock.settimeout(self.timeout_s)
         position, ids, first, token, spent = item.position, item.token_ids, None, None, 0.0
-        while True:
-            out, took = timed(lambda p=position, t=ids: stage.step(
-                item.session_id, p, token_ids=t, owner=item.owner, sample=item.sample))  # fmt: skip
-            self.steps += 1
-            spent += took
-            frame = self.encode(out.hidden)
-            if first is None:
-                first = out
-                first.frame = frame
-            got, ids, view = self._exchange(sock, position, token, frame, took * 1000)
-            ok = isinstance(got, LaneAnswer) and got.status == 200
-            # None where malformed: the loop meets it (``HopLinks.burst_step``)
-            token = answer_bytes.token_of(got.body) if ok else None  # type: ignore[union-attr]
-            refused = isinstance(got, LaneAnswer) and got.status == lanes.LANE_REFUSED
-            if not ok and not (refused and self.steps == 1):
-                # the head's cache ends before the step the chain did not complete (a first
-                # step refused goes on the stream with this output: ``HeadPasses._burst``)
-                stage.sessions.forget_from(item.session_id, position)
-            if (
-                token is None or self.steps > ahead.limit or token in ahead.ends
-                or self.stopped or not go_on()
-            ):  # fmt: skip
-                break
-            position += 1
-            view[0] = token  # the next step's input, made while the chain computed
+        answered: BurstStep | None = None  # handed to the loop once the next step is off
+        try:
+            while True:
+                out, took = timed(lambda p=position, t=ids: stage.step(
+                    item.session_id, p, token_ids=t, owner=item.owner, sample=item.sample))  # fmt: skip
+                self.steps += 1
+                spent += took
+                frame = self.encode(out.hidden)
+                if first is None:
+                    first = out
+                    first.frame = frame
+                before, answered = answered, None
+                answered, ids, view = self._exchange(sock, position, token, frame, took * 1000,
+                                                     before)  # fmt: skip
+                got = answered.answer
+                ok = isinstance(got, LaneAnswer) and got.status == 200
+                # None where malformed: the loop meets it (``HopLinks.burst_step``)
+                token = answer_bytes.token_of(got.body) if ok else None  # type: ignore[union-attr]
+                refused = isinstance(got, LaneAnswer) and got.status == lanes.LANE_REFUSED
+                if not ok and not (refused and self.steps == 1):
+                    # the head's cache ends before the step the chain did not complete (a
+                    # first step refused goes on the stream with this output: ``_burst``)
+                    stage.sessions.forget_from(item.session_id, position)
+                if (
+                    token is None or self.steps > ahead.limit or token in ahead.ends
+                    or self.stopped or not go_on()
+                ):  # fmt: skip
+                    break
+                position += 1
+                view[0] = token  # the next step's input, made while the chain computed
+        finally:
+            if answered is not None:
+                self._hand(answered)
         first.compute_s = spent  # type: ignore[union-attr]
         return first  # type: ignore[return-value]
 
-    def _exchange(self, sock, position: int, token: int | None, frame: bytes, head_ms: float):
+    def _exchange(self, sock, position: int, token: int | None, frame: bytes, head_ms: float,
+                  answered: BurstStep | None):  # fmt: skip
         """Write the step at ``position`` (input ``token``; None: the item's own) with
-        ``frame``, read its answer and hand it to the loop; with the next step's input
-        tensor and a view to write its token in."""
+        ``frame``, hand the step ``answered`` before it to the loop, and read this one's
+        answer; with the next step's input tensor and a view to write its token in."""
         if self._head is None:  # the first step's bytes; each later one's are them moved on
             self._head = step_bytes.encode(self.step, self.request_id)
         head = self._head if token is None else moved(self._head, position, token)
@@ -174,6 +183,9 @@ class LaneBurst:
         ids = view = None
         try:
             sock.sendall(data)
+            if answered is not None:  # once this step is on its way: the loop's work on
+                self._hand(answered)  # it is off the critical path
+                answered = None
             # the next step's input tensor, made while the chain computes this one
             ids = torch.empty((1, 1), dtype=torch.int64)
             view = ids.numpy().reshape(-1)
@@ -186,7 +198,13 @@ class LaneBurst:
             got: LaneAnswer | BaseException = lanes.parse_answer(payload)
         except (OSError, LaneError) as exc:
             got = exc
+        finally:
+            if answered is not None:  # the write failed: the step before is the loop's too
+                self._hand(answered)
         step = BurstStep(position, got, head_ms, time.perf_counter() - sent, len(data))
+        return step, ids, view
+
+    def _hand(self, step: BurstStep) -> None:
+        """On the compute thread: ``step``, answered, to the loop (``take``)."""
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody takes it
             self._loop.call_soon_threadsafe(self._put, step)
-        return got, ids, view
