@@ -183,12 +183,12 @@ class LaneBurst:
         ids = view = None
         try:
             sock.sendall(data)
-            if answered is not None:  # once this step is on its way: the loop's work on
-                self._hand(answered)  # it is off the critical path
-                answered = None
             # the next step's input tensor, made while the chain computes this one
             ids = torch.empty((1, 1), dtype=torch.int64)
             view = ids.numpy().reshape(-1)
+            if answered is not None:  # once this step is on its way, and just before this
+                self._hand(answered)  # thread waits: the loop's work on it is off the
+                answered = None  # critical path, and takes no core the next hop needs
             while True:
                 kind, got_seq, payload = lanes.read_message(sock)
                 if kind != LaneKind.ANSWER:
