@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 
 import pytest
 from hypothesis import given
@@ -65,6 +66,17 @@ def test_an_answer_is_a_few_bytes(tops):
     assert json.loads(answer_bytes.to_json(body)) == {
         "token_id": 3, "logprob": -0.25, "top_logprobs": [list(t) for t in tops],
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("logprob", [-0.25, -math.inf, math.nan])
+def test_a_token_alone_is_the_same_bytes_as_the_general_layout(logprob):
+    """A token with no alternatives, no prompt and nothing after it is written in one call
+    (every tail writes one after each pass): the very bytes of head, entry, no
+    alternatives."""
+    general = b"".join((b"MSA1", bytes([1]), (7).to_bytes(4, "big"),
+                        struct.pack("!d", wire_logprob(logprob)), b"\x00\x00"))  # fmt: skip
+    assert answer_bytes.encode(SampledToken(7, logprob)) == general
+    assert answer_bytes.token_of(general) == 7
 
 
 def test_a_step_with_drafts_always_says_what_it_kept():

@@ -28,6 +28,7 @@ _ENTRY = struct.Struct("!Id")  # a token id (or an alternative) and its log-prob
 _COUNT = struct.Struct("!H")
 _PROMPT_COUNT = struct.Struct("!I")
 _LOGPROB = struct.Struct("!d")
+_LONE = struct.Struct("!4sBIdH")  # a token alone: head, entry, no alternatives (most answers)
 
 
 def _alternatives(tops) -> bytes:
@@ -44,6 +45,10 @@ def encode(token=None, more=None, *, stale: bool = False) -> bytes:
     """A tail's answer: its sampled ``token`` (a ``SampledToken``; None: it sampled none),
     ``more`` tokens after it (a step that verified drafts: said even when empty), or a
     ``stale`` guess."""
+    if token is not None and more is None and not stale and not token.top_logprobs and (
+        token.prompt_logprobs is None
+    ):  # a token alone, in one call: a tail writes this after every pass
+        return _LONE.pack(MAGIC, _TOKEN, int(token.token_id), wire_logprob(token.logprob), 0)
     prompt = None if token is None else token.prompt_logprobs
     flags = ((_TOKEN if token is not None else 0) | (_STALE if stale else 0)
              | (_MORE if more is not None else 0) | (_PROMPT if prompt is not None else 0))  # fmt: skip
