@@ -45,9 +45,9 @@ def encode(token=None, more=None, *, stale: bool = False) -> bytes:
     """A tail's answer: its sampled ``token`` (a ``SampledToken``; None: it sampled none),
     ``more`` tokens after it (a step that verified drafts: said even when empty), or a
     ``stale`` guess."""
-    if token is not None and more is None and not stale and not token.top_logprobs and (
-        token.prompt_logprobs is None
-    ):  # a token alone, in one call: a tail writes this after every pass
+    lone = token is not None and more is None and not stale
+    if lone and not token.top_logprobs and token.prompt_logprobs is None:
+        # a token alone, in one call: a tail writes this after every pass
         return _LONE.pack(MAGIC, _TOKEN, int(token.token_id), wire_logprob(token.logprob), 0)
     prompt = None if token is None else token.prompt_logprobs
     flags = ((_TOKEN if token is not None else 0) | (_STALE if stale else 0)
