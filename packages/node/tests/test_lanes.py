@@ -211,6 +211,42 @@ def test_a_sessions_next_step_is_read_against_its_last():
     )
 
 
+def test_a_sessions_next_message_is_its_last_filled_in():
+    """``NextMessage``: the lane message of a session's next step, filled in from the last
+    one written, is byte for byte the message built anew; a compressed frame makes none, an
+    output of another shape fills none, and the frame reads back for the stream."""
+    import torch
+
+    from meshnet_common import wire
+    from meshnet_node.dataplane import step_bytes
+    from meshnet_node.dataplane.lane_known import NextMessage, moved
+
+    raw = wire.WireOptions(zstd_level=0, shuffle=False)
+    head = step_bytes.encode(Step("s1", "k", 9, route=("http://127.0.0.1:9",), ids=(5,)), "r")
+    first = torch.randn(1, 1, 576).to(torch.bfloat16)
+    frame = wire.encode_tensor(first, raw)
+    assert NextMessage.of(head, wire.encode_tensor(first), first) is None  # zstd: built anew
+    message = NextMessage.of(head, frame, first)
+    assert bytes(message.buffer) == lanes.message(LaneKind.STEP, 0, head, frame)
+    for seq, position, token in ((7, 10, 77), (8, 11, 2**32 - 1), (2**32 - 1, 12, 0)):
+        later = torch.randn(1, 1, 576).to(torch.bfloat16)
+        built = lanes.message(LaneKind.STEP, seq, moved(head, position, token),
+                              wire.encode_tensor(later, raw))  # fmt: skip
+        assert bytes(message.fill(seq, position, token, later)) == built
+        assert message.frame() == wire.encode_tensor(later, raw)
+        with contextlib.closing(_replay(built)) as sock:
+            kind, got_seq, _ = lanes.read_message(sock)
+        assert (kind, got_seq) == (LaneKind.STEP, seq)
+    assert message.fill(9, 13, 1, torch.randn(1, 2, 576).to(torch.bfloat16)) is None
+
+
+def _replay(data: bytes) -> socket.socket:
+    a, b = socket.socketpair()
+    a.sendall(data)
+    a.close()
+    return b
+
+
 def test_a_node_something_fronts_offers_no_lane():
     """An --advertise-url on another port (a proxy, a port forward, the network bench's
     link relay): a lane dialed at that host would go around what is in front."""

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
-from meshnet_node.dataplane.lane_known import moved
+from meshnet_node.dataplane.lane_known import NextMessage, moved
 from meshnet_node.dataplane.lanes import LaneAnswer, LaneError, LaneKind
 from meshnet_node.engine.step_io import DecodeItem, StepOutput
 
@@ -70,6 +70,7 @@ class LaneBurst:
         self._waiter: asyncio.Future | None = None
         self._lock = threading.Lock()
         self._head: bytes | None = None
+        self._message: NextMessage | None = None  # each step after the first fills it in
         self._state = "new"  # -> "running" (compute thread) or "forgotten" (loop)
         client.hold()
 
@@ -140,13 +141,25 @@ class LaneBurst:
                     item.session_id, p, token_ids=t, owner=item.owner, sample=item.sample))  # fmt: skip
                 self.steps += 1
                 spent += took
-                frame = self.encode(out.hidden)
+                seq = self.client.next_seq()
+                message = self._message
+                data = (
+                    None if message is None or token is None
+                    else message.fill(seq, position, token, out.hidden)
+                )  # fmt: skip
+                frame = None
+                if data is None:
+                    frame = self.encode(out.hidden)
+                    data = lanes.message(LaneKind.STEP, seq, self._step_bytes(position, token),
+                                         frame)  # fmt: skip
                 if first is None:
                     first = out
                     first.frame = frame
                 before, answered = answered, None
-                answered, ids, view = self._exchange(sock, position, token, frame, took * 1000,
-                                                     before)  # fmt: skip
+                answered, ids, view = self._exchange(
+                    sock, position, seq, data, took * 1000, before,
+                    None if frame is None else (frame, out.hidden),
+                )  # fmt: skip
                 got = answered.answer
                 ok = isinstance(got, LaneAnswer) and got.status == 200
                 # None where malformed: the loop meets it (``HopLinks.burst_step``)
@@ -169,20 +182,25 @@ class LaneBurst:
         first.compute_s = spent  # type: ignore[union-attr]
         return first  # type: ignore[return-value]
 
-    def _exchange(self, sock, position: int, token: int | None, frame: bytes, head_ms: float,
-                  answered: BurstStep | None):  # fmt: skip
-        """Write the step at ``position`` (input ``token``; None: the item's own) with
-        ``frame``, hand the step ``answered`` before it to the loop, and read this one's
-        answer; with the next step's input tensor and a view to write its token in."""
+    def _step_bytes(self, position: int, token: int | None) -> bytes:
+        """The bytes of the step at ``position`` with input ``token`` (None: the item's)."""
         if self._head is None:  # the first step's bytes; each later one's are them moved on
             self._head = step_bytes.encode(self.step, self.request_id)
-        head = self._head if token is None else moved(self._head, position, token)
-        seq = self.client.next_seq()
-        data = lanes.message(LaneKind.STEP, seq, head, frame)
+        return self._head if token is None else moved(self._head, position, token)
+
+    def _exchange(self, sock, position: int, seq: int, data, head_ms: float,
+                  answered: BurstStep | None, encoded: tuple | None):  # fmt: skip
+        """Write ``data``, the lane message numbered ``seq`` of the step at ``position``,
+        hand the step ``answered`` before it to the loop, and read this one's answer; with
+        the next step's input tensor and a view to write its token in. ``encoded``: the
+        step's frame and output where ``data`` was built anew (the next steps' message is
+        made of them while the chain computes)."""
         sent = time.perf_counter()
         ids = view = None
         try:
             sock.sendall(data)
+            if encoded is not None and self._message is None:
+                self._message = NextMessage.of(self._head, *encoded)  # type: ignore[arg-type]
             # the next step's input tensor, made while the chain computes this one
             ids = torch.empty((1, 1), dtype=torch.int64)
             view = ids.numpy().reshape(-1)

@@ -13,16 +13,24 @@ them and unpacking its two integers, and its frame's body is copied into that te
 raw body as it is; a compressed one read by ``wire.read_frame`` first); the checks
 that can change between steps (the stage, the session, the lanes) are made again by the
 relay. Anything else is read in full.
+
+``NextMessage`` is the other way: the whole lane message a hop writes for a session's next
+step (the lane's header, the step's bytes, a raw frame's header and room for its body),
+kept from the step written before it. A step fills in its number, position, id and the
+pass's output (one copy from the tensor's memory) and is written as it is: ~3 torch and
+encoder calls and three joins fewer a hop than building the message anew.
 """
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from dataclasses import replace
 
 import torch
 
 from meshnet_common import wire
+from meshnet_node.dataplane import lanes
 from meshnet_node.dataplane.steps import Step
 
 _U32 = struct.Struct("!I")
@@ -35,8 +43,8 @@ class KnownStep:
     on; ``hop``, ``down``: the next hop and its lane (None at the tail); ``onward``: the bytes
     of the step sent on (None at the tail)."""
 
-    __slots__ = ("body_at", "down", "dtype", "hop", "id_at", "input", "lead", "mid", "onward",
-                 "owner", "raw", "rest", "sample", "session_id", "shape",
+    __slots__ = ("body_at", "down", "dtype", "hop", "id_at", "input", "lead", "message", "mid",
+                 "onward", "owner", "raw", "rest", "sample", "session_id", "shape",
                  "stage", "start", "step", "view")  # fmt: skip
 
     def __init__(self, payload: bytes, start: int, step: Step, frame: wire.WireTensor, stage,
@@ -51,6 +59,7 @@ class KnownStep:
         self.mid = payload[POSITION_AT + 4 : self.id_at]
         self.rest = payload[start : self.body_at]  # the frame's header and shape
         self.onward = onward
+        self.message: NextMessage | None = None  # the step sent on, to fill in (relay)
         self.input: torch.Tensor | None = None
         self.view: memoryview | None = None
 
@@ -114,3 +123,53 @@ def moved(head: bytes, position: int, token: int) -> bytes:
     _U32.pack_into(out, POSITION_AT, position)
     _U32.pack_into(out, len(out) - 4, token)
     return bytes(out)
+
+
+SEQ_AT = 5  # in a lane message: length (4), kind (1), then its number
+
+
+class NextMessage:
+    """A lane STEP message to fill in for each next step of one session (``of``); the
+    buffer is reused: a hop writes a session's next step only once the one before was
+    answered."""
+
+    __slots__ = ("_body", "buffer", "frame_at", "id_at", "nbytes", "position_at", "shape")
+
+    def __init__(self, head: bytes, frame: bytes, body_at: int, shape: torch.Size) -> None:
+        self.buffer = bytearray(lanes.message(lanes.LaneKind.STEP, 0, head, frame))
+        start = lanes.HEAD_BYTES
+        self.position_at = start + POSITION_AT
+        self.id_at = start + len(head) - 4  # a plain step's one id is its last field
+        self.frame_at = start + len(head)
+        self.nbytes = len(frame) - body_at
+        self.shape = shape
+        room = (ctypes.c_char * self.nbytes).from_buffer(self.buffer, self.frame_at + body_at)
+        self._body = (room, ctypes.addressof(room))  # the export pins the buffer's memory
+
+    @staticmethod
+    def of(head: bytes, frame: bytes, hidden: torch.Tensor) -> NextMessage | None:
+        """The message that carried step bytes ``head`` with ``frame``, ``hidden`` encoded
+        raw (None where it was not: compressed, or not a CPU tensor's bytes as they lie)."""
+        body_at, raw = wire.body_at(frame)
+        if not raw or not hidden.is_cpu or not hidden.is_contiguous():
+            return None
+        if len(frame) - body_at != hidden.numel() * hidden.element_size():
+            return None
+        return NextMessage(head, frame, body_at, hidden.shape)
+
+    def fill(self, seq: int, position: int, token: int, hidden: torch.Tensor) -> bytearray | None:
+        """The message for the step numbered ``seq`` at ``position`` with input ``token``,
+        its frame ``hidden`` (the stage's output, as the first one was made); None where
+        ``hidden`` is not of the first one's shape."""
+        if hidden.shape != self.shape:
+            return None
+        buffer = self.buffer
+        _U32.pack_into(buffer, SEQ_AT, seq)
+        _U32.pack_into(buffer, self.position_at, position)
+        _U32.pack_into(buffer, self.id_at, token)
+        ctypes.memmove(self._body[1], hidden.data_ptr(), self.nbytes)
+        return buffer
+
+    def frame(self) -> bytes:
+        """The frame of the step last filled in (to send it on the stream instead)."""
+        return bytes(memoryview(self.buffer)[self.frame_at :])

@@ -29,7 +29,7 @@ from meshnet_common import wire
 from meshnet_common.errors import HopError, InvalidRequest, MeshnetError, Quarantined
 from meshnet_common.protocol import format_compute
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
-from meshnet_node.dataplane.lane_known import KnownStep
+from meshnet_node.dataplane.lane_known import KnownStep, NextMessage
 from meshnet_node.dataplane.lanes import LANE_REFUSED, LaneError, LaneKind, plain
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.engine.step_io import DecodeItem, is_decode_input
@@ -143,6 +143,8 @@ class LaneRelay:
             self._count(len(payload), *ran)
         if (known := self.known.get(sock)) is not None:
             known.prepare()  # the next step's input, while this hop idles
+            if known.message is not None and not self.service.links.raw_to(known.hop):
+                known.message = None  # the link is measured slow now: frames compressed
 
     def forget_upstream(self, sock: socket.socket) -> None:
         self.known.pop(sock, None)
@@ -165,6 +167,8 @@ class LaneRelay:
             if not isinstance(onward, Step):  # a step read against the last (KnownStep)
                 known, position, token = onward
                 onward = known.onward_step(position, token)
+            if isinstance(frame, NextMessage):  # its buffer holds this step until answered
+                frame = frame.frame()
             self.by_stream[onward.session_id] = None
             if len(self.by_stream) > lanes.BY_SESSION_MAX:
                 del self.by_stream[next(iter(self.by_stream))]
@@ -217,9 +221,16 @@ class LaneRelay:
         out, own_ms = self._pass(stage, item, known.sample)
         if down is None:
             return self._answer(seq, out, own_ms)
-        onward = known.onward_bytes(position, token)
-        return self._send_on(up, seq, own_ms, known.hop, down, onward,  # type: ignore[arg-type]
-                             (known, position, token), out)  # fmt: skip
+        number = self._next_seq()
+        message = known.message
+        data = None if message is None else message.fill(number, position, token, out.hidden)
+        if data is None:
+            frame = self.service.links.encoder(known.hop)(out.hidden)  # type: ignore[arg-type]
+            data = lanes.message(LaneKind.STEP, number, known.onward_bytes(position, token), frame)
+        else:
+            frame = message
+        return self._send_on(up, seq, own_ms, known.hop, down, number, data,  # type: ignore[arg-type]
+                             (known, position, token), frame)  # fmt: skip
 
     def _step(self, up: socket.socket, seq: int, payload: bytes) -> bytes | None:
         """Run one step from a lane; its answer (the tail's, or a refusal or an error), or
@@ -269,8 +280,15 @@ class LaneRelay:
                                            tensor)  # fmt: skip
             return None
         head = step_bytes.encode(onward, request_id)
-        self.known[up] = KnownStep.of(payload, start, step, frame, stage, hop, down, head)  # type: ignore[assignment]
-        return self._send_on(up, seq, own_ms, hop, down, head, onward, out)
+        known = KnownStep.of(payload, start, step, frame, stage, hop, down, head)
+        self.known[up] = known  # type: ignore[assignment]
+        tensor = service.links.encoder(hop)(out.hidden)
+        number = self._next_seq()
+        data = lanes.message(LaneKind.STEP, number, head, tensor)
+        self._send_on(up, seq, own_ms, hop, down, number, data, onward, tensor)
+        if known is not None:  # the session's next steps fill in this message (once it is off)
+            known.message = NextMessage.of(head, tensor, out.hidden)
+        return None
 
     def _pass(self, stage, item: DecodeItem, sample: bool):
         """On the compute thread: ``item``'s one-step pass, with the node's torch threads and
@@ -304,21 +322,24 @@ class LaneRelay:
         body = answer_bytes.EMPTY if out.token is None else answer_bytes.encode(out.token, out.more)
         return lanes.answer(seq, 200, format_compute(own_ms), body)
 
-    def _send_on(self, up, seq: int, own_ms: float, hop: str, down, head: bytes, onward,
-                 out) -> None:  # fmt: skip
-        """Write the step (``head``, its bytes; ``onward``: the step, or what makes it) with
-        ``out``'s frame on the next hop's lane; its answer comes back later."""
-        tensor = self.service.links.encoder(hop)(out.hidden)
+    def _next_seq(self) -> int:
         self._seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
-        self._pending[(down.fileno(), self._seq)] = (
-            up, seq, own_ms, time.perf_counter(), onward, tensor,
+        return self._seq
+
+    def _send_on(self, up, seq: int, own_ms: float, hop: str, down, number: int, data,
+                 onward, frame) -> None:  # fmt: skip
+        """Write ``data``, the lane message numbered ``number`` of the step ``onward`` (or
+        what makes it) and its ``frame`` (or the ``NextMessage`` holding it), on the next
+        hop's lane; its answer comes back later."""
+        self._pending[(down.fileno(), number)] = (
+            up, seq, own_ms, time.perf_counter(), onward, frame,
         )  # fmt: skip
         try:
-            lanes.write(down, lanes.message(LaneKind.STEP, self._seq, head, tensor))
+            lanes.write(down, data)
         except LaneError as exc:
             self._lost(down, hop, exc)  # answers this step too: a failed hop
             return None
-        self.service.metrics.wire_sent.inc(len(head) + len(tensor))  # once it is on its way
+        self.service.metrics.wire_sent.inc(len(data) - lanes.HEAD_BYTES)  # once it is off
         return None
 
     # -- a step that ran here and goes on by the stream ---------------------------------------

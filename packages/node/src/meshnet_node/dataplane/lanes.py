@@ -39,12 +39,16 @@ LANE_TIMEOUT_S = 5.0  # a message begun is read to its end within this long, or 
 
 _HEAD = struct.Struct("!IBI")
 _ANSWER = struct.Struct("!HH")
+_ANSWER_HEAD = struct.Struct("!IBIHH")  # an answer's message header and its own, packed at once
 
 
 class LaneKind(IntEnum):
     HELLO = 1
     STEP = 2
     ANSWER = 3
+
+
+_KINDS = {kind.value: kind for kind in LaneKind}  # a lookup, not the enum's slower call
 
 
 class LaneError(ConnectionError):
@@ -74,7 +78,8 @@ def message(kind: LaneKind, seq: int, *parts: bytes) -> bytes:
 
 def answer(seq: int, status: int, compute: str, body: bytes) -> bytes:
     text = compute.encode()
-    return message(LaneKind.ANSWER, seq, _ANSWER.pack(status, len(text)), text, body)
+    size = _ANSWER.size + len(text) + len(body)
+    return _ANSWER_HEAD.pack(size, LaneKind.ANSWER, seq, status, len(text)) + text + body
 
 
 HEAD_BYTES = _HEAD.size
@@ -129,12 +134,13 @@ def read_message(sock: socket.socket) -> tuple[LaneKind, int, bytes]:
         if len(head) < _HEAD.size:
             head += _read_exactly(sock, _HEAD.size - len(head))
         size, kind, seq = _HEAD.unpack(head)
-        if size > MAX_LANE_MESSAGE or kind not in (1, 2, 3):
+        known = _KINDS.get(kind)
+        if size > MAX_LANE_MESSAGE or known is None:
             raise LaneError(f"not a lane message (kind {kind}, {size} bytes)")
         payload = _read_exactly(sock, size) if size else b""
     except OSError as exc:  # a timeout, a reset
         raise LaneError(f"the lane failed: {exc}") from exc
-    return LaneKind(kind), seq, payload
+    return known, seq, payload
 
 
 def write(sock: socket.socket, data: bytes) -> None:

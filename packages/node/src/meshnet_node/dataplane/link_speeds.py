@@ -10,8 +10,9 @@ So each link's speed is measured, not assumed from its address (a relay on 127.0
 stand for a slow link): the link probes (``HopLinks.probe_links``) time a ``PROBE_BYTES``
 message after their small one; its time beyond the link's round trip is the transfer. The break-even speed
 is measured on this CPU once, from a frame of that size. A link measured faster than twice
-the break-even (by its last two probes) gets raw frames (no zstd, no byte shuffling: the planes only help zstd);
-any other, and one not measured yet, the configured level.
+the break-even (by the best of its last probes: a wait only slows one) gets raw frames (no
+zstd, no byte shuffling: the planes only help zstd); any other, and one not measured yet,
+the configured level.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class LinkSpeeds:
     def __init__(self, configured: wire.WireOptions, *, auto: bool) -> None:
         self.configured, self.auto = configured, auto
         self.bytes_per_s: dict[str, float] = {}
-        self._samples: dict[str, deque[float]] = {}  # bytes/s, the last probes'
+        self._samples: dict[str, deque[tuple[int, float]]] = {}  # the last large probes'
         self._rtts: dict[str, deque[float]] = {}  # s, the last small probes'
         self._told: set[str] = set()  # links whose packing was logged at info once
         self._raw: dict[str, bool] = {}
@@ -83,26 +84,29 @@ class LinkSpeeds:
         """A probe of ``hop``: a small message answered in ``small_s``, one of
         ``large_bytes`` more in ``large_s``.
 
-        The large probe's time beyond the link's round trip (the least small probe of the
-        last ``SAMPLES``: the first one also opened the connection) is its transfer. Waits
-        only add to it: a busy loop at either end, or a link busy with other frames (a
-        prompt's chunks, queued ahead of the probe), make the link read slower, never
-        faster, so mistakes fall on zstd's side (what every link had before). Raw frames
-        where the last two large probes both found the link fast; a link that turns slow
-        gets zstd from its next probe."""
+        Each of the last ``SAMPLES`` large probes' time beyond the link's round trip (the
+        least small probe among them: the first one also opened the connection) is its
+        transfer. Waits only add to it: a busy loop at either end (a stage computing a
+        step as the probe comes), or a link busy with other frames (a prompt's chunks,
+        queued ahead of the probe), make the link read slower, never faster. So the best
+        of them is the link's speed: raw frames where it is fast (two probes at least),
+        zstd once all of the last ``SAMPLES`` read slow, and raw again at the first fast
+        one."""
         rtts = self._rtts.setdefault(hop, deque(maxlen=SAMPLES))
         rtts.append(small_s)
-        samples = self._samples.setdefault(hop, deque(maxlen=SAMPLES))
-        samples.append(large_bytes / max(large_s - min(rtts), 1e-5))  # at most ~26 GB/s
-        self.bytes_per_s[hop] = statistics.median(samples)
+        larges = self._samples.setdefault(hop, deque(maxlen=SAMPLES))
+        larges.append((large_bytes, large_s))
+        rtt = min(rtts)
+        speeds = [size / max(took - rtt, 1e-5) for size, took in larges]  # at most ~26 GB/s
+        self.bytes_per_s[hop] = statistics.median(speeds)
         break_even = self.break_even
-        last = list(samples)[-2:]
-        raw = len(last) == 2 and break_even is not None and min(last) > MARGIN * break_even
+        best = max(speeds)
+        raw = len(speeds) >= 2 and break_even is not None and best > MARGIN * break_even
         if raw != self._raw.get(hop, False):
             log = logger.info if hop not in self._told else logger.debug  # once, then quiet
             self._told.add(hop)
             log("link to %s moves %.0f MB/s (zstd pays below %.0f): frames %s", hop,
-                min(last) / 1e6, (break_even or 0) / 1e6, "raw" if raw else "zstd-compressed")  # fmt: skip
+                best / 1e6, (break_even or 0) / 1e6, "raw" if raw else "zstd-compressed")  # fmt: skip
         self._raw[hop] = raw
 
     def forget(self, hop: str) -> None:

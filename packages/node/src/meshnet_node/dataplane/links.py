@@ -419,6 +419,11 @@ class HopLinks:
         others (ADR-0057). A decode step's output is encoded on the compute thread with it."""
         return functools.partial(wire.encode_tensor, options=self.speeds.options(hop))
 
+    def raw_to(self, hop: str) -> bool:
+        """Whether frames for ``hop`` go raw (``encoder``'s choice)."""
+        options = self.speeds.options(hop)
+        return not options.zstd_level and not options.shuffle
+
     async def relay(
         self, hop: str, hidden: torch.Tensor, step: Step, frame: bytes | None = None
     ) -> HopResponse:
