@@ -127,6 +127,8 @@ def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=
         finally:
             await asyncio.sleep(0.01)  # the release the compute thread sent
             assert transport.paused == 0
+            if client.closed is None:  # blocking during the burst, the loop's again after it
+                assert client.out.gettimeout() == lanes.LANE_TIMEOUT_S
             client.close()
             far.close()
         return burst, out, hop, taken

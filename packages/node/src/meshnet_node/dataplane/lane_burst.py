@@ -124,15 +124,22 @@ class LaneBurst:
             if self._state != "new":
                 raise LaneError("the burst was stopped before it began")
             self._state = "running"
+        sock = self.client.out
         try:
+            # Blocking, its timeout in the kernel, while the loop does not read the lane: a
+            # socket with a Python timeout polls before each read and write (ADR-0058). The
+            # loop's transport shares the socket's non-blocking flag: set again before the
+            # loop reads it (``release``).
+            lanes.blocking(sock, self.timeout_s)
             return self._run(stage, item, go_on, timed)
         finally:
+            with contextlib.suppress(OSError):
+                sock.settimeout(lanes.LANE_TIMEOUT_S)  # non-blocking again, as the loop's
             self.client.release_soon()
 
     def _run(self, stage, item: DecodeItem, go_on, timed) -> StepOutput:
         ahead = item.ahead
         sock = self.client.out
-        sock.settimeout(self.timeout_s)
         position, ids, first, token, spent = item.position, item.token_ids, None, None, 0.0
         answered: BurstStep | None = None  # handed to the loop once the next step is off
         try:

@@ -85,6 +85,7 @@ class LaneRelay:
         # session's next step is read against it (``lane_known``).
         self.known: dict[socket.socket, KnownStep] = {}
         self._ran: tuple[float, bool] | None = None  # the step just run, not yet counted
+        self._turns = False  # the next pass's turns (``_turns_now``); False: not decided
 
     @property
     def watch(self):
@@ -217,8 +218,10 @@ class LaneRelay:
         position, token, hidden = got
         if down is None:  # before it samples: the penalties count
             stage.sessions.observe(sid, position, (token,), owner=known.owner)
-        item = DecodeItem(sid, position, hidden=hidden, owner=known.owner, sample=known.sample)
-        out, own_ms = self._pass(stage, item, known.sample)
+        owner, sample = known.owner, known.sample
+        out, own_ms = self._pass(
+            lambda: stage.step(sid, position, hidden=hidden, owner=owner, sample=sample), sample
+        )  # fmt: skip
         if down is None:
             return self._answer(seq, out, own_ms)
         number = self._next_seq()
@@ -268,7 +271,7 @@ class LaneRelay:
             step.session_id, step.position, token_ids=frame if shard.is_head else None,
             hidden=None if shard.is_head else frame, owner=step.session_key, sample=step.sample,
         ).made()  # fmt: skip
-        out, own_ms = self._pass(stage, item, step.sample)
+        out, own_ms = self._pass(_decode_call(stage, [item], _nothing_waits)[0], step.sample)
         if down is None:  # the tail
             self.known[up] = KnownStep.of(payload, start, step, frame, stage, None, None, None)  # type: ignore[assignment]
             return self._answer(seq, out, own_ms)
@@ -290,26 +293,28 @@ class LaneRelay:
             known.message = NextMessage.of(head, tensor, out.hidden)
         return None
 
-    def _pass(self, stage, item: DecodeItem, sample: bool):
-        """On the compute thread: ``item``'s one-step pass, with the node's torch threads and
-        the host's turns; its output and compute ms. It is counted here, not on the loop
+    def _pass(self, call, sample: bool):
+        """On the compute thread: a one-step pass (``call``), with the node's torch threads
+        and the host's turns; its output and compute ms. It is counted here, not on the loop
         (waking it would take a core and the GIL from the passes of this step's next hops;
         the metrics take their own locks), once the step is on its way (``_count``)."""
-        scheduler = self.service.scheduler
-        expected = scheduler.queue.times.expected_s(DECODE, 1)
-        turns = (
-            scheduler.turns
-            if expected is not None and expected < scheduler.queue.turn_max_s
-            else None
-        )
-        out, compute_s = _timed(
-            _decode_call(stage, [item], _nothing_waits)[0], scheduler.before_pass, turns
-        )
+        if self._turns is False:
+            self._turns = self._turns_now()
+        out, compute_s = _timed(call, self.service.scheduler.before_pass, self._turns)
         self._ran = (compute_s, sample)  # counted once the step is on its way (``_count``)
         return out, compute_s * 1000
 
+    def _turns_now(self):
+        """The host's turns for a one-step pass here: none where such passes are not known
+        to be short (ADR-0036)."""
+        scheduler = self.service.scheduler
+        expected = scheduler.queue.times.expected_s(DECODE, 1)
+        short = expected is not None and expected < scheduler.queue.turn_max_s
+        return scheduler.turns if short else None
+
     def _count(self, received: int, compute_s: float, sample: bool) -> None:
         self.service.scheduler.queue.times.note(DECODE, 1, compute_s)
+        self._turns = self._turns_now()  # the next pass's, decided while the hop idles
         self.steps += 1
         metrics = self.service.metrics
         metrics.wire_received.inc(received)

@@ -153,20 +153,22 @@ def write(sock: socket.socket, data: bytes) -> None:
 _TIMEVAL = struct.Struct("@ll")  # struct timeval (seconds, microseconds)
 
 
-def blocking(sock: socket.socket) -> socket.socket:
-    """``sock`` as the compute thread keeps it: blocking within ``LANE_TIMEOUT_S``, small
+def blocking(sock: socket.socket, timeout_s: float | None = None) -> socket.socket:
+    """``sock`` as the compute thread keeps it: blocking within ``timeout_s`` (default
+    ``LANE_TIMEOUT_S``), small
     messages sent at once. The kernel keeps the timeout (``SO_RCVTIMEO``, ``SO_SNDTIMEO``;
     a read or write that times out raises ``BlockingIOError``): a socket with a Python
     timeout polls before every read and write, one system call more each. Where the kernel
     takes no such option, the Python timeout."""
-    seconds = int(LANE_TIMEOUT_S)
-    timeval = _TIMEVAL.pack(seconds, int((LANE_TIMEOUT_S - seconds) * 1e6))
+    timeout_s = LANE_TIMEOUT_S if timeout_s is None else timeout_s
+    seconds = int(timeout_s)
+    timeval = _TIMEVAL.pack(seconds, int((timeout_s - seconds) * 1e6))
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         sock.settimeout(None)
     except OSError:
-        sock.settimeout(LANE_TIMEOUT_S)
+        sock.settimeout(timeout_s)
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
