@@ -130,6 +130,28 @@ def test_a_short_pass_computes_in_a_turn_and_gives_it_back(tmp_path):
     compute.shutdown()
 
 
+def test_a_pass_may_keep_its_turn_until_its_output_is_on_its_way(tmp_path):
+    """``_timed(keep=True)``: a lane's pass keeps its turn after it returned, for the hop
+    to give back once its step is written; a pass that raised gives it back at once."""
+    import pytest
+
+    from meshnet_node.scheduling.scheduler import _timed
+
+    mine, other = turns(tmp_path), turns(tmp_path)
+    out, _ = _timed(lambda: "done", None, mine, keep=True)
+    assert out == "done" and mine.held == 0
+    assert not other._try()  # still held
+    mine.give()
+    assert other._try()
+    other.give()
+    with pytest.raises(RuntimeError):
+        _timed(lambda: (_ for _ in ()).throw(RuntimeError("pass failed")), None, mine, keep=True)
+    assert mine.held is None and other._try()  # given back with the failure
+    other.give()
+    _timed(lambda: None, None, mine)  # by default given back as the pass returns
+    assert mine.held is None
+
+
 def test_turns_are_for_cpu_nodes(tmp_path, monkeypatch):
     monkeypatch.setattr(host_turns, "default_claims_dir", lambda: tmp_path)
     monkeypatch.setattr(host_turns, "host_cpus", lambda: 4)

@@ -115,15 +115,17 @@ def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=
             burst.forget()
         item = DecodeItem(sid, len(PROMPT), token_ids=torch.tensor([[token]]),
                           ahead=Ahead(ahead.limit, ahead.ends, down=burst))  # fmt: skip
-        task = asyncio.ensure_future(
-            asyncio.to_thread(burst.run, head, item, go_on, lambda fn: (fn(), 0.001))
-        )
+        gives = []  # the head's turn given back: once each step is written (and at the end)
+        task = asyncio.ensure_future(asyncio.to_thread(
+            burst.run, head, item, go_on, lambda fn: (fn(), 0.001), lambda: gives.append(1)
+        ))  # fmt: skip
         burst.started(task)
         taken = []  # each step's answer, taken in order as the loop takes them
         try:
             while (got := await burst.take(len(PROMPT) + len(taken))) is not None:
                 taken.append(got)
             out = await task
+            assert len(gives) == burst.steps + 1
         finally:
             await asyncio.sleep(0.01)  # the release the compute thread sent
             assert transport.paused == 0

@@ -71,6 +71,7 @@ class LaneBurst:
         self._lock = threading.Lock()
         self._head: bytes | None = None
         self._message: NextMessage | None = None  # each step after the first fills it in
+        self._give: Callable[[], None] = lambda: None  # the turn a head pass kept (``run``)
         self._state = "new"  # -> "running" (compute thread) or "forgotten" (loop)
         client.hold()
 
@@ -114,12 +115,14 @@ class LaneBurst:
     # -- on the compute thread ---------------------------------------------------------------
 
     def run(self, stage, item: DecodeItem, go_on: Callable[[], bool],
-            timed: Callable[[Callable[[], object]], tuple[object, float]]) -> StepOutput:  # fmt: skip
+            timed: Callable[[Callable[[], object]], tuple[object, float]],
+            give: Callable[[], None] = lambda: None) -> StepOutput:  # fmt: skip
         """``item``'s step through the head's layers and down the lane, then more while the
         tail's tokens allow (``item.ahead``), ``go_on()`` and the loop did not stop it; each
         answer handed to the loop as it comes. Returns the first step's output, its
         ``compute_s`` the head's compute of every step. ``timed``: a head pass, timed, in
-        the host's compute turn."""
+        one of the host's compute turns, kept until ``give`` (called once the step is
+        written: the give is off the chain's critical path)."""
         with self._lock:
             if self._state != "new":
                 raise LaneError("the burst was stopped before it began")
@@ -131,8 +134,10 @@ class LaneBurst:
             # loop's transport shares the socket's non-blocking flag: set again before the
             # loop reads it (``release``).
             lanes.blocking(sock, self.timeout_s)
+            self._give = give
             return self._run(stage, item, go_on, timed)
         finally:
+            give()  # idempotent: a pass that raised before its step was written
             with contextlib.suppress(OSError):
                 sock.settimeout(lanes.LANE_TIMEOUT_S)  # non-blocking again, as the loop's
             self.client.release_soon()
@@ -205,7 +210,10 @@ class LaneBurst:
         sent = time.perf_counter()
         ids = view = None
         try:
-            sock.sendall(data)
+            try:
+                sock.sendall(data)
+            finally:
+                self._give()  # the head's turn, kept from its pass (``run``)
             if encoded is not None and self._message is None:
                 self._message = NextMessage.of(self._head, *encoded)  # type: ignore[arg-type]
             # the next step's input tensor, made while the chain computes this one

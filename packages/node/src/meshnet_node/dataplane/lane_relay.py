@@ -86,6 +86,7 @@ class LaneRelay:
         self.known: dict[socket.socket, KnownStep] = {}
         self._ran: tuple[float, bool] | None = None  # the step just run, not yet counted
         self._turns = False  # the next pass's turns (``_turns_now``); False: not decided
+        self._holding = None  # the turns a pass kept until its step is written on
 
     @property
     def watch(self):
@@ -132,12 +133,16 @@ class LaneRelay:
             reply = _error(seq, exc)
         except Exception as exc:
             reply = _error(seq, exc)
-        if reply is not None:
-            try:
+        try:
+            if reply is not None:
                 lanes.write(sock, reply)
-            except LaneError:
-                self.forget_upstream(sock)
-                return
+        except LaneError:
+            self.forget_upstream(sock)
+            return
+        finally:
+            if (holding := self._holding) is not None:  # the pass's turn, once it is off
+                self._holding = None
+                holding.give()
         # Once the step is on its way: its counts, and the next step's input made ready.
         if (ran := self._ran) is not None:
             self._ran = None
@@ -300,7 +305,9 @@ class LaneRelay:
         the metrics take their own locks), once the step is on its way (``_count``)."""
         if self._turns is False:
             self._turns = self._turns_now()
-        out, compute_s = _timed(call, self.service.scheduler.before_pass, self._turns)
+        turns = self._turns
+        out, compute_s = _timed(call, self.service.scheduler.before_pass, turns, keep=True)
+        self._holding = turns  # given back once the step is on its way (``on_upstream``)
         self._ran = (compute_s, sample)  # counted once the step is on its way (``_count``)
         return out, compute_s * 1000
 

@@ -40,6 +40,7 @@ class Down(Protocol):
     def run(
         self, stage: Stage, item: DecodeItem, go_on: Callable[[], bool],
         timed: Callable[[Callable[[], object]], tuple[object, float]],
+        give: Callable[[], None],
     ) -> StepOutput: ...  # fmt: skip
 
 
