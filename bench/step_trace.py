@@ -193,14 +193,20 @@ def boot(argv: list[str]) -> None:
 COMPUTE = "compute"
 
 
-def chain_of(procs: int, lanes: bool = False, burst: bool = False) -> list[tuple[int, str]]:
+def chain_of(procs: int, lanes: bool = False, burst: bool = False,
+             direct: bool = False) -> list[tuple[int, str]]:  # fmt: skip
     """(process, probe) in the order a decode step passes them: 0 is the head. ``lanes``:
     the hops after the head read and write decode lanes on their compute threads;
-    ``burst``: the head's compute thread too, step after step (ADR-0059)."""
+    ``burst``: the head's compute thread too, step after step (ADR-0059); ``direct``: the
+    tail answering the head's burst on its answer lane (ADR-0060)."""
     if burst:  # the head's pass, the step written, its answer read (lread: the wait)
-        out = [(0, t) for t in ("hstep", "hstepped", "bx", "lread")]
+        out = [(0, t) for t in ("hstep", "hstepped", "bx")]
+        if not direct:
+            out.append((0, "lread"))
         for p in range(1, procs):
             out += [(p, t) for t in ("lread", "lgot", "lpass", "lpassed", "lwrite", "lwrote")]
+        if direct:  # the head reads it once its select saw it come
+            return [*out, (0, "lread"), (0, "lgot"), (0, "bxd"), (0, "hstep")]
         for p in range(procs - 2, 0, -1):
             out += [(p, t) for t in ("lread", "lgot", "lwrite", "lwrote")]
         return [*out, (0, "lgot"), (0, "bxd"), (0, "hstep")]
@@ -230,7 +236,11 @@ def follow(events: list[list[tuple[int, str]]], procs: int, last: int) -> dict:
     """Each piece's durations (us) over the last ``last`` steps the head started."""
     lanes = procs > 1 and any(tag == "lpass" for _, tag in events[1])
     burst = lanes and any(tag == "bx" for _, tag in events[0])
-    order = chain_of(procs, lanes, burst)
+    # a middle hop reads each step once where the tail answers the head itself (ADR-0060)
+    reads = sum(tag == "lread" for _, tag in events[1]) if procs > 2 else 0
+    passes = sum(tag == "lpass" for _, tag in events[1]) if procs > 2 else 0
+    direct = burst and procs > 2 and reads < 1.5 * passes
+    order = chain_of(procs, lanes, burst, direct)
     first = "hstep" if burst else "step"
     starts = [t for t, tag in events[0] if tag == first][-last:]
     times = [[t for t, _ in e] for e in events]

@@ -1,5 +1,6 @@
 """Decode lanes through real processes (docs/adr/0058): a tracker node and two nodes with a
-swarm token; the decode steps go down the lanes, the text equals the unsplit model's, and a
+swarm token; the decode steps go down the lanes (the tail answering the head's bursts on
+its answer lane, ADR-0060), the text equals the unsplit model's, and a
 lane is admitted only with the secret its hop stream's handshake gave, and the node goes on
 serving after one that did not."""
 
@@ -67,6 +68,11 @@ def test_decode_steps_take_the_lanes_and_give_the_unsplit_models_text(
             wait_for(lambda n=node: _metric(n.url, "meshnet_lane_steps_total") >= 20, timeout=5)
         # once the lane answered in time, the head's steps ran ahead down it (ADR-0059)
         wait_for(lambda: _metric(tracker.url, "meshnet_lane_ahead_steps_total") >= 10, timeout=5)
+        # and the tail answered them on the head's answer lane, past the middle hop
+        # (ADR-0060; dialed during the first bursts): the same text
+        reply = httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=60)
+        assert reply.json()["choices"][0]["text"] == text
+        wait_for(lambda: _metric(tracker.url, "meshnet_direct_answers_total") >= 10, timeout=5)
         # A seeded sampled text: the same whether its steps ran ahead down the lane (alone)
         # or went on the streams one by one (beside other sessions).
         sampled = {**body, "temperature": 0.9, "seed": 7}
@@ -120,5 +126,38 @@ def test_a_step_refused_after_a_hop_ran_it_goes_on_by_the_stream(
         assert _metric(second.url, "meshnet_lane_steps_total") >= 10
         assert _metric(third.url, "meshnet_lane_refused_total") >= 1
         assert _metric(third.url, "meshnet_lane_steps_total") == 0
+    finally:
+        swarm.close()
+
+
+def test_past_two_middle_hops_the_tail_answers_the_head_on_its_answer_lane(
+    models_dir, tiny_snapshot, tiny_model_id, tmp_path
+):
+    """Four processes, every lane on: the tail answers the head's bursts on the head's
+    answer lane (ADR-0060), each middle hop adding its compute on the way down; the text
+    is the unsplit model's, and the step's compute counts every hop."""
+    snapshot = tiny_snapshot("llama")
+    model_id = tiny_model_id("llama")
+    swarm = Swarm(models_dir, tmp_path, heartbeat_s=0.5)
+    try:
+        tracker = swarm.tracker("--model-id", model_id, "--shard-start", "0", "--shard-end",
+                                "2", *FLAGS).wait_healthy()  # fmt: skip
+        swarm.node(tracker, model_id, 2, 3, *FLAGS).wait_healthy()
+        swarm.node(tracker, model_id, 3, 4, *FLAGS).wait_healthy()
+        swarm.node(tracker, model_id, 4, 6, *FLAGS).wait_healthy()
+        wait_for(lambda: covered(tracker, model_id), timeout=30)
+        prompt = [(i * 17) % 400 + 5 for i in range(30)]
+        want, _ = hf_chunked_greedy(load_reference_model(snapshot, torch.float32), prompt, 24)
+        text = AutoTokenizer.from_pretrained(snapshot).decode(want, skip_special_tokens=True)
+        body = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        for _ in range(3):  # the first dials the lanes, the second the answer lane
+            reply = httpx.post(f"{tracker.url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == text
+        wait_for(lambda: _metric(tracker.url, "meshnet_direct_answers_total") >= 10, timeout=5)
+        timing = reply.json()["meshnet_timing"]
+        assert timing["hops"] == 3
+        assert timing["compute_ms_p50"] > 0 and timing["overhead_ms_p50"] < 50
     finally:
         swarm.close()

@@ -18,6 +18,7 @@ from meshnet_common import wire
 from meshnet_common.layers import LayerRange
 from meshnet_common.precision import Precision
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane.answer_lanes import AnswerLane
 from meshnet_node.dataplane.lane_burst import LaneBurst
 from meshnet_node.dataplane.lanes import LaneError
 from meshnet_node.dataplane.steps import Step
@@ -72,44 +73,65 @@ class _Hop(threading.Thread):
     """The rest of the chain on the other end of a lane: runs each step on ``tail`` and
     answers its token, or (at the ``fail``-th step) an error status or a closed lane."""
 
-    def __init__(self, sock: socket.socket, tail: Stage, fail: tuple[int, int | None] | None):
+    def __init__(self, sock: socket.socket, tail: Stage, fail: tuple[int, int | None] | None,
+                 answers: socket.socket | None = None):  # fmt: skip
         super().__init__(daemon=True)
         self.sock, self.tail, self.fail = lanes.blocking(sock), tail, fail
+        self.answers = answers  # the tail's end of the head's answer lane (ADR-0060)
         self.steps: list[Step] = []
+        self.directs: list[tuple[int, lanes.Direct]] = []  # (the lane's number, what it said)
 
     def run(self) -> None:
         try:
             while True:
-                _, seq, payload = lanes.read_message(self.sock)
+                kind, seq, payload = lanes.read_message(self.sock)
+                direct = None
+                if kind == lanes.LaneKind.DIRECT:
+                    direct, start = lanes.parse_direct(payload)
+                    payload = payload[start:]
+                    self.directs.append((seq, direct))
                 step, _, start = step_bytes.decode(payload)
                 self.steps.append(step)
                 if self.fail is not None and len(self.steps) == self.fail[0]:
-                    if self.fail[1] is None:
+                    if self.fail[1] is None and direct is not None:  # the answer lane closes:
+                        self.answers.close()  # this step's answer comes up the chain
+                        direct = None
+                    elif self.fail[1] is None:
                         self.sock.close()
                         return
-                    lanes.write(self.sock, lanes.answer(seq, self.fail[1], "", b"{}"))
-                    continue
+                    else:
+                        lanes.write(self.sock, lanes.answer(seq, self.fail[1], "", b"{}"))
+                        continue
                 hidden = wire.read_frame(payload[start:]).tensor()
                 out = self.tail.step(step.session_id, step.position, hidden=hidden)
                 body = answer_bytes.encode(out.token)
-                lanes.write(self.sock, lanes.answer(seq, 200, "1.000", body))
+                if direct is None:
+                    lanes.write(self.sock, lanes.answer(seq, 200, "1.000", body))
+                else:
+                    lanes.write(self.answers, lanes.answer(direct.seq, 200, direct.compute(1.0),
+                                                           body))  # fmt: skip
         except LaneError:
             pass
 
 
-def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=False):
+def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=False,
+           direct=False):  # fmt: skip
     """Run a burst of ``sid``'s step at the end of its prompt; (burst, output, hop, the
-    steps taken)."""
+    steps taken). ``direct``: with an answer lane, on which the hop answers (ADR-0060)."""
 
     async def main():
         near, far = socket.socketpair()
         client = lanes.LaneClient(near)
         transport = _Transport()
         client.connection_made(transport)
-        hop = _Hop(far, tail, fail)
+        answers = answered = None
+        if direct:
+            mine, answered = socket.socketpair()
+            answers = AnswerLane("http://127.0.0.1:9", lanes.blocking(mine))
+        hop = _Hop(far, tail, fail, answered)
         hop.start()
         step = Step(sid, "k", len(PROMPT), route=(), sample=True, ids=(token,))
-        burst = LaneBurst(client, step, None, wire.encode_tensor, timeout_s=30.0)
+        burst = LaneBurst(client, step, None, wire.encode_tensor, 30.0, answers)
         assert transport.paused == 1  # the loop stopped reading it
         if forget:
             burst.forget()
@@ -133,6 +155,9 @@ def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=
                 assert client.out.gettimeout() == lanes.LANE_TIMEOUT_S
             client.close()
             far.close()
+            for lane in (answers, answered):
+                if lane is not None:
+                    lane.close()
         return burst, out, hop, taken
 
     return asyncio.run(main())
@@ -208,6 +233,32 @@ def test_a_step_that_fails_ends_the_burst_and_the_heads_cache_before_it(tiny_sna
         assert taken[2].answer.status == failure
     # the third step's head pass ran; it is forgotten: the next step sends it again
     assert head.sessions.peek("s").length == len(PROMPT) + 2
+
+
+def test_the_tail_answers_a_burst_on_the_heads_answer_lane(tiny_snapshot):
+    """With an answer lane (ADR-0060) each step goes as ``DIRECT`` (its tag, the head's own
+    number for it, no hop timed yet) and its answer comes on that lane: the same tokens. A
+    failure on the first hop's lane still ends the burst; the answer lane closing does not:
+    that step's answer and the next steps' come up the chain, the same tokens."""
+    head, tail = _stages(tiny_snapshot("llama"))
+    first = _opened(head, tail, "plain")
+    want = _one_by_one(head, tail, "plain", first, 6)
+    _opened(head, tail, "direct")
+    burst, _, hop, taken = _burst(head, tail, "direct", first, Ahead(5), direct=True)
+    assert _tokens(taken) == want and all(got.direct for got in taken)
+    assert [seq for seq, _ in hop.directs] == [d.seq for _, d in hop.directs]
+    assert {d.tag for _, d in hop.directs} == {burst.answers.tag}
+    assert all(d.compute_us == () for _, d in hop.directs)
+    _opened(head, tail, "error")
+    _, _, _, taken = _burst(head, tail, "error", first, Ahead(5), fail=(3, 503), direct=True)
+    assert len(taken) == 3 and all(got.direct for got in taken[:2])
+    assert taken[2].answer.status == 503 and not taken[2].direct
+    _opened(head, tail, "closed")
+    burst, _, hop, taken = _burst(head, tail, "closed", first, Ahead(5), fail=(3, None),
+                                  direct=True)  # fmt: skip
+    assert _tokens(taken) == want and burst.answers.failed
+    assert [got.direct for got in taken] == [True, True] + [False] * 4
+    assert len(hop.directs) == 3  # the steps after it went as plain ones
 
 
 def test_a_first_step_refused_keeps_its_output_for_the_stream(tiny_snapshot):

@@ -240,6 +240,40 @@ def test_a_sessions_next_message_is_its_last_filled_in():
     assert message.fill(9, 13, 1, torch.randn(1, 2, 576).to(torch.bfloat16)) is None
 
 
+def test_a_direct_step_carries_its_tag_the_heads_number_and_each_hops_compute():
+    """``DIRECT`` (ADR-0060): the prefix reads back as written; each middle hop adds its
+    compute, the tail's answer says every hop's in route order; a message filled in with
+    one equals the one built anew, and fits only a prefix of its size."""
+    import torch
+
+    from meshnet_common import wire
+    from meshnet_node.dataplane import step_bytes
+    from meshnet_node.dataplane.lane_known import NextMessage, moved
+
+    at_head = lanes.Direct(b"8 bytes!", 41, ())
+    at_tail = at_head.on(12.3456).on(7.0)
+    assert at_tail == lanes.Direct(b"8 bytes!", 41, (12345, 7000))
+    assert at_tail.compute(19.25) == "12.345,7.000,19.250"
+    assert lanes.parse_direct(at_tail.prefix() + b"step") == (at_tail, len(at_tail.prefix()))
+    with pytest.raises(LaneError):
+        lanes.parse_direct(at_tail.prefix()[:-1])
+    raw = wire.WireOptions(zstd_level=0, shuffle=False)
+    head = step_bytes.encode(Step("s1", "k", 9, route=("http://127.0.0.1:9",), ids=(5,)), "r")
+    hidden = torch.randn(1, 1, 64).to(torch.bfloat16)
+    frame = wire.encode_tensor(hidden, raw)
+    message = NextMessage.of(head, frame, hidden, at_head.on(1.0))
+    assert message.fits(at_head.on(2.0)) and not message.fits(None)
+    assert not message.fits(at_tail)  # two hops timed: another size
+    later = torch.randn(1, 1, 64).to(torch.bfloat16)
+    sent = lanes.Direct(b"8 bytes!", 42, (3500,))
+    built = lanes.step_message(8, moved(head, 10, 77), wire.encode_tensor(later, raw), sent)
+    assert bytes(message.fill(8, 10, 77, later, sent)) == built
+    with contextlib.closing(_replay(built)) as sock:
+        kind, seq, payload = lanes.read_message(sock)
+    assert (kind, seq) == (LaneKind.DIRECT, 8)
+    assert lanes.parse_direct(payload)[0] == sent
+
+
 def _replay(data: bytes) -> socket.socket:
     a, b = socket.socketpair()
     a.sendall(data)
@@ -252,7 +286,7 @@ def test_a_node_something_fronts_offers_no_lane():
     link relay): a lane dialed at that host would go around what is in front."""
     from types import SimpleNamespace
 
-    from meshnet_node.dataplane.lane_relay import fronted
+    from meshnet_node.dataplane.lane_ends import fronted
 
     def settings(url, port=8000):
         return SimpleNamespace(advertise_url=url, port=port)

@@ -132,7 +132,8 @@ class Metrics:
         )  # fmt: skip
         self.direct_answers = Counter(
             "meshnet_direct_answers",
-            "Steps whose answer came straight from the tail, before the chain's", registry=r,
+            "Steps whose answer came straight from the tail: before the chain's (ADR-0020), or "
+            "on the head's answer lane instead of it (ADR-0060)", registry=r,
         )  # fmt: skip
         self.lane_steps = Counter(
             "meshnet_lane_steps",

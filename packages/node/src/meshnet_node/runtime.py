@@ -31,7 +31,7 @@ from meshnet_node.caching.store import PrefixCache, heartbeat_figures
 from meshnet_node.cpu_threads import apart
 from meshnet_node.dataplane.forward import install_forward_path
 from meshnet_node.dataplane.gauges import watch_service
-from meshnet_node.dataplane.lane_relay import start_lanes
+from meshnet_node.dataplane.lane_ends import start_lanes
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.engine.faults import noisy_outputs, slow_compute
 from meshnet_node.engine.loader import load_shard

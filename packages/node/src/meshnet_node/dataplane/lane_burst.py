@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane.answer_lanes import AnswerLane
 from meshnet_node.dataplane.lane_known import NextMessage, moved
 from meshnet_node.dataplane.lanes import LaneAnswer, LaneError, LaneKind
 from meshnet_node.engine.step_io import DecodeItem, StepOutput
@@ -46,18 +48,23 @@ class BurstStep(NamedTuple):
     head_ms: float
     rtt_s: float
     sent: int
+    direct: bool = False  # answered on the head's answer lane by the tail (ADR-0060)
 
 
 class LaneBurst:
     """Steps of one session run ahead down the lane ``client``, from ``step`` (the step the
     lane carries: route, the hops after the first); ``request_id``: its log id;
     ``encode``: the head's output to the first hop's frame; ``timeout_s``: how long an
-    answer may take. Made on the loop, run once on the compute thread (``run``: a pass of
-    the scheduler, ``task`` on the loop), its steps taken on the loop (``take``)."""
+    answer may take; ``answers``: the head's answer lane to the route's tail, which then
+    answers each step there itself (``DIRECT``, ADR-0060). Made on the loop, run once on
+    the compute thread (``run``: a pass of the scheduler, ``task`` on the loop), its steps
+    taken on the loop (``take``)."""
 
     def __init__(self, client: lanes.LaneClient, step, request_id: str | None,
-                 encode: Callable[[torch.Tensor], bytes], timeout_s: float) -> None:  # fmt: skip
+                 encode: Callable[[torch.Tensor], bytes], timeout_s: float,
+                 answers: AnswerLane | None = None) -> None:  # fmt: skip
         self.client = client
+        self.answers = answers
         self.step = step
         self.request_id = request_id
         self.encode = encode
@@ -154,23 +161,25 @@ class LaneBurst:
                 self.steps += 1
                 spent += took
                 seq = self.client.next_seq()
+                answers = self._answers()
+                direct = None if answers is None else lanes.Direct(answers.tag, seq, ())
                 message = self._message
                 data = (
-                    None if message is None or token is None
-                    else message.fill(seq, position, token, out.hidden)
+                    None if message is None or token is None or not message.fits(direct)
+                    else message.fill(seq, position, token, out.hidden, direct)
                 )  # fmt: skip
                 frame = None
                 if data is None:
                     frame = self.encode(out.hidden)
-                    data = lanes.message(LaneKind.STEP, seq, self._step_bytes(position, token),
-                                         frame)  # fmt: skip
+                    data = lanes.step_message(seq, self._step_bytes(position, token), frame,
+                                              direct)  # fmt: skip
                 if first is None:
                     first = out
                     first.frame = frame
                 before, answered = answered, None
                 answered, ids, view = self._exchange(
                     sock, position, seq, data, took * 1000, before,
-                    None if frame is None else (frame, out.hidden),
+                    None if frame is None else (frame, out.hidden, direct),
                 )  # fmt: skip
                 got = answered.answer
                 ok = isinstance(got, LaneAnswer) and got.status == 200
@@ -209,12 +218,13 @@ class LaneBurst:
         made of them while the chain computes)."""
         sent = time.perf_counter()
         ids = view = None
+        direct = False
         try:
             try:
                 sock.sendall(data)
             finally:
                 self._give()  # the head's turn, kept from its pass (``run``)
-            if encoded is not None and self._message is None:
+            if encoded is not None:  # built anew: the next steps fill this one in
                 self._message = NextMessage.of(self._head, *encoded)  # type: ignore[arg-type]
             # the next step's input tensor, made while the chain computes this one
             ids = torch.empty((1, 1), dtype=torch.int64)
@@ -222,20 +232,53 @@ class LaneBurst:
             if answered is not None:  # once this step is on its way, and just before this
                 self._hand(answered)  # thread waits: the loop's work on it is off the
                 answered = None  # critical path, and takes no core the next hop needs
-            while True:
-                kind, got_seq, payload = lanes.read_message(sock)
-                if kind != LaneKind.ANSWER:
-                    raise LaneError(f"a {kind.name} message from the hop")
-                if got_seq == seq:
-                    break  # an answer to an older step is stale: skipped
+            payload, direct = self._answer(sock, seq)
             got: LaneAnswer | BaseException = lanes.parse_answer(payload)
         except (OSError, LaneError) as exc:
             got = exc
         finally:
             if answered is not None:  # the write failed: the step before is the loop's too
                 self._hand(answered)
-        step = BurstStep(position, got, head_ms, time.perf_counter() - sent, len(data))
-        return step, ids, view
+        took = time.perf_counter() - sent
+        return BurstStep(position, got, head_ms, took, len(data), direct), ids, view
+
+    def _answer(self, sock, seq: int) -> tuple[bytes, bool]:
+        """The payload of the answer to the step numbered ``seq``, and whether it came on
+        the answer lane: on the lane ``sock`` or, with an answer lane, on whichever of the
+        two it comes (the tail answers there; the first hop, on its lane, a failure or a
+        refusal, or an answer the stream carried). An answer lane that closed is left: the
+        tail answers up the chain again (it refuses a step naming a lane it lost, and the
+        hop that ran it sends it on by the stream)."""
+        answers = self._answers()
+        while True:
+            source = sock
+            if answers is not None:
+                if sock.fileno() < 0:
+                    raise LaneError("the lane closed")
+                try:
+                    ready, _, _ = select.select((answers.sock, sock), (), (), self.timeout_s)
+                except (OSError, ValueError):  # the answer lane closed under the select
+                    answers.failed, answers = True, None
+                    continue
+                if not ready:
+                    raise LaneError(f"no answer within {self.timeout_s:.0f} s")
+                source = ready[0]
+            try:
+                kind, got_seq, payload = lanes.read_message(source)
+            except LaneError:
+                if source is sock:
+                    raise
+                answers.failed, answers = True, None  # type: ignore[union-attr]
+                continue
+            if kind != LaneKind.ANSWER:
+                raise LaneError(f"a {kind.name} message from the hop")
+            if got_seq == seq:
+                return payload, source is not sock  # an older step's answer: skipped
+
+    def _answers(self) -> AnswerLane | None:
+        """The answer lane the steps name, while it is open."""
+        answers = self.answers
+        return None if answers is None or answers.failed else answers
 
     def _hand(self, step: BurstStep) -> None:
         """On the compute thread: ``step``, answered, to the loop (``take``)."""

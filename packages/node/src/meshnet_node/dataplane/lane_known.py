@@ -129,15 +129,18 @@ SEQ_AT = 5  # in a lane message: length (4), kind (1), then its number
 
 
 class NextMessage:
-    """A lane STEP message to fill in for each next step of one session (``of``); the
-    buffer is reused: a hop writes a session's next step only once the one before was
-    answered."""
+    """A lane message to fill in for each next step of one session (``of``): a ``STEP``, or
+    a ``DIRECT`` one whose ``Direct`` goes before the step (ADR-0060). The buffer is
+    reused: a hop writes a session's next step only once the one before was answered."""
 
-    __slots__ = ("_body", "buffer", "frame_at", "id_at", "nbytes", "position_at", "shape")
+    __slots__ = ("_body", "buffer", "frame_at", "id_at", "kind", "nbytes", "position_at",
+                 "prefix_size", "shape")  # fmt: skip
 
-    def __init__(self, head: bytes, frame: bytes, body_at: int, shape: torch.Size) -> None:
-        self.buffer = bytearray(lanes.message(lanes.LaneKind.STEP, 0, head, frame))
-        start = lanes.HEAD_BYTES
+    def __init__(self, head: bytes, frame: bytes, body_at: int, shape: torch.Size,
+                 kind: lanes.LaneKind, prefix: bytes) -> None:  # fmt: skip
+        self.buffer = bytearray(lanes.message(kind, 0, prefix, head, frame))
+        self.kind, self.prefix_size = kind, len(prefix)
+        start = lanes.HEAD_BYTES + len(prefix)
         self.position_at = start + POSITION_AT
         self.id_at = start + len(head) - 4  # a plain step's one id is its last field
         self.frame_at = start + len(head)
@@ -147,24 +150,39 @@ class NextMessage:
         self._body = (room, ctypes.addressof(room))  # the export pins the buffer's memory
 
     @staticmethod
-    def of(head: bytes, frame: bytes, hidden: torch.Tensor) -> NextMessage | None:
+    def of(head: bytes, frame: bytes, hidden: torch.Tensor,
+           direct: lanes.Direct | None = None) -> NextMessage | None:  # fmt: skip
         """The message that carried step bytes ``head`` with ``frame``, ``hidden`` encoded
-        raw (None where it was not: compressed, or not a CPU tensor's bytes as they lie)."""
+        raw, ``direct`` before them (None where it was not raw: compressed, or not a CPU
+        tensor's bytes as they lie)."""
         body_at, raw = wire.body_at(frame)
         if not raw or not hidden.is_cpu or not hidden.is_contiguous():
             return None
         if len(frame) - body_at != hidden.numel() * hidden.element_size():
             return None
-        return NextMessage(head, frame, body_at, hidden.shape)
+        kind = lanes.LaneKind.STEP if direct is None else lanes.LaneKind.DIRECT
+        prefix = b"" if direct is None else direct.prefix()
+        return NextMessage(head, frame, body_at, hidden.shape, kind, prefix)
 
-    def fill(self, seq: int, position: int, token: int, hidden: torch.Tensor) -> bytearray | None:
+    def fits(self, direct: lanes.Direct | None) -> bool:
+        """Whether a step sent ``direct`` (or not) fills this message in."""
+        if direct is None:
+            return self.kind == lanes.LaneKind.STEP
+        size = lanes.DIRECT_HEAD_BYTES + 4 * len(direct.compute_us)
+        return self.kind == lanes.LaneKind.DIRECT and self.prefix_size == size
+
+    def fill(self, seq: int, position: int, token: int, hidden: torch.Tensor,
+             direct: lanes.Direct | None = None) -> bytearray | None:  # fmt: skip
         """The message for the step numbered ``seq`` at ``position`` with input ``token``,
-        its frame ``hidden`` (the stage's output, as the first one was made); None where
-        ``hidden`` is not of the first one's shape."""
+        its frame ``hidden`` (the stage's output, as the first one was made), ``direct``
+        before it where it was made with one (``fits``); None where ``hidden`` is not of
+        the first one's shape."""
         if hidden.shape != self.shape:
             return None
         buffer = self.buffer
         _U32.pack_into(buffer, SEQ_AT, seq)
+        if direct is not None:
+            buffer[lanes.HEAD_BYTES : lanes.HEAD_BYTES + self.prefix_size] = direct.prefix()
         _U32.pack_into(buffer, self.position_at, position)
         _U32.pack_into(buffer, self.id_at, token)
         ctypes.memmove(self._body[1], hidden.data_ptr(), self.nbytes)

@@ -1,8 +1,8 @@
-"""A node's end of decode lanes (docs/adr/0058): the listener (on the event loop: it admits a
-lane whose hello names the secret, then hands its socket to the compute thread), the lanes it
-dials to its next hops, and ``LaneRelay``, which the compute thread calls with each readable
-lane: a step from the hop before is parsed, run and written on to the next hop's lane (or,
-at the tail, answered); an answer from the next hop goes back with this hop's compute time.
+"""A node's decode lanes on its compute thread (docs/adr/0058): ``LaneRelay``, which the
+compute thread calls with each readable lane: a step from the hop before is parsed, run and
+written on to the next hop's lane (or, at the tail, answered: on the head's answer lane
+where the step names one, ADR-0060); an answer from the next hop goes back with this hop's
+compute time. The loop's side (the listener, the lanes dialed): ``lane_ends``.
 
 Only a plain decode step of a session open here, unaudited, takes a lane; anything else
 (an opening, a prompt chunk, drafts, a guess, a replay, a step of an audited session) is
@@ -19,11 +19,10 @@ import functools
 import json
 import logging
 import math
-import secrets
 import socket
 import time
+from collections import deque
 from dataclasses import replace
-from urllib.parse import urlsplit
 
 from meshnet_common import wire
 from meshnet_common.errors import HopError, InvalidRequest, MeshnetError, Quarantined
@@ -38,7 +37,9 @@ from meshnet_node.scheduling.scheduler import _decode_call, _timed
 
 logger = logging.getLogger(__name__)
 
-_HELLO_TIMEOUT_S = 2.0
+# Steps sent on with the tail answering the head itself, kept for a refusal or an error
+# that may still come back up through this hop (the latest this many).
+DIRECT_PENDING = 1024
 
 
 class LaneRefused(MeshnetError):
@@ -86,6 +87,10 @@ class LaneRelay:
         self.known: dict[socket.socket, KnownStep] = {}
         self._ran: tuple[float, bool] | None = None  # the step just run, not yet counted
         self._turns = False  # the next pass's turns (``_turns_now``); False: not decided
+        # The tail's end of heads' answer lanes (ADR-0060): by tag, and each lane's tag.
+        self.answer_lanes: dict[bytes, socket.socket] = {}
+        self._answer_tags: dict[socket.socket, bytes] = {}
+        self._direct: deque[tuple[int, int]] = deque(maxlen=DIRECT_PENDING)
         self._holding = None  # the turns a pass kept until its step is written on
 
     @property
@@ -114,9 +119,17 @@ class LaneRelay:
     # -- on the compute thread ---------------------------------------------------------------
 
     def on_upstream(self, sock: socket.socket) -> None:
+        direct = None
         try:
             kind, seq, payload = lanes.read_message(sock)
-            if kind != LaneKind.STEP:
+            if kind == LaneKind.DIRECT:  # its tail answers the head itself (ADR-0060)
+                direct, start = lanes.parse_direct(payload)
+                payload = payload[start:]
+            elif kind == LaneKind.ANSWERS and len(payload) == lanes.DIRECT_TAG_BYTES:
+                self.answer_lanes[payload] = sock  # a head's lane: its answers go here
+                self._answer_tags[sock] = payload
+                return
+            elif kind != LaneKind.STEP:
                 raise LaneError(f"a {kind.name} message from the hop before")
         except LaneError as exc:
             logger.debug("a lane from the hop before closed: %s", exc)
@@ -125,9 +138,9 @@ class LaneRelay:
         known = self.known.get(sock)
         try:
             if known is None or not known.matches(payload) or (
-                (reply := self._known_step(sock, seq, payload, known)) is False
+                (reply := self._known_step(sock, seq, payload, known, direct)) is False
             ):  # fmt: skip
-                reply = self._step(sock, seq, payload)
+                reply = self._step(sock, seq, payload, direct)
         except LaneRefused as exc:
             self.loop.call_soon_threadsafe(self.service.metrics.lane_refused.inc)
             reply = _error(seq, exc)
@@ -154,6 +167,8 @@ class LaneRelay:
 
     def forget_upstream(self, sock: socket.socket) -> None:
         self.known.pop(sock, None)
+        if (tag := self._answer_tags.pop(sock, None)) is not None:
+            self.answer_lanes.pop(tag, None)
         self.watch.forget(sock)
 
     def on_downstream(self, sock: socket.socket, hop: str) -> None:
@@ -201,10 +216,12 @@ class LaneRelay:
             with contextlib.suppress(LaneError):
                 lanes.write(up, _error(up_seq, failure))
 
-    def _known_step(self, up: socket.socket, seq: int, payload: bytes, known: KnownStep):
+    def _known_step(self, up: socket.socket, seq: int, payload: bytes, known: KnownStep,
+                    direct: lanes.Direct | None):  # fmt: skip
         """Run a step whose bytes match ``known``'s but for its position and id, with the
         checks that can change between two steps; False where it must be read in full (the
-        stage, the session, the lanes or its input not as they were)."""
+        stage, the session, the lanes, the head's answer lane or its input not as they
+        were)."""
         service = self.service
         stage, sid = known.stage, known.session_id
         if service.stage_for(sid) is not stage or service.quarantined is not None:
@@ -217,6 +234,8 @@ class LaneRelay:
             down = self.downstream.get(known.hop)
             if down is not known.down or sid in self.by_stream:
                 return False
+        elif direct is not None and direct.tag not in self.answer_lanes:
+            return False
         got = known.read(payload)
         if got is None:
             return False
@@ -228,21 +247,29 @@ class LaneRelay:
             lambda: stage.step(sid, position, hidden=hidden, owner=owner, sample=sample), sample
         )  # fmt: skip
         if down is None:
-            return self._answer(seq, out, own_ms)
+            return self._answer(seq, out, own_ms, direct)
         number = self._next_seq()
+        onward = None if direct is None else direct.on(own_ms)
         message = known.message
-        data = None if message is None else message.fill(number, position, token, out.hidden)
+        data = None
+        if message is not None and message.fits(onward):
+            data = message.fill(number, position, token, out.hidden, onward)
         if data is None:
             frame = self.service.links.encoder(known.hop)(out.hidden)  # type: ignore[arg-type]
-            data = lanes.message(LaneKind.STEP, number, known.onward_bytes(position, token), frame)
-        else:
-            frame = message
+            head = known.onward_bytes(position, token)
+            data = lanes.step_message(number, head, frame, onward)
+            self._send_on(up, seq, own_ms, known.hop, down, number, data,  # type: ignore[arg-type]
+                          (known, position, token), frame, direct is not None)  # fmt: skip
+            known.message = NextMessage.of(head, frame, out.hidden, onward)  # once it is off
+            return None
         return self._send_on(up, seq, own_ms, known.hop, down, number, data,  # type: ignore[arg-type]
-                             (known, position, token), frame)  # fmt: skip
+                             (known, position, token), message, direct is not None)  # fmt: skip
 
-    def _step(self, up: socket.socket, seq: int, payload: bytes) -> bytes | None:
+    def _step(self, up: socket.socket, seq: int, payload: bytes,
+              direct: lanes.Direct | None) -> bytes | None:  # fmt: skip
         """Run one step from a lane; its answer (the tail's, or a refusal or an error), or
-        None where it went on to the next hop, whose answer comes back later."""
+        None where it went on to the next hop, whose answer comes back later (or, sent
+        ``direct``, the tail's goes to the head itself)."""
         self.known.pop(up, None)
         service = self.service
         step, request_id, start = step_bytes.decode(payload)
@@ -269,6 +296,8 @@ class LaneRelay:
             if down is None:
                 self.loop.call_soon_threadsafe(service.lanes.want, step.route[0])
                 raise LaneRefused("no lane to the next hop yet")
+        elif direct is not None and direct.tag not in self.answer_lanes:
+            raise LaneRefused("no answer lane from the head (closed)")
         if shard.is_tail and step.ids is not None:  # before it samples: the penalties count
             stage.sessions.observe(step.session_id, step.position, step.ids,
                                    owner=step.session_key)  # fmt: skip
@@ -279,7 +308,7 @@ class LaneRelay:
         out, own_ms = self._pass(_decode_call(stage, [item], _nothing_waits)[0], step.sample)
         if down is None:  # the tail
             self.known[up] = KnownStep.of(payload, start, step, frame, stage, None, None, None)  # type: ignore[assignment]
-            return self._answer(seq, out, own_ms)
+            return self._answer(seq, out, own_ms, direct)
         hop = step.route[0]
         onward = replace(step, route=step.route[1:])
         if step.session_id in self.by_stream:  # the next hop refused its steps before
@@ -292,10 +321,12 @@ class LaneRelay:
         self.known[up] = known  # type: ignore[assignment]
         tensor = service.links.encoder(hop)(out.hidden)
         number = self._next_seq()
-        data = lanes.message(LaneKind.STEP, number, head, tensor)
-        self._send_on(up, seq, own_ms, hop, down, number, data, onward, tensor)
+        sent_on = None if direct is None else direct.on(own_ms)
+        data = lanes.step_message(number, head, tensor, sent_on)
+        self._send_on(up, seq, own_ms, hop, down, number, data, onward, tensor,
+                      direct is not None)  # fmt: skip
         if known is not None:  # the session's next steps fill in this message (once it is off)
-            known.message = NextMessage.of(head, tensor, out.hidden)
+            known.message = NextMessage.of(head, tensor, out.hidden, sent_on)
         return None
 
     def _pass(self, call, sample: bool):
@@ -328,24 +359,40 @@ class LaneRelay:
         metrics.lane_steps.inc()
         self.served += int(sample)
 
-    def _answer(self, seq: int, out, own_ms: float) -> bytes:
-        """The tail's answer to the step numbered ``seq``."""
+    def _answer(self, seq: int, out, own_ms: float, direct: lanes.Direct | None) -> bytes | None:
+        """The tail's answer to the step numbered ``seq``; None where it went to the head
+        itself, on the answer lane ``direct`` names (ADR-0060)."""
         self.generated += out.token is not None
         body = answer_bytes.EMPTY if out.token is None else answer_bytes.encode(out.token, out.more)
-        return lanes.answer(seq, 200, format_compute(own_ms), body)
+        if direct is None:
+            return lanes.answer(seq, 200, format_compute(own_ms), body)
+        lane = self.answer_lanes.get(direct.tag)
+        try:
+            if lane is None:
+                raise LaneError("closed")
+            lanes.write(lane, lanes.answer(direct.seq, 200, direct.compute(own_ms), body))
+        except LaneError as exc:  # the head hears it on its lane (which it also reads)
+            if lane is not None:
+                self.forget_upstream(lane)
+            return _error(seq, HopError(f"the answer lane to the head failed: {exc}"))
+        return None
 
     def _next_seq(self) -> int:
         self._seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
         return self._seq
 
     def _send_on(self, up, seq: int, own_ms: float, hop: str, down, number: int, data,
-                 onward, frame) -> None:  # fmt: skip
+                 onward, frame, direct: bool = False) -> None:  # fmt: skip
         """Write ``data``, the lane message numbered ``number`` of the step ``onward`` (or
         what makes it) and its ``frame`` (or the ``NextMessage`` holding it), on the next
-        hop's lane; its answer comes back later."""
-        self._pending[(down.fileno(), number)] = (
-            up, seq, own_ms, time.perf_counter(), onward, frame,
-        )  # fmt: skip
+        hop's lane; its answer comes back later (``direct``: only a refusal or an error, the
+        tail answering the head itself; the latest ``DIRECT_PENDING`` such are kept)."""
+        key = (down.fileno(), number)
+        self._pending[key] = (up, seq, own_ms, time.perf_counter(), onward, frame)
+        if direct:
+            if len(self._direct) == DIRECT_PENDING:
+                self._pending.pop(self._direct[0], None)
+            self._direct.append(key)
         try:
             lanes.write(down, data)
         except LaneError as exc:
@@ -378,121 +425,3 @@ class LaneRelay:
             lanes.write(up, reply)
         except LaneError:
             self.forget_upstream(up)
-
-
-class LaneEnds:
-    """A node's lanes as its event loop sees them: the listener it offers on its hop streams
-    (``header``), and the lanes it dials to next hops that offer one (``want``)."""
-
-    def __init__(self, service, host: str) -> None:
-        self.service = service
-        self.host = host
-        self.secret = secrets.token_urlsafe(24)
-        self.relay: LaneRelay | None = None
-        self._listener: socket.socket | None = None
-        self._dialing: set[str] = set()
-        self._tasks: set[asyncio.Task] = set()
-
-    @property
-    def header(self) -> str | None:
-        """``x-meshnet-lane``'s value for a stream's handshake answer (None: none offered)."""
-        if self._listener is None:
-            return None
-        return f"{self._listener.getsockname()[1]} {self.secret}"
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.relay = LaneRelay(self.service, loop)
-        listener = socket.create_server((self.host, 0), backlog=64)
-        listener.setblocking(False)
-        self._listener = listener
-        loop.add_reader(listener, self._accept)
-
-    def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()  # type: ignore[union-attr]
-        except (BlockingIOError, OSError):
-            return
-        sock.setblocking(False)
-        self._spawn(self._admit(sock))
-
-    async def _admit(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(_HELLO_TIMEOUT_S):
-                head = await _recv_exactly(loop, sock, lanes.HEAD_BYTES)
-                size, kind, _ = lanes.parse_head(head)
-                if kind != LaneKind.HELLO or size > 256:
-                    raise LaneError("no hello")
-                secret = (await _recv_exactly(loop, sock, size)).decode("ascii", "replace")
-        except (TimeoutError, OSError, LaneError):
-            sock.close()
-            return
-        if not secrets.compare_digest(secret, self.secret):
-            logger.warning("a decode lane with a wrong secret: closed")
-            sock.close()
-            return
-        self.relay.adopt_upstream(sock)  # type: ignore[union-attr]
-
-    def want(self, hop: str) -> None:
-        """On the loop: dial a lane to ``hop`` (if it offered one) for the compute thread."""
-        if hop in self._dialing or self.relay is None or hop in self.relay.downstream:
-            return
-        offer = self.service.links.lane_offer(hop)
-        if offer is None:
-            return
-        self._dialing.add(hop)
-        self._spawn(self._dial(hop, *offer))
-
-    async def _dial(self, hop: str, host: str, port: int, secret: str) -> None:
-        try:
-            sock = await lanes.dial(host, port, secret, _HELLO_TIMEOUT_S)
-        except (OSError, TimeoutError) as exc:
-            logger.info("no decode lane to %s: %s", hop, exc)
-            return
-        finally:
-            self._dialing.discard(hop)
-        self.relay.adopt_downstream(hop, sock)  # type: ignore[union-attr]
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def close(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self._listener)
-            self._listener.close()
-            self._listener = None
-        for task in self._tasks:
-            task.cancel()
-
-
-def fronted(settings) -> bool:
-    """Whether other nodes reach this one through something in front of it: an
-    ``--advertise-url`` on another port than its own (a proxy, a port forward, a link
-    relay). A lane dialed at that host would go around it (or nowhere): none is offered."""
-    if settings.advertise_url is None:
-        return False
-    return urlsplit(settings.advertise_url).port != settings.port
-
-
-async def start_lanes(service, settings) -> None:
-    """Offer decode lanes on ``service``'s hop streams and dial them to its next hops, where
-    ``--decode-lanes`` (the default), the node serves no TLS (a lane is plain TCP) and
-    nothing fronts it (``fronted``)."""
-    if settings.decode_lanes and settings.tls_cert is None and not fronted(settings):
-        service.lanes = LaneEnds(service, settings.host)
-        await service.lanes.start()
-        service.links.lanes_on = True
-
-
-async def _recv_exactly(loop, sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = await loop.sock_recv(sock, n - len(out))
-        if not chunk:
-            raise LaneError("closed")
-        out += chunk
-    return bytes(out)

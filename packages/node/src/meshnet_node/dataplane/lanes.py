@@ -16,7 +16,9 @@ A message::
 a peer the stream admitted knows it); ``STEP``: a step as bytes and its tensor frame
 (``step_bytes``), numbered by the sender; ``ANSWER``: status (u16) | compute length (u16) |
 compute times (``x-meshnet-compute-ms``'s text) | body (``answer_bytes``, or an error's
-JSON), numbered as the step it answers. Big-endian.
+JSON), numbered as the step it answers. ``ANSWERS`` (a tag, 8 bytes) and ``DIRECT`` (tag |
+the head's number (u32) | hops timed (u8) | their compute (u32 us each) | a ``STEP``'s
+payload): a tail answering the head on a lane of its own (docs/adr/0060). Big-endian.
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ LANE_TIMEOUT_S = 5.0  # a message begun is read to its end within this long, or 
 _HEAD = struct.Struct("!IBI")
 _ANSWER = struct.Struct("!HH")
 _ANSWER_HEAD = struct.Struct("!IBIHH")  # an answer's message header and its own, packed at once
+_DIRECT = struct.Struct("!8sIB")  # a direct step's tag, the head's number, hops timed
 
 
 class LaneKind(IntEnum):
     HELLO = 1
     STEP = 2
     ANSWER = 3
+    ANSWERS = 4  # on a lane a head dialed to a tail: answer the steps with this tag here
+    DIRECT = 5  # a step whose tail answers the head on its answer lane (``Direct`` first)
 
 
 _KINDS = {kind.value: kind for kind in LaneKind}  # a lookup, not the enum's slower call
@@ -76,6 +81,13 @@ def message(kind: LaneKind, seq: int, *parts: bytes) -> bytes:
     return b"".join((_HEAD.pack(size, kind, seq), *parts))
 
 
+def step_message(seq: int, head: bytes, frame: bytes, direct: Direct | None = None) -> bytes:
+    """A step's lane message: a ``STEP``, or a ``DIRECT`` one after ``direct``."""
+    if direct is None:
+        return message(LaneKind.STEP, seq, head, frame)
+    return message(LaneKind.DIRECT, seq, direct.prefix(), head, frame)
+
+
 def answer(seq: int, status: int, compute: str, body: bytes) -> bytes:
     text = compute.encode()
     size = _ANSWER.size + len(text) + len(body)
@@ -99,6 +111,46 @@ def parse_answer(payload: bytes) -> LaneAnswer:
         raise LaneError("an answer's compute times run past its end")
     return LaneAnswer(status, payload[_ANSWER.size : end].decode("ascii", "replace"),
                       payload[end:])  # fmt: skip
+
+
+class Direct(NamedTuple):
+    """What a ``DIRECT`` step carries before the step (ADR-0060): the tag of the head's
+    answer lane at the tail, the head's number for the step (its answer's), and the compute
+    of each hop it passed, in route order (microseconds)."""
+
+    tag: bytes
+    seq: int
+    compute_us: tuple[int, ...]
+
+    def prefix(self) -> bytes:
+        return _DIRECT.pack(self.tag, self.seq, len(self.compute_us)) + struct.pack(
+            f"!{len(self.compute_us)}I", *self.compute_us
+        )  # fmt: skip
+
+    def on(self, own_ms: float) -> Direct:
+        """This step as the next hop gets it: this hop's compute added."""
+        own_us = min(max(int(own_ms * 1000), 0), 0xFFFFFFFF)
+        return Direct(self.tag, self.seq, (*self.compute_us, own_us)[-MAX_DIRECT_HOPS:])
+
+    def compute(self, own_ms: float) -> str:
+        """Every hop's compute, the tail's (``own_ms``) last, as an answer says it."""
+        return ",".join([*(f"{us / 1000:.3f}" for us in self.compute_us), f"{own_ms:.3f}"])
+
+
+DIRECT_TAG_BYTES = 8
+DIRECT_HEAD_BYTES = _DIRECT.size
+MAX_DIRECT_HOPS = 64  # the compute of the hops past this many is dropped (oldest first)
+
+
+def parse_direct(payload: bytes) -> tuple[Direct, int]:
+    """A ``DIRECT`` message's ``Direct`` and where its step begins."""
+    if len(payload) < _DIRECT.size:
+        raise LaneError("a direct step shorter than its header")
+    tag, seq, hops = _DIRECT.unpack_from(payload)
+    end = _DIRECT.size + 4 * hops
+    if hops > MAX_DIRECT_HOPS or end > len(payload):
+        raise LaneError("a direct step's compute times run past its end")
+    return Direct(tag, seq, struct.unpack_from(f"!{hops}I", payload, _DIRECT.size)), end
 
 
 def parse_lane_header(value: str | None) -> tuple[int, str] | None:

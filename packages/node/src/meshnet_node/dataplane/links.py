@@ -29,6 +29,7 @@ from meshnet_common.protocol import (
     parse_compute,
 )
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane.answer_lanes import AnswerLanes
 from meshnet_node.dataplane.lane_burst import BURST_RTT_S, BurstStep, LaneBurst
 from meshnet_node.dataplane.link_speeds import PROBE_BYTES, LinkSpeeds
 from meshnet_node.dataplane.steps import Step
@@ -118,10 +119,12 @@ class HopLinks:
         self._lanes: dict[str, lanes.LaneClient] = {}
         self._lane_failed: dict[str, float] = {}  # hop -> when a dial failed
         self._lane_dials: set[str] = set()
+        self.answer_lanes = AnswerLanes(self)  # to tails, for bursts (docs/adr/0060)
 
     async def aclose(self) -> None:
         for client in self._lanes.values():
             client.close()
+        self.answer_lanes.close()
         await self.hops.aclose()
 
     def set_probe_urls(self, urls: tuple[str, ...]) -> None:
@@ -179,9 +182,10 @@ class HopLinks:
         request_id = request_id_var.get()
         fast = client.rtt_s is not None and client.rtt_s < BURST_RTT_S
         if burst and fast and len(step.ids or ()) == 1:
-            return LaneBurst(
-                client, step, request_id, self.encoder(hop), self.timeouts.decode_step
-            )  # fmt: skip
+            # past a middle hop the tail answers on the head's answer lane (ADR-0060)
+            answers = self.answer_lanes.get(step.route[-1]) if step.route else None
+            return LaneBurst(client, step, request_id, self.encoder(hop),
+                             self.timeouts.decode_step, answers)  # fmt: skip
         return lanes.LaneStep(client, functools.partial(step_bytes.encode, step, request_id))
 
     def lane_expected(self, hop: str) -> bool:
@@ -204,6 +208,8 @@ class HopLinks:
                 client.close()
             raise HopError(f"hop {hop} failed: {answer}", hop=hop) from answer
         loop.call_soon(self._observe_hop, hop, got.rtt_s)
+        if got.direct:  # the tail answered on the head's answer lane (ADR-0060)
+            loop.call_soon(self.metrics.direct_answers.inc)
         if (client := self._lanes.get(hop)) is not None:
             client.rtt_s = got.rtt_s
         if answer.status == lanes.LANE_REFUSED:

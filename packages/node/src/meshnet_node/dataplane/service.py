@@ -84,7 +84,7 @@ class NodeService:
         self.draining: str | None = None  # this node's URL once it drains (docs/adr/0024)
         self.quarantined: tuple[str, str] | None = None  # (its URL, why) once quarantined: ADR-0026
         self.head_audit = None  # audits of the head feeding this node (docs/adr/0032)
-        self.lanes = None  # its decode lanes (``lane_relay.LaneEnds``, docs/adr/0058), if any
+        self.lanes = None  # its decode lanes (``lane_ends.LaneEnds``, docs/adr/0058), if any
 
     # -- what the head and the heartbeat use -------------------------------------------------
 
