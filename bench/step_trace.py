@@ -9,7 +9,8 @@ and ``_encode_outputs`` at its end; ``_finished`` back on the loop), the hop str
 ``on_message``; on the serving end ``decode_request``, ``forward_answer``, ``parse_step``
 and ``_reply``), decode lanes (ADR-0058: ``lanes.read_message`` and ``write``, a lane's
 pass, the head's ``LaneStep.write`` and ``HopLinks.lane_answer``; a swarm whose steps took
-the lanes is followed along them). ``time.perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process
+the lanes is followed along them, a burst's answers from the tail's answer lane where the
+middle hops read each step once, ADR-0060). ``time.perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process
 on a host. A probe costs ~1 us, a wrapped coroutine a few more: the pieces are a few
 microseconds longer than without the probes, and the step's own ``meshnet_timing`` is
 printed beside them.
