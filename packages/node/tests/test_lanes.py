@@ -71,6 +71,22 @@ def test_the_offer_in_a_streams_handshake(value, want):
     assert lanes.parse_lane_header(value) == want
 
 
+def test_a_lane_that_takes_direct_steps_says_so_in_the_handshake():
+    """A node of this version says its lane reads ``DIRECT`` steps (ADR-0060); one of an
+    older version says nothing, and its hop before sends it plain steps."""
+    from types import SimpleNamespace
+
+    from meshnet_node.dataplane.streams import _Stream
+
+    def stream(headers: dict) -> _Stream:
+        ws = SimpleNamespace(response=SimpleNamespace(headers=headers), transport=None)
+        return _Stream(ws, "ws://127.0.0.1:9/v1/stream")
+
+    offer = {lanes.H_LANE: "4242 s3cret"}
+    assert stream({**offer, lanes.H_LANE_DIRECT: "1"}).lane_direct
+    assert not stream(offer).lane_direct
+
+
 def test_only_plain_decode_steps_take_a_lane():
     base = Step("s1", "k", 9, route=("http://127.0.0.1:9",), ids=(5,))
     assert lanes.plain(base)

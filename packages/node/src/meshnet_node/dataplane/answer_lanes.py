@@ -89,6 +89,8 @@ class AnswerLanes:
                 offer = self.links.lane_offer(tail)
             if offer is None:
                 raise OSError("the tail offers no lane")
+            if not self.links.lane_direct(tail):
+                raise OSError("the tail's lane takes no direct steps (an older version)")
             host, port, secret = offer
             sock = await lanes.dial(host, port, secret, self.links.timeouts.connect)
             lane = AnswerLane(tail, sock)

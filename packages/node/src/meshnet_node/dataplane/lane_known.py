@@ -43,7 +43,8 @@ class KnownStep:
     on; ``hop``, ``down``: the next hop and its lane (None at the tail); ``onward``: the bytes
     of the step sent on (None at the tail)."""
 
-    __slots__ = ("body_at", "down", "dtype", "hop", "id_at", "input", "lead", "message", "mid",
+    __slots__ = ("body_at", "direct_on", "down", "dtype", "hop", "id_at", "input", "lead",
+                 "message", "mid",
                  "onward", "owner", "raw", "rest", "sample", "session_id", "shape",
                  "stage", "start", "step", "view")  # fmt: skip
 
@@ -60,6 +61,7 @@ class KnownStep:
         self.rest = payload[start : self.body_at]  # the frame's header and shape
         self.onward = onward
         self.message: NextMessage | None = None  # the step sent on, to fill in (relay)
+        self.direct_on = False  # the next hop reads DIRECT steps (ADR-0060; relay)
         self.input: torch.Tensor | None = None
         self.view: memoryview | None = None
 

@@ -249,7 +249,7 @@ class LaneRelay:
         if down is None:
             return self._answer(seq, out, own_ms, direct)
         number = self._next_seq()
-        onward = None if direct is None else direct.on(own_ms)
+        onward = None if direct is None or not known.direct_on else direct.on(own_ms)
         message = known.message
         data = None
         if message is not None and message.fits(onward):
@@ -259,11 +259,11 @@ class LaneRelay:
             head = known.onward_bytes(position, token)
             data = lanes.step_message(number, head, frame, onward)
             self._send_on(up, seq, own_ms, known.hop, down, number, data,  # type: ignore[arg-type]
-                          (known, position, token), frame, direct is not None)  # fmt: skip
+                          (known, position, token), frame, onward is not None)  # fmt: skip
             known.message = NextMessage.of(head, frame, out.hidden, onward)  # once it is off
             return None
         return self._send_on(up, seq, own_ms, known.hop, down, number, data,  # type: ignore[arg-type]
-                             (known, position, token), message, direct is not None)  # fmt: skip
+                             (known, position, token), message, onward is not None)  # fmt: skip
 
     def _step(self, up: socket.socket, seq: int, payload: bytes,
               direct: lanes.Direct | None) -> bytes | None:  # fmt: skip
@@ -321,12 +321,16 @@ class LaneRelay:
         self.known[up] = known  # type: ignore[assignment]
         tensor = service.links.encoder(hop)(out.hidden)
         number = self._next_seq()
-        sent_on = None if direct is None else direct.on(own_ms)
+        # a next hop of an older version would close its lane on a DIRECT step: it gets a
+        # plain one, whose answer comes back here and goes up (ADR-0060)
+        direct_on = service.links.lane_direct(hop)
+        sent_on = None if direct is None or not direct_on else direct.on(own_ms)
         data = lanes.step_message(number, head, tensor, sent_on)
         self._send_on(up, seq, own_ms, hop, down, number, data, onward, tensor,
-                      direct is not None)  # fmt: skip
+                      sent_on is not None)  # fmt: skip
         if known is not None:  # the session's next steps fill in this message (once it is off)
             known.message = NextMessage.of(head, tensor, out.hidden, sent_on)
+            known.direct_on = direct_on
         return None
 
     def _pass(self, call, sample: bool):

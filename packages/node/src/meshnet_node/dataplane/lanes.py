@@ -34,6 +34,9 @@ from enum import IntEnum
 from typing import Any, NamedTuple
 
 H_LANE = "x-meshnet-lane"  # a hop stream's handshake answer: "<port> <secret>"
+# beside it, "1": the lane reads ``DIRECT`` steps and ``ANSWERS`` (docs/adr/0060); a node
+# of an older version, which would close a lane on them, says nothing
+H_LANE_DIRECT = "x-meshnet-lane-direct"
 LANE_REFUSED = 421  # an answer: "send it on the stream", nothing ran
 MAX_LANE_MESSAGE = 16 << 20  # a decode step's frame and header stay far below
 BY_SESSION_MAX = 4096  # what a node remembers of sessions' lane steps, the latest sessions

@@ -183,7 +183,8 @@ class HopLinks:
         fast = client.rtt_s is not None and client.rtt_s < BURST_RTT_S
         if burst and fast and len(step.ids or ()) == 1:
             # past a middle hop the tail answers on the head's answer lane (ADR-0060)
-            answers = self.answer_lanes.get(step.route[-1]) if step.route else None
+            direct = step.route and self.lane_direct(hop)
+            answers = self.answer_lanes.get(step.route[-1]) if direct else None
             return LaneBurst(client, step, request_id, self.encoder(hop),
                              self.timeouts.decode_step, answers)  # fmt: skip
         return lanes.LaneStep(client, functools.partial(step_bytes.encode, step, request_id))
@@ -248,6 +249,12 @@ class HopLinks:
         """The lane ``hop`` offers on its open stream: (host, port, secret), or None."""
         offer = getattr(self.hops, "lane_offer", None)
         return None if offer is None else offer(hop)
+
+    def lane_direct(self, hop: str) -> bool:
+        """Whether ``hop``'s lane reads ``DIRECT`` steps (ADR-0060: not a node of an older
+        version, which would close its lane on one)."""
+        direct = getattr(self.hops, "lane_direct", None)
+        return direct is not None and direct(hop)
 
     def want_lane(self, hop: str) -> None:
         """Dial a lane to ``hop`` in the background, if it offers one (and did not fail to

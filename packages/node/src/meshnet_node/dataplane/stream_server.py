@@ -44,7 +44,7 @@ from meshnet_node.dataplane.handlers import (
     forward_answer,
     peer_of,
 )
-from meshnet_node.dataplane.lanes import H_LANE
+from meshnet_node.dataplane.lanes import H_LANE, H_LANE_DIRECT
 from meshnet_node.dataplane.service import NodeService
 from meshnet_node.dataplane.step_bytes import is_step
 
@@ -89,6 +89,7 @@ async def serve_stream(scope, receive, send, service: NodeService) -> None:
     lane = service.lanes.header if service.lanes is not None else None
     if lane is not None:  # a decode lane beside this stream (docs/adr/0058)
         headers.append((H_LANE.encode(), lane.encode()))
+        headers.append((H_LANE_DIRECT.encode(), b"1"))
     await send({"type": "websocket.accept", "subprotocol": SUBPROTOCOL, "headers": headers})
     stream = _ServerStream(scope, receive, send, service)
     stream.next_receiver()

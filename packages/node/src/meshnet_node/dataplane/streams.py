@@ -42,7 +42,7 @@ from meshnet_node.dataplane.frames import (
     decode_answer,
     encode_request,
 )
-from meshnet_node.dataplane.lanes import H_LANE, parse_lane_header
+from meshnet_node.dataplane.lanes import H_LANE, H_LANE_DIRECT, parse_lane_header
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class _Stream:
         except ValueError:
             self.max_message = None
         self.lane = parse_lane_header(ws.response.headers.get(H_LANE))  # (port, secret) offered
+        self.lane_direct = ws.response.headers.get(H_LANE_DIRECT) == "1"  # ADR-0060
         self.closed: str | None = None  # why, once it is
         sock = ws.transport.get_extra_info("socket") if ws.transport else None
         if sock is not None:  # small frames must leave now, not after Nagle's delay
@@ -304,6 +305,14 @@ class StreamHops:
             return None
         host = urlsplit(target.stream_url).hostname
         return (host, *stream.lane) if host else None
+
+    def lane_direct(self, hop: str) -> bool:
+        """Whether ``hop``'s lane (offered on its open stream) reads ``DIRECT`` steps."""
+        offer = self.lane_offer(hop)
+        if offer is None:
+            return False
+        stream = self._streams.get(_target("POST", f"{hop.rstrip('/')}/v1/forward").stream_url)
+        return stream is not None and stream.lane_direct
 
     async def _stream(self, url: str, deadline: float) -> _Stream | HopResponse:
         loop = asyncio.get_running_loop()
