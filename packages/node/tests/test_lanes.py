@@ -78,13 +78,17 @@ def test_a_lane_that_takes_direct_steps_says_so_in_the_handshake():
 
     from meshnet_node.dataplane.streams import _Stream
 
-    def stream(headers: dict) -> _Stream:
+    async def direct(headers: dict) -> bool:
         ws = SimpleNamespace(response=SimpleNamespace(headers=headers), transport=None)
-        return _Stream(ws, "ws://127.0.0.1:9/v1/stream")
+        stream = _Stream(ws, "ws://127.0.0.1:9/v1/stream")
+        stream.reader.cancel()  # no socket behind it to read
+        with contextlib.suppress(asyncio.CancelledError):
+            await stream.reader
+        return stream.lane_direct
 
     offer = {lanes.H_LANE: "4242 s3cret"}
-    assert stream({**offer, lanes.H_LANE_DIRECT: "1"}).lane_direct
-    assert not stream(offer).lane_direct
+    assert asyncio.run(direct({**offer, lanes.H_LANE_DIRECT: "1"}))
+    assert not asyncio.run(direct(offer))
 
 
 def test_only_plain_decode_steps_take_a_lane():

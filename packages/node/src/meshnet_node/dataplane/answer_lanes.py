@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 import socket
@@ -30,12 +31,19 @@ RETRY_S = 30.0  # a tail whose answer lane could not be dialed is tried again af
 @dataclass(eq=False)
 class AnswerLane:
     """One answer lane: the socket (the compute thread's, blocking) and the tag the tail
-    knows it by; ``hop``: the tail's URL; ``failed``: set by a burst that met it closed."""
+    knows it by; ``hop``: the tail's URL; ``failed``: set by a burst that met it closed.
+    Its steps are numbered by the lane itself (``number``): bursts through different first
+    hops may share it, and an answer left over from one is not another's."""
 
     hop: str
     sock: socket.socket
     tag: bytes = field(default_factory=lambda: secrets.token_bytes(lanes.DIRECT_TAG_BYTES))
     failed: bool = False
+    _numbers: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def number(self) -> int:
+        """The number of a step about to name this lane (the compute thread's)."""
+        return next(self._numbers) & 0xFFFFFFFF
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

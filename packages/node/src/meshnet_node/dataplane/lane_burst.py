@@ -162,7 +162,9 @@ class LaneBurst:
                 spent += took
                 seq = self.client.next_seq()
                 answers = self._answers()
-                direct = None if answers is None else lanes.Direct(answers.tag, seq, ())
+                direct = (
+                    None if answers is None else lanes.Direct(answers.tag, answers.number(), ())
+                )
                 message = self._message
                 data = (
                     None if message is None or token is None or not message.fits(direct)
@@ -180,6 +182,7 @@ class LaneBurst:
                 answered, ids, view = self._exchange(
                     sock, position, seq, data, took * 1000, before,
                     None if frame is None else (frame, out.hidden, direct),
+                    None if direct is None else direct.seq,
                 )  # fmt: skip
                 got = answered.answer
                 ok = isinstance(got, LaneAnswer) and got.status == 200
@@ -210,12 +213,14 @@ class LaneBurst:
         return self._head if token is None else moved(self._head, position, token)
 
     def _exchange(self, sock, position: int, seq: int, data, head_ms: float,
-                  answered: BurstStep | None, encoded: tuple | None):  # fmt: skip
-        """Write ``data``, the lane message numbered ``seq`` of the step at ``position``,
-        hand the step ``answered`` before it to the loop, and read this one's answer; with
-        the next step's input tensor and a view to write its token in. ``encoded``: the
-        step's frame and output where ``data`` was built anew (the next steps' message is
-        made of them while the chain computes)."""
+                  answered: BurstStep | None, encoded: tuple | None,
+                  direct_seq: int | None):  # fmt: skip
+        """Write ``data``, the lane message numbered ``seq`` of the step at ``position``
+        (``direct_seq``: its number on the answer lane, where it names one), hand the step
+        ``answered`` before it to the loop, and read this one's answer; with the next
+        step's input tensor and a view to write its token in. ``encoded``: the step's frame
+        and output where ``data`` was built anew (the next steps' message is made of them
+        while the chain computes)."""
         sent = time.perf_counter()
         ids = view = None
         direct = False
@@ -232,7 +237,7 @@ class LaneBurst:
             if answered is not None:  # once this step is on its way, and just before this
                 self._hand(answered)  # thread waits: the loop's work on it is off the
                 answered = None  # critical path, and takes no core the next hop needs
-            payload, direct = self._answer(sock, seq)
+            payload, direct = self._answer(sock, seq, direct_seq)
             got: LaneAnswer | BaseException = lanes.parse_answer(payload)
         except (OSError, LaneError) as exc:
             got = exc
@@ -242,14 +247,15 @@ class LaneBurst:
         took = time.perf_counter() - sent
         return BurstStep(position, got, head_ms, took, len(data), direct), ids, view
 
-    def _answer(self, sock, seq: int) -> tuple[bytes, bool]:
-        """The payload of the answer to the step numbered ``seq``, and whether it came on
-        the answer lane: on the lane ``sock`` or, with an answer lane, on whichever of the
-        two it comes (the tail answers there; the first hop, on its lane, a failure or a
+    def _answer(self, sock, seq: int, direct_seq: int | None) -> tuple[bytes, bool]:
+        """The payload of the answer to the step numbered ``seq`` (on the answer lane:
+        ``direct_seq``), and whether it came on the answer lane: on the lane ``sock`` or,
+        with an answer lane, on whichever of the two it comes (the tail answers there; the
+        first hop, on its lane, a failure or a
         refusal, or an answer the stream carried). An answer lane that closed is left: the
         tail answers up the chain again (it refuses a step naming a lane it lost, and the
         hop that ran it sends it on by the stream)."""
-        answers = self._answers()
+        answers = self._answers() if direct_seq is not None else None
         while True:
             source = sock
             if answers is not None:
@@ -272,7 +278,7 @@ class LaneBurst:
                 continue
             if kind != LaneKind.ANSWER:
                 raise LaneError(f"a {kind.name} message from the hop")
-            if got_seq == seq:
+            if got_seq == (seq if source is sock else direct_seq):
                 return payload, source is not sock  # an older step's answer: skipped
 
     def _answers(self) -> AnswerLane | None:

@@ -17,7 +17,7 @@ a peer the stream admitted knows it); ``STEP``: a step as bytes and its tensor f
 (``step_bytes``), numbered by the sender; ``ANSWER``: status (u16) | compute length (u16) |
 compute times (``x-meshnet-compute-ms``'s text) | body (``answer_bytes``, or an error's
 JSON), numbered as the step it answers. ``ANSWERS`` (a tag, 8 bytes) and ``DIRECT`` (tag |
-the head's number (u32) | hops timed (u8) | their compute (u32 us each) | a ``STEP``'s
+the answer lane's number for it (u32) | hops timed (u8) | their compute (u32 us each) | a ``STEP``'s
 payload): a tail answering the head on a lane of its own (docs/adr/0060). Big-endian.
 """
 
@@ -45,7 +45,7 @@ LANE_TIMEOUT_S = 5.0  # a message begun is read to its end within this long, or 
 _HEAD = struct.Struct("!IBI")
 _ANSWER = struct.Struct("!HH")
 _ANSWER_HEAD = struct.Struct("!IBIHH")  # an answer's message header and its own, packed at once
-_DIRECT = struct.Struct("!8sIB")  # a direct step's tag, the head's number, hops timed
+_DIRECT = struct.Struct("!8sIB")  # a direct step's tag, the answer lane's number, hops timed
 
 
 class LaneKind(IntEnum):
@@ -118,8 +118,8 @@ def parse_answer(payload: bytes) -> LaneAnswer:
 
 class Direct(NamedTuple):
     """What a ``DIRECT`` step carries before the step (ADR-0060): the tag of the head's
-    answer lane at the tail, the head's number for the step (its answer's), and the compute
-    of each hop it passed, in route order (microseconds)."""
+    answer lane at the tail, that lane's number for the step (its answer's), and the
+    compute of each hop it passed, in route order (microseconds)."""
 
     tag: bytes
     seq: int
