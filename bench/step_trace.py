@@ -7,7 +7,7 @@ added to meshnet's own code: the head's step (``HeadPasses.step``), the compute 
 (``_submit``; ``_start``, called as a pass is handed over; ``_run`` on the compute thread
 and ``_encode_outputs`` at its end; ``_finished`` back on the loop), the hop streams (``HopLinks.relay``, ``_Stream.call`` and
 ``on_message``; on the serving end ``decode_request``, ``forward_answer``, ``parse_step``
-and ``_reply``), decode lanes (ADR-0058: ``lanes.read_message`` and ``write``, a lane's
+and ``_reply``), decode lanes (ADR-0058: ``lane_io.read`` and ``read_message``, ``lanes.write``, a lane's
 pass, the head's ``LaneStep.write`` and ``HopLinks.lane_answer``; a swarm whose steps took
 the lanes is followed along them, a burst's answers from the tail's answer lane where the
 middle hops read each step once, ADR-0060). ``time.perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process
@@ -100,6 +100,7 @@ def fine_calls() -> list[tuple[object, str]]:
         (sessions.SessionStore, "observe"), (lanes, "parse_answer"), (lanes, "message"),
         (lane_relay.LaneRelay, "_count"), (lane_relay.LaneRelay, "_answer"),
         (lane_relay.LaneRelay, "_send_on"), (scheduler.ComputeScheduler, "_waiting"),
+        (lanes, "read_message"), (lane_known.NextMessage, "fill"),
     ]  # fmt: skip
 
 
@@ -143,9 +144,10 @@ def install(out_dir: str, pin: bool, fine: bool = False) -> None:
     _wrap(stream_server, "forward_answer", "fwd", "handled")
     _wrap(handlers, "parse_step", None, "parsed")
     _wrap(stream_server._ServerStream, "_reply", "reply", "replied")
-    from meshnet_node.dataplane import lane_relay, lanes  # decode lanes (ADR-0058)
+    from meshnet_node.dataplane import lane_io, lane_relay, lanes  # decode lanes (ADR-0058)
 
-    _wrap(lanes, "read_message", "lread", "lgot")
+    _wrap(lane_io, "read", "lread", "lgot")
+    _wrap(lane_io, "read_message", "lread", "lgot")
     _wrap(lane_relay, "_timed", "lpass", "lpassed")
     _wrap(lanes, "write", "lwrite", "lwrote")
     _wrap(lanes.LaneClient, "data_received", "lans")

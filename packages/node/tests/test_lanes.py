@@ -177,7 +177,22 @@ def test_the_compute_thread_reads_its_sockets_between_passes():
         a.close()
 
 
-def test_a_sessions_next_step_is_read_against_its_last():
+@pytest.fixture(params=["python", "native"])
+def lane_calls(request, monkeypatch):
+    """Each lane read and fill both ways: in Python, and by the kernel module's one call
+    (``lane_io``), which must give the same bytes and values."""
+    from meshnet_node.dataplane import lane_io
+    from meshnet_node.kernels import packed
+
+    if request.param == "python":
+        monkeypatch.setitem(lane_io._state, "module", None)
+        monkeypatch.setattr(lane_io, "native", lambda: None)
+    elif not packed.start() or packed.wait() is None or lane_io.native() is None:
+        pytest.skip(f"the kernel module is not built here: {packed.unavailable_reason()}")
+    return request.param
+
+
+def test_a_sessions_next_step_is_read_against_its_last(lane_calls):
     """``KnownStep``: a step that differs from the last read in full only in its position
     and id is read by comparing bytes, its frame's body (raw or packed) copied into a tensor
     made ready before; anything else is not one of its steps."""
@@ -231,7 +246,7 @@ def test_a_sessions_next_step_is_read_against_its_last():
     )
 
 
-def test_a_sessions_next_message_is_its_last_filled_in():
+def test_a_sessions_next_message_is_its_last_filled_in(lane_calls):
     """``NextMessage``: the lane message of a session's next step, filled in from the last
     one written, is byte for byte the message built anew; a compressed frame makes none, an
     output of another shape fills none, and the frame reads back for the stream."""
@@ -260,7 +275,7 @@ def test_a_sessions_next_message_is_its_last_filled_in():
     assert message.fill(9, 13, 1, torch.randn(1, 2, 576).to(torch.bfloat16)) is None
 
 
-def test_a_direct_step_carries_its_tag_the_heads_number_and_each_hops_compute():
+def test_a_direct_step_carries_its_tag_the_heads_number_and_each_hops_compute(lane_calls):
     """``DIRECT`` (ADR-0060): the prefix reads back as written; each middle hop adds its
     compute, the tail's answer says every hop's in route order; a message filled in with
     one equals the one built anew, and fits only a prefix of its size."""
@@ -292,6 +307,65 @@ def test_a_direct_step_carries_its_tag_the_heads_number_and_each_hops_compute():
         kind, seq, payload = lanes.read_message(sock)
     assert (kind, seq) == (LaneKind.DIRECT, 8)
     assert lanes.parse_direct(payload)[0] == sent
+
+
+def test_a_lane_read_matches_a_sessions_next_step_as_it_reads_it(lane_calls):
+    """``lane_io.read``: a plain or DIRECT step that matches the session's last comes with
+    its position, id and input (its body copied in), once per input made ready; any other
+    message comes whole; a short, unknown or cut message is a lane error."""
+    import torch
+
+    from meshnet_common import wire
+    from meshnet_node.dataplane import lane_io, step_bytes
+    from meshnet_node.dataplane.lane_known import KnownStep, moved
+
+    class Shard:
+        is_head = False
+
+    class Stage:
+        shard = Shard()
+
+    raw = wire.WireOptions(zstd_level=0, shuffle=False)
+    route = ("http://127.0.0.1:9",)
+    step = Step("s1", "k", 9, route=route, ids=(5,))
+    head = step_bytes.encode(step, "req-1")
+    first = torch.randn(1, 1, 64).to(torch.bfloat16)
+    body = head + wire.encode_tensor(first, raw)
+    known = KnownStep.of(body, len(head), step, wire.read_frame(body[len(head):]), Stage(),
+                         route[0], None, head)  # fmt: skip
+    later = torch.randn(1, 1, 64).to(torch.bfloat16)
+    nxt = moved(head, 10, 77) + wire.encode_tensor(later, raw)
+    direct = lanes.Direct(b"8 bytes!", 3, (1200,))
+    plain_msg = lanes.message(LaneKind.STEP, 7, nxt)
+    direct_msg = lanes.message(LaneKind.DIRECT, 8, direct.prefix(), nxt)
+    with contextlib.closing(_replay(plain_msg + plain_msg)) as sock:
+        assert lane_io.read(sock, 1.0, known) == (LaneKind.STEP, 7, nxt, 0, None)  # not ready
+        known.prepare()
+        kind, seq, payload, start, got = lane_io.read(sock, 1.0, known)
+    assert (kind, seq, payload, start) == (LaneKind.STEP, 7, nxt, 0)
+    assert got[:2] == (10, 77) and torch.equal(got[2], later)
+    assert known.input is None  # handed over
+    known.prepare()
+    other = step_bytes.encode(Step("s2", "k", 10, route=route, ids=(77,)), "req-1")
+    other_msg = lanes.message(LaneKind.STEP, 9, other + wire.encode_tensor(later, raw))
+    with contextlib.closing(_replay(direct_msg + other_msg)) as sock:
+        kind, seq, payload, start, got = lane_io.read(sock, 1.0, known)
+        assert (kind, seq, start) == (LaneKind.DIRECT, 8, len(direct.prefix()))
+        assert lanes.parse_direct(payload)[0] == direct and payload[start:] == nxt
+        assert got[:2] == (10, 77) and torch.equal(got[2], later)
+        known.prepare()
+        assert lane_io.read(sock, 1.0, known)[4] is None  # another session's
+    answer = lanes.answer(4, 200, "1.000", b"body")
+    with contextlib.closing(_replay(answer)) as sock:
+        assert lane_io.read_message(sock, 1.0) == (LaneKind.ANSWER, 4, answer[9:])
+    for bad in (answer[:-1], b"\x00\x00\x00\x01\x09\x00\x00\x00\x01x",
+                lanes.message(LaneKind.DIRECT, 1, b"short")):  # fmt: skip
+        with contextlib.closing(_replay(bad)) as sock, pytest.raises(LaneError):
+            lane_io.read(sock, 1.0, known)
+    a, b = socket.socketpair()
+    with contextlib.closing(a), contextlib.closing(b), pytest.raises(LaneError):
+        a.sendall(answer[:5])
+        lane_io.read_message(lanes.blocking(b, 0.05), 0.05)  # begun, not finished: times out
 
 
 def _replay(data: bytes) -> socket.socket:

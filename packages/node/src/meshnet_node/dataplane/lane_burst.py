@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane import answer_bytes, lane_io, lanes, step_bytes
 from meshnet_node.dataplane.answer_lanes import AnswerLane
 from meshnet_node.dataplane.lane_known import NextMessage, moved
 from meshnet_node.dataplane.lanes import LaneAnswer, LaneError, LaneKind
@@ -270,7 +270,7 @@ class LaneBurst:
                     raise LaneError(f"no answer within {self.timeout_s:.0f} s")
                 source = ready[0]
             try:
-                kind, got_seq, payload = lanes.read_message(source)
+                kind, got_seq, payload = lane_io.read_message(source, self.timeout_s)
             except LaneError:
                 if source is sock:
                     raise

@@ -19,6 +19,10 @@ step (the lane's header, the step's bytes, a raw frame's header and room for its
 kept from the step written before it. A step fills in its number, position, id and the
 pass's output (one copy from the tensor's memory) and is written as it is: ~3 torch and
 encoder calls and three joins fewer a hop than building the message anew.
+
+Where the node's kernel module is built, both are one native call (``lane_io``): the
+step's parts compared and its body copied as its message is read, the next message filled
+in; the Python below serves until then.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import replace
 import torch
 
 from meshnet_common import wire
-from meshnet_node.dataplane import lanes
+from meshnet_node.dataplane import lane_io, lanes
 from meshnet_node.dataplane.steps import Step
 
 _U32 = struct.Struct("!I")
@@ -44,7 +48,7 @@ class KnownStep:
     of the step sent on (None at the tail)."""
 
     __slots__ = ("body_at", "direct_on", "down", "dtype", "hop", "id_at", "input", "lead",
-                 "message", "mid",
+                 "message", "mid", "native",
                  "onward", "owner", "raw", "rest", "sample", "session_id", "shape",
                  "stage", "start", "step", "view")  # fmt: skip
 
@@ -64,6 +68,10 @@ class KnownStep:
         self.direct_on = False  # the next hop reads DIRECT steps (ADR-0060; relay)
         self.input: torch.Tensor | None = None
         self.view: memoryview | None = None
+        module = lane_io.native() if self.raw else None  # a compressed body: read in Python
+        self.native = None if module is None else module.LaneKnown(
+            self.lead, self.mid, self.rest, self.id_at, self.body_at
+        )  # fmt: skip
 
     @staticmethod
     def of(payload: bytes, start: int, step: Step, frame: wire.WireTensor, stage,
@@ -97,6 +105,8 @@ class KnownStep:
         if len(body) != len(view):
             return None
         self.input = self.view = None  # each step gets a tensor of its own
+        if self.native is not None:
+            self.native.disarm()
         view[:] = body
         (position,) = _U32.unpack_from(payload, POSITION_AT)
         (token,) = _U32.unpack_from(payload, self.id_at)
@@ -108,6 +118,8 @@ class KnownStep:
             hidden = torch.empty(self.shape, dtype=self.dtype)
             self.input = hidden
             self.view = memoryview(hidden.reshape(-1).view(torch.uint8).numpy())
+            if self.native is not None:
+                self.native.arm(hidden)
 
     def onward_bytes(self, position: int, token: int) -> bytes:
         """The bytes of the step sent on for the step at ``position`` with id ``token``."""
@@ -135,10 +147,10 @@ class NextMessage:
     a ``DIRECT`` one whose ``Direct`` goes before the step (ADR-0060). The buffer is
     reused: a hop writes a session's next step only once the one before was answered."""
 
-    __slots__ = ("_body", "buffer", "frame_at", "id_at", "kind", "nbytes", "position_at",
-                 "prefix_size", "shape")  # fmt: skip
+    __slots__ = ("_body", "buffer", "frame_at", "id_at", "kind", "native", "nbytes",
+                 "position_at", "prefix_size", "shape")  # fmt: skip
 
-    def __init__(self, head: bytes, frame: bytes, body_at: int, shape: torch.Size,
+    def __init__(self, head: bytes, frame: bytes, body_at: int, hidden: torch.Tensor,
                  kind: lanes.LaneKind, prefix: bytes) -> None:  # fmt: skip
         self.buffer = bytearray(lanes.message(kind, 0, prefix, head, frame))
         self.kind, self.prefix_size = kind, len(prefix)
@@ -147,9 +159,14 @@ class NextMessage:
         self.id_at = start + len(head) - 4  # a plain step's one id is its last field
         self.frame_at = start + len(head)
         self.nbytes = len(frame) - body_at
-        self.shape = shape
+        self.shape = hidden.shape
         room = (ctypes.c_char * self.nbytes).from_buffer(self.buffer, self.frame_at + body_at)
         self._body = (room, ctypes.addressof(room))  # the export pins the buffer's memory
+        module = lane_io.native()
+        self.native = None if module is None else module.LaneMessage(
+            ctypes.addressof(room) - self.frame_at - body_at, len(self.buffer),
+            self.position_at, self.id_at, self.frame_at + body_at, hidden,
+        ).fill  # fmt: skip
 
     @staticmethod
     def of(head: bytes, frame: bytes, hidden: torch.Tensor,
@@ -164,7 +181,7 @@ class NextMessage:
             return None
         kind = lanes.LaneKind.STEP if direct is None else lanes.LaneKind.DIRECT
         prefix = b"" if direct is None else direct.prefix()
-        return NextMessage(head, frame, body_at, hidden.shape, kind, prefix)
+        return NextMessage(head, frame, body_at, hidden, kind, prefix)
 
     def fits(self, direct: lanes.Direct | None) -> bool:
         """Whether a step sent ``direct`` (or not) fills this message in."""
@@ -179,6 +196,10 @@ class NextMessage:
         its frame ``hidden`` (the stage's output, as the first one was made), ``direct``
         before it where it was made with one (``fits``); None where ``hidden`` is not of
         the first one's shape."""
+        native = self.native
+        if native is not None:
+            prefix = None if direct is None else direct.prefix()
+            return self.buffer if native(seq, position, token, hidden, prefix) else None
         if hidden.shape != self.shape:
             return None
         buffer = self.buffer

@@ -27,7 +27,7 @@ from dataclasses import replace
 from meshnet_common import wire
 from meshnet_common.errors import HopError, InvalidRequest, MeshnetError, Quarantined
 from meshnet_common.protocol import format_compute
-from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
+from meshnet_node.dataplane import answer_bytes, lane_io, lanes, step_bytes
 from meshnet_node.dataplane.lane_known import KnownStep, NextMessage
 from meshnet_node.dataplane.lanes import LANE_REFUSED, LaneError, LaneKind, plain
 from meshnet_node.dataplane.steps import Step
@@ -120,11 +120,12 @@ class LaneRelay:
 
     def on_upstream(self, sock: socket.socket) -> None:
         direct = None
+        known = self.known.get(sock)
         try:
-            kind, seq, payload = lanes.read_message(sock)
+            # read against the session's last step: ``got`` where it matches (``lane_known``)
+            kind, seq, payload, start, got = lane_io.read(sock, lanes.LANE_TIMEOUT_S, known)
             if kind == LaneKind.DIRECT:  # its tail answers the head itself (ADR-0060)
-                direct, start = lanes.parse_direct(payload)
-                payload = payload[start:]
+                direct = lanes.parse_direct(payload)[0]
             elif kind == LaneKind.ANSWERS and len(payload) == lanes.DIRECT_TAG_BYTES:
                 self.answer_lanes[payload] = sock  # a head's lane: its answers go here
                 self._answer_tags[sock] = payload
@@ -135,12 +136,11 @@ class LaneRelay:
             logger.debug("a lane from the hop before closed: %s", exc)
             self.forget_upstream(sock)
             return
-        known = self.known.get(sock)
         try:
-            if known is None or not known.matches(payload) or (
-                (reply := self._known_step(sock, seq, payload, known, direct)) is False
+            if got is None or (
+                (reply := self._known_step(sock, seq, got, known, direct)) is False
             ):  # fmt: skip
-                reply = self._step(sock, seq, payload, direct)
+                reply = self._step(sock, seq, payload[start:] if start else payload, direct)
         except LaneRefused as exc:
             self.loop.call_soon_threadsafe(self.service.metrics.lane_refused.inc)
             reply = _error(seq, exc)
@@ -159,7 +159,7 @@ class LaneRelay:
         # Once the step is on its way: its counts, and the next step's input made ready.
         if (ran := self._ran) is not None:
             self._ran = None
-            self._count(len(payload), *ran)
+            self._count(len(payload) - start, *ran)
         if (known := self.known.get(sock)) is not None:
             known.prepare()  # the next step's input, while this hop idles
             if known.message is not None and not self.service.links.raw_to(known.hop):
@@ -173,7 +173,7 @@ class LaneRelay:
 
     def on_downstream(self, sock: socket.socket, hop: str) -> None:
         try:
-            kind, seq, payload = lanes.read_message(sock)
+            kind, seq, payload = lane_io.read_message(sock, lanes.LANE_TIMEOUT_S)
             if kind != LaneKind.ANSWER:
                 raise LaneError(f"a {kind.name} message from the next hop")
         except LaneError as exc:
@@ -216,12 +216,11 @@ class LaneRelay:
             with contextlib.suppress(LaneError):
                 lanes.write(up, _error(up_seq, failure))
 
-    def _known_step(self, up: socket.socket, seq: int, payload: bytes, known: KnownStep,
+    def _known_step(self, up: socket.socket, seq: int, got: tuple, known: KnownStep,
                     direct: lanes.Direct | None):  # fmt: skip
-        """Run a step whose bytes match ``known``'s but for its position and id, with the
-        checks that can change between two steps; False where it must be read in full (the
-        stage, the session, the lanes, the head's answer lane or its input not as they
-        were)."""
+        """Run a step read against ``known`` (``got``: its position, id and input), with
+        the checks that can change between two steps; False where it must be read in full
+        (the stage, the session, the lanes or the head's answer lane not as they were)."""
         service = self.service
         stage, sid = known.stage, known.session_id
         if service.stage_for(sid) is not stage or service.quarantined is not None:
@@ -235,9 +234,6 @@ class LaneRelay:
             if down is not known.down or sid in self.by_stream:
                 return False
         elif direct is not None and direct.tag not in self.answer_lanes:
-            return False
-        got = known.read(payload)
-        if got is None:
             return False
         position, token, hidden = got
         if down is None:  # before it samples: the penalties count

@@ -1695,11 +1695,13 @@ void packed_q8_into(const torch::Tensor& x, const torch::Tensor& q, const torch:
 void register_layer_step(pybind11::module& m);  // layer_step.cpp
 void register_attention(pybind11::module& m);  // attention.cpp
 void register_rows_sdpa(pybind11::module& m);  // row_sdpa.cpp
+void register_lane_io(pybind11::module& m);    // lane_io.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_step(m);
   register_attention(m);
   register_rows_sdpa(m);
+  register_lane_io(m);
   m.attr("lanes") = W;
   m.attr("tile_rows") = kDirectRows;
 #if defined(__AVX512F__)

@@ -54,10 +54,11 @@ from meshnet_node.kernels.tolerance import close
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed.cpp")
-# built into the same module: layer steps, the native engine's attention, and a batched
-# step's rows through torch's own attention (row_attention.py)
+# built into the same module: layer steps, the native engine's attention, a batched step's
+# rows through torch's own attention (row_attention.py), and decode lanes' reads and
+# fills (dataplane/lane_io.py)
 PARTS = tuple(Path(__file__).with_name(f"{part}.cpp")
-              for part in ("layer_step", "attention", "row_sdpa"))  # fmt: skip
+              for part in ("layer_step", "attention", "row_sdpa", "lane_io"))  # fmt: skip
 # included by the sources: part of the build key
 HEADERS = (Path(__file__).with_name("omp_for.h"), Path(__file__).with_name("fixed_order.h"))
 NAME = "meshnet_packed"

@@ -1,0 +1,70 @@
+"""A decode lane's messages read, and a session's next one filled in, by one native call
+each where the node's kernel module is built (``kernels/lane_io.cpp``, docs/adr/0058).
+
+On a core whose caches a pass has just emptied, each Python call costs 10-40 times its
+warm cost: reading a message (two receives, its header unpacked, its kind looked up), a
+step read against the session's last (its parts compared, its body copied, two integers
+unpacked) and the next message filled in (a shape compared, ``data_ptr``, three packs, a
+memmove) cost ~65, ~45 and ~85 us there, one call each ~40. The bytes are the same either
+way: until the module is built and checked, and where it is not, the Python does it
+(``lanes.read_message``, ``KnownStep``, ``NextMessage``)."""
+
+from __future__ import annotations
+
+import socket
+
+from meshnet_node.dataplane import lanes
+from meshnet_node.dataplane.lanes import LaneKind
+from meshnet_node.kernels import intpack
+
+_KIND_OF = (None, *LaneKind)  # by value (1..): a tuple index, not a call
+_state: dict = {"module": None}
+
+
+def native():
+    """The kernel module, once built and checked and holding the lane calls (else None)."""
+    module = _state["module"]
+    if module is None:
+        module = intpack.module()
+        if module is None or not hasattr(module, "lane_read"):
+            return None
+        module.lane_set_error(lanes.LaneError)
+        _state["module"] = module
+    return module
+
+
+def read(sock: socket.socket, timeout_s: float, known=None):
+    """One whole message from ``sock`` (each part within ``timeout_s``): (kind, number,
+    payload, where its step begins: after a ``DIRECT`` step's prefix, else 0; and, where
+    ``known`` (a ``KnownStep``) matches the step, its (position, id, input tensor) with
+    the body copied in, else None)."""
+    module = _state["module"] or native()
+    if module is not None:
+        lane_known = None if known is None else known.native
+        kind, seq, payload, start, position, token, hidden = module.lane_read(
+            sock.fileno(), timeout_s, lane_known
+        )  # fmt: skip
+        if hidden is not None:
+            known.input = known.view = None  # handed over: the next step gets its own
+            return _KIND_OF[kind], seq, payload, start, (position, token, hidden)
+        if lane_known is not None or known is None:
+            return _KIND_OF[kind], seq, payload, start, None
+        kind = _KIND_OF[kind]  # a compressed frame's step: read by its frame's reader
+    else:
+        kind, seq, payload = lanes.read_message(sock)
+        start = lanes.parse_direct(payload)[1] if kind == LaneKind.DIRECT else 0
+    got = None
+    if known is not None and kind in (LaneKind.STEP, LaneKind.DIRECT):
+        step = payload[start:] if start else payload
+        if known.matches(step):
+            got = known.read(step)
+    return kind, seq, payload, start, got
+
+
+def read_message(sock: socket.socket, timeout_s: float) -> tuple[LaneKind, int, bytes]:
+    """``lanes.read_message``, natively where it can."""
+    module = _state["module"] or native()
+    if module is None:
+        return lanes.read_message(sock)
+    kind, seq, payload, _, _, _, _ = module.lane_read(sock.fileno(), timeout_s, None)
+    return _KIND_OF[kind], seq, payload

@@ -1,0 +1,244 @@
+// A decode lane's messages read and filled in one call each (docs/adr/0058).
+//
+// After a pass has streamed a stage's weights through the caches, each Python call on a
+// hop's way costs ~5-40 us where it costs ~1 warm: a step's next message filled in from
+// Python (a shape compared, data_ptr, three packs, a memmove) took ~85 us there, a lane
+// message read (two receives, a header unpacked, a kind looked up) ~65. Here each is one
+// call. The bytes are the Python's own (dataplane/lanes.py, lane_known.py): a message is a
+// header (payload length u32, kind u8, number u32; big-endian) and its payload; a DIRECT
+// step's payload begins with its tag (8), the answer lane's number (u32) and the count of
+// hops timed (u8), then that many u32, then the step's bytes.
+#include <torch/extension.h>
+
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int64_t HEAD_BYTES = 9;  // payload length, kind, number
+constexpr int64_t SEQ_AT = 5;
+constexpr int64_t MAX_MESSAGE = 16 << 20;  // lanes.MAX_LANE_MESSAGE
+constexpr int KIND_MAX = 5;                // HELLO .. DIRECT
+constexpr int KIND_STEP = 2;
+constexpr int KIND_DIRECT = 5;
+constexpr int64_t DIRECT_HEAD = 13;  // tag, the answer lane's number, hops timed
+constexpr int MAX_DIRECT_HOPS = 64;
+constexpr int64_t POSITION_AT = 6;  // in a step's bytes (lane_known.POSITION_AT)
+
+// dataplane.lanes.LaneError, set once (``lane_set_error``); kept for the process's life (a
+// py::object would be released after the interpreter at exit)
+PyObject* lane_error = nullptr;
+
+[[noreturn]] void fail(const std::string& what) {
+  PyErr_SetString(lane_error != nullptr ? lane_error : PyExc_ConnectionError, what.c_str());
+  throw py::error_already_set();
+}
+
+inline void put_u32(uint8_t* p, uint32_t v) {
+  v = htonl(v);
+  std::memcpy(p, &v, 4);
+}
+
+inline uint32_t get_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return ntohl(v);
+}
+
+// Waits (the GIL released) until fd can be read (events POLLIN) or written, within
+// timeout_s; fails as the Python lane does on a timeout.
+void wait_for(int fd, short events, double timeout_s) {
+  int ready;
+  {
+    py::gil_scoped_release nogil;
+    pollfd one{fd, events, 0};
+    do {
+      ready = ::poll(&one, 1, static_cast<int>(timeout_s * 1000));
+    } while (ready < 0 && errno == EINTR);
+  }
+  if (ready == 0) fail("the lane failed: timed out");
+  if (ready < 0) fail(std::string("the lane failed: ") + std::strerror(errno));
+}
+
+// n bytes into p: at once where they are there (a message written whole mostly arrives
+// whole), else waiting for each part within timeout_s.
+void read_exactly(int fd, uint8_t* p, int64_t n, double timeout_s) {
+  while (n > 0) {
+    const ssize_t got = ::recv(fd, p, static_cast<size_t>(n), MSG_DONTWAIT);
+    if (got > 0) {
+      p += got;
+      n -= got;
+    } else if (got == 0) {
+      fail("the lane closed");
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      wait_for(fd, POLLIN, timeout_s);
+    } else if (errno != EINTR) {
+      fail(std::string("the lane failed: ") + std::strerror(errno));
+    }
+  }
+}
+
+// A session's last step on a lane (lane_known.KnownStep): its bytes but for the position
+// and id, and the input tensor the next one's body is copied into (armed while the hop
+// idles). Only a raw frame's steps: a compressed body is read by the frame's reader.
+class LaneKnown {
+ public:
+  LaneKnown(py::bytes lead, py::bytes mid, py::bytes rest, int64_t id_at, int64_t body_at)
+      : lead_(lead), mid_(mid), rest_(rest), id_at_(id_at), body_at_(body_at) {
+    TORCH_CHECK(static_cast<int64_t>(lead_.size()) == POSITION_AT &&
+                    POSITION_AT + 4 + static_cast<int64_t>(mid_.size()) == id_at_ &&
+                    id_at_ + 4 + static_cast<int64_t>(rest_.size()) == body_at_,
+                "a known step's parts do not tile its bytes");
+  }
+
+  void arm(const torch::Tensor& input) {
+    TORCH_CHECK(input.device().is_cpu() && input.is_contiguous(), "a CPU tensor, contiguous");
+    input_ = input;
+  }
+
+  void disarm() { input_ = torch::Tensor(); }
+
+  bool armed() const { return input_.defined(); }
+
+  // The step at data (size bytes) read against this one: on a match its body is copied
+  // into the armed input, which is handed over (the next step is armed anew).
+  bool match(const uint8_t* data, int64_t size, uint32_t* position, uint32_t* token,
+             torch::Tensor* input) {
+    if (!input_.defined() || size - body_at_ != static_cast<int64_t>(input_.nbytes())) return false;
+    if (std::memcmp(data, lead_.data(), lead_.size()) != 0 ||
+        std::memcmp(data + POSITION_AT + 4, mid_.data(), mid_.size()) != 0 ||
+        std::memcmp(data + id_at_ + 4, rest_.data(), rest_.size()) != 0) {
+      return false;
+    }
+    std::memcpy(input_.data_ptr(), data + body_at_, static_cast<size_t>(size - body_at_));
+    *position = get_u32(data + POSITION_AT);
+    *token = get_u32(data + id_at_);
+    *input = std::move(input_);
+    input_ = torch::Tensor();
+    return true;
+  }
+
+ private:
+  std::string lead_, mid_, rest_;
+  int64_t id_at_, body_at_;
+  torch::Tensor input_;
+};
+
+// One whole message from fd: (kind, number, payload, where its step begins: after a
+// DIRECT step's prefix, else 0, then, where ``known`` is given and the step matches it,
+// its position, its id and the input its body was copied into; else -1, -1, None).
+py::tuple lane_read(int64_t fd, double timeout_s, LaneKnown* known) {
+  uint8_t head[HEAD_BYTES];
+  read_exactly(static_cast<int>(fd), head, HEAD_BYTES, timeout_s);
+  const int64_t size = get_u32(head);
+  const int kind = head[4];
+  const uint32_t seq = get_u32(head + SEQ_AT);
+  if (size > MAX_MESSAGE || kind < 1 || kind > KIND_MAX) {
+    fail("not a lane message (kind " + std::to_string(kind) + ", " + std::to_string(size) +
+         " bytes)");
+  }
+  PyObject* raw = PyBytes_FromStringAndSize(nullptr, size);
+  if (raw == nullptr) throw py::error_already_set();
+  py::object payload = py::reinterpret_steal<py::object>(raw);
+  auto* data = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw));
+  read_exactly(static_cast<int>(fd), data, size, timeout_s);
+  int64_t start = 0;
+  if (kind == KIND_DIRECT) {
+    if (size < DIRECT_HEAD) fail("a direct step shorter than its header");
+    const int hops = data[DIRECT_HEAD - 1];
+    start = DIRECT_HEAD + 4 * hops;
+    if (hops > MAX_DIRECT_HOPS || start > size) {
+      fail("a direct step's compute times run past its end");
+    }
+  }
+  uint32_t position = 0, token = 0;
+  torch::Tensor input;
+  if (known != nullptr && (kind == KIND_STEP || kind == KIND_DIRECT) &&
+      known->match(data + start, size - start, &position, &token, &input)) {
+    return py::make_tuple(kind, seq, payload, start, position, token, input);
+  }
+  return py::make_tuple(kind, seq, payload, start, -1, -1, py::none());
+}
+
+// A session's next lane message, filled in in place for each of its steps
+// (lane_known.NextMessage): at address ``buffer`` (size bytes, a Python buffer its owner
+// keeps pinned) the message first made, whose body (from body_at) holds a tensor of
+// ``like``'s shape and dtype.
+class LaneMessage {
+ public:
+  LaneMessage(int64_t buffer, int64_t size, int64_t position_at, int64_t id_at,
+              int64_t body_at, const torch::Tensor& like)
+      : out_(reinterpret_cast<uint8_t*>(buffer)), size_(size), position_at_(position_at),
+        id_at_(id_at), body_at_(body_at), sizes_(like.sizes().vec()),
+        dtype_(like.scalar_type()) {
+    TORCH_CHECK(HEAD_BYTES <= position_at && position_at + 4 <= id_at && id_at + 4 <= body_at &&
+                    body_at + static_cast<int64_t>(like.nbytes()) == size,
+                "a lane message's fields do not fit it");
+  }
+
+  // Its number, the DIRECT prefix where one is given (its bytes right after the header,
+  // of the size the message was made with), the position, the id and hidden's bytes as
+  // the body; false (nothing written) where hidden is not a contiguous CPU tensor of the
+  // first one's shape and dtype.
+  bool fill(int64_t seq, int64_t position, int64_t token, const torch::Tensor& hidden,
+            py::object prefix) {
+    if (!hidden.device().is_cpu() || !hidden.is_contiguous() ||
+        hidden.scalar_type() != dtype_ || hidden.sizes() != c10::IntArrayRef(sizes_)) {
+      return false;
+    }
+    if (!prefix.is_none()) {
+      char* bytes = nullptr;
+      Py_ssize_t length = 0;
+      if (PyBytes_AsStringAndSize(prefix.ptr(), &bytes, &length) != 0) {
+        throw py::error_already_set();
+      }
+      TORCH_CHECK(HEAD_BYTES + length + POSITION_AT <= position_at_,
+                  "a prefix past the step's bytes");
+      std::memcpy(out_ + HEAD_BYTES, bytes, static_cast<size_t>(length));
+    }
+    put_u32(out_ + SEQ_AT, static_cast<uint32_t>(seq));
+    put_u32(out_ + position_at_, static_cast<uint32_t>(position));
+    put_u32(out_ + id_at_, static_cast<uint32_t>(token));
+    std::memcpy(out_ + body_at_, hidden.data_ptr(), static_cast<size_t>(size_ - body_at_));
+    return true;
+  }
+
+ private:
+  uint8_t* out_;
+  int64_t size_, position_at_, id_at_, body_at_;
+  std::vector<int64_t> sizes_;
+  c10::ScalarType dtype_;
+};
+
+void lane_set_error(py::object cls) {
+  Py_XDECREF(lane_error);
+  lane_error = cls.release().ptr();
+}
+
+}  // namespace
+
+void register_lane_io(py::module& m) {
+  py::class_<LaneKnown>(m, "LaneKnown")
+      .def(py::init<py::bytes, py::bytes, py::bytes, int64_t, int64_t>(), py::arg("lead"),
+           py::arg("mid"), py::arg("rest"), py::arg("id_at"), py::arg("body_at"))
+      .def("arm", &LaneKnown::arm)
+      .def("disarm", &LaneKnown::disarm)
+      .def("armed", &LaneKnown::armed);
+  m.def("lane_read", &lane_read, py::arg("fd"), py::arg("timeout_s"), py::arg("known"),
+        "one lane message, read against a known step where one is given");
+  py::class_<LaneMessage>(m, "LaneMessage")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, const torch::Tensor&>(),
+           py::arg("buffer"), py::arg("size"), py::arg("position_at"), py::arg("id_at"),
+           py::arg("body_at"), py::arg("like"))
+      .def("fill", &LaneMessage::fill);
+  m.def("lane_set_error", &lane_set_error, "the exception a failed lane raises");
+}
