@@ -42,6 +42,12 @@ def _lane_port(node) -> int:
     return port
 
 
+def _host_lanes(node) -> int:
+    """A node's Unix sockets at its lane name: its listener and the lanes it accepted."""
+    conns = psutil.Process(node.popen.pid).net_connections("unix")
+    return sum("meshnet-lane-" in (c.laddr or "") for c in conns)
+
+
 def test_decode_steps_take_the_lanes_and_give_the_unsplit_models_text(
     models_dir, tiny_snapshot, tiny_model_id, tmp_path
 ):
@@ -88,6 +94,11 @@ def test_decode_steps_take_the_lanes_and_give_the_unsplit_models_text(
                                                          json=body, timeout=120), range(4)))  # fmt: skip
         assert [r.json()["choices"][0]["text"] for r in replies] == [text] * 4
         assert _metric(middle.url, "meshnet_lane_refused_total") == 0
+        # On one host the lanes are Unix sockets (``lanes.host_name``): each node's listener
+        # and what it accepted, the head's lane at the middle hop, the middle hop's and the
+        # head's answer lane at the tail.
+        if hasattr(socket, "AF_UNIX"):
+            assert _host_lanes(middle) >= 2 and _host_lanes(tail) >= 3
 
         with socket.create_connection(("127.0.0.1", _lane_port(middle)), timeout=5) as sock:
             sock.sendall(lanes.message(lanes.LaneKind.HELLO, 0, b"not-the-secret"))

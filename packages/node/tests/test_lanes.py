@@ -389,3 +389,43 @@ def test_a_node_something_fronts_offers_no_lane():
     assert not fronted(settings("http://node.example:8000"))
     assert fronted(settings("http://127.0.0.1:9000"))
     assert fronted(settings("http://127.0.0.1:9000", port=0))
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="Unix sockets")
+def test_a_lane_to_a_node_on_this_host_is_a_unix_socket_and_falls_back_to_tcp():
+    """A node offers its lanes at an abstract Unix name made of its offer (port, secret)
+    beside its TCP listener: a dialer on its host finds it there; an offer whose node has
+    no such listener (another host, an older version) is dialed over TCP."""
+    from meshnet_node.dataplane.lane_ends import _host_listener
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        tcp = socket.create_server(("127.0.0.1", 0))
+        tcp.setblocking(False)
+        port, secret = tcp.getsockname()[1], "s3cret"
+        host = _host_listener(port, secret)
+        if host is None:
+            pytest.skip("no abstract Unix names here (not Linux)")
+
+        async def hello(listener):
+            peer, _ = await loop.sock_accept(listener)
+            with peer:
+                return await loop.sock_recv(peer, 64)
+
+        want = lanes.message(LaneKind.HELLO, 0, secret.encode())
+        with tcp, host:
+            host.setblocking(False)
+            dialed = await lanes.dial("127.0.0.1", port, secret, 2.0)
+            with dialed:
+                assert dialed.family == socket.AF_UNIX
+                assert await hello(host) == want
+            host.close()  # gone (an older node, or another host's): TCP
+            dialed = await lanes.dial("127.0.0.1", port, secret, 2.0)
+            with dialed:
+                assert dialed.family == socket.AF_INET
+                assert await hello(tcp) == want
+        # the name is the offer's: another secret or port names another listener
+        assert lanes.host_name(port, secret) != lanes.host_name(port, "other")
+        assert lanes.host_name(port, secret) != lanes.host_name(port + 1, secret)
+
+    asyncio.run(main())

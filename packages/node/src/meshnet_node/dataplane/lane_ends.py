@@ -31,6 +31,7 @@ class LaneEnds:
         self.secret = secrets.token_urlsafe(24)
         self.relay: LaneRelay | None = None
         self._listener: socket.socket | None = None
+        self._host_listener: socket.socket | None = None  # ``lanes.host_name``, on Linux
         self._dialing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
 
@@ -47,11 +48,14 @@ class LaneEnds:
         listener = socket.create_server((self.host, 0), backlog=64)
         listener.setblocking(False)
         self._listener = listener
-        loop.add_reader(listener, self._accept)
+        loop.add_reader(listener, self._accept, listener)
+        self._host_listener = _host_listener(listener.getsockname()[1], self.secret)
+        if self._host_listener is not None:  # the same lanes for peers on this host
+            loop.add_reader(self._host_listener, self._accept, self._host_listener)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         try:
-            sock, _ = self._listener.accept()  # type: ignore[union-attr]
+            sock, _ = listener.accept()
         except (BlockingIOError, OSError):
             return
         sock.setblocking(False)
@@ -101,13 +105,33 @@ class LaneEnds:
         task.add_done_callback(self._tasks.discard)
 
     def close(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self._listener)
-            self._listener.close()
-            self._listener = None
+        for listener in (self._listener, self._host_listener):
+            if listener is not None:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(listener)
+                listener.close()
+        self._listener = self._host_listener = None
         for task in self._tasks:
             task.cancel()
+
+
+def _host_listener(port: int, secret: str) -> socket.socket | None:
+    """A Unix socket listening at the lane offer's ``lanes.host_name`` (an abstract name: no
+    file, gone with the process): peers on this host dial it rather than loopback TCP. None
+    where the platform has no such names (then every lane is TCP)."""
+    family = getattr(socket, "AF_UNIX", None)
+    if family is None:
+        return None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind(lanes.host_name(port, secret))
+        listener.listen(64)
+    except OSError as exc:  # not Linux: abstract names are Linux's
+        logger.debug("no lanes for peers on this host by Unix socket: %s", exc)
+        listener.close()
+        return None
+    listener.setblocking(False)
+    return listener
 
 
 def fronted(settings) -> bool:
@@ -121,7 +145,7 @@ def fronted(settings) -> bool:
 
 async def start_lanes(service, settings) -> None:
     """Offer decode lanes on ``service``'s hop streams and dial them to its next hops, where
-    ``--decode-lanes`` (the default), the node serves no TLS (a lane is plain TCP) and
+    ``--decode-lanes`` (the default), the node serves no TLS (a lane is plain TCP, or a Unix socket) and
     nothing fronts it (``fronted``)."""
     if settings.decode_lanes and settings.tls_cert is None and not fronted(settings):
         service.lanes = LaneEnds(service, settings.host)

@@ -1,6 +1,6 @@
-"""Decode lanes (docs/adr/0058): plain TCP connections beside the hop streams, on which a
-session's plain decode steps go down a route and their answers come back, read and written
-by the nodes' compute threads.
+"""Decode lanes (docs/adr/0058): plain TCP connections (Unix sockets between the nodes of
+one host: ``host_name``) beside the hop streams, on which a session's plain decode steps go
+down a route and their answers come back, read and written by the nodes' compute threads.
 
 A hop stream's step crosses, at each node, the event loop's receive, parse and submit, a
 hand-over to the compute thread and back, and the relay; each piece costs what the code it
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import socket
 import struct
 import threading
@@ -229,22 +230,55 @@ def blocking(sock: socket.socket, timeout_s: float | None = None) -> socket.sock
     return sock
 
 
+def host_name(port: int, secret: str) -> str:
+    """The abstract Unix socket name a node offers its lanes at beside ``port`` (Linux): made
+    of its lane offer, port and secret, so only a peer the hop stream admitted knows it, and
+    a dialer that finds it in its network namespace found that node, on its own host."""
+    digest = hashlib.sha256(f"meshnet-lane {port} {secret}".encode()).hexdigest()[:32]
+    return f"\0meshnet-lane-{digest}"
+
+
 async def dial(host: str, port: int, secret: str, timeout: float) -> socket.socket:
-    """A lane to ``host:port``, its hello sent: a connected non-blocking socket."""
+    """A lane to ``host:port``, its hello sent: a connected non-blocking socket. Where the
+    node it names listens on this host (its ``host_name`` is there), a Unix socket: a
+    message costs ~20 us less to write on it than on loopback TCP (docs/adr/0058)."""
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setblocking(False)
+    sock = await _dial_host(loop, port, secret)
+    if sock is None:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        connect = loop.sock_connect(sock, address)
+    else:
+        connect = None
     try:
         async with asyncio.timeout(timeout):
-            await loop.sock_connect(sock, address)
+            if connect is not None:
+                await connect
             await loop.sock_sendall(sock, message(LaneKind.HELLO, 0, secret.encode()))
     except BaseException:
         sock.close()
         raise
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+async def _dial_host(loop, port: int, secret: str) -> socket.socket | None:
+    """The node's lane on this host (``host_name``), connected; None where it is not here
+    (another host, an older version, not Linux): refused at once, no wait."""
+    family = getattr(socket, "AF_UNIX", None)
+    if family is None:
+        return None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, host_name(port, secret))
+    except OSError:
+        sock.close()
+        return None
     return sock
 
 
