@@ -88,8 +88,9 @@ def _wrap(owner, name: str, enter: str | None, leave: str | None = None) -> None
 def fine_calls() -> list[tuple[object, str]]:
     """``--fine``: the calls on a lane step's way whose own time is printed."""
     from meshnet_common import wire
-    from meshnet_node.dataplane import lane_known, lane_relay, lanes
+    from meshnet_node.dataplane import answer_bytes, lane_burst, lane_known, lane_relay, lanes
     from meshnet_node.engine import sessions
+    from meshnet_node.engine import stage as stage_mod
     from meshnet_node.scheduling import scheduler
     from meshnet_node.swarm import host_turns
 
@@ -101,6 +102,11 @@ def fine_calls() -> list[tuple[object, str]]:
         (lane_relay.LaneRelay, "_count"), (lane_relay.LaneRelay, "_answer"),
         (lane_relay.LaneRelay, "_send_on"), (scheduler.ComputeScheduler, "_waiting"),
         (lanes, "read_message"), (lane_known.NextMessage, "fill"),
+        (lane_burst.select, "select"), (answer_bytes, "token_of"), (scheduler, "_timed"),
+        (lane_burst.LaneBurst, "_answer"), (lane_burst.LaneBurst, "_answers"),
+        (lanes.Direct, "prefix"), (lane_known.NextMessage, "fits"),
+        (lane_relay.LaneRelay, "_known_step"), (lane_relay.LaneRelay, "_pass"),
+        (stage_mod.Stage, "step"),
     ]  # fmt: skip
 
 
