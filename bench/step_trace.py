@@ -7,7 +7,7 @@ added to meshnet's own code: the head's step (``HeadPasses.step``), the compute 
 (``_submit``; ``_start``, called as a pass is handed over; ``_run`` on the compute thread
 and ``_encode_outputs`` at its end; ``_finished`` back on the loop), the hop streams (``HopLinks.relay``, ``_Stream.call`` and
 ``on_message``; on the serving end ``decode_request``, ``forward_answer``, ``parse_step``
-and ``_reply``), decode lanes (ADR-0058: ``lane_io.read`` and ``read_message``, ``lanes.write``, a lane's
+and ``_reply``), decode lanes (ADR-0058: ``lane_io.read``, ``read_message`` and the head's ``read_answer``, ``lanes.write``, a lane's
 pass, the head's ``LaneStep.write`` and ``HopLinks.lane_answer``; a swarm whose steps took
 the lanes is followed along them, a burst's answers from the tail's answer lane where the
 middle hops read each step once, ADR-0060). ``time.perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process
@@ -102,7 +102,7 @@ def fine_calls() -> list[tuple[object, str]]:
         (lane_relay.LaneRelay, "_count"), (lane_relay.LaneRelay, "_answer"),
         (lane_relay.LaneRelay, "_send_on"), (scheduler.ComputeScheduler, "_waiting"),
         (lanes, "read_message"), (lane_known.NextMessage, "fill"),
-        (lane_burst.select, "select"), (answer_bytes, "token_of"), (scheduler, "_timed"),
+        (answer_bytes, "token_of"), (scheduler, "_timed"),
         (lane_burst.LaneBurst, "_answer"), (lane_burst.LaneBurst, "_answers"),
         (lanes.Direct, "prefix"), (lane_known.NextMessage, "fits"),
         (lane_relay.LaneRelay, "_known_step"), (lane_relay.LaneRelay, "_pass"),
@@ -154,6 +154,7 @@ def install(out_dir: str, pin: bool, fine: bool = False) -> None:
 
     _wrap(lane_io, "read", "lread", "lgot")
     _wrap(lane_io, "read_message", "lread", "lgot")
+    _wrap(lane_io, "read_answer", "await", "answered")  # the head's: its wait is inside
     _wrap(lane_relay, "_timed", "lpass", "lpassed")
     _wrap(lanes, "write", "lwrite", "lwrote")
     _wrap(lanes.LaneClient, "data_received", "lans")
@@ -208,17 +209,17 @@ def chain_of(procs: int, lanes: bool = False, burst: bool = False,
     the hops after the head read and write decode lanes on their compute threads;
     ``burst``: the head's compute thread too, step after step (ADR-0059); ``direct``: the
     tail answering the head's burst on its answer lane (ADR-0060)."""
-    if burst:  # the head's pass, the step written, its answer read (lread: the wait)
+    if burst:  # the head's pass, the step written, its answer read (await: the wait)
         out = [(0, t) for t in ("hstep", "hstepped", "bx")]
         if not direct:
-            out.append((0, "lread"))
+            out.append((0, "await"))
         for p in range(1, procs):
             out += [(p, t) for t in ("lread", "lgot", "lpass", "lpassed", "lwrite", "lwrote")]
-        if direct:  # the head reads it once its select saw it come
-            return [*out, (0, "lread"), (0, "lgot"), (0, "bxd"), (0, "hstep")]
+        if direct:  # the head's read returns once the tail's answer came and was read
+            return [*out, (0, "answered"), (0, "bxd"), (0, "hstep")]
         for p in range(procs - 2, 0, -1):
             out += [(p, t) for t in ("lread", "lgot", "lwrite", "lwrote")]
-        return [*out, (0, "lgot"), (0, "bxd"), (0, "hstep")]
+        return [*out, (0, "answered"), (0, "bxd"), (0, "hstep")]
     out = [(0, t) for t in ("step", "submit", "hand", "woke", "done", "fin")]
     if procs == 1:
         return [*out, (0, "end")]
@@ -284,7 +285,7 @@ def kind(name: str) -> str:
         return COMPUTE
     if tag in ("woke", "fin"):
         return "thread hand-off"
-    if tag in ("recv", "ans", "lread", "lans"):
+    if tag in ("recv", "ans", "lread", "lans", "answered"):
         return "message (send, transit, wake)"
     return "Python on the loop"
 

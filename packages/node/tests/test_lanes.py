@@ -429,3 +429,44 @@ def test_a_lane_to_a_node_on_this_host_is_a_unix_socket_and_falls_back_to_tcp():
         assert lanes.host_name(port, secret) != lanes.host_name(port + 1, secret)
 
     asyncio.run(main())
+
+
+def test_a_heads_answer_is_read_on_its_lane_or_its_answer_lane_whichever_comes(lane_calls):
+    """``lane_io.read_answer``: the answer to the head's step on its lane or, numbered
+    otherwise, on its answer lane (ADR-0060), an older step's skipped; the answer lane's
+    failure says so (None: the lane goes on alone); the lane's own, a message that is not
+    an answer and no answer in time are errors."""
+    from meshnet_node.dataplane import lane_io
+
+    def answer(seq, body=b"ok"):
+        return lanes.message(LaneKind.ANSWER, seq, lanes._ANSWER.pack(200, 0), body)
+
+    lane, lane_far = socket.socketpair()
+    answers, answers_far = socket.socketpair()
+    with lane, lane_far, answers, answers_far:
+        # on the lane alone, an older answer before it
+        lane_far.sendall(answer(6, b"old") + answer(7, b"mine"))
+        payload, direct = lane_io.read_answer(lane, None, 1.0, 7, -1)
+        assert (lanes.parse_answer(payload).body, direct) == (b"mine", False)
+        # on the answer lane, numbered as that lane numbers it
+        answers_far.sendall(answer(41, b"stale") + answer(42, b"direct"))
+        payload, direct = lane_io.read_answer(lane, answers, 1.0, 8, 42)
+        assert (lanes.parse_answer(payload).body, direct) == (b"direct", True)
+        # a failure or a refusal comes on the lane while the answer lane waits
+        lane_far.sendall(answer(9, b"refused"))
+        payload, direct = lane_io.read_answer(lane, answers, 1.0, 9, 43)
+        assert (lanes.parse_answer(payload).body, direct) == (b"refused", False)
+        with pytest.raises(LaneError, match="no answer within"):
+            lane_io.read_answer(lane, answers, 0.2, 10, 44)
+        answers_far.sendall(b"\xff" * 16)  # garbage: the answer lane is left, not the lane
+        assert lane_io.read_answer(lane, answers, 1.0, 10, 44) is None
+        lane_far.sendall(lanes.message(LaneKind.STEP, 10, b"x"))
+        with pytest.raises(LaneError, match="STEP message from the hop"):
+            lane_io.read_answer(lane, None, 1.0, 10, -1)
+        answers_far.close()
+        lane_far.sendall(answer(11))
+        assert lane_io.read_answer(lane, answers, 1.0, 11, 45) is None  # looked at first
+        assert lane_io.read_answer(lane, None, 1.0, 11, -1)[1] is False
+        lane_far.close()
+        with pytest.raises(LaneError):
+            lane_io.read_answer(lane, None, 1.0, 12, -1)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import select
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ import torch
 from meshnet_node.dataplane import answer_bytes, lane_io, lanes, step_bytes
 from meshnet_node.dataplane.answer_lanes import AnswerLane
 from meshnet_node.dataplane.lane_known import NextMessage, moved
-from meshnet_node.dataplane.lanes import LaneAnswer, LaneError, LaneKind
+from meshnet_node.dataplane.lanes import LaneAnswer, LaneError
 from meshnet_node.engine.step_io import DecodeItem, StepOutput
 
 BURST_RTT_S = 0.05  # a lane whose last answer came back sooner may run bursts (AHEAD_S)
@@ -257,29 +256,15 @@ class LaneBurst:
         hop that ran it sends it on by the stream)."""
         answers = self._answers() if direct_seq is not None else None
         while True:
-            source = sock
-            if answers is not None:
-                if sock.fileno() < 0:
-                    raise LaneError("the lane closed")
-                try:
-                    ready, _, _ = select.select((answers.sock, sock), (), (), self.timeout_s)
-                except (OSError, ValueError):  # the answer lane closed under the select
-                    answers.failed, answers = True, None
-                    continue
-                if not ready:
-                    raise LaneError(f"no answer within {self.timeout_s:.0f} s")
-                source = ready[0]
-            try:
-                kind, got_seq, payload = lane_io.read_message(source, self.timeout_s)
-            except LaneError:
-                if source is sock:
-                    raise
-                answers.failed, answers = True, None  # type: ignore[union-attr]
-                continue
-            if kind != LaneKind.ANSWER:
-                raise LaneError(f"a {kind.name} message from the hop")
-            if got_seq == (seq if source is sock else direct_seq):
-                return payload, source is not sock  # an older step's answer: skipped
+            if answers is not None and sock.fileno() < 0:
+                raise LaneError("the lane closed")
+            got = lane_io.read_answer(
+                sock, None if answers is None else answers.sock, self.timeout_s, seq,
+                -1 if direct_seq is None else direct_seq,
+            )  # fmt: skip
+            if got is not None:
+                return got
+            answers.failed, answers = True, None  # type: ignore[union-attr]
 
     def _answers(self) -> AnswerLane | None:
         """The answer lane the steps name, while it is open."""

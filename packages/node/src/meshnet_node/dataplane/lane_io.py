@@ -11,6 +11,7 @@ way: until the module is built and checked, and where it is not, the Python does
 
 from __future__ import annotations
 
+import select
 import socket
 
 from meshnet_node.dataplane import lanes
@@ -68,3 +69,42 @@ def read_message(sock: socket.socket, timeout_s: float) -> tuple[LaneKind, int, 
         return lanes.read_message(sock)
     kind, seq, payload, _, _, _, _ = module.lane_read(sock.fileno(), timeout_s, None)
     return _KIND_OF[kind], seq, payload
+
+
+def read_answer(sock: socket.socket, answers: socket.socket | None, timeout_s: float,
+                seq: int, answers_seq: int) -> tuple[bytes, bool] | None:  # fmt: skip
+    """A head's answer to its step numbered ``seq`` on its lane ``sock`` or, with an
+    ``answers`` lane, to the one numbered ``answers_seq`` there, whichever comes (an older
+    step's answer is skipped): (payload, whether it came on the answer lane); None where
+    the answer lane failed (closed, broken, not a lane message): read the lane alone then.
+    A failure of the lane itself, a message not an answer or no answer within
+    ``timeout_s`` raise ``LaneError``."""
+    if answers is not None and answers.fileno() < 0:
+        return None
+    module = _state["module"] or native()
+    if module is not None:
+        payload, direct = module.lane_answer(
+            sock.fileno(), -1 if answers is None else answers.fileno(), timeout_s, seq,
+            answers_seq,
+        )  # fmt: skip
+        return None if payload is None else (payload, direct)
+    while True:
+        source = sock
+        if answers is not None:
+            try:
+                ready, _, _ = select.select((answers, sock), (), (), timeout_s)
+            except (OSError, ValueError):  # the answer lane closed under the select
+                return None
+            if not ready:
+                raise lanes.LaneError(f"no answer within {timeout_s:.0f} s")
+            source = ready[0]
+        try:
+            kind, got_seq, payload = lanes.read_message(source)
+        except lanes.LaneError:
+            if source is sock:
+                raise
+            return None
+        if kind != LaneKind.ANSWER:
+            raise lanes.LaneError(f"a {kind.name} message from the hop")
+        if got_seq == (seq if source is sock else answers_seq):
+            return payload, source is not sock

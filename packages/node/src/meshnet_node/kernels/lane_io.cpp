@@ -29,6 +29,7 @@ constexpr int64_t SEQ_AT = 5;
 constexpr int64_t MAX_MESSAGE = 16 << 20;  // lanes.MAX_LANE_MESSAGE
 constexpr int KIND_MAX = 5;                // HELLO .. DIRECT
 constexpr int KIND_STEP = 2;
+constexpr int KIND_ANSWER = 3;
 constexpr int KIND_DIRECT = 5;
 constexpr int64_t DIRECT_HEAD = 13;  // tag, the answer lane's number, hops timed
 constexpr int MAX_DIRECT_HOPS = 64;
@@ -133,24 +134,78 @@ class LaneKnown {
   torch::Tensor input_;
 };
 
-// One whole message from fd: (kind, number, payload, where its step begins: after a
-// DIRECT step's prefix, else 0, then, where ``known`` is given and the step matches it,
-// its position, its id and the input its body was copied into; else -1, -1, None).
-py::tuple lane_read(int64_t fd, double timeout_s, LaneKnown* known) {
+// A lane message's header and payload from fd (the payload a new bytes object); the kind
+// checked as lane_read does.
+py::object read_payload(int fd, double timeout_s, int* kind, uint32_t* seq) {
   uint8_t head[HEAD_BYTES];
-  read_exactly(static_cast<int>(fd), head, HEAD_BYTES, timeout_s);
+  read_exactly(fd, head, HEAD_BYTES, timeout_s);
   const int64_t size = get_u32(head);
-  const int kind = head[4];
-  const uint32_t seq = get_u32(head + SEQ_AT);
-  if (size > MAX_MESSAGE || kind < 1 || kind > KIND_MAX) {
-    fail("not a lane message (kind " + std::to_string(kind) + ", " + std::to_string(size) +
+  *kind = head[4];
+  *seq = get_u32(head + SEQ_AT);
+  if (size > MAX_MESSAGE || *kind < 1 || *kind > KIND_MAX) {
+    fail("not a lane message (kind " + std::to_string(*kind) + ", " + std::to_string(size) +
          " bytes)");
   }
   PyObject* raw = PyBytes_FromStringAndSize(nullptr, size);
   if (raw == nullptr) throw py::error_already_set();
   py::object payload = py::reinterpret_steal<py::object>(raw);
-  auto* data = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw));
-  read_exactly(static_cast<int>(fd), data, size, timeout_s);
+  read_exactly(fd, reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw)), size, timeout_s);
+  return payload;
+}
+
+// A head's answer to its step numbered seq on its lane fd or, where answers >= 0, to the
+// one numbered answers_seq on its answer lane, whichever comes (answers first where both
+// have; an older step's answer on either is skipped): (payload, whether it came on the
+// answer lane), or (None, true) where the answer lane failed (closed, broken, garbage):
+// the head reads its lane alone then (lane_burst.LaneBurst._answer).
+py::tuple lane_answer(int64_t fd, int64_t answers, double timeout_s, int64_t seq,
+                      int64_t answers_seq) {
+  static const char* const names[] = {"", "HELLO", "STEP", "ANSWER", "ANSWERS", "DIRECT"};
+  while (true) {
+    int source = static_cast<int>(fd);
+    if (answers >= 0) {
+      pollfd both[2] = {{static_cast<int>(answers), POLLIN, 0}, {source, POLLIN, 0}};
+      int ready;
+      {
+        py::gil_scoped_release nogil;
+        do {
+          ready = ::poll(both, 2, static_cast<int>(timeout_s * 1000));
+        } while (ready < 0 && errno == EINTR);
+      }
+      if (ready == 0) {
+        fail("no answer within " + std::to_string(static_cast<int64_t>(timeout_s + 0.5)) + " s");
+      }
+      if (ready < 0 || (both[0].revents & POLLNVAL)) return py::make_tuple(py::none(), true);
+      if (both[0].revents != 0) source = static_cast<int>(answers);
+    }
+    int kind = 0;
+    uint32_t got = 0;
+    py::object payload;
+    if (source == fd) {
+      payload = read_payload(source, timeout_s, &kind, &got);
+    } else {
+      try {
+        payload = read_payload(source, timeout_s, &kind, &got);
+      } catch (py::error_already_set&) {  // the answer lane's failure: the lane goes on
+        return py::make_tuple(py::none(), true);
+      }
+    }
+    if (kind != KIND_ANSWER) fail(std::string("a ") + names[kind] + " message from the hop");
+    if (got == static_cast<uint32_t>(source == fd ? seq : answers_seq)) {
+      return py::make_tuple(payload, source != fd);
+    }
+  }
+}
+
+// One whole message from fd: (kind, number, payload, where its step begins: after a
+// DIRECT step's prefix, else 0, then, where ``known`` is given and the step matches it,
+// its position, its id and the input its body was copied into; else -1, -1, None).
+py::tuple lane_read(int64_t fd, double timeout_s, LaneKnown* known) {
+  int kind = 0;
+  uint32_t seq = 0;
+  py::object payload = read_payload(static_cast<int>(fd), timeout_s, &kind, &seq);
+  auto* data = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(payload.ptr()));
+  const int64_t size = PyBytes_GET_SIZE(payload.ptr());
   int64_t start = 0;
   if (kind == KIND_DIRECT) {
     if (size < DIRECT_HEAD) fail("a direct step shorter than its header");
@@ -240,5 +295,8 @@ void register_lane_io(py::module& m) {
            py::arg("buffer"), py::arg("size"), py::arg("position_at"), py::arg("id_at"),
            py::arg("body_at"), py::arg("like"))
       .def("fill", &LaneMessage::fill);
+  m.def("lane_answer", &lane_answer, py::arg("fd"), py::arg("answers"), py::arg("timeout_s"),
+        py::arg("seq"), py::arg("answers_seq"),
+        "a head's answer on its lane or its answer lane, whichever comes");
   m.def("lane_set_error", &lane_set_error, "the exception a failed lane raises");
 }
