@@ -7,7 +7,7 @@ added to meshnet's own code: the head's step (``HeadPasses.step``), the compute 
 (``_submit``; ``_start``, called as a pass is handed over; ``_run`` on the compute thread
 and ``_encode_outputs`` at its end; ``_finished`` back on the loop), the hop streams (``HopLinks.relay``, ``_Stream.call`` and
 ``on_message``; on the serving end ``decode_request``, ``forward_answer``, ``parse_step``
-and ``_reply``), decode lanes (ADR-0058: ``lane_io.read``, ``read_message`` and the head's ``read_answer``, ``lanes.write``, a lane's
+and ``_reply``), decode lanes (ADR-0058: ``lane_io.read``, ``read_next``, ``read_message`` and the head's ``read_answer``, ``lanes.write``, a lane's
 pass, the head's ``LaneStep.write`` and ``HopLinks.lane_answer``; a swarm whose steps took
 the lanes is followed along them, a burst's answers from the tail's answer lane where the
 middle hops read each step once, ADR-0060). ``time.perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process
@@ -155,6 +155,7 @@ def install(out_dir: str, pin: bool, fine: bool = False) -> None:
     _wrap(lane_io, "read", "lread", "lgot")
     _wrap(lane_io, "read_message", "lread", "lgot")
     _wrap(lane_io, "read_answer", "await", "answered")  # the head's: its wait is inside
+    _wrap(lane_io, "read_next", None, "lnext")  # a node's next step: its wait is inside
     _wrap(lane_relay, "_timed", "lpass", "lpassed")
     _wrap(lanes, "write", "lwrite", "lwrote")
     _wrap(lanes.LaneClient, "data_received", "lans")
@@ -213,8 +214,8 @@ def chain_of(procs: int, lanes: bool = False, burst: bool = False,
         out = [(0, t) for t in ("hstep", "hstepped", "bx")]
         if not direct:
             out.append((0, "await"))
-        for p in range(1, procs):
-            out += [(p, t) for t in ("lread", "lgot", "lpass", "lpassed", "lwrite", "lwrote")]
+        for p in range(1, procs):  # each node waits for the next step in its read
+            out += [(p, t) for t in ("lnext", "lpass", "lpassed", "lwrite", "lwrote")]
         if direct:  # the head's read returns once the tail's answer came and was read
             return [*out, (0, "answered"), (0, "bxd"), (0, "hstep")]
         for p in range(procs - 2, 0, -1):
@@ -247,7 +248,7 @@ def follow(events: list[list[tuple[int, str]]], procs: int, last: int) -> dict:
     lanes = procs > 1 and any(tag == "lpass" for _, tag in events[1])
     burst = lanes and any(tag == "bx" for _, tag in events[0])
     # a middle hop reads each step once where the tail answers the head itself (ADR-0060)
-    reads = sum(tag == "lread" for _, tag in events[1]) if procs > 2 else 0
+    reads = sum(tag in ("lread", "lnext") for _, tag in events[1]) if procs > 2 else 0
     passes = sum(tag == "lpass" for _, tag in events[1]) if procs > 2 else 0
     direct = burst and procs > 2 and reads < 1.5 * passes
     order = chain_of(procs, lanes, burst, direct)
@@ -285,7 +286,7 @@ def kind(name: str) -> str:
         return COMPUTE
     if tag in ("woke", "fin"):
         return "thread hand-off"
-    if tag in ("recv", "ans", "lread", "lans", "answered"):
+    if tag in ("recv", "ans", "lread", "lans", "answered", "lnext"):
         return "message (send, transit, wake)"
     return "Python on the loop"
 

@@ -470,3 +470,42 @@ def test_a_heads_answer_is_read_on_its_lane_or_its_answer_lane_whichever_comes(l
         lane_far.close()
         with pytest.raises(LaneError):
             lane_io.read_answer(lane, None, 1.0, 12, -1)
+
+
+def test_a_nodes_next_step_is_read_where_it_comes_before_anything_else(lane_calls):
+    """``lane_io.read_next``: a node waits for the next message on the lane a step just
+    came on and on its compute thread's selector at once; the message is read where it
+    comes first, None where anything else the selector watches is ready first (another
+    lane, a wake-up: the selector takes its turn), and always None without the kernel
+    module (the selector then reads the lane)."""
+    from meshnet_node.dataplane import lane_io
+    from meshnet_node.scheduling.sockets import SocketWatch
+
+    watch = SocketWatch()
+    lane, lane_far = socket.socketpair()
+    other, other_far = socket.socketpair()
+    try:
+        watch.watch(lanes.blocking(lane), lambda _s: None)
+        watch.watch(other, lambda _s: None)
+        watch.wait()  # registered (the wake-up that handed them in drained)
+        lane_far.sendall(lanes.message(LaneKind.STEP, 3, b"step"))
+        got = lane_io.read_next(lane, watch.fileno(), 1.0)
+        if lane_calls == "python":
+            assert got is None  # the selector reads it
+            assert lanes.read_message(lane) == (LaneKind.STEP, 3, b"step")
+        else:
+            assert got == (LaneKind.STEP, 3, b"step", 0, None)
+        other_far.sendall(b"x")  # another socket first: the selector's turn
+        assert lane_io.read_next(lane, watch.fileno(), 1.0) is None
+        other.recv(16)
+        watch.wake()  # a pass handed in: the same
+        assert lane_io.read_next(lane, watch.fileno(), 1.0) is None
+        watch.wait()
+        lane_far.close()  # the lane's end: its error, where it reads
+        if lane_calls == "native":
+            with pytest.raises(LaneError, match="closed"):
+                lane_io.read_next(lane, watch.fileno(), 1.0)
+    finally:
+        watch.close()
+        for s in (lane_far, other_far):
+            s.close()

@@ -119,23 +119,47 @@ class LaneRelay:
     # -- on the compute thread ---------------------------------------------------------------
 
     def on_upstream(self, sock: socket.socket) -> None:
+        """A step (or another message) from the hop before, and the next ones while each
+        comes before anything else the compute thread waits for (``lane_io.read_next``)."""
+        message = None
+        while self._upstream(sock, message) and sock.fileno() >= 0:
+            try:
+                message = lane_io.read_next(sock, self._others, lanes.LANE_TIMEOUT_S,
+                                            self.known.get(sock))  # fmt: skip
+            except LaneError as exc:
+                logger.debug("a lane from the hop before closed: %s", exc)
+                self.forget_upstream(sock)
+                return
+            if message is None:
+                return
+
+    @functools.cached_property
+    def _others(self) -> int:
+        """What the compute thread waits for beside a lane: its selector's descriptor."""
+        return self.watch.fileno()
+
+    def _upstream(self, sock: socket.socket, message: tuple | None) -> bool:
+        """One message from the hop before (``message``: already read, else read here);
+        False where the lane was left."""
         direct = None
         known = self.known.get(sock)
         try:
             # read against the session's last step: ``got`` where it matches (``lane_known``)
-            kind, seq, payload, start, got = lane_io.read(sock, lanes.LANE_TIMEOUT_S, known)
+            kind, seq, payload, start, got = message or lane_io.read(
+                sock, lanes.LANE_TIMEOUT_S, known
+            )  # fmt: skip
             if kind == LaneKind.DIRECT:  # its tail answers the head itself (ADR-0060)
                 direct = lanes.parse_direct(payload)[0]
             elif kind == LaneKind.ANSWERS and len(payload) == lanes.DIRECT_TAG_BYTES:
                 self.answer_lanes[payload] = sock  # a head's lane: its answers go here
                 self._answer_tags[sock] = payload
-                return
+                return False  # read by the selector from here on (nothing comes on it)
             elif kind != LaneKind.STEP:
                 raise LaneError(f"a {kind.name} message from the hop before")
         except LaneError as exc:
             logger.debug("a lane from the hop before closed: %s", exc)
             self.forget_upstream(sock)
-            return
+            return False
         try:
             if got is None or (
                 (reply := self._known_step(sock, seq, got, known, direct)) is False
@@ -151,7 +175,7 @@ class LaneRelay:
                 lanes.write(sock, reply)
         except LaneError:
             self.forget_upstream(sock)
-            return
+            return False
         finally:
             if (holding := self._holding) is not None:  # the pass's turn, once it is off
                 self._holding = None
@@ -164,6 +188,7 @@ class LaneRelay:
             known.prepare()  # the next step's input, while this hop idles
             if known.message is not None and not self.service.links.raw_to(known.hop):
                 known.message = None  # the link is measured slow now: frames compressed
+        return True
 
     def forget_upstream(self, sock: socket.socket) -> None:
         self.known.pop(sock, None)

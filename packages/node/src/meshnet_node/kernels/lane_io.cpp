@@ -224,6 +224,25 @@ py::tuple lane_read(int64_t fd, double timeout_s, LaneKnown* known) {
   return py::make_tuple(kind, seq, payload, start, -1, -1, py::none());
 }
 
+// The next message on the lane fd, read as lane_read reads it, once it comes before
+// anything else the compute thread waits for: ``others`` (its selector's descriptor,
+// readable while any socket it watches is; the lane's own among them) waited on beside it,
+// the GIL released. None where fd has nothing and others is readable: the compute thread's
+// selector then takes its turn (another lane, a pass handed in, a wake-up).
+py::object lane_next(int64_t fd, int64_t others, double timeout_s, LaneKnown* known) {
+  pollfd both[2] = {{static_cast<int>(fd), POLLIN, 0}, {static_cast<int>(others), POLLIN, 0}};
+  int ready;
+  {
+    py::gil_scoped_release nogil;
+    do {
+      ready = ::poll(both, 2, -1);
+    } while (ready < 0 && errno == EINTR);
+  }
+  if (ready < 0) fail(std::string("the lane failed: ") + std::strerror(errno));
+  if (both[0].revents == 0) return py::none();
+  return lane_read(fd, timeout_s, known);
+}
+
 // A session's next lane message, filled in in place for each of its steps
 // (lane_known.NextMessage): at address ``buffer`` (size bytes, a Python buffer its owner
 // keeps pinned) the message first made, whose body (from body_at) holds a tensor of
@@ -295,6 +314,8 @@ void register_lane_io(py::module& m) {
            py::arg("buffer"), py::arg("size"), py::arg("position_at"), py::arg("id_at"),
            py::arg("body_at"), py::arg("like"))
       .def("fill", &LaneMessage::fill);
+  m.def("lane_next", &lane_next, py::arg("fd"), py::arg("others"), py::arg("timeout_s"),
+        py::arg("known"), "a lane's next message, where it comes before anything else");
   m.def("lane_answer", &lane_answer, py::arg("fd"), py::arg("answers"), py::arg("timeout_s"),
         py::arg("seq"), py::arg("answers_seq"),
         "a head's answer on its lane or its answer lane, whichever comes");

@@ -52,6 +52,11 @@ class SocketWatch:
         with contextlib.suppress(OSError):
             sock.close()
 
+    def fileno(self) -> int:
+        """The selector's descriptor: readable while a socket it watches is (a reader may
+        wait on it beside its own socket, and give the selector its turn once it is)."""
+        return self._selector.fileno()  # type: ignore[attr-defined]
+
     def ready(self) -> bool:
         """On the compute thread, between the steps of a pass that runs ahead: whether a
         socket it watches (not the wake-up one) has something to read."""
