@@ -4,10 +4,12 @@
 // hop's way costs ~5-40 us where it costs ~1 warm: a step's next message filled in from
 // Python (a shape compared, data_ptr, three packs, a memmove) took ~85 us there, a lane
 // message read (two receives, a header unpacked, a kind looked up) ~65. Here each is one
-// call. The bytes are the Python's own (dataplane/lanes.py, lane_known.py): a message is a
-// header (payload length u32, kind u8, number u32; big-endian) and its payload; a DIRECT
-// step's payload begins with its tag (8), the answer lane's number (u32) and the count of
-// hops timed (u8), then that many u32, then the step's bytes.
+// call, and so are the waits before a node's next step and a head's answer (a Python
+// select, its dispatch and a read's call cost ~50 us more). The bytes are the Python's own
+// (dataplane/lanes.py, lane_known.py): a message is a header (payload length u32, kind
+// u8, number u32; big-endian) and its payload; a DIRECT step's payload begins with its tag
+// (8), the answer lane's number (u32) and the count of hops timed (u8), then that many u32,
+// then the step's bytes.
 #include <torch/extension.h>
 
 #include <arpa/inet.h>
