@@ -145,8 +145,8 @@ def fronted(settings) -> bool:
 
 async def start_lanes(service, settings) -> None:
     """Offer decode lanes on ``service``'s hop streams and dial them to its next hops, where
-    ``--decode-lanes`` (the default), the node serves no TLS (a lane is plain TCP, or a Unix socket) and
-    nothing fronts it (``fronted``)."""
+    ``--decode-lanes`` (the default), the node serves no TLS (a lane is plain TCP, or a
+    Unix socket) and nothing fronts it (``fronted``)."""
     if settings.decode_lanes and settings.tls_cert is None and not fronted(settings):
         service.lanes = LaneEnds(service, settings.host)
         await service.lanes.start()

@@ -251,42 +251,44 @@ async def dial(host: str, port: int, secret: str, timeout: float) -> socket.sock
     node it names listens on this host (its ``host_name`` is there), a Unix socket: a
     message costs ~20 us less to write on it than on loopback TCP (docs/adr/0058)."""
     loop = asyncio.get_running_loop()
-    sock = await _dial_host(loop, port, secret)
-    if sock is None:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, address = infos[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        connect = loop.sock_connect(sock, address)
-    else:
-        connect = None
-    try:
-        async with asyncio.timeout(timeout):
-            if connect is not None:
-                await connect
+    unix = getattr(socket, "AF_UNIX", None)
+    async with asyncio.timeout(timeout):
+        sock = None
+        if unix is not None:
+            sock = await _connect(loop, unix, host_name(port, secret), quiet=True)
+        if sock is None:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, address = infos[0]
+            sock = await _connect(loop, family, address)
+        try:
             await loop.sock_sendall(sock, message(LaneKind.HELLO, 0, secret.encode()))
-    except BaseException:
-        sock.close()
-        raise
-    if sock.family != socket.AF_UNIX:
+        except BaseException:
+            sock.close()
+            raise
+    if sock.family != unix:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 
-async def _dial_host(loop, port: int, secret: str) -> socket.socket | None:
-    """The node's lane on this host (``host_name``), connected; None where it is not here
-    (another host, an older version, not Linux): refused at once, no wait."""
-    family = getattr(socket, "AF_UNIX", None)
-    if family is None:
-        return None
-    sock = socket.socket(family, socket.SOCK_STREAM)
+async def _connect(loop, family, address, quiet: bool = False) -> socket.socket | None:
+    """A non-blocking stream socket of ``family`` connected to ``address``; ``quiet``: None
+    where it cannot be (a ``host_name`` not on this host is refused at once) rather than
+    the error."""
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        if quiet:
+            return None
+        raise
     sock.setblocking(False)
     try:
-        await loop.sock_connect(sock, host_name(port, secret))
-    except OSError:
+        await loop.sock_connect(sock, address)
+    except BaseException as exc:
         sock.close()
-        return None
+        if quiet and isinstance(exc, OSError):
+            return None
+        raise
     return sock
 
 
