@@ -88,7 +88,7 @@ def _wrap(owner, name: str, enter: str | None, leave: str | None = None) -> None
 def fine_calls() -> list[tuple[object, str]]:
     """``--fine``: the calls on a lane step's way whose own time is printed."""
     from meshnet_common import wire
-    from meshnet_node.dataplane import answer_bytes, lane_burst, lane_known, lane_relay, lanes
+    from meshnet_node.dataplane import lane_burst, lane_io, lane_known, lane_relay, lanes
     from meshnet_node.engine import sessions
     from meshnet_node.engine import stage as stage_mod
     from meshnet_node.scheduling import scheduler
@@ -102,11 +102,12 @@ def fine_calls() -> list[tuple[object, str]]:
         (lane_relay.LaneRelay, "_count"), (lane_relay.LaneRelay, "_answer"),
         (lane_relay.LaneRelay, "_send_on"), (scheduler.ComputeScheduler, "_waiting"),
         (lanes, "read_message"), (lane_known.NextMessage, "fill"),
-        (answer_bytes, "token_of"), (scheduler, "_timed"),
+        (scheduler, "_timed"),
         (lane_burst.LaneBurst, "_answer"), (lane_burst.LaneBurst, "_answers"),
         (lanes.Direct, "prefix"), (lane_known.NextMessage, "fits"),
         (lane_relay.LaneRelay, "_known_step"), (lane_relay.LaneRelay, "_pass"),
-        (stage_mod.Stage, "step"),
+        (stage_mod.Stage, "step"), (lane_burst.LaneBurst, "_write"),
+        (lane_known.NextMessage, "send"), (lane_io, "send_answer"),
     ]  # fmt: skip
 
 
@@ -158,6 +159,10 @@ def install(out_dir: str, pin: bool, fine: bool = False) -> None:
     _wrap(lane_io, "read_next", None, "lnext")  # a node's next step: its wait is inside
     _wrap(lane_relay, "_timed", "lpass", "lpassed")
     _wrap(lanes, "write", "lwrite", "lwrote")
+    from meshnet_node.dataplane.lane_known import NextMessage
+
+    _wrap(NextMessage, "send", "lwrite", "lwrote")  # a step's message filled in and written
+    _wrap(lane_io, "send_answer", "lwrite", "lwrote")  # the tail's, on the answer lane
     _wrap(lanes.LaneClient, "data_received", "lans")
     _wrap(lanes.LaneStep, "write", "hwrite", "hwrote")  # the head's, on its compute thread
     _wrap(links.HopLinks, "lane_answer", None, "lsent")

@@ -164,7 +164,7 @@ def _burst(head, tail, sid, token, ahead, go_on=lambda: True, fail=None, forget=
 
 
 def _tokens(taken) -> list[int]:
-    return [answer_bytes.decode(got.answer.body).token_id for got in taken]
+    return [answer_bytes.decode(got.answer().body).token_id for got in taken]
 
 
 def test_a_burst_gives_the_tokens_of_the_same_split_step_by_step(tiny_snapshot):
@@ -226,11 +226,11 @@ def test_a_step_that_fails_ends_the_burst_and_the_heads_cache_before_it(tiny_sna
     first = _opened(head, tail, "s")
     burst, _, _, taken = _burst(head, tail, "s", first, Ahead(5), fail=(3, failure))
     assert len(taken) == 3 and burst.steps == 3
-    assert all(got.answer.status == 200 for got in taken[:2])
+    assert all(got.answer().status == 200 for got in taken[:2])
     if failure is None:
-        assert isinstance(taken[2].answer, LaneError)
+        assert isinstance(taken[2].answer(), LaneError)
     else:
-        assert taken[2].answer.status == failure
+        assert taken[2].answer().status == failure
     # the third step's head pass ran; it is forgotten: the next step sends it again
     assert head.sessions.peek("s").length == len(PROMPT) + 2
 
@@ -254,7 +254,7 @@ def test_the_tail_answers_a_burst_on_the_heads_answer_lane(tiny_snapshot):
     _opened(head, tail, "error")
     _, _, _, taken = _burst(head, tail, "error", first, Ahead(5), fail=(3, 503), direct=True)
     assert len(taken) == 3 and all(got.direct for got in taken[:2])
-    assert taken[2].answer.status == 503 and not taken[2].direct
+    assert taken[2].answer().status == 503 and not taken[2].direct
     _opened(head, tail, "closed")
     burst, _, hop, taken = _burst(head, tail, "closed", first, Ahead(5), fail=(3, None),
                                   direct=True)  # fmt: skip
@@ -267,7 +267,7 @@ def test_a_first_step_refused_keeps_its_output_for_the_stream(tiny_snapshot):
     head, tail = _stages(tiny_snapshot("llama"))
     first = _opened(head, tail, "s")
     burst, out, _, taken = _burst(head, tail, "s", first, Ahead(5), fail=(1, 421))
-    assert [got.answer.status for got in taken] == [421] and burst.steps == 1
+    assert [got.answer().status for got in taken] == [421] and burst.steps == 1
     assert out.frame is not None  # sent on by the stream, as it is
     assert head.sessions.peek("s").length == len(PROMPT) + 1
 

@@ -14,9 +14,10 @@ from dataclasses import replace
 
 import pytest
 
-from meshnet_node.dataplane import lanes
+from meshnet_node.dataplane import answer_bytes, lane_io, lanes
 from meshnet_node.dataplane.lanes import LaneError, LaneKind
 from meshnet_node.dataplane.steps import OpenSpec, Step
+from meshnet_node.engine.sampling import SampledToken
 from meshnet_node.scheduling.scheduler import ComputeScheduler
 
 
@@ -181,7 +182,7 @@ def test_the_compute_thread_reads_its_sockets_between_passes():
 def lane_calls(request, monkeypatch):
     """Each lane read and fill both ways: in Python, and by the kernel module's one call
     (``lane_io``), which must give the same bytes and values."""
-    from meshnet_node.dataplane import lane_io
+
     from meshnet_node.kernels import packed
 
     if request.param == "python":
@@ -273,6 +274,19 @@ def test_a_sessions_next_message_is_its_last_filled_in(lane_calls):
             kind, got_seq, _ = lanes.read_message(sock)
         assert (kind, got_seq) == (LaneKind.STEP, seq)
     assert message.fill(9, 13, 1, torch.randn(1, 2, 576).to(torch.bfloat16)) is None
+    # filled in and written in one call: the same bytes on the socket, nothing written
+    # where it fills none, and a lane that closed an error
+    a, b = socket.socketpair()
+    with a, b:
+        later = torch.randn(1, 1, 576).to(torch.bfloat16)
+        built = lanes.message(LaneKind.STEP, 5, moved(head, 20, 99),
+                              wire.encode_tensor(later, raw))  # fmt: skip
+        assert message.send(a, 5, 20, 99, later) == len(built)
+        assert message.send(a, 6, 21, 1, torch.randn(1, 2, 576).to(torch.bfloat16)) == 0
+        assert lanes.read_message(b) == (LaneKind.STEP, 5, built[lanes.HEAD_BYTES :])
+        b.close()
+        with pytest.raises(LaneError):
+            message.send(a, 7, 22, 1, later)
 
 
 def test_a_direct_step_carries_its_tag_the_heads_number_and_each_hops_compute(lane_calls):
@@ -307,6 +321,19 @@ def test_a_direct_step_carries_its_tag_the_heads_number_and_each_hops_compute(la
         kind, seq, payload = lanes.read_message(sock)
     assert (kind, seq) == (LaneKind.DIRECT, 8)
     assert lanes.parse_direct(payload)[0] == sent
+    a, b = socket.socketpair()
+    with a, b:  # the tail's answer on the head's answer lane: as it is built
+        body = answer_bytes.encode(SampledToken(token_id=321, logprob=-0.25))
+        lane_io.send_answer(a, 42, 200, at_tail.compute_us, 19.25, body)
+        kind, seq, payload = lanes.read_message(b)
+        assert (kind, seq) == (LaneKind.ANSWER, 42)
+        assert lanes.parse_answer(payload) == (200, "12.345,7.000,19.250", body)
+        assert lane_io.answer_token(payload) == (200, 321)
+        lane_io.send_answer(a, 43, 500, (), 0.0004999, b"{}")
+        assert lanes.parse_answer(lanes.read_message(b)[2]) == (500, "0.000", b"{}")
+        b.close()
+        with pytest.raises(LaneError):
+            lane_io.send_answer(a, 44, 200, (), 1.0, body)
 
 
 def test_a_lane_read_matches_a_sessions_next_step_as_it_reads_it(lane_calls):
@@ -436,26 +463,40 @@ def test_a_heads_answer_is_read_on_its_lane_or_its_answer_lane_whichever_comes(l
     otherwise, on its answer lane (ADR-0060), an older step's skipped; the answer lane's
     failure says so (None: the lane goes on alone); the lane's own, a message that is not
     an answer and no answer in time are errors."""
-    from meshnet_node.dataplane import lane_io
 
-    def answer(seq, body=b"ok"):
-        return lanes.message(LaneKind.ANSWER, seq, lanes._ANSWER.pack(200, 0), body)
+    def answer(seq, body=b"ok", status=200):
+        return lanes.message(LaneKind.ANSWER, seq, lanes._ANSWER.pack(status, 0), body)
 
+    token = answer_bytes.encode(SampledToken(token_id=2**32 - 2, logprob=-1.5))
     lane, lane_far = socket.socketpair()
     answers, answers_far = socket.socketpair()
     with lane, lane_far, answers, answers_far:
-        # on the lane alone, an older answer before it
-        lane_far.sendall(answer(6, b"old") + answer(7, b"mine"))
-        payload, direct = lane_io.read_answer(lane, None, 1.0, 7, -1)
-        assert (lanes.parse_answer(payload).body, direct) == (b"mine", False)
+        # on the lane alone, an older answer before it; its status and token read with it
+        lane_far.sendall(answer(6, b"old") + answer(7, token))
+        payload, direct, status, got = lane_io.read_answer(lane, None, 1.0, 7, -1)
+        assert (lanes.parse_answer(payload).body, direct) == (token, False)
+        assert (status, got) == (200, 2**32 - 2)
         # on the answer lane, numbered as that lane numbers it
         answers_far.sendall(answer(41, b"stale") + answer(42, b"direct"))
-        payload, direct = lane_io.read_answer(lane, answers, 1.0, 8, 42)
+        payload, direct, status, got = lane_io.read_answer(lane, answers, 1.0, 8, 42)
         assert (lanes.parse_answer(payload).body, direct) == (b"direct", True)
+        assert (status, got) == (200, -1)  # no token named
         # a failure or a refusal comes on the lane while the answer lane waits
-        lane_far.sendall(answer(9, b"refused"))
-        payload, direct = lane_io.read_answer(lane, answers, 1.0, 9, 43)
+        lane_far.sendall(answer(9, b"refused", lanes.LANE_REFUSED))
+        payload, direct, status, got = lane_io.read_answer(lane, answers, 1.0, 9, 43)
         assert (lanes.parse_answer(payload).body, direct) == (b"refused", False)
+        assert (status, got) == (lanes.LANE_REFUSED, -1)
+        # a malformed answer (its compute times past its end): no status, the loop's
+        # parse refuses it
+        lane_far.sendall(lanes.message(LaneKind.ANSWER, 9, b"\x00\xc8\x00\x09ab"))
+        assert lane_io.read_answer(lane, None, 1.0, 9, -1)[2:] == (-1, -1)
+        for delay_s in (0.005, 0.03, 0.08):  # due: read however it comes (``read_next``)
+            threading.Timer(delay_s, answers_far.sendall, (answer(43, b"due"),)).start()
+            got = lane_io.read_answer(lane, answers, 1.0, 9, 43, 0.02, 0.02)
+            assert (lanes.parse_answer(got[0]).body, got[1]) == (b"due", True)
+            threading.Timer(delay_s, lane_far.sendall, (answer(9, b"own"),)).start()
+            got = lane_io.read_answer(lane, None, 1.0, 9, -1, 0.02, 0.02)
+            assert (lanes.parse_answer(got[0]).body, got[1]) == (b"own", False)
         with pytest.raises(LaneError, match="no answer within"):
             lane_io.read_answer(lane, answers, 0.2, 10, 44)
         answers_far.sendall(b"\xff" * 16)  # garbage: the answer lane is left, not the lane
@@ -478,7 +519,7 @@ def test_a_nodes_next_step_is_read_where_it_comes_before_anything_else(lane_call
     comes first, None where anything else the selector watches is ready first (another
     lane, a wake-up: the selector takes its turn), and always None without the kernel
     module (the selector then reads the lane)."""
-    from meshnet_node.dataplane import lane_io
+
     from meshnet_node.scheduling.sockets import SocketWatch
 
     watch = SocketWatch()
@@ -495,7 +536,21 @@ def test_a_nodes_next_step_is_read_where_it_comes_before_anything_else(lane_call
             assert lanes.read_message(lane) == (LaneKind.STEP, 3, b"step")
         else:
             assert got == (LaneKind.STEP, 3, b"step", 0, None)
+        # due (``lane_wait``): asleep a while, then looking for it; read however it
+        # comes: before the look begins, during it, or after it (asleep again)
+        for delay_s in (0.005, 0.03, 0.08):
+            threading.Timer(delay_s, lane_far.sendall,
+                            (lanes.message(LaneKind.STEP, 4, b"due"),)).start()  # fmt: skip
+            got = lane_io.read_next(lane, watch.fileno(), 1.0, None, 0.02, 0.02)
+            if lane_calls == "python":
+                assert got is None
+                assert lanes.read_message(lane) == (LaneKind.STEP, 4, b"due")
+            else:
+                assert got == (LaneKind.STEP, 4, b"due", 0, None)
         other_far.sendall(b"x")  # another socket first: the selector's turn
+        assert lane_io.read_next(lane, watch.fileno(), 1.0, None, 0.01, 0.01) is None
+        other.recv(16)
+        other_far.sendall(b"x")
         assert lane_io.read_next(lane, watch.fileno(), 1.0) is None
         other.recv(16)
         watch.wake()  # a pass handed in: the same

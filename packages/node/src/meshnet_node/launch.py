@@ -22,6 +22,7 @@ from meshnet_common.web import tls
 from meshnet_common.web.auth import check_api_key_file
 from meshnet_common.web.hosts import require_https
 from meshnet_common.web.shards import ShardServer
+from meshnet_node.dataplane.lane_wait import spin_window_s
 from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm.host_memory import HostClaims
 from meshnet_node.swarm.host_turns import node_turns
@@ -186,6 +187,7 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
         )
         scheduler = runtime.service.scheduler
         threads = dedicate(scheduler, settings.threads)
+        runtime.service.links.lane_spin_s = spin_window_s(settings.lane_spin_ms, threads)
         turns = node_turns(settings, threads, runtime.service.stage.shard.device.type)
         scheduler.turns = turns
         logger.info("%s", describe_threads(threads, offer.others, spin, turns))

@@ -17,6 +17,7 @@ from meshnet_common.metrics import Metrics
 from meshnet_common.protocol import Heartbeat, NodeAnnouncement, Verdict
 from meshnet_node.cpu_threads import apart, dedicate, describe
 from meshnet_node.dataplane.forward import install_forward_path
+from meshnet_node.dataplane.lane_wait import spin_window_s
 from meshnet_node.dataplane.stream_server import max_message_bytes
 from meshnet_node.head.routes import HANDLERS
 from meshnet_node.runtime import (
@@ -60,6 +61,7 @@ class TrackerNode:
         )
         scheduler = node.runtime.service.scheduler
         threads = dedicate(scheduler, settings.threads)
+        node.runtime.service.links.lane_spin_s = spin_window_s(settings.lane_spin_ms, threads)
         device = node.runtime.service.stage.shard.device.type
         scheduler.turns = node_turns(settings, threads, device)  # shared with the host's nodes
         logger.info("tracker node: %s", describe(threads, 0, spin, scheduler.turns))

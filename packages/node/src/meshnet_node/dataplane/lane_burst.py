@@ -28,9 +28,10 @@ from typing import NamedTuple
 
 import torch
 
-from meshnet_node.dataplane import answer_bytes, lane_io, lanes, step_bytes
+from meshnet_node.dataplane import lane_io, lanes, step_bytes
 from meshnet_node.dataplane.answer_lanes import AnswerLane
 from meshnet_node.dataplane.lane_known import NextMessage, moved
+from meshnet_node.dataplane.lane_wait import ASLEEP, Cadence
 from meshnet_node.dataplane.lanes import LaneAnswer, LaneError
 from meshnet_node.engine.step_io import DecodeItem, StepOutput
 
@@ -39,15 +40,28 @@ LANE_AHEAD_TOKENS = 64  # further steps a burst may run (each streams as it come
 
 
 class BurstStep(NamedTuple):
-    """One step of a burst as the loop takes it: the tail's answer (or the lane's failure),
-    the head's compute ms, the step's time from written to answered, its bytes sent."""
+    """One step of a burst as the loop takes it: the tail's answer's payload (or the lane's
+    failure), the head's compute ms, the step's time from written to answered, its bytes
+    sent. The compute thread goes on with the answer's ``status`` and ``token``
+    (``lane_io.answer_token``); the loop parses the rest (``answer``)."""
 
     position: int
-    answer: LaneAnswer | BaseException
+    payload: bytes | BaseException
     head_ms: float
     rtt_s: float
     sent: int
     direct: bool = False  # answered on the head's answer lane by the tail (ADR-0060)
+    status: int = -1  # -1: the lane failed, or the answer is malformed
+    token: int = -1  # -1: the answer names none
+
+    def answer(self) -> LaneAnswer | BaseException:
+        """The tail's answer, parsed (on the loop), or the lane's failure."""
+        if isinstance(self.payload, BaseException):
+            return self.payload
+        try:
+            return lanes.parse_answer(self.payload)
+        except LaneError as exc:
+            return exc
 
 
 class LaneBurst:
@@ -55,15 +69,18 @@ class LaneBurst:
     lane carries: route, the hops after the first); ``request_id``: its log id;
     ``encode``: the head's output to the first hop's frame; ``timeout_s``: how long an
     answer may take; ``answers``: the head's answer lane to the route's tail, which then
-    answers each step there itself (``DIRECT``, ADR-0060). Made on the loop, run once on
+    answers each step there itself (``DIRECT``, ADR-0060); ``cadence``: the lane's answers'
+    beat, looked for ahead where it is steady (``lane_wait``). Made on the loop, run once on
     the compute thread (``run``: a pass of the scheduler, ``task`` on the loop), its steps
     taken on the loop (``take``)."""
 
     def __init__(self, client: lanes.LaneClient, step, request_id: str | None,
                  encode: Callable[[torch.Tensor], bytes], timeout_s: float,
-                 answers: AnswerLane | None = None) -> None:  # fmt: skip
+                 answers: AnswerLane | None = None,
+                 cadence: Cadence | None = None) -> None:  # fmt: skip
         self.client = client
         self.answers = answers
+        self.cadence = cadence  # when answers are due (``lane_wait``); None: asleep till then
         self.step = step
         self.request_id = request_id
         self.encode = encode
@@ -159,35 +176,16 @@ class LaneBurst:
                     item.session_id, p, token_ids=t, owner=item.owner, sample=item.sample))  # fmt: skip
                 self.steps += 1
                 spent += took
-                seq = self.client.next_seq()
-                answers = self._answers()
-                direct = (
-                    None if answers is None else lanes.Direct(answers.tag, answers.number(), ())
-                )
-                message = self._message
-                data = (
-                    None if message is None or token is None or not message.fits(direct)
-                    else message.fill(seq, position, token, out.hidden, direct)
-                )  # fmt: skip
-                frame = None
-                if data is None:
-                    frame = self.encode(out.hidden)
-                    data = lanes.step_message(seq, self._step_bytes(position, token), frame,
-                                              direct)  # fmt: skip
                 if first is None:
                     first = out
-                    first.frame = frame
                 before, answered = answered, None
                 answered, ids, view = self._exchange(
-                    sock, position, seq, data, took * 1000, before,
-                    None if frame is None else (frame, out.hidden, direct),
-                    None if direct is None else direct.seq,
+                    sock, position, token, out, took * 1000, before
                 )  # fmt: skip
-                got = answered.answer
-                ok = isinstance(got, LaneAnswer) and got.status == 200
+                ok = answered.status == 200
                 # None where malformed: the loop meets it (``HopLinks.burst_step``)
-                token = answer_bytes.token_of(got.body) if ok else None  # type: ignore[union-attr]
-                refused = isinstance(got, LaneAnswer) and got.status == lanes.LANE_REFUSED
+                token = answered.token if ok and answered.token >= 0 else None
+                refused = answered.status == lanes.LANE_REFUSED
                 if not ok and not (refused and self.steps == 1):
                     # the head's cache ends before the step the chain did not complete (a
                     # first step refused goes on the stream with this output: ``_burst``)
@@ -211,58 +209,82 @@ class LaneBurst:
             self._head = step_bytes.encode(self.step, self.request_id)
         return self._head if token is None else moved(self._head, position, token)
 
-    def _exchange(self, sock, position: int, seq: int, data, head_ms: float,
-                  answered: BurstStep | None, encoded: tuple | None,
-                  direct_seq: int | None):  # fmt: skip
-        """Write ``data``, the lane message numbered ``seq`` of the step at ``position``
-        (``direct_seq``: its number on the answer lane, where it names one), hand the step
-        ``answered`` before it to the loop, and read this one's answer; with the next
-        step's input tensor and a view to write its token in. ``encoded``: the step's frame
-        and output where ``data`` was built anew (the next steps' message is made of them
-        while the chain computes)."""
+    def _exchange(self, sock, position: int, token: int | None, out: StepOutput,
+                  head_ms: float, answered: BurstStep | None):  # fmt: skip
+        """Write the step at ``position`` (input ``token``; None: the item's), the head's
+        output ``out``, hand the step ``answered`` before it to the loop, and read this
+        one's answer; with the next step's input tensor and a view to write its token in.
+        The first step's frame is kept on ``out`` (``frame``: None where a later step's
+        message was filled in)."""
         sent = time.perf_counter()
+        seq = self.client.next_seq()
+        answers = self._answers()
+        direct = None if answers is None else lanes.Direct(answers.tag, answers.number(), ())
         ids = view = None
-        direct = False
+        size, came, status, got_token = 0, False, -1, -1
         try:
             try:
-                sock.sendall(data)
+                size = self._write(sock, seq, position, token, out, direct)
             finally:
                 self._give()  # the head's turn, kept from its pass (``run``)
-            if encoded is not None:  # built anew: the next steps fill this one in
-                self._message = NextMessage.of(self._head, *encoded)  # type: ignore[arg-type]
             # the next step's input tensor, made while the chain computes this one
             ids = torch.empty((1, 1), dtype=torch.int64)
             view = ids.numpy().reshape(-1)
             if answered is not None:  # once this step is on its way, and just before this
                 self._hand(answered)  # thread waits: the loop's work on it is off the
                 answered = None  # critical path, and takes no core the next hop needs
-            payload, direct = self._answer(sock, seq, direct_seq)
-            got: LaneAnswer | BaseException = lanes.parse_answer(payload)
+            got, came, status, got_token = self._answer(
+                sock, seq, None if direct is None else direct.seq
+            )  # fmt: skip
         except (OSError, LaneError) as exc:
             got = exc
         finally:
             if answered is not None:  # the write failed: the step before is the loop's too
                 self._hand(answered)
         took = time.perf_counter() - sent
-        return BurstStep(position, got, head_ms, took, len(data), direct), ids, view
+        return BurstStep(position, got, head_ms, took, size, came, status, got_token), ids, view
 
-    def _answer(self, sock, seq: int, direct_seq: int | None) -> tuple[bytes, bool]:
+    def _write(self, sock, seq: int, position: int, token: int | None, out: StepOutput,
+               direct: lanes.Direct | None) -> int:  # fmt: skip
+        """Write the step numbered ``seq``: the message of the step before filled in where
+        there is one (``NextMessage``), else made anew (and kept for the next steps); its
+        size."""
+        message = self._message
+        if message is not None and token is not None and message.fits(direct):
+            size = message.send(sock, seq, position, token, out.hidden, direct, self.timeout_s)
+            if size:
+                return size
+        frame = self.encode(out.hidden)
+        if self.steps == 1:
+            out.frame = frame
+        data = lanes.step_message(seq, self._step_bytes(position, token), frame, direct)
+        sock.sendall(data)
+        self._message = NextMessage.of(self._head, frame, out.hidden, direct)  # type: ignore[arg-type]
+        return len(data)
+
+    def _answer(self, sock, seq: int, direct_seq: int | None) -> tuple[bytes, bool, int, int]:
         """The payload of the answer to the step numbered ``seq`` (on the answer lane:
-        ``direct_seq``), and whether it came on the answer lane: on the lane ``sock`` or,
+        ``direct_seq``), whether it came on the answer lane, its status and the token it
+        names (``lane_io.read_answer``): on the lane ``sock`` or,
         with an answer lane, on whichever of the two it comes (the tail answers there; the
         first hop, on its lane, a failure or a
         refusal, or an answer the stream carried). An answer lane that closed is left: the
         tail answers up the chain again (it refuses a step naming a lane it lost, and the
         hop that ran it sends it on by the stream)."""
         answers = self._answers() if direct_seq is not None else None
+        cadence = self.cadence
+        sleep_s, spin_s = ASLEEP if cadence is None else cadence.due()
+        started = time.perf_counter()
         while True:
             if answers is not None and sock.fileno() < 0:
                 raise LaneError("the lane closed")
             got = lane_io.read_answer(
                 sock, None if answers is None else answers.sock, self.timeout_s, seq,
-                -1 if direct_seq is None else direct_seq,
+                -1 if direct_seq is None else direct_seq, sleep_s, spin_s,
             )  # fmt: skip
             if got is not None:
+                if cadence is not None:
+                    cadence.note(time.perf_counter() - started)
                 return got
             answers.failed, answers = True, None  # type: ignore[union-attr]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import select
 import socket
 
-from meshnet_node.dataplane import lanes
+from meshnet_node.dataplane import answer_bytes, lanes
 from meshnet_node.dataplane.lanes import LaneKind
 from meshnet_node.kernels import intpack
 
@@ -29,7 +29,7 @@ def native():
     module = _state["module"]
     if module is None:
         module = intpack.module()
-        if module is None or not hasattr(module, "lane_read"):
+        if module is None or not hasattr(module, "lane_answer_send"):
             return None
         module.lane_set_error(lanes.LaneError)
         _state["module"] = module
@@ -50,18 +50,20 @@ def read(sock: socket.socket, timeout_s: float, known=None):
     return _match(kind, seq, payload, start, known)
 
 
-def read_next(sock: socket.socket, others: int, timeout_s: float, known=None):
+def read_next(sock: socket.socket, others: int, timeout_s: float, known=None,
+              sleep_s: float = 0.0, spin_s: float = 0.0):  # fmt: skip
     """``read``'s message from ``sock`` once it comes before anything else the compute
     thread waits for (``others``: its selector's descriptor, readable while any socket it
     watches is); None where ``others`` is readable first, or without the kernel module (then
     the selector reads ``sock`` when it comes). On a core the step just run left cold, the
     selector's return, its dispatch and the read's call cost ~50 us more than this one
-    call."""
+    call. ``sleep_s``, ``spin_s``: where the message is due, asleep that long, then looking
+    for it without sleeping for up to ``spin_s`` (``lane_wait.Cadence.due``)."""
     module = _state["module"] or native()
     if module is None:
         return None
     lane_known = None if known is None else known.native
-    got = module.lane_next(sock.fileno(), others, timeout_s, lane_known)
+    got = module.lane_next(sock.fileno(), others, timeout_s, lane_known, sleep_s, spin_s)
     return None if got is None else _read(got, known)
 
 
@@ -96,22 +98,24 @@ def read_message(sock: socket.socket, timeout_s: float) -> tuple[LaneKind, int, 
 
 
 def read_answer(sock: socket.socket, answers: socket.socket | None, timeout_s: float,
-                seq: int, answers_seq: int) -> tuple[bytes, bool] | None:  # fmt: skip
+                seq: int, answers_seq: int, sleep_s: float = 0.0,
+                spin_s: float = 0.0) -> tuple[bytes, bool, int, int] | None:  # fmt: skip
     """A head's answer to its step numbered ``seq`` on its lane ``sock`` or, with an
     ``answers`` lane, to the one numbered ``answers_seq`` there, whichever comes (an older
-    step's answer is skipped): (payload, whether it came on the answer lane); None where
-    the answer lane failed (closed, broken, not a lane message): read the lane alone then.
-    A failure of the lane itself, a message not an answer or no answer within
-    ``timeout_s`` raise ``LaneError``."""
+    step's answer is skipped): (payload, whether it came on the answer lane, its status and
+    the token it names: ``answer_token``); None where the answer lane failed (closed,
+    broken, not a lane message): read the lane alone then. A failure of the lane itself, a
+    message not an answer or no answer within ``timeout_s`` raise ``LaneError``. ``sleep_s``,
+    ``spin_s``: as ``read_next``'s (the kernel module's call alone looks ahead)."""
     if answers is not None and answers.fileno() < 0:
         return None
     module = _state["module"] or native()
     if module is not None:
-        payload, direct = module.lane_answer(
+        got = module.lane_answer(
             sock.fileno(), -1 if answers is None else answers.fileno(), timeout_s, seq,
-            answers_seq,
+            answers_seq, sleep_s, spin_s,
         )  # fmt: skip
-        return None if payload is None else (payload, direct)
+        return None if got[0] is None else got
     while True:
         source = sock
         if answers is not None:
@@ -131,4 +135,31 @@ def read_answer(sock: socket.socket, answers: socket.socket | None, timeout_s: f
         if kind != LaneKind.ANSWER:
             raise lanes.LaneError(f"a {kind.name} message from the hop")
         if got_seq == (seq if source is sock else answers_seq):
-            return payload, source is not sock
+            return (payload, source is not sock, *answer_token(payload))
+
+
+def answer_token(payload: bytes) -> tuple[int, int]:
+    """An answer's status and the token its body names (``answer_bytes.token_of``): all a
+    head's burst needs to go on; -1 where the answer is malformed (status: ``parse_answer``
+    would refuse it) or names no token."""
+    try:
+        got = lanes.parse_answer(payload)
+    except lanes.LaneError:
+        return -1, -1
+    token = answer_bytes.token_of(got.body)
+    return got.status, -1 if token is None else token
+
+
+def send_answer(sock: socket.socket, seq: int, status: int, compute_us: tuple[int, ...],
+                own_ms: float, body: bytes) -> None:  # fmt: skip
+    """Write the answer to the step numbered ``seq`` on ``sock``: ``status``, every hop's
+    compute (``compute_us``, then this one's ``own_ms``: as ``Direct.compute`` says them)
+    and ``body``; one native call where the module is built. A failure raises
+    ``LaneError``."""
+    module = _state["module"] or native()
+    if module is None:
+        compute = lanes.Direct(b"", 0, compute_us).compute(own_ms)
+        lanes.write(sock, lanes.answer(seq, status, compute, body))
+        return
+    module.lane_answer_send(sock.fileno(), seq, status, compute_us, own_ms, body,
+                            lanes.LANE_TIMEOUT_S)  # fmt: skip

@@ -147,8 +147,8 @@ class NextMessage:
     a ``DIRECT`` one whose ``Direct`` goes before the step (ADR-0060). The buffer is
     reused: a hop writes a session's next step only once the one before was answered."""
 
-    __slots__ = ("_body", "buffer", "frame_at", "id_at", "kind", "native", "nbytes",
-                 "position_at", "prefix_size", "shape")  # fmt: skip
+    __slots__ = ("_body", "buffer", "frame_at", "id_at", "kind", "native", "native_send",
+                 "nbytes", "position_at", "prefix_size", "shape")  # fmt: skip
 
     def __init__(self, head: bytes, frame: bytes, body_at: int, hidden: torch.Tensor,
                  kind: lanes.LaneKind, prefix: bytes) -> None:  # fmt: skip
@@ -163,10 +163,12 @@ class NextMessage:
         room = (ctypes.c_char * self.nbytes).from_buffer(self.buffer, self.frame_at + body_at)
         self._body = (room, ctypes.addressof(room))  # the export pins the buffer's memory
         module = lane_io.native()
-        self.native = None if module is None else module.LaneMessage(
+        message = None if module is None else module.LaneMessage(
             ctypes.addressof(room) - self.frame_at - body_at, len(self.buffer),
             self.position_at, self.id_at, self.frame_at + body_at, hidden,
-        ).fill  # fmt: skip
+        )  # fmt: skip
+        self.native = None if message is None else message.fill
+        self.native_send = None if message is None else message.send
 
     @staticmethod
     def of(head: bytes, frame: bytes, hidden: torch.Tensor,
@@ -210,6 +212,23 @@ class NextMessage:
         _U32.pack_into(buffer, self.id_at, token)
         ctypes.memmove(self._body[1], hidden.data_ptr(), self.nbytes)
         return buffer
+
+    def send(self, sock, seq: int, position: int, token: int, hidden: torch.Tensor,
+             direct: lanes.Direct | None = None,
+             timeout_s: float = lanes.LANE_TIMEOUT_S) -> int:  # fmt: skip
+        """``fill``'s message written on ``sock`` (within ``timeout_s``): its size, or 0
+        (nothing written) where ``hidden`` does not fill it in. One native call where the module is built (a fill
+        and a write are two, and the write's frames, on a core the pass left cold). A
+        failed write raises ``LaneError``."""
+        send = self.native_send
+        if send is not None:
+            prefix = None if direct is None else direct.prefix()
+            return send(sock.fileno(), seq, position, token, hidden, prefix, timeout_s)
+        data = self.fill(seq, position, token, hidden, direct)
+        if data is None:
+            return 0
+        lanes.write(sock, data)
+        return len(data)
 
     def frame(self) -> bytes:
         """The frame of the step last filled in (to send it on the stream instead)."""

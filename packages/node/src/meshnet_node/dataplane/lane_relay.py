@@ -29,6 +29,7 @@ from meshnet_common.errors import HopError, InvalidRequest, MeshnetError, Quaran
 from meshnet_common.protocol import format_compute
 from meshnet_node.dataplane import answer_bytes, lane_io, lanes, step_bytes
 from meshnet_node.dataplane.lane_known import KnownStep, NextMessage
+from meshnet_node.dataplane.lane_wait import ASLEEP, Cadence
 from meshnet_node.dataplane.lanes import LANE_REFUSED, LaneError, LaneKind, plain
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.engine.step_io import DecodeItem, is_decode_input
@@ -92,6 +93,7 @@ class LaneRelay:
         self._answer_tags: dict[socket.socket, bytes] = {}
         self._direct: deque[tuple[int, int]] = deque(maxlen=DIRECT_PENDING)
         self._holding = None  # the turns a pass kept until its step is written on
+        self._cadences: dict[socket.socket, Cadence] = {}  # by lane: when its steps are due
 
     @property
     def watch(self):
@@ -123,15 +125,30 @@ class LaneRelay:
         comes before anything else the compute thread waits for (``lane_io.read_next``)."""
         message = None
         while self._upstream(sock, message) and sock.fileno() >= 0:
+            cadence = self._cadence(sock)
+            sleep_s, spin_s = ASLEEP if cadence is None else cadence.due()
+            started = time.perf_counter()
             try:
                 message = lane_io.read_next(sock, self._others, lanes.LANE_TIMEOUT_S,
-                                            self.known.get(sock))  # fmt: skip
+                                            self.known.get(sock), sleep_s, spin_s)  # fmt: skip
             except LaneError as exc:
                 logger.debug("a lane from the hop before closed: %s", exc)
                 self.forget_upstream(sock)
                 return
-            if message is None:
+            if message is None:  # something else came first: the beat is broken
+                if cadence is not None:
+                    cadence.forget()
                 return
+            if cadence is not None:
+                cadence.note(time.perf_counter() - started)
+
+    def _cadence(self, sock: socket.socket) -> Cadence | None:
+        """When the lane's next step is due (``lane_wait``); None where its reader sleeps
+        until it comes."""
+        cadence = self._cadences.get(sock)
+        if cadence is None and (spin_s := self.service.links.lane_spin_s) > 0:
+            cadence = self._cadences[sock] = Cadence(spin_s)
+        return cadence
 
     @functools.cached_property
     def _others(self) -> int:
@@ -192,6 +209,7 @@ class LaneRelay:
 
     def forget_upstream(self, sock: socket.socket) -> None:
         self.known.pop(sock, None)
+        self._cadences.pop(sock, None)
         if (tag := self._answer_tags.pop(sock, None)) is not None:
             self.answer_lanes.pop(tag, None)
         self.watch.forget(sock)
@@ -272,19 +290,19 @@ class LaneRelay:
         number = self._next_seq()
         onward = None if direct is None or not known.direct_on else direct.on(own_ms)
         message = known.message
-        data = None
-        if message is not None and message.fits(onward):
-            data = message.fill(number, position, token, out.hidden, onward)
-        if data is None:
-            frame = self.service.links.encoder(known.hop)(out.hidden)  # type: ignore[arg-type]
-            head = known.onward_bytes(position, token)
-            data = lanes.step_message(number, head, frame, onward)
-            self._send_on(up, seq, own_ms, known.hop, down, number, data,  # type: ignore[arg-type]
-                          (known, position, token), frame, onward is not None)  # fmt: skip
-            known.message = NextMessage.of(head, frame, out.hidden, onward)  # once it is off
+        if message is not None and message.fits(onward) and self._send_on(
+            up, seq, own_ms, known.hop, down, number, None,  # type: ignore[arg-type]
+            (known, position, token), message, onward is not None,
+            (position, token, out.hidden, onward),
+        ):  # fmt: skip
             return None
-        return self._send_on(up, seq, own_ms, known.hop, down, number, data,  # type: ignore[arg-type]
-                             (known, position, token), message, onward is not None)  # fmt: skip
+        frame = self.service.links.encoder(known.hop)(out.hidden)  # type: ignore[arg-type]
+        head = known.onward_bytes(position, token)
+        data = lanes.step_message(number, head, frame, onward)
+        self._send_on(up, seq, own_ms, known.hop, down, number, data,  # type: ignore[arg-type]
+                      (known, position, token), frame, onward is not None)  # fmt: skip
+        known.message = NextMessage.of(head, frame, out.hidden, onward)  # once it is off
+        return None
 
     def _step(self, up: socket.socket, seq: int, payload: bytes,
               direct: lanes.Direct | None) -> bytes | None:  # fmt: skip
@@ -395,7 +413,7 @@ class LaneRelay:
         try:
             if lane is None:
                 raise LaneError("closed")
-            lanes.write(lane, lanes.answer(direct.seq, 200, direct.compute(own_ms), body))
+            lane_io.send_answer(lane, direct.seq, 200, direct.compute_us, own_ms, body)
         except LaneError as exc:  # the head hears it on its lane (which it also reads)
             if lane is not None:
                 self.forget_upstream(lane)
@@ -406,25 +424,36 @@ class LaneRelay:
         self._seq = self._seq + 1 if self._seq < 0xFFFFFFFF else 1
         return self._seq
 
-    def _send_on(self, up, seq: int, own_ms: float, hop: str, down, number: int, data,
-                 onward, frame, direct: bool = False) -> None:  # fmt: skip
+    def _send_on(self, up, seq: int, own_ms: float, hop: str, down, number: int,
+                 data: bytes | None, onward, frame, direct: bool = False,
+                 fill: tuple | None = None) -> bool:  # fmt: skip
         """Write ``data``, the lane message numbered ``number`` of the step ``onward`` (or
         what makes it) and its ``frame`` (or the ``NextMessage`` holding it), on the next
         hop's lane; its answer comes back later (``direct``: only a refusal or an error, the
-        tail answering the head itself; the latest ``DIRECT_PENDING`` such are kept)."""
+        tail answering the head itself; the latest ``DIRECT_PENDING`` such are kept).
+        ``fill``: no ``data``, the ``NextMessage`` filled in with these (position, id,
+        output, ``Direct``) and written in one call; False where it does not fill it in
+        (nothing written: the message is made anew)."""
         key = (down.fileno(), number)
         self._pending[key] = (up, seq, own_ms, time.perf_counter(), onward, frame)
-        if direct:
+        try:
+            if data is None:
+                size = frame.send(down, number, *fill)
+                if not size:
+                    del self._pending[key]
+                    return False
+            else:
+                lanes.write(down, data)
+                size = len(data)
+        except LaneError as exc:
+            self._lost(down, hop, exc)  # answers this step too: a failed hop
+            return True
+        if direct:  # kept once it is off: a failed write answered it already
             if len(self._direct) == DIRECT_PENDING:
                 self._pending.pop(self._direct[0], None)
             self._direct.append(key)
-        try:
-            lanes.write(down, data)
-        except LaneError as exc:
-            self._lost(down, hop, exc)  # answers this step too: a failed hop
-            return None
-        self.service.metrics.wire_sent.inc(len(data) - lanes.HEAD_BYTES)  # once it is off
-        return None
+        self.service.metrics.wire_sent.inc(size - lanes.HEAD_BYTES)  # once it is off
+        return True
 
     # -- a step that ran here and goes on by the stream ---------------------------------------
 

@@ -31,6 +31,7 @@ from meshnet_common.protocol import (
 from meshnet_node.dataplane import answer_bytes, lanes, step_bytes
 from meshnet_node.dataplane.answer_lanes import AnswerLanes
 from meshnet_node.dataplane.lane_burst import BURST_RTT_S, BurstStep, LaneBurst
+from meshnet_node.dataplane.lane_wait import Cadence
 from meshnet_node.dataplane.link_speeds import PROBE_BYTES, LinkSpeeds
 from meshnet_node.dataplane.steps import Step
 from meshnet_node.dataplane.streams import HopResponse, HopTransport, HopUnreachable
@@ -103,6 +104,10 @@ class HopLinks:
         self.speeds = speeds  # each link's measured speed: how its frames are packed
         self.timeouts = timeouts
         self.direct_min_rtt_ms = direct_min_rtt_ms
+        # how long a lane's reader may look for a message due without sleeping (set once the
+        # node's threads are known: ``lane_wait.spin_window_s``; 0: it sleeps until it comes)
+        self.lane_spin_s = 0.0
+        self._cadences: dict[str, Cadence] = {}  # by hop: its bursts' answers' beat
         # Direct answers (ADR-0020): steps whose answer this head awaits from the tail, by
         # (session, position); and heads this tail could not reach lately (URL -> when).
         self._answers: dict[tuple[str, int], tuple[asyncio.Future, str]] = {}
@@ -185,8 +190,11 @@ class HopLinks:
             # past a middle hop the tail answers on the head's answer lane (ADR-0060)
             direct = step.route and self.lane_direct(hop)
             answers = self.answer_lanes.get(step.route[-1]) if direct else None
+            cadence = None
+            if self.lane_spin_s > 0:  # the answers' beat, kept across the lane's bursts
+                cadence = self._cadences.setdefault(hop, Cadence(self.lane_spin_s))
             return LaneBurst(client, step, request_id, self.encoder(hop),
-                             self.timeouts.decode_step, answers)  # fmt: skip
+                             self.timeouts.decode_step, answers, cadence)  # fmt: skip
         return lanes.LaneStep(client, functools.partial(step_bytes.encode, step, request_id))
 
     def lane_expected(self, hop: str) -> bool:
@@ -202,7 +210,7 @@ class HopLinks:
         and sent on the stream (the first hop refused it before it ran)."""
         loop = asyncio.get_running_loop()
         loop.call_soon(self.metrics.wire_sent.inc, got.sent)
-        answer = got.answer
+        answer = got.answer()
         if isinstance(answer, BaseException):  # the lane failed: a failed hop
             client = self._lanes.get(hop)
             if client is not None:

@@ -14,10 +14,12 @@
 
 #include <arpa/inet.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -36,6 +38,8 @@ constexpr int KIND_DIRECT = 5;
 constexpr int64_t DIRECT_HEAD = 13;  // tag, the answer lane's number, hops timed
 constexpr int MAX_DIRECT_HOPS = 64;
 constexpr int64_t POSITION_AT = 6;  // in a step's bytes (lane_known.POSITION_AT)
+constexpr int64_t ANSWER_HEAD = 4;   // an answer's status (u16) and compute text length (u16)
+constexpr int64_t ANSWER_TOKEN_MIN = 17;  // answer_bytes: magic, flags, a token's id and logprob
 
 // dataplane.lanes.LaneError, set once (``lane_set_error``); kept for the process's life (a
 // py::object would be released after the interpreter at exit)
@@ -72,6 +76,36 @@ void wait_for(int fd, short events, double timeout_s) {
   if (ready < 0) fail(std::string("the lane failed: ") + std::strerror(errno));
 }
 
+// poll(fds, n, timeout_ms), but where spin_s > 0 (a message is due: lane_wait.Cadence)
+// asleep only sleep_s first, then looking without sleeping for up to spin_s (the CPU yielded
+// between looks) before sleeping again. A reader that sleeps until its message comes is woken
+// by the writer's kernel, on another CPU an interrupt between CPUs: ~80 us more a hop in a
+// virtual machine than a reader already looking (measured: 101-114 us against 22-24 from a
+// write's start to the read's return). The GIL is released by the caller.
+int wait_ready(pollfd* fds, nfds_t n, int timeout_ms, double sleep_s, double spin_s) {
+  if (spin_s > 0) {
+    int ready = 0;
+    if (sleep_s > 0) {
+      const auto whole = static_cast<time_t>(sleep_s);
+      const timespec nap{whole, static_cast<long>((sleep_s - static_cast<double>(whole)) * 1e9)};
+      ready = ::ppoll(fds, n, &nap, nullptr);
+      if (ready > 0 || (ready < 0 && errno != EINTR)) return ready;
+    }
+    const timespec now_only{0, 0};
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(spin_s);
+    do {
+      ready = ::ppoll(fds, n, &now_only, nullptr);
+      if (ready > 0 || (ready < 0 && errno != EINTR)) return ready;
+      ::sched_yield();
+    } while (std::chrono::steady_clock::now() < end);
+  }
+  int ready;
+  do {
+    ready = ::poll(fds, n, timeout_ms);
+  } while (ready < 0 && errno == EINTR);
+  return ready;
+}
+
 // n bytes into p: at once where they are there (a message written whole mostly arrives
 // whole), else waiting for each part within timeout_s.
 void read_exactly(int fd, uint8_t* p, int64_t n, double timeout_s) {
@@ -85,6 +119,22 @@ void read_exactly(int fd, uint8_t* p, int64_t n, double timeout_s) {
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
       wait_for(fd, POLLIN, timeout_s);
     } else if (errno != EINTR) {
+      fail(std::string("the lane failed: ") + std::strerror(errno));
+    }
+  }
+}
+
+// n bytes from p written on fd: at once where the socket takes them (the GIL kept: a release
+// on the hop's way lets a waiting thread in first), else waiting for room within timeout_s.
+void send_all(int fd, const uint8_t* p, int64_t n, double timeout_s) {
+  while (n > 0) {
+    const ssize_t sent = ::send(fd, p, static_cast<size_t>(n), MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent > 0) {
+      p += sent;
+      n -= sent;
+    } else if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      wait_for(fd, POLLOUT, timeout_s);
+    } else if (sent < 0 && errno != EINTR) {
       fail(std::string("the lane failed: ") + std::strerror(errno));
     }
   }
@@ -155,13 +205,32 @@ py::object read_payload(int fd, double timeout_s, int* kind, uint32_t* seq) {
   return payload;
 }
 
+// An answer's status and the token its body names, as lanes.parse_answer and
+// answer_bytes.token_of read them (the head's compute thread needs no more to go on); -1
+// where the answer is malformed (status) or names no token.
+void answer_token(const py::object& payload, int64_t* status, int64_t* token) {
+  const auto* data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(payload.ptr()));
+  const int64_t size = PyBytes_GET_SIZE(payload.ptr());
+  if (size < ANSWER_HEAD) return;
+  const int64_t body = ANSWER_HEAD + ((data[2] << 8) | data[3]);
+  if (body > size) return;
+  *status = (data[0] << 8) | data[1];
+  if (size - body >= ANSWER_TOKEN_MIN && std::memcmp(data + body, "MSA1", 4) == 0 &&
+      (data[body + 4] & 1) != 0) {
+    *token = get_u32(data + body + 5);
+  }
+}
+
+py::tuple lane_failed() { return py::make_tuple(py::none(), true, -1, -1); }
+
 // A head's answer to its step numbered seq on its lane fd or, where answers >= 0, to the
 // one numbered answers_seq on its answer lane, whichever comes (answers first where both
 // have; an older step's answer on either is skipped): (payload, whether it came on the
-// answer lane), or (None, true) where the answer lane failed (closed, broken, garbage):
-// the head reads its lane alone then (lane_burst.LaneBurst._answer).
+// answer lane, its status, its token: answer_token), or (None, true, -1, -1) where the
+// answer lane failed (closed, broken, garbage): the head reads its lane alone then
+// (lane_burst.LaneBurst._answer).
 py::tuple lane_answer(int64_t fd, int64_t answers, double timeout_s, int64_t seq,
-                      int64_t answers_seq) {
+                      int64_t answers_seq, double sleep_s, double spin_s) {
   static const char* const names[] = {"", "HELLO", "STEP", "ANSWER", "ANSWERS", "DIRECT"};
   while (true) {
     int source = static_cast<int>(fd);
@@ -170,15 +239,21 @@ py::tuple lane_answer(int64_t fd, int64_t answers, double timeout_s, int64_t seq
       int ready;
       {
         py::gil_scoped_release nogil;
-        do {
-          ready = ::poll(both, 2, static_cast<int>(timeout_s * 1000));
-        } while (ready < 0 && errno == EINTR);
+        ready = wait_ready(both, 2, static_cast<int>(timeout_s * 1000), sleep_s, spin_s);
       }
+      sleep_s = spin_s = 0;  // once: an older answer skipped is read at once
       if (ready == 0) {
         fail("no answer within " + std::to_string(static_cast<int64_t>(timeout_s + 0.5)) + " s");
       }
-      if (ready < 0 || (both[0].revents & POLLNVAL)) return py::make_tuple(py::none(), true);
+      if (ready < 0 || (both[0].revents & POLLNVAL)) return lane_failed();
       if (both[0].revents != 0) source = static_cast<int>(answers);
+    } else if (spin_s > 0) {  // due: looked for before the read's own wait (read_exactly)
+      pollfd one{source, POLLIN, 0};
+      {
+        py::gil_scoped_release nogil;
+        wait_ready(&one, 1, 0, sleep_s, spin_s);
+      }
+      sleep_s = spin_s = 0;
     }
     int kind = 0;
     uint32_t got = 0;
@@ -189,12 +264,14 @@ py::tuple lane_answer(int64_t fd, int64_t answers, double timeout_s, int64_t seq
       try {
         payload = read_payload(source, timeout_s, &kind, &got);
       } catch (py::error_already_set&) {  // the answer lane's failure: the lane goes on
-        return py::make_tuple(py::none(), true);
+        return lane_failed();
       }
     }
     if (kind != KIND_ANSWER) fail(std::string("a ") + names[kind] + " message from the hop");
     if (got == static_cast<uint32_t>(source == fd ? seq : answers_seq)) {
-      return py::make_tuple(payload, source != fd);
+      int64_t status = -1, token = -1;
+      answer_token(payload, &status, &token);
+      return py::make_tuple(payload, source != fd, status, token);
     }
   }
 }
@@ -231,14 +308,13 @@ py::tuple lane_read(int64_t fd, double timeout_s, LaneKnown* known) {
 // readable while any socket it watches is; the lane's own among them) waited on beside it,
 // the GIL released. None where fd has nothing and others is readable: the compute thread's
 // selector then takes its turn (another lane, a pass handed in, a wake-up).
-py::object lane_next(int64_t fd, int64_t others, double timeout_s, LaneKnown* known) {
+py::object lane_next(int64_t fd, int64_t others, double timeout_s, LaneKnown* known,
+                     double sleep_s, double spin_s) {
   pollfd both[2] = {{static_cast<int>(fd), POLLIN, 0}, {static_cast<int>(others), POLLIN, 0}};
   int ready;
   {
     py::gil_scoped_release nogil;
-    do {
-      ready = ::poll(both, 2, -1);
-    } while (ready < 0 && errno == EINTR);
+    ready = wait_ready(both, 2, -1, sleep_s, spin_s);
   }
   if (ready < 0) fail(std::string("the lane failed: ") + std::strerror(errno));
   if (both[0].revents == 0) return py::none();
@@ -288,12 +364,55 @@ class LaneMessage {
     return true;
   }
 
+  // fill's message written on fd (within timeout_s): its size, or 0 (nothing written) where
+  // fill does not fill it in. One call where a fill and a write cost two (and a Python
+  // write's frames) on a core the pass left cold.
+  int64_t send(int64_t fd, int64_t seq, int64_t position, int64_t token,
+               const torch::Tensor& hidden, py::object prefix, double timeout_s) {
+    if (!fill(seq, position, token, hidden, std::move(prefix))) return 0;
+    send_all(static_cast<int>(fd), out_, size_, timeout_s);
+    return size_;
+  }
+
  private:
   uint8_t* out_;
   int64_t size_, position_at_, id_at_, body_at_;
   std::vector<int64_t> sizes_;
   c10::ScalarType dtype_;
 };
+
+// An ANSWER to the step numbered seq written on fd (within timeout_s), as lanes.answer makes
+// it: status, every hop's compute (compute_us, microseconds, then own_ms: each "%.3f" ms,
+// comma-separated, as Direct.compute and format_compute write them) and body; its size.
+int64_t lane_answer_send(int64_t fd, int64_t seq, int64_t status, const py::tuple& compute_us,
+                         double own_ms, const py::bytes& body, double timeout_s) {
+  std::string text;
+  char number[64];
+  for (const auto& us : compute_us) {
+    std::snprintf(number, sizeof number, "%.3f,", static_cast<double>(us.cast<int64_t>()) / 1000.0);
+    text += number;
+  }
+  std::snprintf(number, sizeof number, "%.3f", own_ms);
+  text += number;
+  char* bytes = nullptr;
+  Py_ssize_t length = 0;
+  if (PyBytes_AsStringAndSize(body.ptr(), &bytes, &length) != 0) throw py::error_already_set();
+  TORCH_CHECK(text.size() <= 0xFFFF, "an answer's compute times past their field");
+  const int64_t payload = ANSWER_HEAD + static_cast<int64_t>(text.size()) + length;
+  TORCH_CHECK(payload <= MAX_MESSAGE, "an answer past a lane message's size");
+  std::vector<uint8_t> out(static_cast<size_t>(HEAD_BYTES + payload));
+  put_u32(out.data(), static_cast<uint32_t>(payload));
+  out[4] = KIND_ANSWER;
+  put_u32(out.data() + SEQ_AT, static_cast<uint32_t>(seq));
+  out[HEAD_BYTES] = static_cast<uint8_t>(status >> 8);
+  out[HEAD_BYTES + 1] = static_cast<uint8_t>(status);
+  out[HEAD_BYTES + 2] = static_cast<uint8_t>(text.size() >> 8);
+  out[HEAD_BYTES + 3] = static_cast<uint8_t>(text.size());
+  std::memcpy(out.data() + HEAD_BYTES + ANSWER_HEAD, text.data(), text.size());
+  std::memcpy(out.data() + HEAD_BYTES + ANSWER_HEAD + text.size(), bytes, static_cast<size_t>(length));
+  send_all(static_cast<int>(fd), out.data(), static_cast<int64_t>(out.size()), timeout_s);
+  return static_cast<int64_t>(out.size());
+}
 
 void lane_set_error(py::object cls) {
   Py_XDECREF(lane_error);
@@ -315,11 +434,17 @@ void register_lane_io(py::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, const torch::Tensor&>(),
            py::arg("buffer"), py::arg("size"), py::arg("position_at"), py::arg("id_at"),
            py::arg("body_at"), py::arg("like"))
-      .def("fill", &LaneMessage::fill);
+      .def("fill", &LaneMessage::fill)
+      .def("send", &LaneMessage::send);
   m.def("lane_next", &lane_next, py::arg("fd"), py::arg("others"), py::arg("timeout_s"),
-        py::arg("known"), "a lane's next message, where it comes before anything else");
+        py::arg("known"), py::arg("sleep_s") = 0.0, py::arg("spin_s") = 0.0,
+        "a lane's next message, where it comes before anything else");
   m.def("lane_answer", &lane_answer, py::arg("fd"), py::arg("answers"), py::arg("timeout_s"),
-        py::arg("seq"), py::arg("answers_seq"),
+        py::arg("seq"), py::arg("answers_seq"), py::arg("sleep_s") = 0.0,
+        py::arg("spin_s") = 0.0,
         "a head's answer on its lane or its answer lane, whichever comes");
+  m.def("lane_answer_send", &lane_answer_send, py::arg("fd"), py::arg("seq"), py::arg("status"),
+        py::arg("compute_us"), py::arg("own_ms"), py::arg("body"), py::arg("timeout_s"),
+        "an answer written on a lane");
   m.def("lane_set_error", &lane_set_error, "the exception a failed lane raises");
 }
