@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from meshnet_node.engine.step_io import DecodeItem, StepOutput
 
 BURST_RTT_S = 0.05  # a lane whose last answer came back sooner may run bursts (AHEAD_S)
 LANE_AHEAD_TOKENS = 64  # further steps a burst may run (each streams as it comes)
+HAND_AFTER_S = 0.0005  # a step's answer goes to the loop this long after the next is written
 
 
 class BurstStep(NamedTuple):
@@ -230,9 +232,10 @@ class LaneBurst:
             # the next step's input tensor, made while the chain computes this one
             ids = torch.empty((1, 1), dtype=torch.int64)
             view = ids.numpy().reshape(-1)
-            if answered is not None:  # once this step is on its way, and just before this
-                self._hand(answered)  # thread waits: the loop's work on it is off the
-                answered = None  # critical path, and takes no core the next hop needs
+            if answered is not None:  # once this step is on its way and its next hop has
+                self._let_next_begin(sock)  # begun it: the loop's work on the step before
+                self._hand(answered)  # is then off the critical path and takes no core
+                answered = None  # the next hop needs
             got, came, status, got_token = self._answer(
                 sock, seq, None if direct is None else direct.seq
             )  # fmt: skip
@@ -243,6 +246,22 @@ class LaneBurst:
                 self._hand(answered)
         took = time.perf_counter() - sent
         return BurstStep(position, got, head_ms, took, size, came, status, got_token), ids, view
+
+    def _let_next_begin(self, sock) -> None:
+        """Wait (asleep) ``HAND_AFTER_S`` or until an answer comes, whichever is first. Handed
+        to the loop at once, the step before woke the loop's thread as the next hop woke,
+        and its ~0.2-0.4 ms of Python (the answer parsed, the token streamed) took the core
+        that hop was to run on: ~150-200 us more from the head's write to the next hop's
+        read, and more in every piece of the head after (measured with
+        ``bench/step_trace.py``, ADR-0059 amended 2026-12-07, end of day)."""
+        ready = select.poll()
+        ready.register(sock, select.POLLIN)
+        answers = self._answers()
+        if answers is not None:
+            with contextlib.suppress(OSError, ValueError):  # closed: the read says so
+                ready.register(answers.sock, select.POLLIN)
+        with contextlib.suppress(OSError):
+            ready.poll(HAND_AFTER_S * 1000)
 
     def _write(self, sock, seq: int, position: int, token: int | None, out: StepOutput,
                direct: lanes.Direct | None) -> int:  # fmt: skip

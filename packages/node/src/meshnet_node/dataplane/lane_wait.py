@@ -1,5 +1,5 @@
 """When a decode lane's next message is due, so that its reader is already looking for it
-when it comes (docs/adr/0058, amended 2026-12-07, night).
+when it comes (docs/adr/0058, amended 2026-12-07, end of day).
 
 A reader asleep in ``poll`` until its message comes is woken by the writer's kernel: on
 another CPU that is an interrupt between CPUs, which a virtual machine pays for in exits.
