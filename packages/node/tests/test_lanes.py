@@ -322,18 +322,39 @@ def test_a_direct_step_carries_its_tag_the_heads_number_and_each_hops_compute(la
     assert (kind, seq) == (LaneKind.DIRECT, 8)
     assert lanes.parse_direct(payload)[0] == sent
     a, b = socket.socketpair()
-    with a, b:  # the tail's answer on the head's answer lane: as it is built
+    with a, b:
+        # a relay sends the step on with its compute added, the prefix made as Direct.on
+        # makes it, in the call that fills the message in and writes it
+        for came, own_ms in ((at_head.on(1.0), 3.5), (at_head, 0.0), (at_head, -2.0),
+                             (lanes.Direct(b"8 bytes!", 43, (9,) * 64), 2**32)):  # fmt: skip
+            onward = came.on(own_ms)
+            message = NextMessage.of(head, frame, hidden, onward)
+            built = lanes.step_message(9, moved(head, 11, 78), wire.encode_tensor(later, raw),
+                                       onward)  # fmt: skip
+            assert message.send_on(a, 9, 11, 78, later, came.prefix(), own_ms) == len(built)
+            assert lanes.read_message(b) == (LaneKind.DIRECT, 9, built[lanes.HEAD_BYTES :])
+        assert len(onward.compute_us) == lanes.MAX_DIRECT_HOPS  # the oldest dropped
+        plain_message = NextMessage.of(head, frame, hidden)
+        assert plain_message.send_on(a, 10, 12, 79, later, None, 1.0) > 0  # a STEP as it came
+        assert lanes.read_message(b)[:2] == (LaneKind.STEP, 10)
+        # nothing written where the message is not of the prefix's kind and size
+        assert plain_message.send_on(a, 11, 13, 80, later, at_head.prefix(), 1.0) == 0
+        assert message.send_on(a, 11, 13, 80, later, None, 1.0) == 0
+        assert message.send_on(a, 11, 13, 80, later, at_tail.prefix(), 1.0) == 0
+        # the tail's answer on the head's answer lane: numbered and timed as its prefix says
         body = answer_bytes.encode(SampledToken(token_id=321, logprob=-0.25))
-        lane_io.send_answer(a, 42, 200, at_tail.compute_us, 19.25, body)
+        lane_io.send_answer(a, at_tail.prefix(), 200, 19.25, body)
         kind, seq, payload = lanes.read_message(b)
-        assert (kind, seq) == (LaneKind.ANSWER, 42)
+        assert (kind, seq) == (LaneKind.ANSWER, 41)
         assert lanes.parse_answer(payload) == (200, "12.345,7.000,19.250", body)
         assert lane_io.answer_token(payload) == (200, 321)
-        lane_io.send_answer(a, 43, 500, (), 0.0004999, b"{}")
+        lane_io.send_answer(a, at_head.prefix(), 500, 0.0004999, b"{}")
         assert lanes.parse_answer(lanes.read_message(b)[2]) == (500, "0.000", b"{}")
         b.close()
         with pytest.raises(LaneError):
-            lane_io.send_answer(a, 44, 200, (), 1.0, body)
+            lane_io.send_answer(a, at_head.prefix(), 200, 1.0, body)
+        with pytest.raises(LaneError):
+            message.send_on(a, 12, 14, 81, later, came.prefix(), 1.0)
 
 
 def test_a_lane_read_matches_a_sessions_next_step_as_it_reads_it(lane_calls):

@@ -150,16 +150,15 @@ def answer_token(payload: bytes) -> tuple[int, int]:
     return got.status, -1 if token is None else token
 
 
-def send_answer(sock: socket.socket, seq: int, status: int, compute_us: tuple[int, ...],
-                own_ms: float, body: bytes) -> None:  # fmt: skip
-    """Write the answer to the step numbered ``seq`` on ``sock``: ``status``, every hop's
-    compute (``compute_us``, then this one's ``own_ms``: as ``Direct.compute`` says them)
-    and ``body``; one native call where the module is built. A failure raises
-    ``LaneError``."""
+def send_answer(sock: socket.socket, came: bytes, status: int, own_ms: float,
+                body: bytes) -> None:  # fmt: skip
+    """The tail's answer to a ``DIRECT`` step that came with the prefix ``came`` (ADR-0060),
+    on the head's answer lane ``sock``: numbered as ``came`` says, ``status``, every hop's
+    compute and this one's ``own_ms`` (as ``Direct.compute`` says them), ``body``; one
+    native call where the module is built. A failure raises ``LaneError``."""
     module = _state["module"] or native()
     if module is None:
-        compute = lanes.Direct(b"", 0, compute_us).compute(own_ms)
-        lanes.write(sock, lanes.answer(seq, status, compute, body))
+        direct = lanes.parse_direct(came)[0]
+        lanes.write(sock, lanes.answer(direct.seq, status, direct.compute(own_ms), body))
         return
-    module.lane_answer_send(sock.fileno(), seq, status, compute_us, own_ms, body,
-                            lanes.LANE_TIMEOUT_S)  # fmt: skip
+    module.lane_answer_send(sock.fileno(), came, status, own_ms, body, lanes.LANE_TIMEOUT_S)

@@ -148,7 +148,7 @@ class NextMessage:
     reused: a hop writes a session's next step only once the one before was answered."""
 
     __slots__ = ("_body", "buffer", "frame_at", "id_at", "kind", "native", "native_send",
-                 "nbytes", "position_at", "prefix_size", "shape")  # fmt: skip
+                 "native_send_on", "nbytes", "position_at", "prefix_size", "shape")  # fmt: skip
 
     def __init__(self, head: bytes, frame: bytes, body_at: int, hidden: torch.Tensor,
                  kind: lanes.LaneKind, prefix: bytes) -> None:  # fmt: skip
@@ -169,6 +169,7 @@ class NextMessage:
         )  # fmt: skip
         self.native = None if message is None else message.fill
         self.native_send = None if message is None else message.send
+        self.native_send_on = None if message is None else message.send_on
 
     @staticmethod
     def of(head: bytes, frame: bytes, hidden: torch.Tensor,
@@ -229,6 +230,21 @@ class NextMessage:
             return 0
         lanes.write(sock, data)
         return len(data)
+
+    def send_on(self, sock, seq: int, position: int, token: int, hidden: torch.Tensor,
+                came: bytes | None, own_ms: float) -> int:  # fmt: skip
+        """A relay's ``send`` of the step it ran: ``came``, the ``DIRECT`` prefix the step
+        came with (None: a ``STEP``), goes on with this hop's compute ``own_ms`` added
+        (``Direct.on``); 0 (nothing written) where that does not fill this message in. One
+        native call where the module is built: no ``Direct`` made, parsed or packed."""
+        send_on = self.native_send_on
+        if send_on is not None:
+            return send_on(sock.fileno(), seq, position, token, hidden, came, own_ms,
+                           lanes.LANE_TIMEOUT_S)  # fmt: skip
+        direct = None if came is None else lanes.parse_direct(came)[0].on(own_ms)
+        if not self.fits(direct):
+            return 0
+        return self.send(sock, seq, position, token, hidden, direct)
 
     def frame(self) -> bytes:
         """The frame of the step last filled in (to send it on the stream instead)."""

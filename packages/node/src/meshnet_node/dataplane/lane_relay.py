@@ -158,15 +158,15 @@ class LaneRelay:
     def _upstream(self, sock: socket.socket, message: tuple | None) -> bool:
         """One message from the hop before (``message``: already read, else read here);
         False where the lane was left."""
-        direct = None
+        came = None  # a DIRECT step's prefix, as it came (its tail answers the head itself)
         known = self.known.get(sock)
         try:
             # read against the session's last step: ``got`` where it matches (``lane_known``)
             kind, seq, payload, start, got = message or lane_io.read(
                 sock, lanes.LANE_TIMEOUT_S, known
             )  # fmt: skip
-            if kind == LaneKind.DIRECT:  # its tail answers the head itself (ADR-0060)
-                direct = lanes.parse_direct(payload)[0]
+            if kind == LaneKind.DIRECT:  # (ADR-0060; checked as it was read)
+                came = payload[:start]
             elif kind == LaneKind.ANSWERS and len(payload) == lanes.DIRECT_TAG_BYTES:
                 self.answer_lanes[payload] = sock  # a head's lane: its answers go here
                 self._answer_tags[sock] = payload
@@ -179,9 +179,9 @@ class LaneRelay:
             return False
         try:
             if got is None or (
-                (reply := self._known_step(sock, seq, got, known, direct)) is False
+                (reply := self._known_step(sock, seq, got, known, came)) is False
             ):  # fmt: skip
-                reply = self._step(sock, seq, payload[start:] if start else payload, direct)
+                reply = self._step(sock, seq, payload[start:] if start else payload, came)
         except LaneRefused as exc:
             self.loop.call_soon_threadsafe(self.service.metrics.lane_refused.inc)
             reply = _error(seq, exc)
@@ -260,10 +260,11 @@ class LaneRelay:
                 lanes.write(up, _error(up_seq, failure))
 
     def _known_step(self, up: socket.socket, seq: int, got: tuple, known: KnownStep,
-                    direct: lanes.Direct | None):  # fmt: skip
-        """Run a step read against ``known`` (``got``: its position, id and input), with
-        the checks that can change between two steps; False where it must be read in full
-        (the stage, the session, the lanes or the head's answer lane not as they were)."""
+                    came: bytes | None):  # fmt: skip
+        """Run a step read against ``known`` (``got``: its position, id and input; ``came``:
+        its ``DIRECT`` prefix, if any), with the checks that can change between two steps;
+        False where it must be read in full (the stage, the session, the lanes or the
+        head's answer lane not as they were)."""
         service = self.service
         stage, sid = known.stage, known.session_id
         if service.stage_for(sid) is not stage or service.quarantined is not None:
@@ -276,7 +277,7 @@ class LaneRelay:
             down = self.downstream.get(known.hop)
             if down is not known.down or sid in self.by_stream:
                 return False
-        elif direct is not None and direct.tag not in self.answer_lanes:
+        elif came is not None and came[: lanes.DIRECT_TAG_BYTES] not in self.answer_lanes:
             return False
         position, token, hidden = got
         if down is None:  # before it samples: the penalties count
@@ -286,16 +287,17 @@ class LaneRelay:
             lambda: stage.step(sid, position, hidden=hidden, owner=owner, sample=sample), sample
         )  # fmt: skip
         if down is None:
-            return self._answer(seq, out, own_ms, direct)
+            return self._answer(seq, out, own_ms, came)
         number = self._next_seq()
-        onward = None if direct is None or not known.direct_on else direct.on(own_ms)
+        came = None if came is None or not known.direct_on else came  # sent on as it came
         message = known.message
-        if message is not None and message.fits(onward) and self._send_on(
+        if message is not None and self._send_on(
             up, seq, own_ms, known.hop, down, number, None,  # type: ignore[arg-type]
-            (known, position, token), message, onward is not None,
-            (position, token, out.hidden, onward),
+            (known, position, token), message, came is not None,
+            (position, token, out.hidden, came, own_ms),
         ):  # fmt: skip
             return None
+        onward = None if came is None else lanes.parse_direct(came)[0].on(own_ms)
         frame = self.service.links.encoder(known.hop)(out.hidden)  # type: ignore[arg-type]
         head = known.onward_bytes(position, token)
         data = lanes.step_message(number, head, frame, onward)
@@ -305,11 +307,13 @@ class LaneRelay:
         return None
 
     def _step(self, up: socket.socket, seq: int, payload: bytes,
-              direct: lanes.Direct | None) -> bytes | None:  # fmt: skip
+              came: bytes | None) -> bytes | None:  # fmt: skip
         """Run one step from a lane; its answer (the tail's, or a refusal or an error), or
-        None where it went on to the next hop, whose answer comes back later (or, sent
-        ``direct``, the tail's goes to the head itself)."""
+        None where it went on to the next hop, whose answer comes back later (or, a
+        ``DIRECT`` step that ``came`` with its prefix, the tail's goes to the head
+        itself)."""
         self.known.pop(up, None)
+        direct = None if came is None else lanes.parse_direct(came)[0]
         service = self.service
         step, request_id, start = step_bytes.decode(payload)
         frame = wire.read_frame(payload[start:], max_bytes=service.settings.max_body_bytes)
@@ -347,7 +351,7 @@ class LaneRelay:
         out, own_ms = self._pass(_decode_call(stage, [item], _nothing_waits)[0], step.sample)
         if down is None:  # the tail
             self.known[up] = KnownStep.of(payload, start, step, frame, stage, None, None, None)  # type: ignore[assignment]
-            return self._answer(seq, out, own_ms, direct)
+            return self._answer(seq, out, own_ms, came)
         hop = step.route[0]
         onward = replace(step, route=step.route[1:])
         if step.session_id in self.by_stream:  # the next hop refused its steps before
@@ -402,18 +406,18 @@ class LaneRelay:
         metrics.lane_steps.inc()
         self.served += int(sample)
 
-    def _answer(self, seq: int, out, own_ms: float, direct: lanes.Direct | None) -> bytes | None:
+    def _answer(self, seq: int, out, own_ms: float, came: bytes | None) -> bytes | None:
         """The tail's answer to the step numbered ``seq``; None where it went to the head
-        itself, on the answer lane ``direct`` names (ADR-0060)."""
+        itself, on the answer lane its ``DIRECT`` prefix (``came``) names (ADR-0060)."""
         self.generated += out.token is not None
         body = answer_bytes.EMPTY if out.token is None else answer_bytes.encode(out.token, out.more)
-        if direct is None:
+        if came is None:
             return lanes.answer(seq, 200, format_compute(own_ms), body)
-        lane = self.answer_lanes.get(direct.tag)
+        lane = self.answer_lanes.get(came[: lanes.DIRECT_TAG_BYTES])
         try:
             if lane is None:
                 raise LaneError("closed")
-            lane_io.send_answer(lane, direct.seq, 200, direct.compute_us, own_ms, body)
+            lane_io.send_answer(lane, came, 200, own_ms, body)
         except LaneError as exc:  # the head hears it on its lane (which it also reads)
             if lane is not None:
                 self.forget_upstream(lane)
@@ -432,13 +436,14 @@ class LaneRelay:
         hop's lane; its answer comes back later (``direct``: only a refusal or an error, the
         tail answering the head itself; the latest ``DIRECT_PENDING`` such are kept).
         ``fill``: no ``data``, the ``NextMessage`` filled in with these (position, id,
-        output, ``Direct``) and written in one call; False where it does not fill it in
-        (nothing written: the message is made anew)."""
+        output, the ``DIRECT`` prefix the step came with and this hop's compute:
+        ``NextMessage.send_on``) and written in one call; False where it does not fill it
+        in (nothing written: the message is made anew)."""
         key = (down.fileno(), number)
         self._pending[key] = (up, seq, own_ms, time.perf_counter(), onward, frame)
         try:
             if data is None:
-                size = frame.send(down, number, *fill)
+                size = frame.send_on(down, number, *fill)
                 if not size:
                     del self._pending[key]
                     return False

@@ -19,6 +19,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -343,10 +344,6 @@ class LaneMessage {
   // first one's shape and dtype.
   bool fill(int64_t seq, int64_t position, int64_t token, const torch::Tensor& hidden,
             py::object prefix) {
-    if (!hidden.device().is_cpu() || !hidden.is_contiguous() ||
-        hidden.scalar_type() != dtype_ || hidden.sizes() != c10::IntArrayRef(sizes_)) {
-      return false;
-    }
     if (!prefix.is_none()) {
       char* bytes = nullptr;
       Py_ssize_t length = 0;
@@ -355,12 +352,12 @@ class LaneMessage {
       }
       TORCH_CHECK(HEAD_BYTES + length + POSITION_AT <= position_at_,
                   "a prefix past the step's bytes");
+      if (!fits(hidden)) return false;
       std::memcpy(out_ + HEAD_BYTES, bytes, static_cast<size_t>(length));
+    } else if (!fits(hidden)) {
+      return false;
     }
-    put_u32(out_ + SEQ_AT, static_cast<uint32_t>(seq));
-    put_u32(out_ + position_at_, static_cast<uint32_t>(position));
-    put_u32(out_ + id_at_, static_cast<uint32_t>(token));
-    std::memcpy(out_ + body_at_, hidden.data_ptr(), static_cast<size_t>(size_ - body_at_));
+    fill_step(seq, position, token, hidden);
     return true;
   }
 
@@ -374,22 +371,83 @@ class LaneMessage {
     return size_;
   }
 
+  // A relay's send of the step it ran: ``came`` the DIRECT prefix the step came with (None:
+  // a STEP), sent on with this hop's compute (own_ms) added, the oldest dropped past
+  // MAX_DIRECT_HOPS, as Direct.on(own_ms).prefix() makes it (ADR-0060); 0 (nothing
+  // written) where that is not this message's kind and prefix size, or fill fills none.
+  int64_t send_on(int64_t fd, int64_t seq, int64_t position, int64_t token,
+                  const torch::Tensor& hidden, py::object came, double own_ms,
+                  double timeout_s) {
+    const int64_t room = position_at_ - HEAD_BYTES - POSITION_AT;  // the prefix's size
+    if (came.is_none()) {
+      if (room != 0 || out_[4] != KIND_STEP || !fits(hidden)) return 0;
+    } else {
+      char* bytes = nullptr;
+      Py_ssize_t length = 0;
+      if (PyBytes_AsStringAndSize(came.ptr(), &bytes, &length) != 0) {
+        throw py::error_already_set();
+      }
+      const auto* in = reinterpret_cast<const uint8_t*>(bytes);
+      TORCH_CHECK(length >= DIRECT_HEAD && length == DIRECT_HEAD + 4 * in[DIRECT_HEAD - 1],
+                  "not a direct step's prefix");
+      const int hops = in[DIRECT_HEAD - 1];
+      const int kept = hops < MAX_DIRECT_HOPS ? hops : MAX_DIRECT_HOPS - 1;  // then own
+      if (room != DIRECT_HEAD + 4 * (kept + 1) || out_[4] != KIND_DIRECT || !fits(hidden)) {
+        return 0;
+      }
+      uint8_t* out = out_ + HEAD_BYTES;
+      std::memcpy(out, in, DIRECT_HEAD - 1);  // the tag and the answer lane's number
+      out[DIRECT_HEAD - 1] = static_cast<uint8_t>(kept + 1);
+      std::memcpy(out + DIRECT_HEAD, in + DIRECT_HEAD + 4 * (hops - kept), 4 * kept);
+      const double us = std::trunc(own_ms * 1000);  // int(own_ms * 1000), clamped
+      put_u32(out + DIRECT_HEAD + 4 * kept,
+              us <= 0 ? 0u : us >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(us));
+    }
+    fill_step(seq, position, token, hidden);
+    send_all(static_cast<int>(fd), out_, size_, timeout_s);
+    return size_;
+  }
+
  private:
+  bool fits(const torch::Tensor& hidden) const {
+    return hidden.device().is_cpu() && hidden.is_contiguous() &&
+           hidden.scalar_type() == dtype_ && hidden.sizes() == c10::IntArrayRef(sizes_);
+  }
+
+  void fill_step(int64_t seq, int64_t position, int64_t token, const torch::Tensor& hidden) {
+    put_u32(out_ + SEQ_AT, static_cast<uint32_t>(seq));
+    put_u32(out_ + position_at_, static_cast<uint32_t>(position));
+    put_u32(out_ + id_at_, static_cast<uint32_t>(token));
+    std::memcpy(out_ + body_at_, hidden.data_ptr(), static_cast<size_t>(size_ - body_at_));
+  }
+
   uint8_t* out_;
   int64_t size_, position_at_, id_at_, body_at_;
   std::vector<int64_t> sizes_;
   c10::ScalarType dtype_;
 };
 
-// An ANSWER to the step numbered seq written on fd (within timeout_s), as lanes.answer makes
-// it: status, every hop's compute (compute_us, microseconds, then own_ms: each "%.3f" ms,
-// comma-separated, as Direct.compute and format_compute write them) and body; its size.
-int64_t lane_answer_send(int64_t fd, int64_t seq, int64_t status, const py::tuple& compute_us,
-                         double own_ms, const py::bytes& body, double timeout_s) {
+// The tail's ANSWER to a DIRECT step on the head's answer lane fd (within timeout_s), as
+// lanes.answer makes it: numbered as the step's prefix (``came``: tag, the answer lane's
+// number, the hops timed and their compute, us) numbers it; status; every hop's compute,
+// then own_ms (each "%.3f" ms, comma-separated, as Direct.compute writes them); body. Its
+// size.
+int64_t lane_answer_send(int64_t fd, const py::bytes& came, int64_t status, double own_ms,
+                         const py::bytes& body, double timeout_s) {
+  char* prefix = nullptr;
+  Py_ssize_t prefix_length = 0;
+  if (PyBytes_AsStringAndSize(came.ptr(), &prefix, &prefix_length) != 0) {
+    throw py::error_already_set();
+  }
+  const auto* in = reinterpret_cast<const uint8_t*>(prefix);
+  TORCH_CHECK(prefix_length >= DIRECT_HEAD &&
+                  prefix_length == DIRECT_HEAD + 4 * in[DIRECT_HEAD - 1],
+              "not a direct step's prefix");
   std::string text;
   char number[64];
-  for (const auto& us : compute_us) {
-    std::snprintf(number, sizeof number, "%.3f,", static_cast<double>(us.cast<int64_t>()) / 1000.0);
+  for (int hop = 0; hop < in[DIRECT_HEAD - 1]; ++hop) {
+    const double ms = static_cast<double>(get_u32(in + DIRECT_HEAD + 4 * hop)) / 1000.0;
+    std::snprintf(number, sizeof number, "%.3f,", ms);
     text += number;
   }
   std::snprintf(number, sizeof number, "%.3f", own_ms);
@@ -397,19 +455,20 @@ int64_t lane_answer_send(int64_t fd, int64_t seq, int64_t status, const py::tupl
   char* bytes = nullptr;
   Py_ssize_t length = 0;
   if (PyBytes_AsStringAndSize(body.ptr(), &bytes, &length) != 0) throw py::error_already_set();
-  TORCH_CHECK(text.size() <= 0xFFFF, "an answer's compute times past their field");
   const int64_t payload = ANSWER_HEAD + static_cast<int64_t>(text.size()) + length;
   TORCH_CHECK(payload <= MAX_MESSAGE, "an answer past a lane message's size");
   std::vector<uint8_t> out(static_cast<size_t>(HEAD_BYTES + payload));
-  put_u32(out.data(), static_cast<uint32_t>(payload));
-  out[4] = KIND_ANSWER;
-  put_u32(out.data() + SEQ_AT, static_cast<uint32_t>(seq));
-  out[HEAD_BYTES] = static_cast<uint8_t>(status >> 8);
-  out[HEAD_BYTES + 1] = static_cast<uint8_t>(status);
-  out[HEAD_BYTES + 2] = static_cast<uint8_t>(text.size() >> 8);
-  out[HEAD_BYTES + 3] = static_cast<uint8_t>(text.size());
-  std::memcpy(out.data() + HEAD_BYTES + ANSWER_HEAD, text.data(), text.size());
-  std::memcpy(out.data() + HEAD_BYTES + ANSWER_HEAD + text.size(), bytes, static_cast<size_t>(length));
+  uint8_t* at = out.data();
+  put_u32(at, static_cast<uint32_t>(payload));
+  at[4] = KIND_ANSWER;
+  std::memcpy(at + SEQ_AT, in + DIRECT_HEAD - 5, 4);  // the answer lane's number, as it came
+  at += HEAD_BYTES;
+  at[0] = static_cast<uint8_t>(status >> 8);
+  at[1] = static_cast<uint8_t>(status);
+  at[2] = static_cast<uint8_t>(text.size() >> 8);
+  at[3] = static_cast<uint8_t>(text.size());
+  std::memcpy(at + ANSWER_HEAD, text.data(), text.size());
+  std::memcpy(at + ANSWER_HEAD + text.size(), bytes, static_cast<size_t>(length));
   send_all(static_cast<int>(fd), out.data(), static_cast<int64_t>(out.size()), timeout_s);
   return static_cast<int64_t>(out.size());
 }
@@ -435,7 +494,8 @@ void register_lane_io(py::module& m) {
            py::arg("buffer"), py::arg("size"), py::arg("position_at"), py::arg("id_at"),
            py::arg("body_at"), py::arg("like"))
       .def("fill", &LaneMessage::fill)
-      .def("send", &LaneMessage::send);
+      .def("send", &LaneMessage::send)
+      .def("send_on", &LaneMessage::send_on);
   m.def("lane_next", &lane_next, py::arg("fd"), py::arg("others"), py::arg("timeout_s"),
         py::arg("known"), py::arg("sleep_s") = 0.0, py::arg("spin_s") = 0.0,
         "a lane's next message, where it comes before anything else");
@@ -443,8 +503,8 @@ void register_lane_io(py::module& m) {
         py::arg("seq"), py::arg("answers_seq"), py::arg("sleep_s") = 0.0,
         py::arg("spin_s") = 0.0,
         "a head's answer on its lane or its answer lane, whichever comes");
-  m.def("lane_answer_send", &lane_answer_send, py::arg("fd"), py::arg("seq"), py::arg("status"),
-        py::arg("compute_us"), py::arg("own_ms"), py::arg("body"), py::arg("timeout_s"),
-        "an answer written on a lane");
+  m.def("lane_answer_send", &lane_answer_send, py::arg("fd"), py::arg("came"),
+        py::arg("status"), py::arg("own_ms"), py::arg("body"), py::arg("timeout_s"),
+        "the tail's answer to a direct step, written on the head's answer lane");
   m.def("lane_set_error", &lane_set_error, "the exception a failed lane raises");
 }
