@@ -283,6 +283,9 @@ def test_a_sessions_next_message_is_its_last_filled_in(lane_calls):
                               wire.encode_tensor(later, raw))  # fmt: skip
         assert message.send(a, 5, 20, 99, later) == len(built)
         assert message.send(a, 6, 21, 1, torch.randn(1, 2, 576).to(torch.bfloat16)) == 0
+        direct = lanes.direct_prefix(b"8 bytes!", 3)  # a head's, no hop timed yet
+        assert direct == lanes.Direct(b"8 bytes!", 3, ()).prefix()
+        assert message.send(a, 6, 21, 1, later, direct) == 0  # a STEP's message: none
         assert lanes.read_message(b) == (LaneKind.STEP, 5, built[lanes.HEAD_BYTES :])
         b.close()
         with pytest.raises(LaneError):
@@ -341,6 +344,8 @@ def test_a_direct_step_carries_its_tag_the_heads_number_and_each_hops_compute(la
         assert plain_message.send_on(a, 11, 13, 80, later, at_head.prefix(), 1.0) == 0
         assert message.send_on(a, 11, 13, 80, later, None, 1.0) == 0
         assert message.send_on(a, 11, 13, 80, later, at_tail.prefix(), 1.0) == 0
+        assert message.send(a, 11, 13, 80, later, None) == 0
+        assert message.send(a, 11, 13, 80, later, at_head.prefix()) == 0  # another size
         # the tail's answer on the head's answer lane: numbered and timed as its prefix says
         body = answer_bytes.encode(SampledToken(token_id=321, logprob=-0.25))
         lane_io.send_answer(a, at_tail.prefix(), 200, 19.25, body)

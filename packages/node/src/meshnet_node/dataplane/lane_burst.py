@@ -221,12 +221,15 @@ class LaneBurst:
         sent = time.perf_counter()
         seq = self.client.next_seq()
         answers = self._answers()
-        direct = None if answers is None else lanes.Direct(answers.tag, answers.number(), ())
+        prefix = direct_seq = None  # the tail answers on the answer lane (ADR-0060)
+        if answers is not None:
+            direct_seq = answers.number()
+            prefix = lanes.direct_prefix(answers.tag, direct_seq)
         ids = view = None
         size, came, status, got_token = 0, False, -1, -1
         try:
             try:
-                size = self._write(sock, seq, position, token, out, direct)
+                size = self._write(sock, seq, position, token, out, prefix)
             finally:
                 self._give()  # the head's turn, kept from its pass (``run``)
             # the next step's input tensor, made while the chain computes this one
@@ -236,9 +239,7 @@ class LaneBurst:
                 self._let_next_begin(sock)  # begun it: the loop's work on the step before
                 self._hand(answered)  # is then off the critical path and takes no core
                 answered = None  # the next hop needs
-            got, came, status, got_token = self._answer(
-                sock, seq, None if direct is None else direct.seq
-            )  # fmt: skip
+            got, came, status, got_token = self._answer(sock, seq, direct_seq)
         except (OSError, LaneError) as exc:
             got = exc
         finally:
@@ -264,15 +265,16 @@ class LaneBurst:
             ready.poll(HAND_AFTER_S * 1000)
 
     def _write(self, sock, seq: int, position: int, token: int | None, out: StepOutput,
-               direct: lanes.Direct | None) -> int:  # fmt: skip
-        """Write the step numbered ``seq``: the message of the step before filled in where
-        there is one (``NextMessage``), else made anew (and kept for the next steps); its
-        size."""
+               prefix: bytes | None) -> int:  # fmt: skip
+        """Write the step numbered ``seq`` (``prefix``: its ``DIRECT`` prefix, if any): the
+        message of the step before filled in where it fits (``NextMessage``), else made anew
+        (and kept for the next steps); its size."""
         message = self._message
-        if message is not None and token is not None and message.fits(direct):
-            size = message.send(sock, seq, position, token, out.hidden, direct, self.timeout_s)
+        if message is not None and token is not None:
+            size = message.send(sock, seq, position, token, out.hidden, prefix, self.timeout_s)
             if size:
                 return size
+        direct = None if prefix is None else lanes.parse_direct(prefix)[0]
         frame = self.encode(out.hidden)
         if self.steps == 1:
             out.frame = frame

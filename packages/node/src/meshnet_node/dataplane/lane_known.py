@@ -215,17 +215,18 @@ class NextMessage:
         return buffer
 
     def send(self, sock, seq: int, position: int, token: int, hidden: torch.Tensor,
-             direct: lanes.Direct | None = None,
+             prefix: bytes | None = None,
              timeout_s: float = lanes.LANE_TIMEOUT_S) -> int:  # fmt: skip
-        """``fill``'s message written on ``sock`` (within ``timeout_s``): its size, or 0
-        (nothing written) where ``hidden`` does not fill it in. One native call where the module is built (a fill
-        and a write are two, and the write's frames, on a core the pass left cold). A
-        failed write raises ``LaneError``."""
+        """``fill``'s message written on ``sock`` (within ``timeout_s``), ``prefix`` (a
+        ``DIRECT`` step's, as bytes) before the step where it goes with one: its size, or 0
+        (nothing written) where that does not fill it in (``fits``, ``fill``). One native
+        call where the module is built (a fill and a write are two, and the write's
+        frames, on a core the pass left cold). A failed write raises ``LaneError``."""
         send = self.native_send
         if send is not None:
-            prefix = None if direct is None else direct.prefix()
             return send(sock.fileno(), seq, position, token, hidden, prefix, timeout_s)
-        data = self.fill(seq, position, token, hidden, direct)
+        direct = None if prefix is None else lanes.parse_direct(prefix)[0]
+        data = self.fill(seq, position, token, hidden, direct) if self.fits(direct) else None
         if data is None:
             return 0
         lanes.write(sock, data)
@@ -242,9 +243,8 @@ class NextMessage:
             return send_on(sock.fileno(), seq, position, token, hidden, came, own_ms,
                            lanes.LANE_TIMEOUT_S)  # fmt: skip
         direct = None if came is None else lanes.parse_direct(came)[0].on(own_ms)
-        if not self.fits(direct):
-            return 0
-        return self.send(sock, seq, position, token, hidden, direct)
+        return self.send(sock, seq, position, token, hidden,
+                         None if direct is None else direct.prefix())  # fmt: skip
 
     def frame(self) -> bytes:
         """The frame of the step last filled in (to send it on the stream instead)."""

@@ -148,6 +148,12 @@ def _direct_struct(hops: int) -> struct.Struct:
     return struct.Struct(f"!8sIB{hops}I")
 
 
+def direct_prefix(tag: bytes, seq: int) -> bytes:
+    """A head's ``DIRECT`` prefix (``Direct(tag, seq, ()).prefix()``: no hop timed yet), in
+    one pack."""
+    return _DIRECT.pack(tag, seq, 0)
+
+
 DIRECT_TAG_BYTES = 8
 DIRECT_HEAD_BYTES = _DIRECT.size
 MAX_DIRECT_HOPS = 64  # the compute of the hops past this many is dropped (oldest first)

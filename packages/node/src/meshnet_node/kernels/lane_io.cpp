@@ -338,23 +338,23 @@ class LaneMessage {
                 "a lane message's fields do not fit it");
   }
 
-  // Its number, the DIRECT prefix where one is given (its bytes right after the header,
-  // of the size the message was made with), the position, the id and hidden's bytes as
-  // the body; false (nothing written) where hidden is not a contiguous CPU tensor of the
-  // first one's shape and dtype.
+  // Its number, the DIRECT prefix where one is given (its bytes right after the header),
+  // the position, the id and hidden's bytes as the body; false (nothing written) where the
+  // message is not of the prefix's kind and size (a DIRECT one of that prefix's size, a
+  // STEP without one: NextMessage.fits) or hidden not a contiguous CPU tensor of the first
+  // one's shape and dtype.
   bool fill(int64_t seq, int64_t position, int64_t token, const torch::Tensor& hidden,
             py::object prefix) {
+    const int64_t room = position_at_ - HEAD_BYTES - POSITION_AT;  // the prefix's size
     if (!prefix.is_none()) {
       char* bytes = nullptr;
       Py_ssize_t length = 0;
       if (PyBytes_AsStringAndSize(prefix.ptr(), &bytes, &length) != 0) {
         throw py::error_already_set();
       }
-      TORCH_CHECK(HEAD_BYTES + length + POSITION_AT <= position_at_,
-                  "a prefix past the step's bytes");
-      if (!fits(hidden)) return false;
+      if (length != room || out_[4] != KIND_DIRECT || !fits(hidden)) return false;
       std::memcpy(out_ + HEAD_BYTES, bytes, static_cast<size_t>(length));
-    } else if (!fits(hidden)) {
+    } else if (room != 0 || out_[4] != KIND_STEP || !fits(hidden)) {
       return false;
     }
     fill_step(seq, position, token, hidden);
