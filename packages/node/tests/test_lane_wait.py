@@ -4,7 +4,6 @@ window, and only where the node's compute threads leave a CPU free."""
 
 from __future__ import annotations
 
-from meshnet_node.dataplane import lane_wait
 from meshnet_node.dataplane.lane_wait import ASLEEP, WAITS, Cadence, spin_window_s
 
 
@@ -26,10 +25,9 @@ def test_a_reader_looks_ahead_only_on_a_steady_beat():
     assert cadence.due() == ASLEEP
 
 
-def test_a_reader_looks_ahead_only_where_a_cpu_is_free(monkeypatch):
-    monkeypatch.setattr(lane_wait, "host_cpus", lambda: 4)
-    assert spin_window_s(2.0, 1) == 0.002
-    assert spin_window_s(2.0, 3) == 0.002
-    assert spin_window_s(2.0, 4) == 0.0  # the passes take every CPU
-    assert spin_window_s(2.0, None) == 0.0  # torch's default: every CPU
-    assert spin_window_s(0.0, 1) == 0.0  # --lane-spin-ms 0: asleep until it comes
+def test_a_reader_looks_ahead_only_where_a_cpu_is_free():
+    assert spin_window_s(2.0, 1, 4) == 0.002
+    assert spin_window_s(2.0, 3, 4) == 0.002
+    assert spin_window_s(2.0, 4, 4) == 0.0  # the passes take every CPU
+    assert spin_window_s(2.0, None, 4) == 0.0  # torch's default: every CPU
+    assert spin_window_s(0.0, 1, 4) == 0.0  # --lane-spin-ms 0: asleep until it comes

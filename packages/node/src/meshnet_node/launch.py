@@ -25,7 +25,7 @@ from meshnet_common.web.shards import ShardServer
 from meshnet_node.dataplane.lane_wait import spin_window_s
 from meshnet_node.settings import NodeSettings
 from meshnet_node.swarm.host_memory import HostClaims
-from meshnet_node.swarm.host_turns import node_turns
+from meshnet_node.swarm.host_turns import host_cpus, node_turns
 from meshnet_node.swarm.joining import (
     announce_joining,
     ask_assignment,
@@ -187,7 +187,9 @@ def launch(settings: NodeSettings, spin: str = "") -> None:
         )
         scheduler = runtime.service.scheduler
         threads = dedicate(scheduler, settings.threads)
-        runtime.service.links.lane_spin_s = spin_window_s(settings.lane_spin_ms, threads)
+        runtime.service.links.lane_spin_s = spin_window_s(
+            settings.lane_spin_ms, threads, host_cpus()
+        )
         turns = node_turns(settings, threads, runtime.service.stage.shard.device.type)
         scheduler.turns = turns
         logger.info("%s", describe_threads(threads, offer.others, spin, turns))

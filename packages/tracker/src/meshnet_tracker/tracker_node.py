@@ -28,7 +28,7 @@ from meshnet_node.runtime import (
     stop_background,
 )
 from meshnet_node.settings import NodeSettings
-from meshnet_node.swarm.host_turns import node_turns
+from meshnet_node.swarm.host_turns import host_cpus, node_turns
 from meshnet_node.verification.verifier import Replica
 from meshnet_tracker.settings import TrackerSettings
 
@@ -61,7 +61,9 @@ class TrackerNode:
         )
         scheduler = node.runtime.service.scheduler
         threads = dedicate(scheduler, settings.threads)
-        node.runtime.service.links.lane_spin_s = spin_window_s(settings.lane_spin_ms, threads)
+        node.runtime.service.links.lane_spin_s = spin_window_s(
+            settings.lane_spin_ms, threads, host_cpus()
+        )
         device = node.runtime.service.stage.shard.device.type
         scheduler.turns = node_turns(settings, threads, device)  # shared with the host's nodes
         logger.info("tracker node: %s", describe(threads, 0, spin, scheduler.turns))

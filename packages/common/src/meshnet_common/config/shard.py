@@ -202,12 +202,7 @@ class ShardSettings(listening.ListenSettings):
         "a direct one costs each step another message (0: always)", group=DATA,
         flag="--direct-min-rtt",
     )  # fmt: skip
-    lane_spin_ms: float = knob(
-        2.0, "a decode lane's reader whose lone session's steps come at a steady beat looks "
-        "for the next one without sleeping for at most this long around when it is due, "
-        "where the node's --threads leave a CPU free (no wake-up on the step's way; "
-        "0: always asleep until it comes)", group=DATA,
-    )  # fmt: skip
+    lane_spin_ms: float = knob(2.0, "a decode lane's reader looks for a lone session's next step without sleeping for at most this long around when it is due, where --threads leave a CPU free (no wake-up on the step's way; 0: asleep until it comes)", group=DATA)  # fmt: skip
     max_decode_batch: int = knob(
         32, "decode steps of concurrent sessions merged into one pass (1: no batching)",
         group=DATA,
@@ -249,9 +244,7 @@ class ShardSettings(listening.ListenSettings):
     )  # fmt: skip
 
     # -- security --
-    swarm_token: str | None = knob(
-        None, "shared secret required between tracker and nodes", group=SECURITY, secret=True
-    )
+    swarm_token: str | None = knob(None, "shared secret required between tracker and nodes", group=SECURITY, secret=True)  # fmt: skip
     api_key: str | None = knob(
         None, "clients must send it as 'Authorization: Bearer KEY'", group=SECURITY, secret=True
     )

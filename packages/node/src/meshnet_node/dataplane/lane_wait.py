@@ -25,17 +25,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from meshnet_node.swarm.host_turns import host_cpus
-
 WAITS = 8  # a lane's latest waits, which must keep a beat before its reader looks ahead
 ASLEEP = (0.0, 0.0)  # (sleep_s, spin_s): asleep until the message comes
 
 
-def spin_window_s(spin_ms: float, threads: int | None) -> float:
+def spin_window_s(spin_ms: float, threads: int | None, cpus: int) -> float:
     """The longest a lane's reader looks for a message without sleeping, each wait: 0 where
     ``--lane-spin-ms`` is 0, or where the node's compute threads (``threads``; None:
-    torch's default, every CPU) leave no CPU of the host free to look from."""
-    if spin_ms <= 0 or threads is None or threads >= host_cpus():
+    torch's default, every CPU) leave none of the ``cpus`` it may run on free to look
+    from (``host_turns.host_cpus``)."""
+    if spin_ms <= 0 or threads is None or threads >= cpus:
         return 0.0
     return spin_ms / 1000.0
 
