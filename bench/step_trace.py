@@ -107,7 +107,8 @@ def fine_calls() -> list[tuple[object, str]]:
         (lanes.Direct, "prefix"), (lane_known.NextMessage, "fits"),
         (lane_relay.LaneRelay, "_known_step"), (lane_relay.LaneRelay, "_pass"),
         (stage_mod.Stage, "step"), (lane_burst.LaneBurst, "_write"),
-        (lane_known.NextMessage, "send"), (lane_io, "send_answer"),
+        (lane_known.NextMessage, "send"), (lane_known.NextMessage, "send_on"),
+        (lane_io, "send_answer"),
     ]  # fmt: skip
 
 
@@ -162,6 +163,7 @@ def install(out_dir: str, pin: bool, fine: bool = False) -> None:
     from meshnet_node.dataplane.lane_known import NextMessage
 
     _wrap(NextMessage, "send", "lwrite", "lwrote")  # a step's message filled in and written
+    _wrap(NextMessage, "send_on", "lwrite", "lwrote")  # the same, at a relay
     _wrap(lane_io, "send_answer", "lwrite", "lwrote")  # the tail's, on the answer lane
     _wrap(lanes.LaneClient, "data_received", "lans")
     _wrap(lanes.LaneStep, "write", "hwrite", "hwrote")  # the head's, on its compute thread

@@ -232,13 +232,14 @@ class LaneBurst:
                 size = self._write(sock, seq, position, token, out, prefix)
             finally:
                 self._give()  # the head's turn, kept from its pass (``run``)
-            # the next step's input tensor, made while the chain computes this one
-            ids = torch.empty((1, 1), dtype=torch.int64)
-            view = ids.numpy().reshape(-1)
             if answered is not None:  # once this step is on its way and its next hop has
                 self._let_next_begin(sock)  # begun it: the loop's work on the step before
                 self._hand(answered)  # is then off the critical path and takes no core
                 answered = None  # the next hop needs
+            # the next step's input tensor, made while the chain computes this one (once the
+            # next hop began it: on a core it may share, nothing runs before it but this wait)
+            ids = torch.empty((1, 1), dtype=torch.int64)
+            view = ids.numpy().reshape(-1)
             got, came, status, got_token = self._answer(sock, seq, direct_seq)
         except (OSError, LaneError) as exc:
             got = exc
