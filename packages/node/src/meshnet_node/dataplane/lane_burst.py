@@ -257,12 +257,11 @@ class LaneBurst:
         read, and more in every piece of the head after (measured with
         ``bench/step_trace.py``, ADR-0059 amended 2026-12-07, end of day)."""
         ready = select.poll()
-        ready.register(sock, select.POLLIN)
         answers = self._answers()
-        if answers is not None:
-            with contextlib.suppress(OSError, ValueError):  # closed: the read says so
+        with contextlib.suppress(OSError, ValueError):  # a lane closed: the read says so
+            ready.register(sock, select.POLLIN)
+            if answers is not None:
                 ready.register(answers.sock, select.POLLIN)
-        with contextlib.suppress(OSError):
             ready.poll(HAND_AFTER_S * 1000)
 
     def _write(self, sock, seq: int, position: int, token: int | None, out: StepOutput,
