@@ -1,7 +1,9 @@
 """A decode lane's messages read, and a session's next one filled in, by one native call
 each where the node's kernel module is built (``kernels/lane_io.cpp``, docs/adr/0058): a
 message (``read``, ``read_message``), a node's next step where it comes before anything
-else (``read_next``), a head's answer on either of its lanes (``read_answer``).
+else (``read_next``), a head's answer on either of its lanes (``read_answer``; both looked
+for ahead where they are due: ``lane_wait``), and the tail's answer to a direct step
+written (``send_answer``).
 
 On a core whose caches a pass has just emptied, each Python call costs 10-40 times its
 warm cost: reading a message (two receives, its header unpacked, its kind looked up), a

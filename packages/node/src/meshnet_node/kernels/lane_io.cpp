@@ -1,4 +1,4 @@
-// A decode lane's messages read and filled in one call each (docs/adr/0058).
+// A decode lane's messages read, filled in and written in one call each (docs/adr/0058).
 //
 // After a pass has streamed a stage's weights through the caches, each Python call on a
 // hop's way costs ~5-40 us where it costs ~1 warm: a step's next message filled in from
