@@ -154,22 +154,27 @@ void attend_heads(const Rows& rows, int64_t r, int64_t h, int64_t g, int64_t d, 
   }
 }
 
-// Items: each row's kv heads' query heads, kHeads at a time; each item one thread's whole.
+// Items: each row's kv heads' query heads, kHeads at a time (one at a time where that
+// leaves a thread without an item: a one-row step of a model with few kv heads, whose
+// attention mostly waits for its cache); each item one thread's whole. A head's numbers
+// are the same whichever heads share its item.
 template <typename T>
 void attend_all(const Rows& rows, int64_t heads, int64_t d, T* out) {
   const int64_t kv_heads = rows.keys[0].size(1), group = heads / kv_heads;
-  const int64_t parts = (group + kHeads - 1) / kHeads, per_row = kv_heads * parts;
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t width = rows.q.size(0) * kv_heads < 2 * threads ? 1 : kHeads;
+  const int64_t parts = (group + width - 1) / width, per_row = kv_heads * parts;
   const int64_t items = rows.q.size(0) * per_row;
   int64_t work = 0;
   for (const auto n : rows.visible) work += n * heads * d;
-  // a parallel region costs more than a small step's attention: one thread below ~64k
-  // products (threads never change a value)
-  const int64_t grain = work < 65536 ? items : 1;
+  // a parallel region (~2 us) costs more than a small step's attention: one thread below
+  // ~16k products (threads never change a value)
+  const int64_t grain = work < 16384 ? items : 1;
   meshnet::parallel_for(0, items, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> buffer;
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t r = item / per_row, g = (item % per_row) / parts, part = item % parts;
-      const int64_t first = part * kHeads, count = std::min<int64_t>(kHeads, group - first);
+      const int64_t first = part * width, count = std::min<int64_t>(width, group - first);
       const int64_t h = g * group + first;
       switch (count) {
         case 1: attend_heads<1, T>(rows, r, h, g, d, out, buffer); break;
@@ -182,9 +187,9 @@ void attend_all(const Rows& rows, int64_t heads, int64_t d, T* out) {
 }
 
 // q (N, heads, 1, D); keys[r], values[r] (1, kv_heads, n_r, D) of row r's cache, of which
-// it sees the first visible[r] -> (N, 1, heads * D) in q's dtype.
-Tensor attend(const Tensor& query, std::vector<Tensor> keys, std::vector<Tensor> values,
-              const std::vector<int64_t>& visible, double scaling) {
+// it sees the first visible[r] -> out (N, 1, heads * D) in q's dtype, contiguous.
+void attend_into(const Tensor& query, std::vector<Tensor> keys, std::vector<Tensor> values,
+                 const std::vector<int64_t>& visible, double scaling, Tensor& out) {
   const auto q = query.contiguous();
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kFloat32, "attend: bf16 or float32");
@@ -206,13 +211,21 @@ Tensor attend(const Tensor& query, std::vector<Tensor> keys, std::vector<Tensor>
     TORCH_CHECK(visible[r] >= 1 && visible[r] <= keys[r].size(2) && visible[r] <= values[r].size(2),
                 "attend: a row sees 1..n of its cache");
   }
-  auto out = torch::empty({rows, 1, heads * d}, q.options());
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == rows * heads * d,
+              "attend: out (N, 1, heads * D) in q's dtype, contiguous");
   const Rows all{q, keys, values, visible, scaling};
   if (dtype == torch::kBFloat16) {
     attend_all<BFloat16>(all, heads, d, out.data_ptr<BFloat16>());
   } else {
     attend_all<float>(all, heads, d, out.data_ptr<float>());
   }
+}
+
+Tensor attend(const Tensor& query, std::vector<Tensor> keys, std::vector<Tensor> values,
+              const std::vector<int64_t>& visible, double scaling) {
+  auto out = query.dim() == 4 ? torch::empty({query.size(0), 1, query.size(1) * query.size(3)}, query.options())
+                              : torch::empty({0}, query.options());  // attend_into says why not
+  attend_into(query, std::move(keys), std::move(values), visible, scaling, out);
   return out;
 }
 
@@ -222,6 +235,11 @@ namespace meshnet {
 Tensor attend_rows(const Tensor& q, std::vector<Tensor> keys, std::vector<Tensor> values,
                    const std::vector<int64_t>& visible, double scaling) {
   return attend(q, std::move(keys), std::move(values), visible, scaling);
+}
+
+void attend_rows_into(const Tensor& q, std::vector<Tensor> keys, std::vector<Tensor> values,
+                      const std::vector<int64_t>& visible, double scaling, Tensor& out) {
+  attend_into(q, std::move(keys), std::move(values), visible, scaling, out);
 }
 }  // namespace meshnet
 

@@ -33,6 +33,9 @@ namespace meshnet {
 torch::Tensor attend_rows(const torch::Tensor& q, std::vector<torch::Tensor> keys,
                           std::vector<torch::Tensor> values, const std::vector<int64_t>& visible,
                           double scaling);  // attention.cpp
+void attend_rows_into(const torch::Tensor& q, std::vector<torch::Tensor> keys,
+                      std::vector<torch::Tensor> values, const std::vector<int64_t>& visible,
+                      double scaling, torch::Tensor& out);
 }  // namespace meshnet
 
 void packed_int4_into(const torch::Tensor& x, const torch::Tensor& packed,
@@ -81,9 +84,12 @@ struct Product {
 
   // The float32 products of x's rows into a buffer of this thread (int4 or Q8 only).
   const float* rows_into(const Tensor& x, int64_t& rows) const {
-    const auto flat = x.reshape({-1, in_features});
-    const auto xin = flat.scalar_type() == torch::kBFloat16 ? flat.contiguous()
-                                                              : flat.to(torch::kFloat32).contiguous();
+    // rows as they are where they already are the kernel's (no reshape, no cast to call)
+    const bool ready = x.dim() == 2 && x.size(1) == in_features && x.is_contiguous() && fused_dtype(x);
+    const auto flat = ready ? x : x.reshape({-1, in_features});
+    const auto xin = ready || flat.scalar_type() == torch::kBFloat16
+                         ? flat.contiguous()
+                         : flat.to(torch::kFloat32).contiguous();
     rows = xin.size(0);
     thread_local std::vector<float> y;
     y.resize(static_cast<size_t>(rows * out_features));
@@ -98,8 +104,7 @@ struct Product {
   // Columns [a, b) of the product as intpack.int4_linear and PackedLinear.forward give
   // them: cast to x's dtype, then the bias added in that dtype; shape (*x.shape[:-1], b - a).
   template <typename T>
-  void emit(const float* y, int64_t rows, int64_t a, int64_t b, Tensor& out) const {
-    T* o = out.data_ptr<T>();
+  void emit(const float* y, int64_t rows, int64_t a, int64_t b, T* o) const {
     const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
     const int64_t w = b - a;
     namespace fx = meshnet::fixed;
@@ -118,6 +123,13 @@ struct Product {
     }
   }
 
+  // Whether `emit` serves `rows` rows of `dtype` (as `emits` for such an x).
+  bool emits_rows(c10::ScalarType dtype, int64_t rows) const {
+    return native() && !(wide_rows > 0 && rows > wide_rows) &&
+           (dtype == torch::kBFloat16 || dtype == torch::kFloat32) &&
+           (!bias.defined() || bias.scalar_type() == dtype);
+  }
+
   // Whether `emit` serves x: the kernel's dtypes, and a bias already in x's dtype.
   bool emits(const Tensor& x) const {
     return native() && !goes_wide(x) && fused_dtype(x) &&
@@ -133,9 +145,9 @@ struct Product {
       shape.back() = b - a;
       auto part = torch::empty(shape, x.options());
       if (x.scalar_type() == torch::kBFloat16) {
-        emit<BFloat16>(y, rows, a, b, part);
+        emit<BFloat16>(y, rows, a, b, part.data_ptr<BFloat16>());
       } else {
-        emit<float>(y, rows, a, b, part);
+        emit<float>(y, rows, a, b, part.data_ptr<float>());
       }
       out.push_back(part);
     }
@@ -308,16 +320,11 @@ Tensor rotary_aten(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return (x * c) + (rotated * s);
 }
 
+// x: batch rows of heads x d values; cp, sp: rope_rows (1 or batch) rows of d -> o, alike.
 template <typename T>
-Tensor rotary_fused(const Tensor& part, int64_t heads, int64_t d, const Tensor& cos,
-                    const Tensor& sin) {
-  const int64_t batch = part.size(0), half = d / 2;
-  auto out = torch::empty({batch, heads, 1, d}, part.options());
-  const T* x = part.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  const int64_t rope_rows = cos.size(0);
+void rotary_rows(const T* x, const T* cp, const T* sp, int64_t rope_rows, int64_t batch,
+                 int64_t heads, int64_t d, T* o) {
+  const int64_t half = d / 2;
   for (int64_t b = 0; b < batch; ++b) {
     const T* c = cp + (rope_rows == 1 ? 0 : b) * d;
     const T* s = sp + (rope_rows == 1 ? 0 : b) * d;
@@ -342,7 +349,23 @@ Tensor rotary_fused(const Tensor& part, int64_t heads, int64_t d, const Tensor& 
       }
     }
   }
+}
+
+template <typename T>
+Tensor rotary_fused(const Tensor& part, int64_t heads, int64_t d, const Tensor& cos,
+                    const Tensor& sin) {
+  const int64_t batch = part.size(0);
+  auto out = torch::empty({batch, heads, 1, d}, part.options());
+  rotary_rows<T>(part.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), cos.size(0), batch,
+                 heads, d, out.data_ptr<T>());
   return out;
+}
+
+// Whether cos and sin (rows or 1, 1, d) of dtype T serve rotary_rows for `rows` rows.
+bool rope_fits(const Tensor& cos, const Tensor& sin, c10::ScalarType dtype, int64_t d, int64_t rows) {
+  return cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() &&
+         sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(1) == 1 &&
+         cos.size(2) == d && d % 2 == 0 && (cos.size(0) == 1 || cos.size(0) == rows);
 }
 
 Tensor rotary(const Tensor& part, int64_t d, const Tensor& cos, const Tensor& sin) {
@@ -384,6 +407,27 @@ inline void store_some(T* p, fixed::Lanes v, int64_t count) {
   for (int64_t i = 0; i < std::min<int64_t>(count, fixed::kLanes); ++i) p[i] = round<T>(lanes[i]);
 }
 
+// po[i] = f(pa[i], pb[i]) rounded to T, 16 lanes at a time (po may be pa: each lane is
+// read before it is written).
+template <typename T, typename F>
+void lanes_run(const T* pa, const T* pb, T* po, int64_t n, F f) {
+  for (int64_t i = 0; i < n; i += fixed::kLanes) {
+    store_some(po + i, f(load_some(pa + i, n - i), load_some(pb + i, n - i)), n - i);
+  }
+}
+
+struct Plus {
+  fixed::Lanes operator()(fixed::Lanes a, fixed::Lanes b) const { return a + b; }
+};
+
+// act_fn(gate) * up: the activation rounded to the dtype before the product
+template <typename T>
+struct SiluTimes {
+  fixed::Lanes operator()(fixed::Lanes g, fixed::Lanes u) const {
+    return fixed::rounded(fixed::silu(g), static_cast<const T*>(nullptr)) * u;
+  }
+};
+
 // out[i] = f(a[i], b[i]) rounded to the dtype, 16 lanes at a time; a and b alike.
 template <typename F>
 Tensor lanes_map(const Tensor& a_in, const Tensor& b_in, F f) {
@@ -392,15 +436,10 @@ Tensor lanes_map(const Tensor& a_in, const Tensor& b_in, F f) {
               "native layer: two like bf16 or float32 tensors");
   auto out = torch::empty(a.sizes(), a.options());
   const int64_t n = a.numel();
-  auto run = [&](auto* pa, auto* pb, auto* po) {
-    for (int64_t i = 0; i < n; i += fixed::kLanes) {
-      store_some(po + i, f(load_some(pa + i, n - i), load_some(pb + i, n - i)), n - i);
-    }
-  };
   if (a.scalar_type() == torch::kBFloat16) {
-    run(a.data_ptr<BFloat16>(), b.data_ptr<BFloat16>(), out.data_ptr<BFloat16>());
+    lanes_run(a.data_ptr<BFloat16>(), b.data_ptr<BFloat16>(), out.data_ptr<BFloat16>(), n, f);
   } else {
-    run(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>());
+    lanes_run(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(), n, f);
   }
   return out;
 }
@@ -408,12 +447,7 @@ Tensor lanes_map(const Tensor& a_in, const Tensor& b_in, F f) {
 // transformers' RMS norm with its roundings, the mean of squares summed in the fixed order:
 // x * rsqrt(sum(x^2) / H + eps) rounded to the dtype, then the weight's product rounded.
 template <typename T>
-Tensor fixed_norm(const Tensor& hidden, const Tensor& weight, double eps) {
-  const int64_t h = hidden.size(-1), rows = hidden.numel() / h;
-  const T* in = hidden.data_ptr<T>();
-  const T* w = weight.data_ptr<T>();
-  auto out = torch::empty(hidden.sizes(), hidden.options());
-  T* o = out.data_ptr<T>();
+void fixed_norm_rows(const T* in, const T* w, double eps, int64_t rows, int64_t h, T* o) {
   for (int64_t r = 0; r < rows; ++r) {
     const float variance = fixed::squares(in + r * h, h) / static_cast<float>(h);
     const float inv = 1.0f / std::sqrt(variance + static_cast<float>(eps));
@@ -422,6 +456,13 @@ Tensor fixed_norm(const Tensor& hidden, const Tensor& weight, double eps) {
       fixed::store(o + r * h + j, fixed::load(w + j) * normed);
     }
   }
+}
+
+template <typename T>
+Tensor fixed_norm(const Tensor& hidden, const Tensor& weight, double eps) {
+  const int64_t h = hidden.size(-1), rows = hidden.numel() / h;
+  auto out = torch::empty(hidden.sizes(), hidden.options());
+  fixed_norm_rows<T>(hidden.data_ptr<T>(), weight.data_ptr<T>(), eps, rows, h, out.data_ptr<T>());
   return out;
 }
 
@@ -456,16 +497,12 @@ struct LayerStep {
   Tensor native_after(const Tensor& residual, const Tensor& attended) const {
     auto shape = residual.sizes().vec();
     shape.back() = -1;
-    const auto plus = [](fixed::Lanes a, fixed::Lanes b) { return a + b; };
-    const auto hidden = lanes_map(residual, o(attended.reshape(shape).contiguous()), plus);
+    const auto hidden = lanes_map(residual, o(attended.reshape(shape).contiguous()), Plus{});
     const auto gate_up_parts = gate_up(post_norm.fixed(hidden));
-    const bool bf16 = hidden.scalar_type() == torch::kBFloat16;
-    // act_fn(gate) * up: the activation rounded to the dtype before the product
-    const auto act = lanes_map(gate_up_parts[0], gate_up_parts[1], [bf16](fixed::Lanes g, fixed::Lanes u) {
-      const fixed::Lanes a = fixed::silu(g);
-      return (bf16 ? fixed::rounded(a, static_cast<const BFloat16*>(nullptr)) : a) * u;
-    });
-    return lanes_map(hidden, down(act), plus);
+    const auto act = hidden.scalar_type() == torch::kBFloat16
+                         ? lanes_map(gate_up_parts[0], gate_up_parts[1], SiluTimes<BFloat16>{})
+                         : lanes_map(gate_up_parts[0], gate_up_parts[1], SiluTimes<float>{});
+    return lanes_map(hidden, down(act), Plus{});
   }
 
   // DecodeProgram._finish for pre-norm layers: output projection, residuals, the MLP.
@@ -576,6 +613,122 @@ Tensor sdpa_rows(const Tensor& q, const Tensor& keys, const Tensor& values, doub
   return out.permute({2, 0, 1, 3}).reshape({count, 1, -1});  // (1, heads, count, D) -> rows
 }
 
+// -- one session's rows through the stack, on buffers of the call ---------------------------
+//
+// native_stack's layers for the rows of one session (a decode step, a verification pass's
+// drafts, a short prompt chunk): the same functions on the same values in the same order as
+// LayerStep::native_before / native_after and the attention, each part writing into a
+// buffer the call made once instead of a tensor it makes per layer. A decode step of
+// SmolLM2 made ~1,300 ATen calls (allocations, views, no-op casts), each slow after the
+// layers' weights had gone through the caches: ~0.5 ms of a 6.5 ms step.
+
+// The products of x (rows x K, contiguous) into dst[j] (rows x part j's width), as
+// Siblings gives them.
+template <typename T>
+void siblings_into(const Siblings& s, const Tensor& x, const std::vector<T*>& dst) {
+  int64_t rows = 0;
+  if (!s.bounds.empty()) {
+    const float* y = s.members[0].rows_into(x, rows);
+    for (size_t j = 0; j < s.bounds.size(); ++j) {
+      s.members[0].template emit<T>(y, rows, s.bounds[j].first, s.bounds[j].second, dst[j]);
+    }
+    return;
+  }
+  for (size_t j = 0; j < s.members.size(); ++j) {
+    const float* y = s.members[j].rows_into(x, rows);
+    s.members[j].template emit<T>(y, rows, 0, s.members[j].out_features, dst[j]);
+  }
+}
+
+// The widths of Siblings' parts where `emit` serves all of them for rows of dtype; else {}.
+std::vector<int64_t> emitted_widths(const Siblings& s, c10::ScalarType dtype, int64_t rows) {
+  std::vector<int64_t> widths;
+  if (!s.bounds.empty()) {
+    if (!s.members[0].emits_rows(dtype, rows)) return {};
+    for (const auto& [a, b] : s.bounds) widths.push_back(b - a);
+    return widths;
+  }
+  for (const auto& m : s.members) {
+    if (!m.emits_rows(dtype, rows)) return {};
+    widths.push_back(m.out_features);
+  }
+  return widths;
+}
+
+bool norm_fits(const Norm& norm, c10::ScalarType dtype, int64_t h) {
+  return norm.weight.scalar_type() == dtype && norm.weight.is_contiguous() && norm.weight.dim() == 1 &&
+         norm.weight.size(0) == h && h % fixed::kLanes == 0;
+}
+
+// The parts' widths of every layer, where all of them fit: {q, k, v, gate, up}; else {}.
+std::vector<int64_t> session_widths(const std::vector<LayerStep*>& steps, c10::ScalarType dtype,
+                                    int64_t rows, int64_t h) {
+  std::vector<int64_t> first;
+  for (const auto* step : steps) {
+    const auto qkv = emitted_widths(step->qkv, dtype, rows);
+    const auto gate_up = emitted_widths(step->gate_up, dtype, rows);
+    if (qkv.size() != 3 || gate_up.size() != 2 || gate_up[0] != gate_up[1] ||
+        !step->o.emits_rows(dtype, rows) || !step->down.emits_rows(dtype, rows) ||
+        step->o.in_features != qkv[0] || step->o.out_features != h || step->down.out_features != h ||
+        step->down.in_features != gate_up[0] || !norm_fits(step->input_norm, dtype, h) ||
+        !norm_fits(step->post_norm, dtype, h) || qkv[0] % step->head_dim != 0 ||
+        qkv[1] % step->head_dim != 0 || qkv[1] != qkv[2]) {
+      return {};
+    }
+    std::vector<int64_t> widths{qkv[0], qkv[1], qkv[2], gate_up[0], gate_up[1]};
+    if (first.empty()) first = widths;
+    if (widths != first || step->head_dim != steps[0]->head_dim) return {};
+  }
+  return first;
+}
+
+template <typename T>
+Tensor session_stack(const std::vector<LayerStep*>& steps, const std::vector<double>& scalings,
+                     const Tensor& hidden, const Tensor& cos, const Tensor& sin,
+                     std::vector<std::vector<CacheSlot>>& slots, int64_t grow,
+                     const std::vector<int64_t>& widths) {
+  const int64_t rows = hidden.size(0), h = hidden.size(-1), d = steps[0]->head_dim;
+  const int64_t heads = widths[0] / d, kv = widths[1] / d, inner = widths[3];
+  const auto opts = hidden.options();
+  auto state = hidden.contiguous().clone();  // (rows, 1, H): the layers' running hidden states
+  auto xn = torch::empty({rows, h}, opts);
+  auto q = torch::empty({rows, widths[0]}, opts), k = torch::empty({rows, widths[1]}, opts);
+  auto v = torch::empty({rows, 1, widths[2]}, opts);
+  auto q_rot = torch::empty({rows, heads, 1, d}, opts), k_rot = torch::empty({rows, kv, 1, d}, opts);
+  const auto v_rows = v.view({rows, 1, kv, d}).transpose(1, 2);  // (rows, kv, 1, D)
+  auto attended = torch::empty({rows, widths[0]}, opts), projected = torch::empty({rows, h}, opts);
+  auto gate = torch::empty({rows, inner}, opts), up = torch::empty({rows, inner}, opts);
+  auto act = torch::empty({rows, inner}, opts);
+  T* hp = state.data_ptr<T>();
+  T* xp = xn.data_ptr<T>();
+  T* pp = projected.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const LayerStep& step = *steps[i];
+    fixed_norm_rows<T>(hp, step.input_norm.weight.data_ptr<T>(), step.input_norm.eps, rows, h, xp);
+    siblings_into<T>(step.qkv, xn, {q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>()});
+    rotary_rows<T>(q.data_ptr<T>(), cp, sp, cos.size(0), rows, heads, d, q_rot.data_ptr<T>());
+    rotary_rows<T>(k.data_ptr<T>(), cp, sp, cos.size(0), rows, kv, d, k_rot.data_ptr<T>());
+    auto [kk, vv] = slots[i][0].append(k_rot, v_rows, grow);
+    const int64_t n = kk.size(2);
+    std::vector<int64_t> visible(rows);
+    for (int64_t t = 0; t < rows; ++t) visible[t] = n - rows + 1 + t;
+    meshnet::attend_rows_into(q_rot, std::vector<Tensor>(rows, kk), std::vector<Tensor>(rows, vv),
+                              visible, scalings[i], attended);
+    int64_t count = 0;
+    step.o.template emit<T>(step.o.rows_into(attended, count), rows, 0, h, pp);
+    lanes_run(hp, static_cast<const T*>(pp), hp, rows * h, Plus{});
+    fixed_norm_rows<T>(hp, step.post_norm.weight.data_ptr<T>(), step.post_norm.eps, rows, h, xp);
+    siblings_into<T>(step.gate_up, xn, {gate.data_ptr<T>(), up.data_ptr<T>()});
+    lanes_run(static_cast<const T*>(gate.data_ptr<T>()), static_cast<const T*>(up.data_ptr<T>()),
+              act.data_ptr<T>(), rows * inner, SiluTimes<T>{});
+    step.down.template emit<T>(step.down.rows_into(act, count), rows, 0, h, pp);
+    lanes_run(hp, static_cast<const T*>(pp), hp, rows * h, Plus{});
+  }
+  return state;
+}
+
 // Rows (N, 1, H) through `steps` (layer indices `indices` of the caches, attention scalings
 // `scalings`); `caches`: consecutive rows of one session as (DynamicCache, count), in
 // position order; row i of a group of `count` whose cache then holds n sees its first
@@ -596,6 +749,22 @@ Tensor native_stack(const std::vector<LayerStep*>& steps, const std::vector<int6
     const py::object layers = group.first.attr("layers");
     for (size_t i = 0; i < steps.size(); ++i) slots[i].push_back(CacheSlot::read(layers[py::int_(indices[i])]));
     wide = wide || group.second > wide_rows;
+  }
+  const auto dtype = hidden.scalar_type();
+  const int64_t rows = hidden.size(0), h = hidden.size(-1);
+  const auto widths = caches.size() == 1 && !wide && hidden.dim() == 3 && hidden.size(1) == 1 && !steps.empty() &&
+                              fused_dtype(hidden) && rope_fits(cos, sin, dtype, steps[0]->head_dim, rows)
+                          ? session_widths(steps, dtype, rows, h)
+                          : std::vector<int64_t>{};
+  if (!widths.empty()) {
+    {
+      py::gil_scoped_release free;
+      hidden = dtype == torch::kBFloat16
+                   ? session_stack<BFloat16>(steps, scalings, hidden, cos, sin, slots, grow, widths)
+                   : session_stack<float>(steps, scalings, hidden, cos, sin, slots, grow, widths);
+    }
+    for (auto& layer : slots) layer[0].publish();
+    return hidden;
   }
   {
     py::gil_scoped_release free;  // the whole stack: products that need Python take it back
