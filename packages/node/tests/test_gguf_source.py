@@ -151,6 +151,19 @@ def test_a_q8_0_lm_head_stays_in_its_blocks(gguf_path, index):
     assert embed(torch.tensor([[1, 2]])).dtype is torch.bfloat16
 
 
+def test_a_q8_0_embeddings_rows_are_the_gguf_packages_every_one(index):
+    """The head's own Q8_0 lookup (``_q8_0_rows``) gives every row of llama.cpp's converted
+    embedding as the gguf package dequantizes it, bit for bit, one row or many at a time."""
+    name = index.naming.tied_embedding
+    raw, info = GgufTensors(index).raw(name), index.tensors[name]
+    embed = GgufEmbedding(raw, info.dtype, info.shape[1], torch.float32)
+    assert embed.fmt == "Q8_0"
+    dense = GgufTensors(index).dense(name, torch.float32)
+    everything = torch.arange(embed.num_embeddings)
+    assert torch.equal(embed(everything.view(1, -1))[0], dense)
+    assert torch.equal(embed(torch.tensor([[7]]))[0, 0], dense[7])
+
+
 def test_a_middle_node_holds_its_layers_at_a_third_of_bf16(gguf_path, index):
     """Layers [10, 20) from the GGUF: packed int4 plus the float norms, against those layers'
     tensors at bf16 (issue 36: at least 0.5x below)."""
