@@ -154,27 +154,22 @@ void attend_heads(const Rows& rows, int64_t r, int64_t h, int64_t g, int64_t d, 
   }
 }
 
-// Items: each row's kv heads' query heads, kHeads at a time (one at a time where that
-// leaves a thread without an item: a one-row step of a model with few kv heads, whose
-// attention mostly waits for its cache); each item one thread's whole. A head's numbers
-// are the same whichever heads share its item.
+// Items: each row's kv heads' query heads, kHeads at a time; each item one thread's whole.
 template <typename T>
 void attend_all(const Rows& rows, int64_t heads, int64_t d, T* out) {
   const int64_t kv_heads = rows.keys[0].size(1), group = heads / kv_heads;
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const int64_t width = rows.q.size(0) * kv_heads < 2 * threads ? 1 : kHeads;
-  const int64_t parts = (group + width - 1) / width, per_row = kv_heads * parts;
+  const int64_t parts = (group + kHeads - 1) / kHeads, per_row = kv_heads * parts;
   const int64_t items = rows.q.size(0) * per_row;
   int64_t work = 0;
   for (const auto n : rows.visible) work += n * heads * d;
-  // a parallel region (~2 us) costs more than a small step's attention: one thread below
-  // ~16k products (threads never change a value)
-  const int64_t grain = work < 16384 ? items : 1;
+  // a parallel region costs more than a small step's attention: one thread below ~64k
+  // products (threads never change a value)
+  const int64_t grain = work < 65536 ? items : 1;
   meshnet::parallel_for(0, items, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> buffer;
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t r = item / per_row, g = (item % per_row) / parts, part = item % parts;
-      const int64_t first = part * width, count = std::min<int64_t>(width, group - first);
+      const int64_t first = part * kHeads, count = std::min<int64_t>(kHeads, group - first);
       const int64_t h = g * group + first;
       switch (count) {
         case 1: attend_heads<1, T>(rows, r, h, g, d, out, buffer); break;
