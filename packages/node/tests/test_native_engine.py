@@ -181,6 +181,25 @@ def test_the_thread_count_changes_no_bit(smollm2):
     assert _same(one, two)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_final_norm_from_cpp_is_transformers_bit_for_bit(kernels, smollm2, dtype):
+    """A native stage's final norm makes LlamaRMSNorm's calls from C++: the same bits."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(576, generator=g).to(dtype)
+    hidden = (4 * torch.randn(3, 2, 576, generator=g)).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(
+            kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden)
+        )
+    (stage,) = _stages(smollm2[0])
+    assert stage.final_norm is not stage.shard.modules.norm
+    (module_stage,) = _stages(smollm2[0], engine="program")
+    assert module_stage.final_norm is module_stage.shard.modules.norm
+
+
 def test_only_packed_pre_norm_stages_take_it(tiny_snapshot, kernels):
     for family, precision, engine in (
         ("llama", Precision.INT4, "native"),

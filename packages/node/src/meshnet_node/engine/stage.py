@@ -30,6 +30,7 @@ from meshnet_node.engine.step_io import DecodeItem, StepOutput, step_input
 from meshnet_node.lowbit.packed import prompt_calls
 from meshnet_node.programs import StageLayers, drain
 from meshnet_node.programs.graphs import DecodeGraphs, Recorder
+from meshnet_node.programs.native import final_norm
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Stage:
             shard.modules.layers, shard.layer_types, adapter.call_layer, adapter.call_layer_batched,
             engine,
         )  # fmt: skip
+        self.final_norm = final_norm(shard.modules.norm, self.layers.native) or shard.modules.norm
         # Tests only (``engine.faults``): applied to every output this stage computes.
         self.output_fault = output_fault
         self.max_chunk_tokens = max_chunk_tokens  # one step from the wire
@@ -361,7 +363,7 @@ class Stage:
         if not shard.is_tail:
             out = self._emit(hidden.to(shard.activation_dtype))
             return [StepOutput(hidden=out[b : b + 1]) for b in range(len(sessions))]
-        states = mods.norm(hidden)  # (B, 1, H)
+        states = self.final_norm(hidden)  # (B, 1, H)
         if not logits:
             return [StepOutput(hidden=states[b : b + 1]) for b in range(len(sessions))]
         out = self._logits(states)
@@ -444,7 +446,7 @@ class Stage:
         scores = None if session.sampler is None else session.sampler.prompt
         if scores is not None and scores.rows(position, num_tokens):
             self._score_prompt(session, hidden, position, scores.rows(position, num_tokens))
-        last = mods.norm(hidden[:, -rows:, :])  # (1, rows, H)
+        last = self.final_norm(hidden[:, -rows:, :])  # (1, rows, H)
         logits = self._emit(final_logits(shard.config, mods.lm_head, last).float().cpu()[0])
         return StepOutput(logits=logits.reshape(-1) if rows == 1 else logits)
 
@@ -479,7 +481,7 @@ class Stage:
         mods, sampler = self.shard.modules, session.sampler
         for lo in range(rows.start, rows.stop, session.prompt_call):
             hi = min(lo + session.prompt_call, rows.stop)
-            states = mods.norm(hidden[:, lo - position : hi - position, :])
+            states = self.final_norm(hidden[:, lo - position : hi - position, :])
             logits = final_logits(self.shard.config, mods.lm_head, states).float()[0]
             sampler.prompt.add(lo, torch.log_softmax(logits, dim=-1), sampler.history)
 

@@ -752,7 +752,8 @@ Tensor native_stack(const std::vector<LayerStep*>& steps, const std::vector<int6
   }
   const auto dtype = hidden.scalar_type();
   const int64_t rows = hidden.size(0), h = hidden.size(-1);
-  const auto widths = caches.size() == 1 && !wide && hidden.dim() == 3 && hidden.size(1) == 1 && !steps.empty() &&
+  const auto widths = caches.size() == 1 && caches[0].second == rows && !wide && hidden.dim() == 3 &&
+                              hidden.size(1) == 1 && !steps.empty() &&
                               fused_dtype(hidden) && rope_fits(cos, sin, dtype, steps[0]->head_dim, rows)
                           ? session_widths(steps, dtype, rows, h)
                           : std::vector<int64_t>{};
@@ -841,6 +842,9 @@ void register_layer_step(py::module& m) {
            "the native engine's before: norm summed in the fixed order (ADR-0044)")
       .def("native_after", &LayerStep::native_after,
            "the native engine's after: norm, residuals and SiLU in the fixed order");
+  m.def("rms_norm", [](const Tensor& hidden, Tensor weight, double eps) { return Norm{std::move(weight), eps}(hidden); },
+        py::arg("hidden"), py::arg("weight"), py::arg("eps"),
+        "transformers' LlamaRMSNorm.forward, its calls made from C++ (the same bits)");
   m.def("native_stack", &native_stack, py::arg("steps"), py::arg("indices"), py::arg("scalings"),
         py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("grow"),
         py::arg("wide_rows"),
